@@ -1,0 +1,86 @@
+"""The contract every backend implements, and the helpers they share.
+
+Shapes and dtypes (N tokens, H hidden, V vocabulary rows held by this process):
+- hidden  [N, H]  float32 / bfloat16 / float16, any strides
+- weight  [V, H]  same dtype and device as hidden, any strides
+- labels  [N]     int64, the label's row in *this* weight, or -1 when the row holds no label
+                  (ignored token, or under tensor parallelism a label owned by another rank)
+- inv_temp [N]    float32, 1 / temperature per token
+
+Forward statistics, all float32 [N], of z = (hidden @ weight.T) * inv_temp[:, None]:
+- lse = logsumexp_j z_j
+- ez  = sum_j softmax(z)_j * z_j      (None when with_entropy is False)
+- zy  = z_label, 0.0 where labels == -1
+
+Then logprob = zy - lse and entropy = lse - ez.
+
+Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global* lse and ez:
+  p = exp(z - lse)
+  dz = g_lp * (onehot(label) - p) - g_ent * p * (z - ez)
+  dlogits = dz * inv_temp
+  dh = dlogits @ weight      -> float32 [N, H] (the caller casts and reduces)
+  dw = dlogits.T @ hidden    -> weight.dtype [V, H]
+Each is None when not requested.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+
+class Backend(Protocol):
+    name: str
+
+    def unavailable_reason(self, hidden: Tensor, weight: Tensor) -> Optional[str]: ...
+
+    def stats(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
+              with_entropy: bool) -> tuple[Tensor, Optional[Tensor], Tensor]: ...
+
+    def grads(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
+              lse: Tensor, ez: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
+              need_dh: bool, need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+
+
+def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with float32 accumulation *and* a float32 result, whatever the input dtype.
+
+    A plain bf16 matmul rounds its result to bf16, which costs ~0.08 in log-prob; on CUDA
+    ``torch.mm(..., out_dtype=float32)`` keeps the fast tensor-core path, elsewhere we upcast.
+    """
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            pass
+    return a.float() @ b.float()
+
+
+def label_logits(z: Tensor, labels: Tensor) -> Tensor:
+    """z[i, labels[i]] for rows with a label here, 0.0 where labels[i] == -1."""
+    has = labels >= 0
+    zy = z.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(has, zy, torch.zeros_like(zy))
+
+
+def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ez: Optional[Tensor],
+                        g_lp: Tensor, g_ent: Optional[Tensor]) -> Tensor:
+    """The backward formula of the module docstring, in place on the float32 logits tile ``z``.
+
+    ``labels`` index columns of this tile (-1 or out of range: no label here).
+    """
+    p = z.sub(lse.unsqueeze(1)).exp_()
+    if g_ent is not None:
+        # dz = -g_lp * p - g_ent * p * (z - ez)  ==  -p * (g_lp + g_ent * (z - ez))
+        z.sub_(ez.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).add_(g_lp.unsqueeze(1)).mul_(p).neg_()
+        dz = z
+    else:
+        dz = p.mul_(-g_lp.unsqueeze(1))
+    has = (labels >= 0) & (labels < dz.shape[1])
+    rows = has.nonzero().squeeze(1)
+    if rows.numel():
+        dz[rows, labels[rows]] += g_lp[rows]
+    return dz.mul_(inv_temp.unsqueeze(1))

@@ -1,0 +1,78 @@
+"""The chunked backend: pure torch, any device.
+
+The vocabulary is streamed in chunks of rows of ``weight``; each chunk's float32 logits
+[N, chunk] are folded into per-token running statistics (online logsumexp) and dropped.
+Backward recomputes each chunk and produces that chunk's d_weight rows whole, while d_hidden
+is accumulated in float32. Peak extra memory: O(N x chunk + N x H).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backend import dlogits_from_logits, label_logits, mm_fp32
+
+name = "chunked"
+
+# Elements of one float32 logits chunk (64 MiB). Override with LOGITLESS_CHUNK_ELEMENTS.
+DEFAULT_CHUNK_ELEMENTS = 1 << 24
+
+
+def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
+    return None
+
+
+def chunk_rows(n_tokens: int, vocab: int) -> int:
+    budget = int(os.environ.get("LOGITLESS_CHUNK_ELEMENTS", DEFAULT_CHUNK_ELEMENTS))
+    return max(1, min(vocab, budget // max(n_tokens, 1)))
+
+
+def _chunks(vocab: int, step: int):
+    for start in range(0, vocab, step):
+        yield start, min(start + step, vocab)
+
+
+def _local_labels(labels: Tensor, start: int, stop: int) -> Tensor:
+    inside = (labels >= start) & (labels < stop)
+    return torch.where(inside, labels - start, torch.full_like(labels, -1))
+
+
+def stats(hidden, weight, labels, inv_temp, with_entropy):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    m = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    t = torch.zeros_like(s) if with_entropy else None   # sum_j exp(z_j - m) * z_j
+    zy = torch.zeros_like(s)
+    col_scale = inv_temp.unsqueeze(1)
+    for start, stop in _chunks(vocab, chunk_rows(n, vocab)):
+        z = mm_fp32(hidden, weight[start:stop].t()).mul_(col_scale)
+        m_new = torch.maximum(m, z.amax(dim=1))
+        rescale = torch.exp(m - m_new)          # exp(-inf) = 0 on the first chunk
+        e = z.sub(m_new.unsqueeze(1)).exp_()
+        s.mul_(rescale).add_(e.sum(dim=1))
+        if t is not None:
+            t.mul_(rescale).add_((e * z).sum(dim=1))
+        zy += label_logits(z, _local_labels(labels, start, stop))
+        m = m_new
+    lse = m + torch.log(s)
+    ez = t / s if t is not None else None
+    return lse, ez, zy
+
+
+def grads(hidden, weight, labels, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_dw):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
+    col_scale = inv_temp.unsqueeze(1)
+    for start, stop in _chunks(vocab, chunk_rows(n, vocab)):
+        w = weight[start:stop]
+        z = mm_fp32(hidden, w.t()).mul_(col_scale)
+        dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ez, g_lp, g_ent)
+        if dh is not None:
+            dh += mm_fp32(dz, w)
+        if dw is not None:
+            dw[start:stop] = mm_fp32(dz.t(), hidden)
+    return dh, dw

@@ -1,0 +1,40 @@
+"""The reference backend: materialises the whole float32 logits tensor [N, V].
+
+Memory O(N x V): meant as the ground truth for tests and as the naive baseline, not for training.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backend import dlogits_from_logits, label_logits, mm_fp32
+
+name = "reference"
+
+
+def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
+    return None
+
+
+def logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor) -> Tensor:
+    """float32 [N, V] tempered logits."""
+    return mm_fp32(hidden, weight.t()).mul_(inv_temp.unsqueeze(1))
+
+
+def stats(hidden, weight, labels, inv_temp, with_entropy):
+    z = logits(hidden, weight, inv_temp)
+    lse = torch.logsumexp(z, dim=1)
+    ez = None
+    if with_entropy:
+        ez = (torch.softmax(z, dim=1) * z).sum(dim=1)
+    return lse, ez, label_logits(z, labels)
+
+
+def grads(hidden, weight, labels, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_dw):
+    z = logits(hidden, weight, inv_temp)
+    dz = dlogits_from_logits(z, labels, inv_temp, lse, ez, g_lp, g_ent)
+    dh = mm_fp32(dz, weight) if need_dh else None
+    dw = mm_fp32(dz.t(), hidden).to(weight.dtype) if need_dw else None
+    return dh, dw
