@@ -4,8 +4,8 @@ z = (hidden @ weight.T) * inv_temp without keeping anything of size [tokens x vo
 A backend is a module-level object with this interface (see ``ops/backend.py``):
 
 - ``unavailable_reason(hidden, weight) -> str | None``
-- ``stats(hidden, weight, labels, inv_temp, with_entropy) -> (lse, ez, zy)``
-- ``grads(hidden, weight, labels, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_dw) -> (dh, dw)``
+- ``stats(hidden, weight, labels, inv_temp, with_entropy) -> (lse, ent, zy)`` (entropy returned directly, see backend.py)
+- ``grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw) -> (dh, dw)``
 
 ``ops/function.py`` glues them (and the tensor-parallel combine) into one autograd Function.
 """

@@ -9,14 +9,17 @@ Shapes and dtypes (N tokens, H hidden, V vocabulary rows held by this process):
 
 Forward statistics, all float32 [N], of z = (hidden @ weight.T) * inv_temp[:, None]:
 - lse = logsumexp_j z_j
-- ez  = sum_j softmax(z)_j * z_j      (None when with_entropy is False)
+- ent = -sum_j p_j * log p_j, p = softmax(z)   (None when with_entropy is False)
 - zy  = z_label, 0.0 where labels == -1
 
-Then logprob = zy - lse and entropy = lse - ez.
+Then logprob = zy - lse. The entropy is returned directly, not as lse - sum_j p_j z_j: both terms are of
+the logits' magnitude and their difference loses ~1e-5 in float32 when every logit is large (say -60).
+Accumulate it relative to the running max instead: with m the max and s = sum_j exp(z_j - m),
+  ent = log s - (sum_j exp(z_j - m) * (z_j - m)) / s.
 
-Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global* lse and ez:
-  p = exp(z - lse)
-  dz = g_lp * (onehot(label) - p) - g_ent * p * (z - ez)
+Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global* lse and ent:
+  x = z - lse   (log p), p = exp(x)
+  dz = g_lp * (onehot(label) - p) - g_ent * p * (x + ent)        [since z - sum p z = x + ent]
   dlogits = dz * inv_temp
   dh = dlogits @ weight      -> float32 [N, H] (the caller casts and reduces)
   dw = dlogits.T @ hidden    -> weight.dtype [V, H]
@@ -36,10 +39,10 @@ class Backend(Protocol):
     def unavailable_reason(self, hidden: Tensor, weight: Tensor) -> Optional[str]: ...
 
     def stats(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
-              with_entropy: bool) -> tuple[Tensor, Optional[Tensor], Tensor]: ...
+              with_entropy: bool) -> tuple[Tensor, Optional[Tensor], Tensor]: ...  # lse, ent, zy
 
     def grads(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
-              lse: Tensor, ez: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
+              lse: Tensor, ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
               need_dh: bool, need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
 
 
@@ -66,17 +69,18 @@ def label_logits(z: Tensor, labels: Tensor) -> Tensor:
     return torch.where(has, zy, torch.zeros_like(zy))
 
 
-def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ez: Optional[Tensor],
+def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
                         g_lp: Tensor, g_ent: Optional[Tensor]) -> Tensor:
     """The backward formula of the module docstring, in place on the float32 logits tile ``z``.
 
     ``labels`` index columns of this tile (-1 or out of range: no label here).
     """
-    p = z.sub(lse.unsqueeze(1)).exp_()
+    x = z.sub_(lse.unsqueeze(1))          # log p, in place
+    p = x.exp()
     if g_ent is not None:
-        # dz = -g_lp * p - g_ent * p * (z - ez)  ==  -p * (g_lp + g_ent * (z - ez))
-        z.sub_(ez.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).add_(g_lp.unsqueeze(1)).mul_(p).neg_()
-        dz = z
+        # dz = -p * (g_lp + g_ent * (x + ent)), plus g_lp at the label
+        x.add_(ent.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).add_(g_lp.unsqueeze(1)).mul_(p).neg_()
+        dz = x
     else:
         dz = p.mul_(-g_lp.unsqueeze(1))
     has = (labels >= 0) & (labels < dz.shape[1])

@@ -44,25 +44,29 @@ def stats(hidden, weight, labels, inv_temp, with_entropy):
     n, vocab = hidden.shape[0], weight.shape[0]
     m = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
     s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    t = torch.zeros_like(s) if with_entropy else None   # sum_j exp(z_j - m) * z_j
+    t = torch.zeros_like(s) if with_entropy else None   # sum_j exp(z_j - m) * (z_j - m)
     zy = torch.zeros_like(s)
     col_scale = inv_temp.unsqueeze(1)
     for start, stop in _chunks(vocab, chunk_rows(n, vocab)):
         z = mm_fp32(hidden, weight[start:stop].t()).mul_(col_scale)
         m_new = torch.maximum(m, z.amax(dim=1))
         rescale = torch.exp(m - m_new)          # exp(-inf) = 0 on the first chunk
-        e = z.sub(m_new.unsqueeze(1)).exp_()
-        s.mul_(rescale).add_(e.sum(dim=1))
-        if t is not None:
-            t.mul_(rescale).add_((e * z).sum(dim=1))
         zy += label_logits(z, _local_labels(labels, start, stop))
+        x = z.sub_(m_new.unsqueeze(1))      # z - m_new, in place
+        e = x.exp()
+        if t is not None:
+            # re-centre the old sum on the new max: sum e_old' (z - m_new) = rescale * (t + s * (m - m_new))
+            shift = torch.where(torch.isfinite(m), m - m_new, torch.zeros_like(m))
+            t.add_(s * shift).mul_(rescale).add_((e * x).sum(dim=1))
+        s.mul_(rescale).add_(e.sum(dim=1))
         m = m_new
-    lse = m + torch.log(s)
-    ez = t / s if t is not None else None
-    return lse, ez, zy
+    log_s = torch.log(s)
+    lse = m + log_s
+    ent = log_s - t / s if t is not None else None
+    return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_dw):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw):
     n, vocab = hidden.shape[0], weight.shape[0]
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
@@ -70,7 +74,7 @@ def grads(hidden, weight, labels, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_
     for start, stop in _chunks(vocab, chunk_rows(n, vocab)):
         w = weight[start:stop]
         z = mm_fp32(hidden, w.t()).mul_(col_scale)
-        dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ez, g_lp, g_ent)
+        dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent)
         if dh is not None:
             dh += mm_fp32(dz, w)
         if dw is not None:

@@ -1,7 +1,7 @@
 """The one autograd Function: glues a backend's two stages, and the tensor-parallel combine.
 
 forward:  local stats (backend) -> [combine across the vocab-parallel group] -> logprob, entropy
-backward: backend grads from the saved global lse / ez -> [all-reduce d_hidden] -> cast
+backward: backend grads from the saved global lse / entropy -> [all-reduce d_hidden] -> cast
 Saved between the two: the inputs and four float32 vectors of length N. Nothing [N x V].
 """
 from __future__ import annotations
@@ -25,17 +25,17 @@ class FusedLogProbsFunction(torch.autograd.Function):
 
         if hidden.shape[0] == 0:   # no tokens: no kernel launch, empty outputs
             lse = zy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
-            ez = lse if with_entropy else None
+            ent = lse if with_entropy else None
         else:
-            lse, ez, zy = backend.stats(hidden, weight, local, inv_temp, with_entropy)
+            lse, ent, zy = backend.stats(hidden, weight, local, inv_temp, with_entropy)
         if tp is not None:
-            lse, ez, zy = tp.combine_stats(lse, ez, zy)
+            lse, ent, zy = tp.combine_stats(lse, ent, zy)
 
         zero = torch.zeros_like(lse)
         logprobs = torch.where(valid, zy - lse, zero)
-        entropy = torch.where(valid, lse - ez, zero) if with_entropy else None
+        entropy = torch.where(valid, ent, zero) if with_entropy else None
 
-        ctx.save_for_backward(hidden, weight, local, inv_temp, valid, lse, ez if with_entropy else None)
+        ctx.save_for_backward(hidden, weight, local, inv_temp, valid, lse, ent)
         ctx.backend, ctx.tp, ctx.with_entropy = backend, tp, with_entropy
         if entropy is None:
             ctx.mark_non_differentiable(zero)  # keep the output arity fixed
@@ -44,7 +44,7 @@ class FusedLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp: Optional[Tensor], g_ent: Optional[Tensor]):
-        hidden, weight, local, inv_temp, valid, lse, ez = ctx.saved_tensors
+        hidden, weight, local, inv_temp, valid, lse, ent = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw):
             return (None,) * 8
@@ -58,7 +58,7 @@ class FusedLogProbsFunction(torch.autograd.Function):
             dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
             dw = torch.zeros_like(weight) if need_dw else None
         else:
-            dh, dw = ctx.backend.grads(hidden, weight, local, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_dw)
+            dh, dw = ctx.backend.grads(hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw)
         if dh is not None and ctx.tp is not None:
             dh = ctx.tp.reduce_grad_hidden(dh)
         if dh is not None:

@@ -26,15 +26,17 @@ def logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor) -> Tensor:
 def stats(hidden, weight, labels, inv_temp, with_entropy):
     z = logits(hidden, weight, inv_temp)
     lse = torch.logsumexp(z, dim=1)
-    ez = None
+    zy = label_logits(z, labels)
+    ent = None
     if with_entropy:
-        ez = (torch.softmax(z, dim=1) * z).sum(dim=1)
-    return lse, ez, label_logits(z, labels)
+        logp = z.sub_(lse.unsqueeze(1))
+        ent = -(logp.exp() * logp).sum(dim=1)
+    return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ez, g_lp, g_ent, need_dh, need_dw):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw):
     z = logits(hidden, weight, inv_temp)
-    dz = dlogits_from_logits(z, labels, inv_temp, lse, ez, g_lp, g_ent)
+    dz = dlogits_from_logits(z, labels, inv_temp, lse, ent, g_lp, g_ent)
     dh = mm_fp32(dz, weight) if need_dh else None
     dw = mm_fp32(dz.t(), hidden).to(weight.dtype) if need_dw else None
     return dh, dw

@@ -1,0 +1,76 @@
+"""What the Triton kernels share: the interpreter switch, dtypes and block-size choice."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# triton decides at decoration time whether @triton.jit builds GPU code or interpreter functions,
+# from TRITON_INTERPRET as it was when triton was imported.
+INTERPRETING = bool(triton.knobs.runtime.interpret)
+
+LOG2E = 1.4426950408889634
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def tl_dtype(dtype: torch.dtype):
+    return _TL_DTYPES[dtype]
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """Compile-time switches of the matrix product for inputs of ``dtype``.
+
+    UPCAST: the interpreter's bf16 ``tl.dot`` is wrong (numpy has no bf16), so there, and only there,
+    tiles are cast to float32 first. IEEE: float32 inputs must not silently become tf32 (error ~1e-3).
+    """
+    return {"UPCAST": INTERPRETING and dtype != torch.float32,
+            "IEEE": dtype == torch.float32 or INTERPRETING}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Block sizes and launch shape of one tile kernel."""
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# Small tiles under the interpreter: its cost is per program and per op, and tests use small shapes.
+INTERPRETER_TILES = Tiles(16, 64, 32, 4, 4, 1)
+
+
+def _env_tiles(var: str):
+    """LOGITLESS_TRITON_FWD / _BWD = "BM,BN,BK,GROUP_M,warps,stages" overrides the choice (benchmarks)."""
+    raw = os.environ.get(var)
+    if not raw:
+        return None
+    return Tiles(*(int(x) for x in raw.split(",")))
+
+
+def forward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
+    if INTERPRETING:
+        return INTERPRETER_TILES
+    env = _env_tiles("LOGITLESS_TRITON_FWD")
+    if env is not None:
+        return env
+    if dtype == torch.float32:
+        return Tiles(64, 64, 32, 8, 4, 3)
+    return Tiles(128, 256, 64, 8, 8, 3)
+
+
+def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
+    if INTERPRETING:
+        return INTERPRETER_TILES
+    env = _env_tiles("LOGITLESS_TRITON_BWD")
+    if env is not None:
+        return env
+    if dtype == torch.float32:
+        return Tiles(64, 64, 32, 8, 4, 3)
+    return Tiles(128, 256, 64, 8, 8, 3)
