@@ -1,0 +1,109 @@
+"""Bad input gets a clear TypeError/ValueError naming the argument, before any kernel runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logitless import fused_logprobs
+
+N, H, V = 7, 48, 1031
+
+
+def inputs():
+    return torch.randn(N, H), torch.randn(V, H) * 0.3, torch.randint(0, V, (N,))
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("hidden_not_tensor", TypeError, "hidden"),
+    ("weight_not_tensor", TypeError, "weight"),
+    ("labels_not_tensor", TypeError, "labels"),
+    ("hidden_int", TypeError, "hidden"),
+    ("dtype_mismatch", TypeError, "weight dtype"),
+    ("h_mismatch", ValueError, "H="),
+    ("weight_1d", ValueError, "weight must be 2-D"),
+    ("empty_vocab", ValueError, "empty vocabulary"),
+    ("leading_shape", ValueError, "labels shape"),
+    ("float_labels", TypeError, "labels must be int32 or int64"),
+    ("label_too_big", ValueError, r"labels must lie in \[0, 1031\)"),
+    ("label_negative", ValueError, "labels must lie"),
+    ("device_mismatch", ValueError, "weight is on meta"),
+    ("labels_device", ValueError, "labels are on meta"),
+    ("temperature_zero", ValueError, "temperature"),
+    ("temperature_negative", ValueError, "temperature"),
+    ("temperature_nan", ValueError, "temperature"),
+    ("temperature_inf", ValueError, "temperature"),
+    ("temperature_str", TypeError, "temperature"),
+    ("temperature_bool", TypeError, "temperature"),
+    ("temperature_shape", ValueError, "does not broadcast"),
+    ("temperature_tensor_zero", ValueError, "temperature"),
+    ("temperature_tensor_nan", ValueError, "temperature"),
+    ("temperature_requires_grad", ValueError, "temperature"),
+    ("with_entropy_str", TypeError, "with_entropy"),
+    ("ignore_index_float", TypeError, "ignore_index"),
+    ("unknown_backend", ValueError, "backend must be one of"),
+    ("backend_not_str", TypeError, "backend"),
+])
+def test_bad_input_is_named(case, exc, match):
+    h, w, y = inputs()
+    kw = {}
+    if case == "hidden_not_tensor":
+        h = h.tolist()
+    elif case == "weight_not_tensor":
+        w = w.numpy()
+    elif case == "labels_not_tensor":
+        y = y.tolist()
+    elif case == "hidden_int":
+        h, w = h.long(), w.long()
+    elif case == "dtype_mismatch":
+        w = w.double()
+    elif case == "h_mismatch":
+        w = torch.randn(V, H + 1)
+    elif case == "weight_1d":
+        w = torch.randn(H)
+    elif case == "empty_vocab":
+        w = torch.randn(0, H)
+    elif case == "leading_shape":
+        y = torch.randint(0, V, (N + 1,))
+    elif case == "float_labels":
+        y = y.float()
+    elif case == "label_too_big":
+        y[3] = V
+    elif case == "label_negative":
+        y[3] = -1
+    elif case == "device_mismatch":
+        w = torch.empty(V, H, device="meta")
+    elif case == "labels_device":
+        y = torch.empty(N, dtype=torch.long, device="meta")
+    elif case.startswith("temperature"):
+        kw["temperature"] = {
+            "temperature_zero": 0.0, "temperature_negative": -1.0, "temperature_nan": float("nan"),
+            "temperature_inf": float("inf"), "temperature_str": "1.0", "temperature_bool": True,
+            "temperature_shape": torch.ones(N + 2),
+            "temperature_tensor_zero": torch.tensor([1.0] * (N - 1) + [0.0]),
+            "temperature_tensor_nan": torch.tensor([1.0] * (N - 1) + [float("nan")]),
+            "temperature_requires_grad": torch.ones(N, requires_grad=True),
+        }[case]
+    elif case == "with_entropy_str":
+        kw["with_entropy"] = "yes"
+    elif case == "ignore_index_float":
+        kw["ignore_index"] = -100.0
+    elif case == "unknown_backend":
+        kw["backend"] = "cuda_magic"
+    elif case == "backend_not_str":
+        kw["backend"] = None
+    with pytest.raises(exc, match=match):
+        fused_logprobs(h, w, y, **kw)
+
+
+def test_ignore_index_labels_are_not_range_checked():
+    h, w, y = inputs()
+    y[2] = -100
+    out = fused_logprobs(h, w, y)
+    assert out.logprobs[2] == 0 and torch.isfinite(out.logprobs).all()
+
+
+def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, y = inputs()
+    with pytest.raises(RuntimeError, match="triton"):
+        fused_logprobs(h, w, y, backend="triton")
