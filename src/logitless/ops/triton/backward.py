@@ -1,0 +1,130 @@
+"""Backward: recompute logits chunk by chunk, write dlogits, and let cuBLAS do the two big products.
+
+For each chunk of C vocabulary rows, a Triton kernel recomputes the float32 logits tiles and writes
+dlogits [N, C] in the inputs' dtype (the only [N x C] buffer, reused across chunks and bounded by
+LOGITLESS_TRITON_DLOGITS_ELEMENTS); then
+    d_hidden (float32 [N, H]) += dlogits @ weight[chunk]      (accumulated in place)
+    d_weight[chunk]            = dlogits.T @ hidden           (written once, weight.dtype)
+The two products run at cuBLAS speed; a fully fused kernel would need float32 atomics on d_hidden
+from every vocabulary tile (see benchmarks/NOTES.md).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..backend import mm_fp32
+from .common import LOG2E, backward_tiles, dot_flags
+from .tile import logits_tile, tile_coords
+
+# 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
+DEFAULT_DLOGITS_ELEMENTS = 1 << 26
+
+
+@triton.jit
+def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, dl_ptr,
+                    n_rows, n_cols, n_k, col0, s_hn, s_hk, s_wv, s_wk, s_dn,
+                    WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr,
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dl[i, j] = inv_t_i * (g_lp_i * ([j + col0 == label_i] - p_ij) - g_ent_i * p_ij * (x_ij + ent_i)),
+    x = z - lse = log p,
+    for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk)."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    z = acc * inv_t[:, None]
+    x = z - lse[:, None]
+    p = tl.exp2(x * LOG2E)
+    if WITH_ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+        dz = -p * (g_lp[:, None] + g_ent[:, None] * (x + ent[:, None]))
+    else:
+        dz = -p * g_lp[:, None]
+    dz += tl.where((cols + col0)[None, :] == label[:, None], g_lp[:, None], 0.0)
+    dl = (dz * inv_t[:, None]).to(dl_ptr.dtype.element_ty)
+    ptrs = dl_ptr + rows.to(tl.int64)[:, None] * s_dn + cols[None, :]
+    tl.store(ptrs, dl, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, inv_temp: Tensor, lse: Tensor,
+                  ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], out: Tensor) -> Tensor:
+    """Fill ``out`` [N, C] (hidden.dtype, unit column stride) with the dlogits of vocabulary rows
+    col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C]."""
+    n, k = hidden.shape
+    cols = w_chunk.shape[0]
+    tiles = backward_tiles(n, k, hidden.dtype)
+    with_entropy = g_ent is not None
+    grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
+    _dlogits_kernel[grid](
+        hidden, w_chunk, labels, inv_temp, lse, ent if with_entropy else lse, g_lp,
+        g_ent if with_entropy else g_lp, out,
+        n, cols, k, col0, hidden.stride(0), hidden.stride(1), w_chunk.stride(0), w_chunk.stride(1), out.stride(0),
+        WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        K_TILES=triton.cdiv(k, tiles.block_k),
+        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def chunk_columns(n_tokens: int, vocab: int, block_n: int) -> int:
+    """Vocabulary rows per dlogits chunk: the element budget over N, a multiple of the tile, <= V."""
+    budget = int(os.environ.get("LOGITLESS_TRITON_DLOGITS_ELEMENTS", DEFAULT_DLOGITS_ELEMENTS))
+    cols = max(block_n, (budget // max(n_tokens, 1)) // block_n * block_n)
+    return min(cols, vocab)
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc (float32) += a @ b with float32 accumulation, in place, without an [acc]-sized temporary
+    where cuBLAS can take a float32 C with low-precision A and B."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc += mm_fp32(a, b)
+
+
+def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, float32 accumulation, rounded once to out.dtype."""
+    if a.is_cuda or a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(mm_fp32(a, b))
+
+
+def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
+          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool):
+    n, k = hidden.shape
+    vocab = weight.shape[0]
+    tiles = backward_tiles(n, k, hidden.dtype)
+    step = chunk_columns(n, vocab, tiles.block_n)
+    dh = torch.zeros((n, k), dtype=torch.float32, device=hidden.device) if need_dh else None
+    dw = torch.empty((vocab, k), dtype=weight.dtype, device=weight.device) if need_dw else None
+    buf = torch.empty((n, step), dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, vocab, step):
+        stop = min(start + step, vocab)
+        w_chunk = weight[start:stop]
+        dl = dlogits_chunk(hidden, w_chunk, start, labels, inv_temp, lse, ent, g_lp, g_ent, buf[:, :stop - start])
+        if dh is not None:
+            _accumulate_mm(dh, dl, w_chunk)
+        if dw is not None:
+            _product_into(dw[start:stop], dl.t(), hidden)
+    return dh, dw

@@ -1,0 +1,95 @@
+"""Forward: per-token lse, entropy and the label's logit, streaming the vocabulary in tiles.
+
+One program per [BLOCK_M tokens x BLOCK_N vocab rows] tile: it computes the float32 logits tile on
+the tensor cores, scales it by 1/temperature, and reduces it to three numbers per token (tile max m,
+sum exp(z - m), sum exp(z - m) * (z - m)) written to a [vocab tiles, N] float32 workspace; the label's
+logit is written by the one tile that holds it. Logits never reach HBM. A combine over the tiles then
+gives the global statistics.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import LOG2E, dot_flags, forward_tiles
+from .tile import logits_tile, tile_coords
+
+
+@triton.jit
+def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr,
+                       n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+                       WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr,
+                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    z = acc * inv_t[:, None]
+    # padded columns of the last tile carry no probability mass
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    m = tl.max(z, axis=1)                      # finite: every tile has at least one real column
+    d = z - m[:, None]                         # <= 0, -inf on padding
+    e = tl.exp2(d * LOG2E)
+    out = pid_n.to(tl.int64) * n_rows + rows
+    tl.store(part_m_ptr + out, m, mask=row_ok)
+    tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+    if WITH_ENTROPY:
+        # sum e * (z - m), relative to the tile max so large logits do not cancel
+        tl.store(part_t_ptr + out, tl.sum(e * tl.where(col_ok[None, :], d, 0.0), axis=1), mask=row_ok)
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    first = pid_n * BLOCK_N
+    here = row_ok & (label >= first) & (label < first + BLOCK_N)
+    zy = tl.sum(tl.where(cols[None, :] == label[:, None], z, 0.0), axis=1)
+    tl.store(zy_ptr + rows, zy, mask=here)
+
+
+def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
+    """Per-tile partial statistics. Returns (part_m, part_s, part_t or None, zy); part_* are float32
+    [ceil(V / BLOCK_N), N], zy float32 [N] (0.0 where the label is -1)."""
+    n, k = hidden.shape
+    vocab = weight.shape[0]
+    tiles = forward_tiles(n, k, hidden.dtype)
+    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    dev = hidden.device
+    part_m = torch.empty((n_tiles, n), dtype=torch.float32, device=dev)
+    part_s = torch.empty_like(part_m)
+    part_t = torch.empty_like(part_m) if with_entropy else part_m   # unused pointer when False
+    zy = torch.zeros(n, dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
+    _tile_stats_kernel[grid](
+        hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy,
+        n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        K_TILES=triton.cdiv(k, tiles.block_k),
+        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return part_m, part_s, part_t if with_entropy else None, zy
+
+
+def combine_tiles(part_m: Tensor, part_s: Tensor, part_t: Optional[Tensor]):
+    """Global (lse, entropy) float32 [N] from the per-tile (m_i, s_i, t_i), relative to M = max_i m_i:
+    S = sum_i s_i e^(m_i - M), T = sum_j e^(z_j - M) (z_j - M) = sum_i e^(m_i - M) (t_i + (m_i - M) s_i),
+    lse = M + log S, entropy = log S - T / S (no large terms cancel, whatever the logits' magnitude)."""
+    big = part_m.amax(dim=0)
+    shift = part_m - big
+    w = shift.exp()
+    total = (part_s * w).sum(dim=0)
+    log_total = total.log()
+    ent = None
+    if part_t is not None:
+        ent = log_total - ((part_t + shift * part_s) * w).sum(dim=0) / total
+    return big + log_total, ent
+
+
+def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
+    part_m, part_s, part_t, zy = tile_stats(hidden, weight, labels, inv_temp, with_entropy)
+    lse, ent = combine_tiles(part_m, part_s, part_t)
+    return lse, ent, zy

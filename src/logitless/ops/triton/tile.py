@@ -1,0 +1,58 @@
+"""The one building block of both kernels: a float32 tile of hidden @ weight.T, kept in registers."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_coords(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(token block, vocab block) of program ``pid``. GROUP_M token blocks walk the vocabulary
+    together, so each weight tile is read from HBM once per group and then hit in L2."""
+    num_m = tl.cdiv(n_rows, BLOCK_M)
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc[i, j] = sum_k h[rows[i], k] * w[cols[j], k] in float32, for the tile (pid_m, pid_n).
+
+    Rows >= n_rows and cols >= n_cols are clamped onto valid ones so the main loop needs no masks;
+    the caller masks them out of whatever it reduces or stores. K_TILES = cdiv(n_k, BLOCK_K) is a
+    compile-time trip count (one build per hidden size; the interpreter cannot loop to a run-time bound
+    under numpy >= 2.4). Returns (acc, rows, cols).
+    """
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = (rows % n_rows).to(tl.int64)
+    cols_in = (cols % n_cols).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows_in[:, None] * s_hn + ks[None, :] * s_hk
+    b_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K_TILES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = ks < n_k - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        if UPCAST:   # interpreter only: its bf16 dot is wrong
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K * s_hk
+        b_ptrs += BLOCK_K * s_wk
+    return acc, rows, cols
