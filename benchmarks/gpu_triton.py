@@ -1,0 +1,394 @@
+"""Check and time the Triton backend on one CUDA GPU, in one process: correctness first, then variants.
+
+    PYTHONPATH=src python3 benchmarks/gpu_triton.py [--shapes A,B,C] [--sweep] [--out DIR]
+
+1. Correctness on small odd shapes against float64 (fp32/bf16/fp16, per-token temperature, ignored rows,
+   with_entropy False, H not a multiple of the K tile, padded last vocab tile).
+2. For each benchmark shape (bf16, logit std about 4, labels sampled from the softmax):
+   the cuBLAS floor (1 GEMM forward, 4 GEMMs forward+backward) in the same process; logitless triton
+   (forward, forward+backward, with and without entropy), its errors against a float32 reference from
+   the same bf16 values, its peak extra memory; the chunked backend and the naive eager path.
+3. With --sweep: tile / warp / stage variants of the forward and backward kernels and dlogits chunk sizes.
+Writes every number to DIR/gpu_triton.json and a log; prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import triton  # noqa: E402
+
+from logitless import fused_logprobs, last_backend  # noqa: E402
+from logitless.ops.triton import backward as tri_bwd  # noqa: E402
+
+SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072), "C": (1024, 4096, 151936)}
+GIB = 1 << 30
+RESULTS: dict = {"checks": [], "shapes": {}, "sweep": []}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn, warmup=2, reps=7):
+    """Median milliseconds of fn() over reps, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2], times[0], times[-1]
+
+
+# ---------------------------------------------------------------- correctness on small odd shapes
+def small_checks():
+    from reference64 import logprobs_entropy64, rel_err
+    tol = {torch.float32: (2e-5, 2e-5, 1e-4), torch.bfloat16: (1e-3, 2e-3, 1e-2), torch.float16: (1e-3, 2e-3, 1e-2)}
+    cases = [  # n, h, v, dtype, per-token temperature, with_entropy
+        (333, 200, 5003, torch.float32, False, True),
+        (333, 200, 5003, torch.bfloat16, True, True),
+        (333, 200, 5003, torch.float16, True, False),
+        (1000, 4096, 33001, torch.bfloat16, False, True),
+        (7, 96, 1031, torch.bfloat16, True, True),
+    ]
+    for n, h, v, dt, per_tok, with_ent in cases:
+        hidden = torch.randn(n, h, device="cuda")
+        weight = torch.randn(v, h, device="cuda") * (4 / h ** 0.5)
+        with torch.no_grad():
+            labels = torch.multinomial(torch.softmax(hidden @ weight.t(), -1), 1).squeeze(1)
+        labels[::5] = -100
+        temp = (torch.rand(n, device="cuda") + 0.5) if per_tok else 0.7
+        hd, wd = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+        out = fused_logprobs(hd, wd, labels, temperature=temp, with_entropy=with_ent, backend="triton")
+        assert last_backend() == "triton"
+        h64, w64 = hd.detach().double().requires_grad_(), wd.detach().double().requires_grad_()
+        lp64, ent64 = logprobs_entropy64(h64, w64, labels, temp)
+        a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+        loss = (out.logprobs * a).sum() + ((out.entropy * b).sum() if with_ent else 0)
+        loss.backward()
+        (((lp64 * a.double()).sum() + ((ent64 * b.double()).sum() if with_ent else 0))).backward()
+        r = {"n": n, "h": h, "v": v, "dtype": str(dt), "per_token_temp": per_tok, "with_entropy": with_ent,
+             "lp_err": (out.logprobs - lp64).abs().max().item(),
+             "ent_err": (out.entropy - ent64).abs().max().item() if with_ent else 0.0,
+             "dh_rel": rel_err(hd.grad, h64.grad), "dw_rel": rel_err(wd.grad, w64.grad),
+             "max_lp": out.logprobs.max().item()}
+        t = tol[dt]
+        r["ok"] = bool(r["lp_err"] <= t[0] and r["ent_err"] <= t[1] and r["dh_rel"] <= t[2]
+                       and r["dw_rel"] <= t[2] and r["max_lp"] <= 0 and math.isfinite(r["lp_err"]))
+        RESULTS["checks"].append(r)
+        log("check", r)
+
+
+# ---------------------------------------------------------------- benchmark shapes
+def make_inputs(n, h, v, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (4 / h ** 0.5)).to(torch.bfloat16)
+    labels = torch.empty(n, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        for i in range(0, n, 1024):
+            z = torch.mm(hidden[i:i + 1024], weight.t(), out_dtype=torch.float32)
+            labels[i:i + 1024] = torch.multinomial(torch.softmax(z, -1), 1, generator=g).squeeze(1)
+            del z
+    a = torch.randn(n, device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g)
+    return hidden, weight, labels, a, b
+
+
+def reference32(hidden, weight, labels, a, b):
+    """float32 reference from the same bf16 values: chunked backend on float32 copies, full fp32 GEMMs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    h32 = hidden.float().requires_grad_()
+    w32 = weight.float().requires_grad_()
+    out = fused_logprobs(h32, w32, labels, backend="chunked")
+    ((out.logprobs * a).sum() + (out.entropy * b).sum()).backward()
+    res = (out.logprobs.detach(), out.entropy.detach(), h32.grad, w32.grad)
+    del h32, w32
+    return res
+
+
+def run_op(hidden, weight, labels, a, b, backend, with_entropy=True, backward=True):
+    h = hidden.detach().requires_grad_(backward)
+    w = weight.detach().requires_grad_(backward)
+    out = fused_logprobs(h, w, labels, with_entropy=with_entropy, backend=backend)
+    if backward:
+        loss = (out.logprobs * a).sum()
+        if with_entropy:
+            loss = loss + (out.entropy * b).sum()
+        loss.backward()
+    return out, h.grad, w.grad
+
+
+def naive(hidden, weight, labels, a, b, backward=True):
+    """The eager path people write: bf16 logits, float32 log-softmax, gather, entropy."""
+    h = hidden.detach().requires_grad_(backward)
+    w = weight.detach().requires_grad_(backward)
+    logp = torch.log_softmax((h @ w.t()).float(), -1)
+    lp = logp.gather(1, labels.unsqueeze(1)).squeeze(1)
+    ent = -(logp.exp() * logp).sum(-1)
+    if backward:
+        ((lp * a).sum() + (ent * b).sum()).backward()
+    return lp, ent, h.grad, w.grad
+
+
+def floors(hidden, weight):
+    n, v = hidden.shape[0], weight.shape[0]
+    z = torch.empty(n, v, dtype=hidden.dtype, device="cuda")
+    dh = torch.empty_like(hidden)
+    dw = torch.empty_like(weight)
+
+    def one():
+        torch.mm(hidden, weight.t(), out=z)
+
+    def four():
+        torch.mm(hidden, weight.t(), out=z)
+        torch.mm(hidden, weight.t(), out=z)
+        torch.mm(z, weight, out=dh)
+        torch.mm(z.t(), hidden, out=dw)
+    return {"gemm1_ms": bench(one)[0], "gemm4_ms": bench(four, reps=5)[0]}
+
+
+def peak_extra(fn, grad_bytes):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return peak / GIB, (peak - grad_bytes) / GIB
+
+
+def errors(out, gh, gw, ref):
+    from reference64 import rel_err
+    lp, ent, dh, dw = ref
+    r = {"lp_err": (out.logprobs - lp).abs().max().item(), "max_lp": out.logprobs.max().item()}
+    if out.entropy is not None:
+        r["ent_err"] = (out.entropy - ent).abs().max().item()
+    if gh is not None:
+        r["dh_rel"] = rel_err(gh, dh)
+        r["dw_rel"] = rel_err(gw, dw)
+    return r
+
+
+def shape_run(tag, sweep):
+    n, h, v = SHAPES[tag]
+    log(f"== shape {tag}: N={n} H={h} V={v}")
+    hidden, weight, labels, a, b = make_inputs(n, h, v)
+    res = {"N": n, "H": h, "V": v}
+    RESULTS["shapes"][tag] = res
+    res.update(floors(hidden, weight))
+    torch.cuda.empty_cache()
+    log(tag, "floor", res)
+    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+
+    ref = reference32(hidden, weight, labels, a, b)
+    torch.cuda.empty_cache()
+    out, gh, gw = run_op(hidden, weight, labels, a, b, "triton")
+    res["triton_err"] = errors(out, gh, gw, ref)
+    out, gh, gw = run_op(hidden, weight, labels, a, b, "triton", with_entropy=False)
+    res["triton_noent_err"] = errors(out, gh, gw, ref)
+    del out, gh, gw
+    log(tag, "errors", res["triton_err"], res["triton_noent_err"])
+
+    def timed(name, fn, reps=7):
+        try:
+            ms = bench(fn, reps=reps)
+            res[name] = ms[0]
+            res[name + "_spread"] = [ms[1], ms[2]]
+            log(tag, name, "%.2f ms" % ms[0], "(min %.2f max %.2f)" % (ms[1], ms[2]))
+        except Exception as exc:  # noqa: BLE001 - record and go on: one failing variant must not end the run
+            res[name] = None
+            res[name + "_error"] = repr(exc)[:300]
+            log(tag, name, "FAILED", repr(exc)[:300])
+        torch.cuda.empty_cache()
+
+    timed("triton_fwd_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", backward=False))
+    timed("triton_fwd_noent_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", False, False))
+    timed("triton_fwdbwd_ms", lambda: run_op(hidden, weight, labels, a, b, "triton"), reps=5)
+    timed("triton_fwdbwd_noent_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", False), reps=5)
+    res["triton_peak_gib"], res["triton_extra_gib"] = peak_extra(
+        lambda: run_op(hidden, weight, labels, a, b, "triton"), grad_bytes)
+    log(tag, "triton memory", res["triton_peak_gib"], res["triton_extra_gib"])
+
+    if sweep:
+        variant_sweep(tag, hidden, weight, labels, a, b, res)
+
+    # the comparisons: chunked backend and naive eager
+    ck_ref = run_op(hidden, weight, labels, a, b, "chunked")
+    res["chunked_err"] = errors(*ck_ref, ref)
+    del ck_ref
+    timed("chunked_fwd_ms", lambda: run_op(hidden, weight, labels, a, b, "chunked", backward=False), reps=3)
+    timed("chunked_fwdbwd_ms", lambda: run_op(hidden, weight, labels, a, b, "chunked"), reps=3)
+    res["chunked_peak_gib"], res["chunked_extra_gib"] = peak_extra(
+        lambda: run_op(hidden, weight, labels, a, b, "chunked"), grad_bytes)
+    try:
+        lp, ent, nh, nw = naive(hidden, weight, labels, a, b)
+        from reference64 import rel_err
+        res["naive_err"] = {"lp_err": (lp - ref[0]).abs().max().item(), "ent_err": (ent - ref[1]).abs().max().item(),
+                            "dh_rel": rel_err(nh, ref[2]), "dw_rel": rel_err(nw, ref[3])}
+        del lp, ent, nh, nw
+        timed("naive_fwd_ms", lambda: naive(hidden, weight, labels, a, b, backward=False), reps=3)
+        timed("naive_fwdbwd_ms", lambda: naive(hidden, weight, labels, a, b), reps=3)
+        res["naive_peak_gib"], res["naive_extra_gib"] = peak_extra(
+            lambda: naive(hidden, weight, labels, a, b), grad_bytes)
+    except torch.OutOfMemoryError as exc:
+        res["naive_error"] = repr(exc)[:200]
+    del ref
+    torch.cuda.empty_cache()
+    write()
+
+
+FWD_VARIANTS = [  # BM, BN, BK, GROUP_M, warps, stages
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
+    (256, 128, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
+]
+BWD_VARIANTS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4)]
+CHUNK_BUDGETS = [1 << 25, 1 << 26, 1 << 27]
+
+
+def variant_sweep(tag, hidden, weight, labels, a, b, res):
+    saved = {k: os.environ.get(k) for k in ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD",
+                                            "LOGITLESS_TRITON_DLOGITS_ELEMENTS")}
+    from logitless.ops.triton import forward_stats
+    ones = torch.ones(hidden.shape[0], device="cuda")
+    for cfg in FWD_VARIANTS:
+        os.environ["LOGITLESS_TRITON_FWD"] = ",".join(map(str, cfg))
+        row = {"shape": tag, "stage": "fwd", "cfg": cfg}
+        try:
+            fn = lambda: forward_stats.stats(hidden, weight, labels, ones, True)
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            row["compile_s"] = time.time() - t0
+            row["ms"] = bench(fn, reps=5)[0]
+            row["x_gemm1"] = row["ms"] / res["gemm1_ms"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:300]
+        RESULTS["sweep"].append(row)
+        log("sweep", row)
+    os.environ.pop("LOGITLESS_TRITON_FWD")
+    # backward: the dlogits kernel alone (one chunk) and the whole grads() per tile config and budget
+    n, v = hidden.shape[0], weight.shape[0]
+    lse = torch.randn(n, device="cuda").abs() + 10
+    ent = torch.rand(n, device="cuda") * 3
+    inv_t = torch.ones(n, device="cuda")
+    for cfg in BWD_VARIANTS:
+        os.environ["LOGITLESS_TRITON_BWD"] = ",".join(map(str, cfg))
+        for budget in CHUNK_BUDGETS if cfg == BWD_VARIANTS[0] else [1 << 26]:
+            os.environ["LOGITLESS_TRITON_DLOGITS_ELEMENTS"] = str(budget)
+            row = {"shape": tag, "stage": "bwd", "cfg": cfg, "budget": budget}
+            try:
+                fn = lambda: tri_bwd.grads(hidden, weight, labels, inv_t, lse, ent, a, b, True, True)
+                fn()
+                row["ms"] = bench(fn, reps=3)[0]
+                row["x_gemm3"] = row["ms"] / (res["gemm4_ms"] * 0.75)
+                step = tri_bwd.chunk_columns(n, v, cfg[1])
+                buf = torch.empty(n, step, dtype=hidden.dtype, device="cuda")
+                row["dlogits_chunk_ms"] = bench(lambda: tri_bwd.dlogits_chunk(
+                    hidden, weight[:step], 0, labels, inv_t, lse, ent, a, b, buf), reps=5)[0]
+                row["chunk_cols"] = step
+                row["chunk_x_gemm"] = row["dlogits_chunk_ms"] / (res["gemm1_ms"] * step / v)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:300]
+            RESULTS["sweep"].append(row)
+            log("sweep", row)
+            torch.cuda.empty_cache()
+    for k, val in saved.items():
+        if val is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = val
+
+
+def addmm_probe():
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    acc = torch.randn(256, 128, device="cuda")
+    want = acc + a.float() @ b.float()
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        RESULTS["addmm_out_dtype_inplace"] = (acc - want).abs().max().item()
+    except Exception as exc:  # noqa: BLE001
+        RESULTS["addmm_out_dtype_inplace"] = repr(exc)[:300]
+    log("addmm probe", RESULTS["addmm_out_dtype_inplace"])
+
+
+def write():
+    path = os.path.join(ARGS.out, "gpu_triton.json")
+    with open(path, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def table():
+    lines = ["| shape | floor fwd ms | triton fwd x | fwd noent x | floor 4-GEMM ms | triton fwd+bwd x | noent x "
+             "| extra GiB over grads | lp err | ent err | dh rel | dw rel | chunked fwd+bwd x | naive fwd+bwd x |",
+             "|---" * 14 + "|"]
+    for tag, r in RESULTS["shapes"].items():
+        def x(key, floor):
+            return "%.3f" % (r[key] / r[floor]) if r.get(key) else "-"
+        e = r.get("triton_err", {})
+        lines.append(
+            f"| {tag} | {r['gemm1_ms']:.2f} | {x('triton_fwd_ms', 'gemm1_ms')} | {x('triton_fwd_noent_ms', 'gemm1_ms')} "
+            f"| {r['gemm4_ms']:.2f} | {x('triton_fwdbwd_ms', 'gemm4_ms')} | {x('triton_fwdbwd_noent_ms', 'gemm4_ms')} "
+            f"| {r.get('triton_extra_gib', float('nan')):.3f} | {e.get('lp_err', float('nan')):.2e} "
+            f"| {e.get('ent_err', float('nan')):.2e} | {e.get('dh_rel', float('nan')):.2e} "
+            f"| {e.get('dw_rel', float('nan')):.2e} | {x('chunked_fwdbwd_ms', 'gemm4_ms')} "
+            f"| {x('naive_fwdbwd_ms', 'gemm4_ms')} |")
+    text = "\n".join(lines)
+    with open(os.path.join(ARGS.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="A,B,C")
+    p.add_argument("--sweep", default="", help="shapes to sweep variants on, e.g. A")
+    p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    ARGS = p.parse_args()
+    os.makedirs(ARGS.out, exist_ok=True)
+    RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+                      "device": torch.cuda.get_device_name(), "argv": sys.argv,
+                      "env": {k: v for k, v in os.environ.items() if k.startswith("LOGITLESS_")}}
+    log(RESULTS["env"])
+    addmm_probe()
+    if not ARGS.no_checks:
+        small_checks()
+        write()
+    for tag in [s for s in ARGS.shapes.split(",") if s]:
+        try:
+            shape_run(tag, tag in ARGS.sweep.split(","))
+        except Exception:  # noqa: BLE001
+            RESULTS["shapes"].setdefault(tag, {})["error"] = traceback.format_exc()[-2000:]
+            log(traceback.format_exc())
+        write()
+    write()
+    log("\nchecks ok:", all(c["ok"] for c in RESULTS["checks"]), len(RESULTS["checks"]))
+    for row in RESULTS["sweep"]:
+        log("sweep", row.get("shape"), row.get("stage"), row.get("cfg"), row.get("budget", ""),
+            "%.2f ms" % row["ms"] if "ms" in row else row.get("error"),
+            "x%.3f" % row.get("x_gemm1", row.get("x_gemm3", float("nan"))))
+    log(table())
+
+
+if __name__ == "__main__":
+    main()
