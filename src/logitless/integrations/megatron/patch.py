@@ -1,0 +1,149 @@
+"""Make ``model(..., output_processor=fn, output_processor_context=ctx)`` work on every release.
+
+Hook mode (megatron-core 0.18+): nothing to do; ``model.forward`` is never touched.
+
+Legacy mode (0.13-0.17, no hook): the one GPTModel instance gets an instance-level ``forward``
+(never the class) that accepts the two hook arguments. With a processor it runs the original
+forward while, for that call only, the instance's ``_postprocess`` is wrapped and its
+``output_layer`` intercepted at the main-model logits call: the original post-processing (MTP
+and its loss included) runs unchanged up to that point, then the processor gets the hidden
+states the output layer would have turned into logits. The previous instance attribute (if any)
+is kept in one backup attribute; unpatch restores it exactly and removes the backup.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from .detect import fused_forward_mode, unwrap_gpt_model
+from .record import legacy_call
+
+_BACKUP_ATTR = "_logitless_forward_backup"
+_ABSENT = object()   # marks "there was no instance-level forward before the patch"
+
+
+class _MainHidden(Exception):
+    """Carries the main-model hidden states out of the original _postprocess (its logits call)."""
+
+    def __init__(self, hidden, weight, runtime_gather_output):
+        super().__init__("logitless: main-model logits call intercepted")
+        self.hidden, self.weight, self.runtime_gather_output = hidden, weight, runtime_gather_output
+
+
+def is_legacy_patched(model: nn.Module) -> bool:
+    return _BACKUP_ATTR in unwrap_gpt_model(model).__dict__
+
+
+def patch_fused_forward(model: nn.Module) -> str:
+    """Let ``model`` take ``output_processor`` / ``output_processor_context``. Idempotent.
+    Returns the mode ("hook", "legacy" or "unfused"); only "legacy" changes anything."""
+    gpt = unwrap_gpt_model(model)
+    mode = fused_forward_mode(gpt)
+    if mode != "legacy" or _BACKUP_ATTR in gpt.__dict__:
+        return mode
+    previous = gpt.__dict__.get("forward", _ABSENT)
+    original = previous if previous is not _ABSENT else type(gpt).forward.__get__(gpt)
+    gpt.__dict__[_BACKUP_ATTR] = previous
+    gpt.__dict__["forward"] = _make_legacy_forward(gpt, original)
+    return mode
+
+
+def unpatch_fused_forward(model: nn.Module) -> str:
+    """Undo ``patch_fused_forward`` exactly (idempotent); returns the mode."""
+    gpt = unwrap_gpt_model(model)
+    mode = fused_forward_mode(gpt)
+    previous = gpt.__dict__.pop(_BACKUP_ATTR, None)
+    if previous is not None:
+        if previous is _ABSENT:
+            gpt.__dict__.pop("forward", None)
+        else:
+            gpt.__dict__["forward"] = previous
+    return mode
+
+
+def _make_legacy_forward(gpt: nn.Module, original):
+    def forward(*args, output_processor=None, output_processor_context=None, **kwargs):
+        if output_processor is None or not getattr(gpt, "post_process", True):
+            # no processor, or a non-last pipeline stage: the hook would not run either
+            return original(*args, **kwargs)
+        return _forward_with_processor(gpt, original, args, kwargs, output_processor,
+                                       output_processor_context)
+    forward.__wrapped__ = original
+    forward.__doc__ = ("logitless legacy patch of GPTModel.forward: also accepts output_processor and "
+                       "output_processor_context, like megatron-core 0.18+.")
+    return forward
+
+
+def _forward_with_processor(gpt, original, args, kwargs, processor, context) -> Any:
+    post_orig = gpt._postprocess                       # bound class method
+    post_params = inspect.signature(post_orig)
+    layer = gpt.output_layer
+    layer_forward_orig = layer.__dict__.get("forward", _ABSENT)
+    layer_forward = layer.forward
+    sp_before = getattr(layer, "sequence_parallel", None)
+    # The original _postprocess calls the output layer once per MTP depth (MTP logits for the
+    # MTP loss), then once for the main model: that last call is the one the processor replaces.
+    main_call = int(getattr(gpt.config, "mtp_num_layers", None) or 0) + 1
+    calls = [0]
+
+    def output_layer_forward(hidden, *a, weight=None, runtime_gather_output=None, **kw):
+        calls[0] += 1
+        if calls[0] == main_call:
+            raise _MainHidden(hidden, weight, runtime_gather_output)
+        return layer_forward(hidden, *a, weight=weight, runtime_gather_output=runtime_gather_output, **kw)
+
+    def postprocess(*a, **kw):
+        bound = post_params.bind(*a, **kw)
+        named = dict(bound.arguments)
+        layer.__dict__["forward"] = output_layer_forward
+        try:
+            result = post_orig(*a, **kw)
+        except _MainHidden as got:
+            return _call_processor(gpt, processor, context, named, got)
+        finally:
+            if layer_forward_orig is _ABSENT:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.__dict__["forward"] = layer_forward_orig
+            if sp_before is not None:
+                layer.sequence_parallel = sp_before
+        if getattr(gpt, "post_process", True):
+            raise RuntimeError("logitless legacy patch: this megatron-core's _postprocess never made the "
+                               "main-model logits call that the processor replaces; the output is not "
+                               "what the processor would return")
+        return result
+
+    gpt.__dict__["_postprocess"] = postprocess
+    try:
+        return original(*args, **kwargs)
+    finally:
+        gpt.__dict__.pop("_postprocess", None)
+
+
+def _call_processor(gpt, processor, context, named: dict, got: _MainHidden):
+    labels = named.get("labels")
+    hidden = got.hidden
+    if labels is not None and hidden.dim() == 3 and hidden.shape[1] != labels.shape[0]:
+        raise RuntimeError(f"logitless legacy patch: intercepted hidden states {tuple(hidden.shape)} do not "
+                           f"pair with labels {tuple(labels.shape)}")
+    with legacy_call():
+        return processor(
+            hidden_states=hidden,
+            output_layer=gpt.output_layer,
+            output_weight=got.weight,
+            labels=labels,
+            loss_mask=named.get("loss_mask"),
+            input_ids=named.get("input_ids"),
+            position_ids=named.get("position_ids"),
+            attention_mask=named.get("attention_mask"),
+            decoder_input=named.get("decoder_input"),
+            inference_context=named.get("inference_context"),
+            packed_seq_params=named.get("packed_seq_params"),
+            runtime_gather_output=got.runtime_gather_output,
+            context=context,
+            compute_language_model_loss=gpt.compute_language_model_loss,
+            scale_logits=getattr(gpt, "_scale_logits", None),
+            config=gpt.config,
+        )

@@ -1,0 +1,148 @@
+"""Test set-up for a real megatron-core GPTModel on CPU (gloo), shared by the in-process tests,
+the spawned TP=2 workers and the legacy-release suite.
+
+The two CPU workarounds live here, never in library code:
+1. ``model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)``: the plain call asserts CUDA.
+2. ``torch.cuda.current_device = lambda: "cpu"``: megatron-core allocates attention buffers and
+   collective outputs on the "current CUDA device".
+Plus a test-only core attention that runs packed (THD) sequences on CPU: Megatron's own
+DotProductAttention applied to each packed sequence with a causal mask (TE is GPU-only).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+warnings.filterwarnings("ignore")
+
+import torch.distributed as dist  # noqa: E402
+
+_saved_current_device = None
+
+
+def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file: str | None = None,
+                      seed: int = 123) -> None:
+    """gloo process group + megatron model-parallel state on CPU."""
+    global _saved_current_device
+    from megatron.core import parallel_state, tensor_parallel
+    if not dist.is_initialized():
+        if init_file is None:
+            import tempfile
+            init_file = tempfile.mktemp(prefix="logitless_gloo_")
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if _saved_current_device is None:
+        _saved_current_device = torch.cuda.current_device
+        torch.cuda.current_device = lambda: "cpu"
+    parallel_state.initialize_model_parallel(tp, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+def teardown_cpu_megatron() -> None:
+    global _saved_current_device
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _saved_current_device is not None:
+        torch.cuda.current_device = _saved_current_device
+        _saved_current_device = None
+
+
+def packed_attention_class():
+    """Megatron's DotProductAttention, extended to packed (THD) input by running each packed
+    sequence on its own with the usual causal mask: the same arithmetic as the [s, b] path."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kw):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, **kw)
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            cu = cu.tolist()
+            outs = []
+            for a, b in zip(cu[:-1], cu[1:]):
+                n = b - a
+                mask = torch.ones(n, n, dtype=torch.bool).triu(1).view(1, 1, n, n)
+                outs.append(super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1),
+                                            value[a:b].unsqueeze(1), mask, attn_mask_type=attn_mask_type))
+            return torch.cat(outs, dim=0)
+
+    return PackedDotProductAttention
+
+
+def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
+              tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
+              packed_attention: bool = False, post_process: bool = True, seed: int = 0, **cfg_kw):
+    """A small fp32 GPTModel (local layer spec) with random weights from ``seed``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+                            mtp_num_layers=1 if mtp else None, **cfg_kw)
+    spec = get_gpt_layer_local_spec()
+    if packed_attention:
+        spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
+    kw = {}
+    if mtp:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        kw["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=max_seq,
+                     share_embeddings_and_output_weights=tied, post_process=post_process, **kw)
+    # small random weights give nearly uniform softmaxes; widen the logits so log-probs vary
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "output_layer" in name or "word_embeddings" in name:
+                p.mul_(25.0)
+    return model
+
+
+def causal_mask(s: int):
+    """Megatron's bool mask [1, 1, s, s], True = masked out."""
+    return torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+
+
+def random_batch(b: int, s: int, vocab: int, gen: torch.Generator | None = None):
+    ids = torch.randint(0, vocab, (b, s), generator=gen)
+    labels = torch.randint(0, vocab, (b, s), generator=gen)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    return ids, pos, labels
+
+
+def unfused_logits(model, ids, pos, mask, **kw):
+    """The model's own logits [b, s, V] (vocab gathered over TP), fp32."""
+    return model(ids, pos, mask, runtime_gather_output=True, **kw)
+
+
+def reference_from_logits(logits, labels, temperature=1.0):
+    """(logprobs, entropy) float64 from the model's logits [b, s, V]; differentiable."""
+    z = logits.double()
+    if torch.is_tensor(temperature):
+        t = temperature.double()
+        t = t.view(-1, 1, 1) if t.dim() == 1 else t.unsqueeze(-1)
+        z = z / t
+    else:
+        z = z / float(temperature)
+    logp = torch.log_softmax(z, dim=-1)
+    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+def param_grads(model):
+    return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
