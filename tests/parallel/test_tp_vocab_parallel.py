@@ -1,0 +1,26 @@
+"""fused_logprobs with the LM head sharded by vocabulary rows over 2 and 3 gloo processes: every
+rank's log-probs, entropy and gradients equal the unsharded float64 computation."""
+from __future__ import annotations
+
+import pytest
+
+import tp_cases
+from tp_harness import run_world
+
+
+def check_outcome(world: int, case: str) -> None:
+    per_rank = run_world(world)[case]
+    failed = [o for o in per_rank if o != "ok" and not o.startswith("skip: ")]
+    assert not failed, "\n\n".join(failed)
+    skips = sorted({o for o in per_rank if o.startswith("skip: ")})
+    if skips:
+        pytest.skip("; ".join(s[len("skip: "):] for s in skips))
+
+
+def params(fns):
+    return [(world, name) for world in (2, 3) for name in tp_cases.names(fns, world)]
+
+
+@pytest.mark.parametrize("world,case", params(tp_cases.VOCAB_CASES + [tp_cases.case_triton_interpreted]))
+def test_vocab_parallel(world, case):
+    check_outcome(world, case)

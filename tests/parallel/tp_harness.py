@@ -1,0 +1,95 @@
+"""Runs the tensor-parallel cases in real gloo processes, once per world size, and caches outcomes.
+
+Spawning costs seconds (each rank imports torch), so every case of a world size runs inside one
+set of processes. Each rank records, per case, "ok", "skip: why" or the failure's traceback in a
+JSON file; the pytest tests read them. Inputs are fresh random numbers every run: rank 0 draws a
+seed and broadcasts it, so every rank builds the same full tensors; the seed is part of any failure.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT_S = 300
+
+
+class Skip(Exception):
+    """Raised by a case that cannot run here; the message says why."""
+
+
+@functools.lru_cache(maxsize=None)
+def run_world(world: int) -> dict:
+    """{case name: [outcome per rank]} of every case registered for ``world`` ranks."""
+    from tp_cases import cases_for, pre_init_cases
+    names = [name for name, _ in pre_init_cases() + cases_for(world)]
+    with tempfile.TemporaryDirectory(prefix="logitless-tp-") as tmp:
+        seed = secrets.randbits(31)
+        ctx = mp.start_processes(_entry, args=(world, tmp, seed), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + TIMEOUT_S
+        crashed = None
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    crashed = f"ranks still running after {TIMEOUT_S} s (a collective hung?)"
+                    break
+        except Exception as exc:          # a rank died outside the per-case guards
+            crashed = f"{type(exc).__name__}: {exc}"
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+        outcomes = {name: [] for name in names}
+        for rank in range(world):
+            path = os.path.join(tmp, f"rank{rank}.json")
+            got = json.load(open(path)) if os.path.exists(path) else {}
+            for name in names:
+                outcomes[name].append(got.get(name, f"no result from rank {rank} (seed {seed}): {crashed}"))
+    return outcomes
+
+
+def _entry(rank: int, world: int, tmp: str, seed: int) -> None:
+    # where no GPU exists triton must interpret, and must learn it before its first import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))       # tests/, for reference64
+    import torch
+    import torch.distributed as dist
+    from tp_cases import Ctx, cases_for, configure_process, pre_init_cases
+
+    configure_process()
+    results = {}
+    path = os.path.join(tmp, f"rank{rank}.json")
+
+    def record(name, fn, ctx):
+        try:
+            fn(ctx)
+            results[name] = "ok"
+        except Skip as exc:
+            results[name] = f"skip: {exc}"
+        except BaseException:
+            results[name] = f"rank {rank}, seed {ctx.seed}:\n{traceback.format_exc()}"
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+
+    for name, fn in pre_init_cases():
+        record(name, fn, Ctx(rank, world, None, seed))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        for i, (name, fn) in enumerate(cases_for(world)):
+            record(name, fn, Ctx(rank, world, dist.group.WORLD, seed + 1000 * i))
+    finally:
+        dist.destroy_process_group()
