@@ -1,0 +1,446 @@
+"""`logitless bench`: time logitless's backends, the naive torch path and the installed peers on the
+same inputs, against the GEMMs of the same shape measured in the same process (the floor).
+
+Work per token: log-prob of the label and entropy of softmax(h @ W^T / T). Inputs: hidden
+[N, H] and weight [V, H] in the chosen dtype, weights scaled so the logits have std ~4, labels
+sampled from that softmax (as in RL rollouts). Backward loss: sum(a * logprob) + sum(b * entropy)
+with random signed a, b per token (what PPO/GRPO send back); rows without entropy use the
+log-prob term only.
+
+Per row: one checked warm-up (errors vs the reference backend on the first tokens), then
+``repeats`` timed forwards (inputs not requiring grad: the rollout / reference-model use) and
+``repeats`` timed forward+backwards; times are medians. Floor: forward = 1 GEMM [N,H]x[H,V],
+forward+backward = 4 (forward, recompute, dH = dZ W, dW = dZ^T h), in the input dtype.
+Peak extra memory is measured around each timed call: on CUDA torch's allocator peak minus what
+was allocated before; on CPU the kernel's peak-RSS counter (VmHWM, reset through
+/proc/self/clear_refs) minus the RSS before. Both include the gradient buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import peers
+from .doctor import machine, versions
+
+GPU_SHAPE = (16384, 4096, 151936)
+# Sized so that `make bench` (every row, compiles included) takes about a minute on 2 CPU cores.
+CPU_SHAPE = (1024, 512, 32000)
+LOGIT_STD = 4.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BenchConfig:
+    device: str = "cpu"
+    shape: tuple[int, int, int] = CPU_SHAPE      # N tokens, H hidden, V vocabulary
+    dtype: str = "float32"
+    temperature: float = 1.0
+    backends: tuple[str, ...] = peers.NAMES
+    repeats: int = 3
+    check_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    name: str
+    label: str
+    kind: str
+    entropy: bool = True               # False: the implementation computes log-probs only
+    status: str = "ok"                 # ok | unavailable | failed
+    reason: Optional[str] = None
+    fwd_s: Optional[float] = None
+    fwd_bwd_s: Optional[float] = None
+    fwd_x_floor: Optional[float] = None
+    fwd_bwd_x_floor: Optional[float] = None
+    fwd_extra_bytes: Optional[int] = None
+    fwd_bwd_extra_bytes: Optional[int] = None
+    err_logprob: Optional[float] = None
+    err_entropy: Optional[float] = None
+    err_dh: Optional[float] = None
+    err_dw: Optional[float] = None
+    warmup_s: Optional[float] = None
+    times_fwd: list = field(default_factory=list)
+    times_fwd_bwd: list = field(default_factory=list)
+
+
+# --- measurement -----------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def _return_big_frees_to_os() -> None:
+    """Make glibc hand every allocation above 1 MiB straight back to the kernel when freed (and stop
+    raising that threshold dynamically), so RSS follows what is really alive."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak memory allocated above the level at ``start()``, in bytes, from ``stop()``.
+
+    CUDA: torch.cuda.max_memory_allocated. CPU: peak RSS (VmHWM after resetting it with
+    /proc/self/clear_refs) minus the RSS at start. ``method`` says which; ``stop()`` returns None
+    when neither works here."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = 0
+        if device.type == "cuda":
+            self.method = "torch.cuda.max_memory_allocated minus memory allocated before the call"
+        else:
+            try:
+                self._reset_hwm()
+                _status_kib("VmHWM")
+                self.method = "peak RSS (VmHWM, reset via /proc/self/clear_refs) minus RSS before the call"
+                _return_big_frees_to_os()
+            except OSError as exc:
+                self.method = f"unavailable: {exc}"
+
+    @staticmethod
+    def _reset_hwm() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def start(self) -> None:
+        # no gc.collect() here: it costs ~0.1 s once torch.compile is loaded; run_row collects
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        elif not self.method.startswith("unavailable"):
+            self.base = _status_kib("VmRSS") * 1024
+            self._reset_hwm()
+
+    def stop(self) -> Optional[int]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self.base)
+        if self.method.startswith("unavailable"):
+            return None
+        return max(0, _status_kib("VmHWM") * 1024 - self.base)
+
+
+def _measure(fn: Callable[[], object], device: torch.device, meter: PeakMemory) -> tuple[float, Optional[int]]:
+    """(seconds, peak extra bytes) of one call; whatever fn returns is dropped before returning."""
+    meter.start()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    del out
+    return seconds, meter.stop()
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+@dataclass
+class Inputs:
+    hidden: Tensor       # [N, H] dtype
+    weight: Tensor       # [V, H] dtype
+    labels: Tensor       # [N] int64, sampled from the tempered softmax
+    a: Tensor            # [N] float32 coefficient of logprob in the backward loss
+    b: Tensor            # [N] float32 coefficient of entropy
+
+
+def make_inputs(cfg: BenchConfig) -> Inputs:
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    n, h, v = cfg.shape
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    hidden = torch.randn(n, h, device=device, generator=gen).to(dtype)
+    # h ~ N(0, 1), W ~ N(0, s^2) => each logit ~ N(0, H s^2): s = 4 / sqrt(H) gives std 4
+    weight = (torch.randn(v, h, device=device, generator=gen) * (LOGIT_STD / math.sqrt(h))).to(dtype)
+    labels = torch.empty(n, dtype=torch.long, device=device)
+    step = max(1, (1 << 24) // v)     # sample a few tokens at a time: never [N, V] at once
+    for i in range(0, n, step):
+        z = (hidden[i:i + step] @ weight.t()).float() / cfg.temperature
+        labels[i:i + step] = torch.multinomial(torch.softmax(z, dim=1), 1, generator=gen).squeeze(1)
+    a = torch.randn(n, device=device, generator=gen)
+    b = torch.randn(n, device=device, generator=gen)
+    return Inputs(hidden, weight, labels, a, b)
+
+
+# --- one row ---------------------------------------------------------------------------------
+
+def _forward(fn: peers.Fn, x: Inputs, t: float) -> Callable[[], object]:
+    return lambda: fn(x.hidden, x.weight, x.labels, t)
+
+
+def _forward_backward(fn: peers.Fn, x: Inputs, t: float, a: Tensor, b: Tensor):
+    def step():
+        h = x.hidden.detach().requires_grad_()
+        w = x.weight.detach().requires_grad_()
+        lp, ent = fn(h, w, x.labels, t)
+        loss = (a * lp).sum()
+        if ent is not None:
+            loss = loss + (b * ent).sum()
+        loss.backward()
+        return lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad
+    return step
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+class Checker:
+    """Reference-backend results on the first ``s`` tokens, to compare every row against.
+
+    Rows are checked on a full-size call whose loss coefficients are zero beyond those tokens, so
+    d_weight there comes from the same tokens as the reference's (and compiled rows see one shape)."""
+
+    def __init__(self, x: Inputs, t: float, s: int):
+        self.s, self.x, self.t = s, x, t
+        self.a = torch.zeros_like(x.a)
+        self.a[:s] = x.a[:s]
+        self.b = torch.zeros_like(x.b)
+        self.b[:s] = x.b[:s]
+        self._ref: dict[bool, tuple] = {}
+
+    def reference(self, with_entropy: bool):
+        if with_entropy not in self._ref:
+            from .api import fused_logprobs
+            s, x = self.s, self.x
+            h = x.hidden[:s].detach().requires_grad_()
+            w = x.weight.detach().requires_grad_()
+            out = fused_logprobs(h, w, x.labels[:s], temperature=self.t, backend="reference")
+            loss = (x.a[:s] * out.logprobs).sum()
+            if with_entropy:
+                loss = loss + (x.b[:s] * out.entropy).sum()
+            loss.backward()
+            self._ref[with_entropy] = (out.logprobs.detach(), out.entropy.detach(), h.grad, w.grad)
+        return self._ref[with_entropy]
+
+    def compare(self, row: Row, lp: Tensor, ent: Optional[Tensor], dh: Tensor, dw: Tensor) -> None:
+        for name, out in (("logprobs", lp), ("entropy", ent), ("d_hidden", dh), ("d_weight", dw)):
+            if out is not None and not bool(torch.isfinite(out).all()):
+                raise FloatingPointError(f"{name} has non-finite values")
+        s = self.s
+        r_lp, r_ent, r_dh, r_dw = self.reference(ent is not None)
+        row.err_logprob = float((lp[:s].float() - r_lp).abs().max())
+        if ent is not None:
+            row.err_entropy = float((ent[:s].float() - r_ent).abs().max())
+        row.err_dh = _rel(dh[:s], r_dh)
+        row.err_dw = _rel(dw, r_dw)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
+
+
+def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, floor: dict, checker: Checker,
+            meter: PeakMemory) -> Row:
+    row = Row(impl.name, impl.label, impl.kind, impl.entropy)
+    gc.collect()                    # the previous row's leftovers must not count against this one
+    device = torch.device(cfg.device)
+    try:
+        fn = impl.build(device)
+    except peers.Unavailable as exc:
+        row.status, row.reason = "unavailable", str(exc)
+        return row
+    except Exception as exc:  # noqa: BLE001 - a broken peer keeps its row with the reason
+        row.status, row.reason = "unavailable", _short(exc)
+        return row
+    t = cfg.temperature
+    try:
+        t0 = time.perf_counter()
+        lp, ent, dh, dw = _forward_backward(fn, x, t, checker.a, checker.b)()
+        _sync(device)
+        row.warmup_s = time.perf_counter() - t0
+        checker.compare(row, lp, ent, dh, dw)
+        del lp, ent, dh, dw
+        with torch.no_grad():
+            _forward(fn, x, t)()            # warm-up of the inference path (compiles its own graph)
+            for _ in range(cfg.repeats):
+                sec, mem = _measure(_forward(fn, x, t), device, meter)
+                row.times_fwd.append(sec)
+                row.fwd_extra_bytes = max(row.fwd_extra_bytes or 0, mem or 0) if mem is not None else None
+        step = _forward_backward(fn, x, t, x.a, x.b)
+        for _ in range(cfg.repeats):
+            sec, mem = _measure(step, device, meter)
+            row.times_fwd_bwd.append(sec)
+            row.fwd_bwd_extra_bytes = max(row.fwd_bwd_extra_bytes or 0, mem or 0) if mem is not None else None
+    except Exception as exc:  # noqa: BLE001
+        row.status, row.reason = "failed", _short(exc)
+        if impl.triton_kernel and device.type != "cuda":
+            row.reason = f"triton GPU kernel, no GPU here: {row.reason}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
+    row.fwd_s = statistics.median(row.times_fwd)
+    row.fwd_bwd_s = statistics.median(row.times_fwd_bwd)
+    row.fwd_x_floor = row.fwd_s / floor["fwd_s"]
+    row.fwd_bwd_x_floor = row.fwd_bwd_s / floor["fwd_bwd_s"]
+    return row
+
+
+def run_floor(x: Inputs, cfg: BenchConfig, meter: PeakMemory) -> tuple[dict, Row]:
+    """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward."""
+    device = torch.device(cfg.device)
+    n, h, v = cfg.shape
+    hid, w = x.hidden, x.weight
+    dz = torch.randn(n, v, device=device).to(hid.dtype)   # stands for d_logits; made before timing
+
+    def fwd():
+        return hid @ w.t()
+
+    def fwd_bwd():
+        z = hid @ w.t()
+        del z
+        z = hid @ w.t()                      # the recompute a fused backward does
+        del z
+        return dz @ w, dz.t() @ hid
+
+    row = Row("gemm", "GEMM floor (1 / 4 GEMMs)", "floor")
+    fwd_bwd()
+    for _ in range(cfg.repeats):
+        sec, mem = _measure(fwd, device, meter)
+        row.times_fwd.append(sec)
+        row.fwd_extra_bytes = max(row.fwd_extra_bytes or 0, mem) if mem is not None else None
+        sec, mem = _measure(fwd_bwd, device, meter)
+        row.times_fwd_bwd.append(sec)
+        row.fwd_bwd_extra_bytes = max(row.fwd_bwd_extra_bytes or 0, mem) if mem is not None else None
+    del dz
+    row.fwd_s, row.fwd_bwd_s = statistics.median(row.times_fwd), statistics.median(row.times_fwd_bwd)
+    row.fwd_x_floor = row.fwd_bwd_x_floor = 1.0
+    flops = 2.0 * n * h * v
+    floor = {"fwd_s": row.fwd_s, "fwd_bwd_s": row.fwd_bwd_s, "fwd_tflops": flops / row.fwd_s / 1e12,
+             "fwd_bwd_tflops": 4 * flops / row.fwd_bwd_s / 1e12}
+    return floor, row
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
+              command: str = "logitless bench") -> dict:
+    """Run every requested row; returns the full record (what --json writes). ``command`` is
+    recorded as given."""
+    started = time.perf_counter()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    device = torch.device(cfg.device)
+    n, h, v = cfg.shape
+    progress(f"{cfg.device} N={n} H={h} V={v} {cfg.dtype} T={cfg.temperature}: making inputs")
+    x = make_inputs(cfg)
+    meter = PeakMemory(device)
+    checker = Checker(x, cfg.temperature, min(cfg.check_tokens, n))
+    impls = [peers.get(name) for name in cfg.backends]
+    total = len(impls) + 1
+    progress(f"[1/{total}] GEMM floor")
+    floor, floor_row = run_floor(x, cfg, meter)
+    progress(f"      fwd {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
+             f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms")
+    rows = [floor_row]
+    for i, impl in enumerate(impls, start=2):
+        progress(f"[{i}/{total}] {impl.name}")
+        t0 = time.perf_counter()
+        row = run_row(impl, x, cfg, floor, checker, meter)
+        rows.append(row)
+        if row.status == "ok":
+            progress(f"      fwd {row.fwd_s * 1e3:.1f} ms, fwd+bwd {row.fwd_bwd_s * 1e3:.1f} ms "
+                     f"({time.perf_counter() - t0:.1f} s with warm-up)")
+        else:
+            progress(f"      {row.status}: {row.reason}")
+    return {
+        "command": command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "versions": versions(),
+        "config": {**asdict(cfg), "shape": list(cfg.shape), "backends": list(cfg.backends),
+                   "logit_std": LOGIT_STD},
+        "memory_method": meter.method,
+        "load_average_start": load_start,
+        "floor": floor,
+        "rows": [asdict(r) for r in rows],
+        "elapsed_s": time.perf_counter() - started,
+        # other work on the machine skews CPU timings: keep the load next to them
+        "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def format_table(result: dict) -> str:
+    """The markdown table the bench prints, with a header line for the setup."""
+    cfg, floor, m = result["config"], result["floor"], result["machine"]
+    n, h, v = cfg["shape"]
+    where = m["cuda"][0]["name"] if cfg["device"] == "cuda" and m["cuda"] else m["cpu"]
+    head = (f"N={n} H={h} V={v} {cfg['dtype']} T={cfg['temperature']} on {cfg['device']} ({where}); "
+            f"median of {cfg['repeats']}; errors vs the reference backend on the first "
+            f"{min(cfg['check_tokens'], n)} tokens\n"
+            f"floor: 1 GEMM {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
+            f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms\n\n")
+    cols = ["implementation", "fwd ms", "fwd x floor", "fwd+bwd ms", "fwd+bwd x floor",
+            "fwd MiB", "fwd+bwd MiB", "lp err", "ent err", "dh rel", "dW rel", "note"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result["rows"]:
+        note = r["reason"] or ""
+        if r["status"] == "ok" and not r["entropy"] and r["kind"] != "floor":
+            note = "log-prob only (no entropy)"
+        cells = [r["label"], _fmt(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), _fmt(r["fwd_x_floor"], ".2f"),
+                 _fmt(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), _fmt(r["fwd_bwd_x_floor"], ".2f"),
+                 _mib(r["fwd_extra_bytes"]), _mib(r["fwd_bwd_extra_bytes"]), _fmt(r["err_logprob"], ".1e"),
+                 _fmt(r["err_entropy"], ".1e"), _fmt(r["err_dh"], ".1e"), _fmt(r["err_dw"], ".1e"),
+                 note.replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_plot(result: dict, path: str) -> None:
+    """A PNG bar chart: time over the GEMM floor, forward and forward+backward, per row that ran."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    labels = [r["label"] for r in rows]
+    ys = range(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.6))
+    ax.barh([y - 0.2 for y in ys], [r["fwd_x_floor"] for r in rows], height=0.4, label="forward")
+    ax.barh([y + 0.2 for y in ys], [r["fwd_bwd_x_floor"] for r in rows], height=0.4, label="forward+backward")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(list(ys), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("time / GEMM floor (lower is better)")
+    cfg = result["config"]
+    n, h, v = cfg["shape"]
+    ax.set_title(f"logitless bench: N={n} H={h} V={v} {cfg['dtype']} on {cfg['device']}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
