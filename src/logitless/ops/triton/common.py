@@ -12,7 +12,7 @@ import triton.language as tl
 # from TRITON_INTERPRET as it was when triton was imported.
 INTERPRETING = bool(triton.knobs.runtime.interpret)
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr so kernels can read it
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

@@ -1,0 +1,203 @@
+"""The Triton backend's real kernels against float64, on small odd shapes.
+
+Without a GPU these run in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), with the
+interpreter's small tiles (16 x 64 x 32): V = 1031 leaves a last vocabulary tile of 7 real columns and
+57 padded ones, H = 100 a ragged last K tile, and a small dlogits budget makes the backward walk
+several vocabulary chunks with a ragged last one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logitless import fused_logprobs, last_backend
+from logitless.ops.triton import backend as triton_backend
+from reference64 import logprobs_entropy64, rel_err
+
+TOL = {  # logprob max abs, entropy max abs, gradient relative error
+    torch.float32: (2e-5, 2e-5, 1e-4),
+    torch.bfloat16: (1e-3, 2e-3, 1e-2),
+    torch.float16: (1e-3, 2e-3, 1e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def several_backward_chunks(monkeypatch):
+    # 7 tokens x 128 columns -> chunks of 128 vocabulary rows; 1031 = 8 * 128 + 7
+    monkeypatch.setenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS", str(7 * 128))
+
+
+def make_inputs(lead=(7,), h=96, v=1031, dtype=torch.float32, logit_std=4.0):
+    """hidden [*lead, H], weight [V, H] with logits of std about logit_std, labels sampled from the softmax."""
+    hidden = torch.randn(*lead, h)
+    weight = torch.randn(v, h) * (logit_std / h ** 0.5)
+    with torch.no_grad():
+        probs = torch.softmax(hidden.double() @ weight.double().t(), dim=-1)
+        labels = torch.multinomial(probs.reshape(-1, v), 1).reshape(lead)
+    return hidden.to(dtype), weight.to(dtype), labels
+
+
+def close_everywhere(got, want, rel):
+    """Relative norm error <= rel, and no single element off by more than rel * max|want|
+    (catches an unwritten row that a norm would average away)."""
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) <= rel
+    assert (got.double() - want).abs().max().item() <= rel * want.abs().max().item() * 4
+
+
+def check(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, with_entropy=True,
+          grad_hidden=True, grad_weight=True):
+    """Forward and backward of sum(a * logprob) + sum(b * entropy) through backend="triton", against float64."""
+    tol = TOL[hidden.dtype]
+    h = hidden.detach().clone().requires_grad_(grad_hidden)
+    w = weight.detach().clone().requires_grad_(grad_weight)
+    out = fused_logprobs(h, w, labels, temperature=temperature, ignore_index=ignore_index,
+                         with_entropy=with_entropy, backend="triton")
+    assert last_backend() == "triton"
+    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == labels.shape
+    h64 = hidden.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature, ignore_index)
+    assert torch.isfinite(out.logprobs).all()
+    assert (out.logprobs - lp64).abs().max().item() <= tol[0]
+    assert (out.logprobs <= 0).all()
+    a = torch.randn(labels.shape, dtype=torch.float64)
+    b = torch.randn(labels.shape, dtype=torch.float64)
+    loss, loss64 = (out.logprobs * a.float()).sum(), (lp64 * a).sum()
+    if with_entropy:
+        assert out.entropy.dtype == torch.float32 and torch.isfinite(out.entropy).all()
+        assert (out.entropy - ent64).abs().max().item() <= tol[1]
+        loss, loss64 = loss + (out.entropy * b.float()).sum(), loss64 + (ent64 * b).sum()
+    else:
+        assert out.entropy is None
+    if not (grad_hidden or grad_weight):
+        return out
+    loss.backward()
+    loss64.backward()
+    if grad_hidden:
+        assert h.grad.dtype == hidden.dtype and h.grad.shape == hidden.shape
+        close_everywhere(h.grad, h64.grad, tol[2])
+    else:
+        assert h.grad is None
+    if grad_weight:
+        assert w.grad.dtype == weight.dtype and w.grad.shape == weight.shape
+        close_everywhere(w.grad, w64.grad, tol[2])
+    else:
+        assert w.grad is None
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64(dtype):
+    check(*make_inputs(dtype=dtype), temperature=0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_temperature_and_ignored_rows(dtype):
+    hidden, weight, labels = make_inputs(dtype=dtype)
+    labels[1] = labels[4] = -100
+    temperature = torch.rand(7) + 0.5
+    out = check(hidden, weight, labels, temperature=temperature)
+    assert out.logprobs[1] == 0 and out.entropy[4] == 0
+
+
+def test_ignored_rows_get_no_gradient():
+    hidden, weight, labels = make_inputs()
+    labels[2] = 7                      # 7 is the ignore_index below: not a label
+    h = hidden.clone().requires_grad_()
+    out = fused_logprobs(h, weight, labels, ignore_index=7, backend="triton")
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert h.grad[2].abs().max() == 0 and h.grad.abs().sum() > 0
+
+
+def test_three_dimensional_ragged_k():
+    # [2, 5, 100]: H = 100 is not a multiple of the K tile; per-sequence temperature [2, 1]
+    hidden, weight, labels = make_inputs(lead=(2, 5), h=100)
+    labels[0, 3] = -100
+    check(hidden, weight, labels, temperature=torch.tensor([[0.8], [1.3]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_entropy(dtype):
+    check(*make_inputs(dtype=dtype), with_entropy=False, temperature=1.3)
+
+
+def test_int32_labels():
+    hidden, weight, labels = make_inputs()
+    check(hidden, weight, labels.int())
+
+
+def test_non_contiguous_inputs():
+    hidden, weight, labels = make_inputs(lead=(7,), h=96)
+    hidden_t = hidden.t().contiguous().t()             # column-major [7, 96]
+    wide = torch.randn(1031, 192)
+    wide[:, ::2] = weight
+    weight_strided = wide[:, ::2]                       # row stride 192, column stride 2
+    assert not hidden_t.is_contiguous() and not weight_strided.is_contiguous()
+    check(hidden_t, weight_strided, labels, temperature=0.9)
+
+
+@pytest.mark.parametrize("grad_hidden,grad_weight", [(True, False), (False, True), (False, False)])
+def test_gradients_only_where_required(grad_hidden, grad_weight):
+    check(*make_inputs(dtype=torch.bfloat16), grad_hidden=grad_hidden, grad_weight=grad_weight)
+
+
+def test_all_logits_negative():
+    # a constant last feature shifts every logit by about -60: a running max that started at 0
+    # instead of -inf would give wrong results here
+    hidden, weight, labels = make_inputs(h=48)
+    hidden[:, -1] = 1.0
+    weight[:, -1] = -60.0
+    out = check(hidden, weight, labels)
+    assert out.entropy.min() > 0
+
+
+def test_large_outlier_logit():
+    # one vocabulary row sits at about +50 for every token: nearly all mass there
+    hidden, weight, labels = make_inputs(h=48)
+    hidden[:, -1] = 1.0
+    weight[:, -1] = 0.0
+    weight[517, -1] = 50.0
+    labels[0], labels[1] = 517, 3
+    check(hidden, weight, labels)
+
+
+def test_padded_last_tile_carries_no_mass():
+    # every label of one distribution: the probabilities must sum to 1 and every log-prob be <= 0.
+    # V = 131 leaves 3 real columns in the last tile of 64.
+    v = 131
+    hidden, weight, _ = make_inputs(lead=(1,), h=48, v=v)
+    out = fused_logprobs(hidden.expand(v, 48), weight, torch.arange(v), backend="triton")
+    assert (out.logprobs <= 0).all()
+    assert abs(out.logprobs.double().exp().sum().item() - 1.0) <= 1e-5
+    assert torch.allclose(out.entropy, out.entropy[0].expand(v))
+
+
+def test_labels_in_first_and_last_column():
+    hidden, weight, labels = make_inputs()
+    labels[0], labels[1], labels[2] = 0, 1030, 1024     # 1024: first column of the padded last tile
+    check(hidden, weight, labels)
+
+
+def test_availability():
+    cpu = torch.zeros(2, 3)
+    assert triton_backend.unavailable_reason(cpu, cpu) is None        # interpreter on in this process
+    meta = torch.empty(2, 3, device="meta")
+    assert "CUDA" in triton_backend.unavailable_reason(meta, meta)
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(triton_backend, "INTERPRETING", False)
+    hidden, weight, labels = make_inputs()
+    assert "TRITON_INTERPRET=1" in triton_backend.unavailable_reason(hidden, weight)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        fused_logprobs(hidden, weight, labels, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (non-interpreted) kernels need a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_kernels_on_cuda(dtype, monkeypatch):
+    monkeypatch.delenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS")
+    hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype)
+    labels[::7] = -100
+    check(hidden.cuda(), weight.cuda(), labels.cuda(), temperature=torch.rand(300, device="cuda") + 0.5)
