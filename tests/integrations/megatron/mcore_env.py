@@ -120,8 +120,26 @@ def random_batch(b: int, s: int, vocab: int, gen: torch.Generator | None = None)
 
 
 def unfused_logits(model, ids, pos, mask, **kw):
-    """The model's own logits [b, s, V] (vocab gathered over TP), fp32."""
-    return model(ids, pos, mask, runtime_gather_output=True, **kw)
+    """The model's own logits [b, s, V] (vocab gathered over TP), fp32. At TP=1 nothing is
+    gathered: megatron's TP=1 "gather" returns a view that its in-place cross entropy (the MTP
+    loss) then trips over in backward."""
+    tp = model.config.tensor_model_parallel_size
+    return model(ids, pos, mask, runtime_gather_output=True if tp > 1 else None, **kw)
+
+
+def unfused_logits_with_labels(model, ids, pos, mask, labels, **kw):
+    """The model's own logits [b, s, V] for a forward that was given ``labels`` (so an MTP block
+    computes its loss from those labels, as in the fused call): megatron's own output layer and
+    logit scaling applied at the post-process boundary, exactly what ``_postprocess`` does there."""
+    tp = model.config.tensor_model_parallel_size
+
+    def logits(*, hidden_states, output_layer, output_weight, scale_logits=None, **_):
+        z, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=True if tp > 1 else None)
+        if scale_logits is not None:
+            z = scale_logits(z)
+        return z.transpose(0, 1)
+
+    return model(ids, pos, mask, labels=labels, output_processor=logits, **kw)
 
 
 def reference_from_logits(logits, labels, temperature=1.0):
@@ -146,3 +164,49 @@ def param_grads(model):
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def old_signature_gpt_class():
+    """A GPTModel whose forward has the pre-0.18 signature (no output_processor parameters) but
+    still routes through ``_postprocess``, as megatron-core 0.13-0.17 do: the legacy path's
+    target inside the current release (the real older release is tested in its own venv)."""
+    from megatron.core.models.gpt import GPTModel
+
+    class OldSignatureGPTModel(GPTModel):
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                    runtime_gather_output=None, *, loss_mask=None, padding_mask=None):
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels,
+                                   inference_context, packed_seq_params, extra_block_kwargs,
+                                   runtime_gather_output, loss_mask=loss_mask, padding_mask=padding_mask)
+
+    return OldSignatureGPTModel
+
+
+def no_postprocess_gpt_class():
+    """A GPTModel whose forward neither has the hook nor goes through ``_postprocess`` (the
+    shape of releases older than 0.13): only the unfused path can serve it."""
+    from megatron.core.models.gpt import GPTModel
+
+    class NoPostprocessGPTModel(GPTModel):
+        _postprocess = None
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                    runtime_gather_output=None, **_):
+            hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            hidden = self.decoder(hidden_states=hidden, attention_mask=attention_mask,
+                                  packed_seq_params=packed_seq_params)
+            logits, _ = self.output_layer(hidden, runtime_gather_output=runtime_gather_output)
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            return self.compute_language_model_loss(labels, logits)
+
+    return NoPostprocessGPTModel
+
+
+def build_with_class(cls, **kw):
+    """build_gpt, then the same weights in a model of class ``cls`` (a GPTModel subclass)."""
+    model = build_gpt(**kw)
+    model.__class__ = cls
+    return model

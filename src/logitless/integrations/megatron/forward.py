@@ -142,7 +142,8 @@ def _run(model: nn.Module, gpt: nn.Module, ids: Tensor, pos: Tensor, mask: Optio
     return TokenLogProbs(*out)   # Float16Module hands back a plain tuple
 
 
-def _prepare(model):
+def _prepare(model, strict):
+    strict_enabled(strict)      # validates the argument before any work
     gpt = unwrap_gpt_model(model)
     if not getattr(gpt, "post_process", True):
         raise ValueError("this GPTModel is not the last pipeline stage (post_process=False): it has no output "
@@ -186,7 +187,7 @@ def forward_padded(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         TokenLogProbs of float32 [b, s] (entropy None when with_entropy is False); 0 at pads and at
         each row's last real token. See ``last_path()`` for the path that ran.
     """
-    gpt, layout = _prepare(model)
+    gpt, layout = _prepare(model, strict)
     mask = check_padded(input_ids, attention_mask)
     temperature = _check_temperature(temperature)
     if not isinstance(with_entropy, bool):
@@ -251,7 +252,7 @@ def forward_packed(model: nn.Module, sequences, *, temperature: Union[float, Ten
         TokenLogProbs whose fields hold one float32 [length_i] tensor per sequence, as a list (or a
         jagged nested tensor when the input was one); 0 at each sequence's last token.
     """
-    gpt, layout = _prepare(model)
+    gpt, layout = _prepare(model, strict)
     nested = isinstance(sequences, Tensor) and sequences.is_nested
     seqs: Sequence[Tensor] = list(sequences.unbind()) if nested else sequences
     temperature = _check_temperature(temperature)

@@ -1,0 +1,25 @@
+import os
+import random
+
+import pytest
+
+mcore = pytest.importorskip("megatron.core", reason="megatron-core is not installed (make setup installs it)")
+
+
+@pytest.fixture(scope="session")
+def megatron_tp1():
+    """One gloo process group (world 1) and megatron's model-parallel state, for the whole session;
+    restored afterwards so other tests see an untouched torch."""
+    import mcore_env
+    mcore_env.init_cpu_megatron(rank=0, world_size=1, tp=1)
+    yield mcore_env
+    mcore_env.teardown_cpu_megatron()
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test (printed, so a failure can be replayed)."""
+    s = int.from_bytes(os.urandom(4), "little") if "LOGITLESS_SEED" not in os.environ else int(os.environ["LOGITLESS_SEED"])
+    print(f"seed={s}")
+    random.seed(s)
+    return s
