@@ -58,7 +58,6 @@ def bench(fn, warmup=2, reps=7):
 
 # ---------------------------------------------------------------- correctness on small odd shapes
 def small_checks():
-    from reference64 import logprobs_entropy64, rel_err
     tol = {torch.float32: (2e-5, 2e-5, 1e-4), torch.bfloat16: (1e-3, 2e-3, 1e-2), torch.float16: (1e-3, 2e-3, 1e-2)}
     cases = [  # n, h, v, dtype, per-token temperature, with_entropy
         (333, 200, 5003, torch.float32, False, True),
@@ -66,33 +65,42 @@ def small_checks():
         (333, 200, 5003, torch.float16, True, False),
         (1000, 4096, 33001, torch.bfloat16, False, True),
         (7, 96, 1031, torch.bfloat16, True, True),
+        (333, 100, 5003, torch.bfloat16, True, True),   # rows of 200 bytes: pointer loads, masked K tail
     ]
-    for n, h, v, dt, per_tok, with_ent in cases:
-        hidden = torch.randn(n, h, device="cuda")
-        weight = torch.randn(v, h, device="cuda") * (4 / h ** 0.5)
-        with torch.no_grad():
-            labels = torch.multinomial(torch.softmax(hidden @ weight.t(), -1), 1).squeeze(1)
-        labels[::5] = -100
-        temp = (torch.rand(n, device="cuda") + 0.5) if per_tok else 0.7
-        hd, wd = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
-        out = fused_logprobs(hd, wd, labels, temperature=temp, with_entropy=with_ent, backend="triton")
-        assert last_backend() == "triton"
-        h64, w64 = hd.detach().double().requires_grad_(), wd.detach().double().requires_grad_()
-        lp64, ent64 = logprobs_entropy64(h64, w64, labels, temp)
-        a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
-        loss = (out.logprobs * a).sum() + ((out.entropy * b).sum() if with_ent else 0)
-        loss.backward()
-        (((lp64 * a.double()).sum() + ((ent64 * b.double()).sum() if with_ent else 0))).backward()
-        r = {"n": n, "h": h, "v": v, "dtype": str(dt), "per_token_temp": per_tok, "with_entropy": with_ent,
-             "lp_err": (out.logprobs - lp64).abs().max().item(),
-             "ent_err": (out.entropy - ent64).abs().max().item() if with_ent else 0.0,
-             "dh_rel": rel_err(hd.grad, h64.grad), "dw_rel": rel_err(wd.grad, w64.grad),
-             "max_lp": out.logprobs.max().item()}
-        t = tol[dt]
-        r["ok"] = bool(r["lp_err"] <= t[0] and r["ent_err"] <= t[1] and r["dh_rel"] <= t[2]
-                       and r["dw_rel"] <= t[2] and r["max_lp"] <= 0 and math.isfinite(r["lp_err"]))
-        RESULTS["checks"].append(r)
-        log("check", r)
+    for case in cases:
+        try:
+            one_check(*case, tol[case[3]])
+        except Exception as exc:  # noqa: BLE001 - record it, go on to the timings
+            RESULTS["checks"].append({"case": str(case), "ok": False, "error": repr(exc)[:500]})
+            log("check FAILED", case, repr(exc)[:500])
+
+
+def one_check(n, h, v, dt, per_tok, with_ent, t):
+    from reference64 import logprobs_entropy64, rel_err
+    hidden = torch.randn(n, h, device="cuda")
+    weight = torch.randn(v, h, device="cuda") * (4 / h ** 0.5)
+    with torch.no_grad():
+        labels = torch.multinomial(torch.softmax(hidden @ weight.t(), -1), 1).squeeze(1)
+    labels[::5] = -100
+    temp = (torch.rand(n, device="cuda") + 0.5) if per_tok else 0.7
+    hd, wd = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+    out = fused_logprobs(hd, wd, labels, temperature=temp, with_entropy=with_ent, backend="triton")
+    assert last_backend() == "triton"
+    h64, w64 = hd.detach().double().requires_grad_(), wd.detach().double().requires_grad_()
+    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temp)
+    a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    loss = (out.logprobs * a).sum() + ((out.entropy * b).sum() if with_ent else 0)
+    loss.backward()
+    (((lp64 * a.double()).sum() + ((ent64 * b.double()).sum() if with_ent else 0))).backward()
+    r = {"n": n, "h": h, "v": v, "dtype": str(dt), "per_token_temp": per_tok, "with_entropy": with_ent,
+         "lp_err": (out.logprobs - lp64).abs().max().item(),
+         "ent_err": (out.entropy - ent64).abs().max().item() if with_ent else 0.0,
+         "dh_rel": rel_err(hd.grad, h64.grad), "dw_rel": rel_err(wd.grad, w64.grad),
+         "max_lp": out.logprobs.max().item()}
+    r["ok"] = bool(r["lp_err"] <= t[0] and r["ent_err"] <= t[1] and r["dh_rel"] <= t[2]
+                   and r["dw_rel"] <= t[2] and r["max_lp"] <= 0 and math.isfinite(r["lp_err"]))
+    RESULTS["checks"].append(r)
+    log("check", r)
 
 
 # ---------------------------------------------------------------- benchmark shapes
@@ -197,13 +205,16 @@ def shape_run(tag, sweep):
     torch.cuda.empty_cache()
     log(tag, "floor", res)
     grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    if sweep:
+        variant_sweep(tag, hidden, weight, labels, a, b, res)
+        write()
 
     ref = reference32(hidden, weight, labels, a, b)
     torch.cuda.empty_cache()
     out, gh, gw = run_op(hidden, weight, labels, a, b, "triton")
     res["triton_err"] = errors(out, gh, gw, ref)
     out, gh, gw = run_op(hidden, weight, labels, a, b, "triton", with_entropy=False)
-    res["triton_noent_err"] = errors(out, gh, gw, ref)
+    res["triton_noent_err"] = errors(out, None, None, ref)   # its gradient lacks the entropy term
     del out, gh, gw
     log(tag, "errors", res["triton_err"], res["triton_noent_err"])
 
@@ -226,9 +237,6 @@ def shape_run(tag, sweep):
     res["triton_peak_gib"], res["triton_extra_gib"] = peak_extra(
         lambda: run_op(hidden, weight, labels, a, b, "triton"), grad_bytes)
     log(tag, "triton memory", res["triton_peak_gib"], res["triton_extra_gib"])
-
-    if sweep:
-        variant_sweep(tag, hidden, weight, labels, a, b, res)
 
     # the comparisons: chunked backend and naive eager
     ck_ref = run_op(hidden, weight, labels, a, b, "chunked")
@@ -255,29 +263,34 @@ def shape_run(tag, sweep):
     write()
 
 
-FWD_VARIANTS = [  # BM, BN, BK, GROUP_M, warps, stages
-    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
-    (256, 128, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
+FWD_VARIANTS = [  # (BM, BN, BK, GROUP_M, warps, stages), bulk-copy (TMA) loads
+    ((128, 256, 64, 8, 8, 3), False), ((128, 256, 64, 16, 8, 4), False),
+    ((128, 256, 64, 8, 8, 3), True), ((128, 256, 64, 16, 8, 3), True), ((128, 256, 64, 16, 8, 4), True),
+    ((128, 256, 64, 32, 8, 4), True), ((256, 128, 64, 16, 8, 4), True), ((128, 128, 64, 16, 4, 4), True),
+    ((128, 128, 64, 16, 8, 5), True), ((64, 256, 64, 16, 4, 4), True),
 ]
-BWD_VARIANTS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4)]
-CHUNK_BUDGETS = [1 << 25, 1 << 26, 1 << 27]
+BWD_VARIANTS = [((128, 256, 64, 8, 8, 3), False, 1 << 26), ((128, 256, 64, 16, 8, 4), False, 1 << 26),
+                ((128, 256, 64, 16, 8, 4), True, 1 << 26), ((128, 256, 64, 8, 8, 3), True, 1 << 26),
+                ((128, 256, 64, 16, 8, 4), True, 1 << 25), ((128, 256, 64, 16, 8, 4), True, 1 << 27),
+                ((256, 128, 64, 16, 8, 4), True, 1 << 26)]
+KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGITS_ELEMENTS", "LOGITLESS_TRITON_TMA")
 
 
 def variant_sweep(tag, hidden, weight, labels, a, b, res):
-    saved = {k: os.environ.get(k) for k in ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD",
-                                            "LOGITLESS_TRITON_DLOGITS_ELEMENTS")}
+    saved = {k: os.environ.get(k) for k in KNOBS}
     from logitless.ops.triton import forward_stats
     ones = torch.ones(hidden.shape[0], device="cuda")
-    for cfg in FWD_VARIANTS:
+    for cfg, tma in FWD_VARIANTS:
         os.environ["LOGITLESS_TRITON_FWD"] = ",".join(map(str, cfg))
-        row = {"shape": tag, "stage": "fwd", "cfg": cfg}
+        os.environ["LOGITLESS_TRITON_TMA"] = "1" if tma else "0"
+        row = {"shape": tag, "stage": "fwd", "cfg": cfg, "tma": tma}
         try:
             fn = lambda: forward_stats.stats(hidden, weight, labels, ones, True)
             t0 = time.time()
             fn()
             torch.cuda.synchronize()
             row["compile_s"] = time.time() - t0
-            row["ms"] = bench(fn, reps=5)[0]
+            row["ms"] = bench(fn, reps=7)[0]
             row["x_gemm1"] = row["ms"] / res["gemm1_ms"]
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:300]
@@ -288,28 +301,27 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
     n, v = hidden.shape[0], weight.shape[0]
     lse = torch.randn(n, device="cuda").abs() + 10
     ent = torch.rand(n, device="cuda") * 3
-    inv_t = torch.ones(n, device="cuda")
-    for cfg in BWD_VARIANTS:
+    for cfg, tma, budget in BWD_VARIANTS:
         os.environ["LOGITLESS_TRITON_BWD"] = ",".join(map(str, cfg))
-        for budget in CHUNK_BUDGETS if cfg == BWD_VARIANTS[0] else [1 << 26]:
-            os.environ["LOGITLESS_TRITON_DLOGITS_ELEMENTS"] = str(budget)
-            row = {"shape": tag, "stage": "bwd", "cfg": cfg, "budget": budget}
-            try:
-                fn = lambda: tri_bwd.grads(hidden, weight, labels, inv_t, lse, ent, a, b, True, True)
-                fn()
-                row["ms"] = bench(fn, reps=3)[0]
-                row["x_gemm3"] = row["ms"] / (res["gemm4_ms"] * 0.75)
-                step = tri_bwd.chunk_columns(n, v, cfg[1])
-                buf = torch.empty(n, step, dtype=hidden.dtype, device="cuda")
-                row["dlogits_chunk_ms"] = bench(lambda: tri_bwd.dlogits_chunk(
-                    hidden, weight[:step], 0, labels, inv_t, lse, ent, a, b, buf), reps=5)[0]
-                row["chunk_cols"] = step
-                row["chunk_x_gemm"] = row["dlogits_chunk_ms"] / (res["gemm1_ms"] * step / v)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = repr(exc)[:300]
-            RESULTS["sweep"].append(row)
-            log("sweep", row)
-            torch.cuda.empty_cache()
+        os.environ["LOGITLESS_TRITON_TMA"] = "1" if tma else "0"
+        os.environ["LOGITLESS_TRITON_DLOGITS_ELEMENTS"] = str(budget)
+        row = {"shape": tag, "stage": "bwd", "cfg": cfg, "tma": tma, "budget": budget}
+        try:
+            fn = lambda: tri_bwd.grads(hidden, weight, labels, ones, lse, ent, a, b, True, True)
+            fn()
+            row["ms"] = bench(fn, reps=3)[0]
+            row["x_gemm3"] = row["ms"] / (res["gemm4_ms"] * 0.75)
+            step = tri_bwd.chunk_columns(n, v, cfg[1])
+            buf = torch.empty(n, step, dtype=hidden.dtype, device="cuda")
+            row["dlogits_chunk_ms"] = bench(lambda: tri_bwd.dlogits_chunk(
+                hidden, weight[:step], 0, labels, ones, lse, ent, a, b, buf), reps=5)[0]
+            row["chunk_cols"] = step
+            row["chunk_x_gemm"] = row["dlogits_chunk_ms"] / (res["gemm1_ms"] * step / v)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:300]
+        RESULTS["sweep"].append(row)
+        log("sweep", row)
+        torch.cuda.empty_cache()
     for k, val in saved.items():
         if val is None:
             os.environ.pop(k, None)
@@ -345,7 +357,8 @@ def table():
             return "%.3f" % (r[key] / r[floor]) if r.get(key) else "-"
         e = r.get("triton_err", {})
         lines.append(
-            f"| {tag} | {r['gemm1_ms']:.2f} | {x('triton_fwd_ms', 'gemm1_ms')} | {x('triton_fwd_noent_ms', 'gemm1_ms')} "
+            f"| {tag} | {r['gemm1_ms']:.2f} | {x('triton_fwd_ms', 'gemm1_ms')} "
+            f"| {x('triton_fwd_noent_ms', 'gemm1_ms')} "
             f"| {r['gemm4_ms']:.2f} | {x('triton_fwdbwd_ms', 'gemm4_ms')} | {x('triton_fwdbwd_noent_ms', 'gemm4_ms')} "
             f"| {r.get('triton_extra_gib', float('nan')):.3f} | {e.get('lp_err', float('nan')):.2e} "
             f"| {e.get('ent_err', float('nan')):.2e} | {e.get('dh_rel', float('nan')):.2e} "
@@ -384,7 +397,8 @@ def main():
     write()
     log("\nchecks ok:", all(c["ok"] for c in RESULTS["checks"]), len(RESULTS["checks"]))
     for row in RESULTS["sweep"]:
-        log("sweep", row.get("shape"), row.get("stage"), row.get("cfg"), row.get("budget", ""),
+        log("sweep", row.get("shape"), row.get("stage"), row.get("cfg"), "tma" if row.get("tma") else "ptr",
+            row.get("budget", ""),
             "%.2f ms" % row["ms"] if "ms" in row else row.get("error"),
             "x%.3f" % row.get("x_gemm1", row.get("x_gemm3", float("nan"))))
     log(table())

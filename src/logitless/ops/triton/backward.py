@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend import mm_fp32
-from .common import LOG2E, backward_tiles, dot_flags
+from .common import LOG2E, tile_operands, backward_tiles, dot_flags
 from .tile import logits_tile, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
@@ -32,13 +32,13 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
                     WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                        EVEN_K: tl.constexpr,
-                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
     """dl[i, j] = inv_t_i * (g_lp_i * ([j + col0 == label_i] - p_ij) - g_ent_i * p_ij * (x_ij + ent_i)),
     x = z - lse = log p,
     for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE)
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
@@ -69,13 +69,14 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
     tiles = backward_tiles(n, k, hidden.dtype)
     with_entropy = g_ent is not None
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
+    h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
     _dlogits_kernel[grid](
-        hidden, w_chunk, labels, inv_temp, lse, ent if with_entropy else lse, g_lp,
+        h_op, w_op, labels, inv_temp, lse, ent if with_entropy else lse, g_lp,
         g_ent if with_entropy else g_lp, out,
         n, cols, k, col0, hidden.stride(0), hidden.stride(1), w_chunk.stride(0), w_chunk.stride(1), out.stride(0),
         WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         K_TILES=triton.cdiv(k, tiles.block_k),
-        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype),
+        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

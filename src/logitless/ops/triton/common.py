@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # triton decides at decoration time whether @triton.jit builds GPU code or interpreter functions,
 # from TRITON_INTERPRET as it was when triton was imported.
@@ -74,3 +75,21 @@ def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
     if dtype == torch.float32:
         return Tiles(64, 64, 32, 8, 4, 3)
     return Tiles(128, 256, 64, 8, 8, 3)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """The bulk copy engine needs unit stride along H and 16-byte aligned rows and base."""
+    size = t.element_size()
+    return (t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 0 and (t.stride(0) * size) % 16 == 0
+            and t.data_ptr() % 16 == 0 and (t.shape[1] * size) >= 16)
+
+
+def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
+    """(hidden operand, weight operand, USE_TMA) for logits_tile: tensor descriptors where the layout
+    allows and LOGITLESS_TRITON_TMA is not "0", else the tensors themselves (pointer loads)."""
+    mode = os.environ.get("LOGITLESS_TRITON_TMA", "1")
+    if mode != "0" and _tma_ok(hidden) and _tma_ok(weight):
+        h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])
+        w = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [tiles.block_n, tiles.block_k])
+        return h, w, True
+    return hidden, weight, False

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LOG2E, dot_flags, forward_tiles
+from .common import LOG2E, tile_operands, dot_flags, forward_tiles
 from .tile import logits_tile, tile_coords
 
 
@@ -25,10 +25,10 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
                        WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                        EVEN_K: tl.constexpr,
-                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE)
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
@@ -64,12 +64,13 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     part_t = torch.empty_like(part_m) if with_entropy else part_m   # unused pointer when False
     zy = torch.zeros(n, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
+    h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     _tile_stats_kernel[grid](
-        hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy,
+        h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         K_TILES=triton.cdiv(k, tiles.block_k),
-        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype),
+        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return part_m, part_s, part_t if with_entropy else None, zy
 

@@ -20,39 +20,53 @@ def tile_coords(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b.T in float32."""
+    if UPCAST:   # interpreter only: its bf16 dot is wrong
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
 def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
     """acc[i, j] = sum_k h[rows[i], k] * w[cols[j], k] in float32, for the tile (pid_m, pid_n).
 
-    Rows >= n_rows and cols >= n_cols are clamped onto valid ones so the main loop needs no masks;
-    the caller masks them out of whatever it reduces or stores. K_TILES = cdiv(n_k, BLOCK_K) is a
-    compile-time trip count (one build per hidden size; the interpreter cannot loop to a run-time bound
-    under numpy >= 2.4). Returns (acc, rows, cols).
+    USE_TMA: h_ptr / w_ptr are tensor descriptors ([BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks):
+    the bulk copy engine fetches the tiles and fills out-of-range rows, columns and K with zeros.
+    Otherwise they are pointers: rows >= n_rows and cols >= n_cols are clamped onto valid ones so the
+    main loop needs no masks, and a ragged last K tile is masked unless EVEN_K.
+    Either way the caller masks rows/cols out of range from whatever it reduces or stores.
+    K_TILES = cdiv(n_k, BLOCK_K) is a compile-time trip count (one build per hidden size; the
+    interpreter cannot loop to a run-time bound under numpy >= 2.4). Returns (acc, rows, cols).
     """
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_in = (rows % n_rows).to(tl.int64)
-    cols_in = (cols % n_cols).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows_in[:, None] * s_hn + ks[None, :] * s_hk
-    b_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K_TILES):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = ks < n_k - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-        if UPCAST:   # interpreter only: its bf16 dot is wrong
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += BLOCK_K * s_hk
-        b_ptrs += BLOCK_K * s_wk
+    if USE_TMA:
+        for k in range(0, K_TILES):
+            a = h_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = _dot(a, b, acc, UPCAST, IEEE)
+    else:
+        rows_in = (rows % n_rows).to(tl.int64)
+        cols_in = (cols % n_cols).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows_in[:, None] * s_hn + ks[None, :] * s_hk
+        b_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
+        for k in range(0, K_TILES):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks < n_k - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, UPCAST, IEEE)
+            a_ptrs += BLOCK_K * s_hk
+            b_ptrs += BLOCK_K * s_wk
     return acc, rows, cols
