@@ -78,6 +78,18 @@ def packed_attention_class():
     return PackedDotProductAttention
 
 
+class SequenceParallelTorchNorm:
+    """torch LayerNorm for sequence-parallel test models. Megatron's WrappedTorchNorm refuses
+    sequence_parallel=True (its fused norms are GPU-only); this builds the same torch LayerNorm and
+    tags its parameters ``sequence_parallel`` as Megatron's own norms do (test-side only)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_):
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
 def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
               tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
               packed_attention: bool = False, post_process: bool = True, seed: int = 0, **cfg_kw):
@@ -94,10 +106,16 @@ def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int
     if packed_attention:
         spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
     kw = {}
+    layer_spec = spec
+    if sequence_parallel:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        spec.submodules.input_layernorm = SequenceParallelTorchNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        layer_spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelTorchNorm)
     if mtp:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         kw["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
-    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=max_seq,
+    model = GPTModel(config=cfg, transformer_layer_spec=layer_spec, vocab_size=vocab, max_sequence_length=max_seq,
                      share_embeddings_and_output_weights=tied, post_process=post_process, **kw)
     # small random weights give nearly uniform softmaxes; widen the logits so log-probs vary
     with torch.no_grad():
