@@ -91,69 +91,70 @@ def _status_kib(key: str) -> int:
     raise OSError(f"{key} not in /proc/self/status")
 
 
-def _return_big_frees_to_os() -> None:
-    """Make glibc hand every allocation above 1 MiB straight back to the kernel when freed (and stop
-    raising that threshold dynamically), so RSS follows what is really alive."""
+def _release_free_heap() -> None:
+    """Hand the memory glibc keeps after frees back to the kernel, so that what the next call
+    reuses shows up as RSS growth. (Not done before timed calls: re-faulting pages costs time.)"""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
 class PeakMemory:
-    """Peak memory allocated above the level at ``start()``, in bytes, from ``stop()``.
+    """Peak memory allocated during one call above the level before it, in bytes.
 
-    CUDA: torch.cuda.max_memory_allocated. CPU: peak RSS (VmHWM after resetting it with
-    /proc/self/clear_refs) minus the RSS at start. ``method`` says which; ``stop()`` returns None
-    when neither works here."""
+    CUDA: torch.cuda.max_memory_allocated minus memory_allocated before. CPU: peak RSS (VmHWM,
+    reset through /proc/self/clear_refs) minus RSS before, after returning freed heap to the
+    kernel. ``method`` says which; ``measure`` returns None when neither works here."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.base = 0
         if device.type == "cuda":
             self.method = "torch.cuda.max_memory_allocated minus memory allocated before the call"
-        else:
-            try:
-                self._reset_hwm()
-                _status_kib("VmHWM")
-                self.method = "peak RSS (VmHWM, reset via /proc/self/clear_refs) minus RSS before the call"
-                _return_big_frees_to_os()
-            except OSError as exc:
-                self.method = f"unavailable: {exc}"
+            return
+        try:
+            self._reset_hwm()
+            _status_kib("VmHWM")
+            self.method = "peak RSS (VmHWM reset via /proc/self/clear_refs) minus RSS before the call"
+        except OSError as exc:
+            self.method = f"unavailable: {exc}"
 
     @staticmethod
     def _reset_hwm() -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
 
-    def start(self) -> None:
-        # no gc.collect() here: it costs ~0.1 s once torch.compile is loaded; run_row collects
+    def measure(self, fn: Callable[[], object]) -> Optional[int]:
+        """Call fn once (its result dropped) and return the peak extra bytes, or None."""
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        elif not self.method.startswith("unavailable"):
-            self.base = _status_kib("VmRSS") * 1024
-            self._reset_hwm()
-
-    def stop(self) -> Optional[int]:
-        if self.device.type == "cuda":
+            base = torch.cuda.memory_allocated(self.device)
+            out = fn()
             torch.cuda.synchronize(self.device)
-            return max(0, torch.cuda.max_memory_allocated(self.device) - self.base)
+            del out
+            return max(0, torch.cuda.max_memory_allocated(self.device) - base)
         if self.method.startswith("unavailable"):
             return None
-        return max(0, _status_kib("VmHWM") * 1024 - self.base)
+        _release_free_heap()
+        base = _status_kib("VmRSS") * 1024
+        self._reset_hwm()
+        out = fn()
+        peak = _status_kib("VmHWM") * 1024
+        del out
+        return max(0, peak - base)
 
 
-def _measure(fn: Callable[[], object], device: torch.device, meter: PeakMemory) -> tuple[float, Optional[int]]:
-    """(seconds, peak extra bytes) of one call; whatever fn returns is dropped before returning."""
-    meter.start()
+def _time(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call; whatever fn returns is dropped after the clock stops."""
+    _sync(device)
     t0 = time.perf_counter()
     out = fn()
     _sync(device)
     seconds = time.perf_counter() - t0
     del out
-    return seconds, meter.stop()
+    return seconds
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -277,15 +278,11 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, floor: dict, checker:
         del lp, ent, dh, dw
         with torch.no_grad():
             _forward(fn, x, t)()            # warm-up of the inference path (compiles its own graph)
-            for _ in range(cfg.repeats):
-                sec, mem = _measure(_forward(fn, x, t), device, meter)
-                row.times_fwd.append(sec)
-                row.fwd_extra_bytes = max(row.fwd_extra_bytes or 0, mem or 0) if mem is not None else None
+            row.times_fwd = [_time(_forward(fn, x, t), device) for _ in range(cfg.repeats)]
+            row.fwd_extra_bytes = meter.measure(_forward(fn, x, t))
         step = _forward_backward(fn, x, t, x.a, x.b)
-        for _ in range(cfg.repeats):
-            sec, mem = _measure(step, device, meter)
-            row.times_fwd_bwd.append(sec)
-            row.fwd_bwd_extra_bytes = max(row.fwd_bwd_extra_bytes or 0, mem or 0) if mem is not None else None
+        row.times_fwd_bwd = [_time(step, device) for _ in range(cfg.repeats)]
+        row.fwd_bwd_extra_bytes = meter.measure(step)
     except Exception as exc:  # noqa: BLE001
         row.status, row.reason = "failed", _short(exc)
         if impl.triton_kernel and device.type != "cuda":
@@ -300,33 +297,34 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, floor: dict, checker:
     return row
 
 
-def run_floor(x: Inputs, cfg: BenchConfig, meter: PeakMemory) -> tuple[dict, Row]:
-    """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward."""
+def run_floor(x: Inputs, cfg: BenchConfig) -> tuple[dict, Row]:
+    """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward.
+
+    Outputs are allocated once before timing: the floor is the GEMMs' arithmetic, not the page
+    faults of fresh [N, V] buffers (on CPU those cost as much as the GEMM itself)."""
     device = torch.device(cfg.device)
     n, h, v = cfg.shape
     hid, w = x.hidden, x.weight
-    dz = torch.randn(n, v, device=device).to(hid.dtype)   # stands for d_logits; made before timing
+    z = torch.empty(n, v, device=device, dtype=hid.dtype)
+    dz = torch.randn(n, v, device=device).to(hid.dtype)   # stands for d_logits
+    dh = torch.empty(n, h, device=device, dtype=hid.dtype)
+    dw = torch.empty(v, h, device=device, dtype=hid.dtype)
 
     def fwd():
-        return hid @ w.t()
+        torch.mm(hid, w.t(), out=z)
 
     def fwd_bwd():
-        z = hid @ w.t()
-        del z
-        z = hid @ w.t()                      # the recompute a fused backward does
-        del z
-        return dz @ w, dz.t() @ hid
+        torch.mm(hid, w.t(), out=z)
+        torch.mm(hid, w.t(), out=z)          # the recompute a fused backward does
+        torch.mm(dz, w, out=dh)
+        torch.mm(dz.t(), hid, out=dw)
 
     row = Row("gemm", "GEMM floor (1 / 4 GEMMs)", "floor")
     fwd_bwd()
     for _ in range(cfg.repeats):
-        sec, mem = _measure(fwd, device, meter)
-        row.times_fwd.append(sec)
-        row.fwd_extra_bytes = max(row.fwd_extra_bytes or 0, mem) if mem is not None else None
-        sec, mem = _measure(fwd_bwd, device, meter)
-        row.times_fwd_bwd.append(sec)
-        row.fwd_bwd_extra_bytes = max(row.fwd_bwd_extra_bytes or 0, mem) if mem is not None else None
-    del dz
+        row.times_fwd.append(_time(fwd, device))
+        row.times_fwd_bwd.append(_time(fwd_bwd, device))
+    del z, dz, dh, dw
     row.fwd_s, row.fwd_bwd_s = statistics.median(row.times_fwd), statistics.median(row.times_fwd_bwd)
     row.fwd_x_floor = row.fwd_bwd_x_floor = 1.0
     flops = 2.0 * n * h * v
@@ -354,7 +352,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
     impls = [peers.get(name) for name in cfg.backends]
     total = len(impls) + 1
     progress(f"[1/{total}] GEMM floor")
-    floor, floor_row = run_floor(x, cfg, meter)
+    floor, floor_row = run_floor(x, cfg)
     progress(f"      fwd {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
              f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms")
     rows = [floor_row]
@@ -444,3 +442,25 @@ def write_plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def format_report(result: dict) -> str:
+    """A markdown report: the command, machine, versions and date, then the table (what
+    benchmarks/results/*.md hold)."""
+    m, cfg = result["machine"], result["config"]
+    gpus = ", ".join(d["name"] for d in m["cuda"]) or "none"
+    vers = ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v)
+    load = result.get("load_average_start")
+    lines = [f"# logitless bench, {cfg['device']}, {result['date'][:10]}", "",
+             f"- command: `{result['command']}`",
+             f"- date: {result['date']}",
+             f"- machine: {m['cpu']}, {m['cpu_count']} cores (torch threads {m['torch_threads']}); GPUs: {gpus}",
+             f"- versions: {vers}",
+             f"- seed {cfg['seed']}, logit std {cfg['logit_std']}, labels sampled from the softmax; "
+             f"backward loss sum(a*logprob) + sum(b*entropy), random signed a, b",
+             f"- peak extra memory: {result['memory_method']}; includes the gradient buffers"]
+    if load:
+        lines.append(f"- load average (1 min) at start {load[0]:.1f}, at end {result['load_average_end'][0]:.1f}"
+                     " (other work on the machine inflates CPU timings)")
+    lines.append(f"- wall time of the whole bench: {result['elapsed_s']:.0f} s")
+    return "\n".join(lines) + "\n\n" + format_table(result)

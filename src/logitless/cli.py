@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, help="input seed (default: a fresh random one)")
     bench.add_argument("--json", type=_writable("--json"), metavar="PATH", help="write every number here")
     bench.add_argument("--plot", type=_writable("--plot"), metavar="PATH", help="write a PNG bar chart here")
+    bench.add_argument("--md", type=_writable("--md"), metavar="PATH",
+                       help="write a markdown report here (command, machine, versions, table)")
     bench.add_argument("--tp", type=_positive_int("--tp"), metavar="N",
                        help="tensor-parallel bench over N ranks (logitless.bench_tp)")
 
@@ -133,7 +135,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
     cfg = _bench_config(args, parser)
     if args.tp is not None:
         return _run_tp(args, cfg)
-    from .bench import format_table, run_bench, write_plot
+    from .bench import format_report, format_table, run_bench, write_plot
     result = run_bench(cfg, command=command)
     print(format_table(result), end="")
     if args.json:
@@ -143,6 +145,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
     if args.plot:
         write_plot(result, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(format_report(result))
+        print(f"wrote {args.md}", file=sys.stderr)
     return 0
 
 
