@@ -228,3 +228,83 @@ def build_with_class(cls, **kw):
     model = build_gpt(**kw)
     model.__class__ = cls
     return model
+
+
+LP_TOL = ENT_TOL = 2e-5
+GRAD_TOL = 1e-4
+
+
+def temperature_of_kind(kind, b, s, gen):
+    if kind == "one":
+        return 1.0
+    if kind == "scalar":
+        return 0.7
+    if kind == "per_seq":
+        return 0.5 + torch.rand(b, generator=gen) * 1.5
+    return 0.5 + torch.rand(b, s, generator=gen) * 1.5
+
+
+def run_fused(model, ids, pos, mask, labels, temperature, with_entropy=True):
+    from logitless.megatron import FusedOutputProcessorContext, fused_output_processor
+    ctx = FusedOutputProcessorContext(temperature=temperature, with_entropy=with_entropy)
+    return model(ids, pos, mask, labels=labels, output_processor=fused_output_processor, output_processor_context=ctx)
+
+
+def compare_with_unfused(model, b, s, temperature, gen, with_labels=False):
+    """Fused vs unfused: values and every parameter gradient. Returns (fused grads, record)."""
+    from logitless.megatron import last_path
+    ids, pos, labels = random_batch(b, s, model.vocab_size, gen)
+    mask = causal_mask(s)
+    a, c = torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen)
+
+    model.zero_grad(set_to_none=True)
+    out = run_fused(model, ids, pos, mask, labels, temperature)
+    record = last_path()
+    assert out.logprobs.shape == (b, s) and out.entropy.shape == (b, s)
+    assert out.logprobs.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    ((a * out.logprobs).sum() + (c * out.entropy).sum()).backward()
+    fused_grads = param_grads(model)
+
+    model.zero_grad(set_to_none=True)
+    if with_labels:
+        logits = unfused_logits_with_labels(model, ids, pos, mask, labels)
+    else:
+        logits = unfused_logits(model, ids, pos, mask)
+    lp, ent = reference_from_logits(logits, labels, temperature)
+    ((a * lp).sum() + (c * ent).sum()).backward()
+    ref_grads = param_grads(model)
+
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.entropy).all()
+    assert (out.logprobs.double() - lp).abs().max() <= LP_TOL
+    assert (out.entropy.double() - ent).abs().max() <= ENT_TOL
+    assert (out.logprobs <= 0).all() and (out.entropy >= 0).all()
+    if not torch.is_tensor(temperature) and temperature == 1.0:
+        ce = model(ids, pos, mask, labels=labels)          # the model's own per-token CE [b, s]
+        assert (out.logprobs.detach() + ce.detach()).abs().max() <= LP_TOL
+    for name, g in ref_grads.items():
+        assert (g is None) == (fused_grads[name] is None), name
+        if g is not None and g.norm() > 0:
+            assert rel_err(fused_grads[name], g) <= GRAD_TOL, name
+    return fused_grads, record
+
+
+def per_sequence_reference(model, seq, temperature):
+    """(logprobs, entropy) float64 [n] of one sequence run alone through the model ([1, n], causal
+    mask), from its own logits: position t scores token t + 1; the last position is 0."""
+    n = seq.numel()
+    logits = unfused_logits(model, seq[None], torch.arange(n)[None], causal_mask(n))[0]
+    lp, ent = reference_from_logits(logits[None, :-1], seq[None, 1:], temperature)
+    zero = torch.zeros(1, dtype=torch.float64)
+    return torch.cat([lp[0], zero]), torch.cat([ent[0], zero])
+
+
+def ragged_batch(gen, b=4, s=15, vocab=262):
+    """input_ids [b, s] and an attention mask with right, left+right and heavy padding."""
+    ids = torch.randint(0, vocab, (b, s), generator=gen)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, 10:] = False
+    mask[1, :4] = False
+    mask[1, 13:] = False
+    mask[3, :] = False
+    mask[3, 2:4] = True
+    return ids, mask

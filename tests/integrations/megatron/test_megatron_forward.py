@@ -10,29 +10,8 @@ import torch
 import logitless
 from logitless.megatron import FusedPathUnavailable, forward_packed, forward_padded, last_path
 
-LP_TOL = ENT_TOL = 2e-5
-GRAD_TOL = 1e-4
+from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL
 FUSED_BACKENDS = ("chunked", "triton", "reference")
-
-
-def _batch(gen, b=4, s=15, vocab=262):
-    ids = torch.randint(0, vocab, (b, s), generator=gen)
-    mask = torch.ones(b, s, dtype=torch.bool)
-    mask[0, 10:] = False                     # right padding
-    mask[1, :4] = False                      # left padding (prompt) ...
-    mask[1, 13:] = False                     # ... and right padding (response)
-    mask[3, :] = False
-    mask[3, 2:4] = True                      # two tokens
-    return ids, mask
-
-
-def _per_sequence(env, model, seq, temperature):
-    """(logprobs, entropy) [n] of one sequence, from the model's own logits; last position 0."""
-    n = seq.numel()
-    logits = env.unfused_logits(model, seq[None], torch.arange(n)[None], env.causal_mask(n))[0]
-    lp, ent = env.reference_from_logits(logits[None, :-1], seq[None, 1:], temperature)
-    zero = torch.zeros(1, dtype=torch.float64)
-    return torch.cat([lp[0], zero]), torch.cat([ent[0], zero])
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["thd", "bshd"])
@@ -41,7 +20,7 @@ def test_forward_padded_equals_per_sequence(megatron_tp1, seed, packed, temp_kin
     env = megatron_tp1
     gen = torch.Generator().manual_seed(seed)
     model = env.build_gpt(packed_attention=True, seed=seed)
-    ids, mask = _batch(gen)
+    ids, mask = env.ragged_batch(gen)
     b, s = ids.shape
     temperature = {"scalar": 0.85, "per_seq": 0.5 + torch.rand(b, generator=gen),
                    "per_token": 0.5 + torch.rand(b, s, generator=gen)}[temp_kind]
@@ -55,7 +34,7 @@ def test_forward_padded_equals_per_sequence(megatron_tp1, seed, packed, temp_kin
             t = temperature if temp_kind == "scalar" else (temperature[i] if temp_kind == "per_seq"
                                                             else temperature[i][mask[i]][None, :-1])
             seq = ids[i][mask[i]]
-            lp, ent = _per_sequence(env, model, seq, t)
+            lp, ent = env.per_sequence_reference(model, seq, t)
             assert (out.logprobs[i][mask[i]].double() - lp).abs().max() <= LP_TOL, i
             assert (out.entropy[i][mask[i]].double() - ent).abs().max() <= ENT_TOL, i
 
@@ -82,7 +61,7 @@ def test_forward_packed_values_and_grads_equal_per_sequence(megatron_tp1, seed, 
     model.zero_grad(set_to_none=True)
     ref_loss = 0
     for i, seq in enumerate(seqs):
-        lp, ent = _per_sequence(env, model, seq, temps[i])
+        lp, ent = env.per_sequence_reference(model, seq, temps[i])
         assert lps[i].shape == seq.shape
         assert (lps[i].detach().double() - lp).abs().max() <= LP_TOL
         assert (ents[i].detach().double() - ent).abs().max() <= ENT_TOL
@@ -100,7 +79,7 @@ def test_ci_guard_hook_and_fused_op_ran(megatron_tp1, seed):
     env = megatron_tp1
     gen = torch.Generator().manual_seed(seed)
     model = env.build_gpt(packed_attention=True, seed=seed)
-    ids, mask = _batch(gen)
+    ids, mask = env.ragged_batch(gen)
     before = last_path()
     forward_padded(model, ids, mask, temperature=1.0, strict=True)
     rec = last_path()
@@ -115,7 +94,7 @@ def test_legacy_mode_through_forward_padded(megatron_tp1, seed):
     gen = torch.Generator().manual_seed(seed)
     hooked = env.build_gpt(packed_attention=True, seed=seed)
     legacy = env.build_with_class(env.old_signature_gpt_class(), packed_attention=True, seed=seed)
-    ids, mask = _batch(gen)
+    ids, mask = env.ragged_batch(gen)
     want = forward_padded(hooked, ids, mask, temperature=0.9)
     got = forward_padded(legacy, ids, mask, temperature=0.9, strict=True)
     assert last_path().path == "legacy"
@@ -126,7 +105,7 @@ def test_strict_mode_refuses_the_fallback(megatron_tp1, seed, monkeypatch):
     env = megatron_tp1
     gen = torch.Generator().manual_seed(seed)
     old = env.build_with_class(env.no_postprocess_gpt_class(), seed=seed)
-    ids, mask = _batch(gen)
+    ids, mask = env.ragged_batch(gen)
     with pytest.raises(FusedPathUnavailable, match="strict"):
         forward_padded(old, ids, mask, packed=False, strict=True)
     with pytest.raises(FusedPathUnavailable):

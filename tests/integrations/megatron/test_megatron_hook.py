@@ -10,58 +10,7 @@ import torch
 from logitless.megatron import (FusedOutputProcessorContext, fused_forward_mode, fused_output_processor, last_path,
                                 supports_output_processor_hook)
 
-LP_TOL = ENT_TOL = 2e-5
-GRAD_TOL = 1e-4
-
-
-def _temperature(kind, b, s, gen):
-    if kind == "scalar":
-        return 0.7
-    if kind == "per_seq":
-        return 0.5 + torch.rand(b, generator=gen) * 1.5
-    return 0.5 + torch.rand(b, s, generator=gen) * 1.5
-
-
-def _fused(model, ids, pos, mask, labels, temperature, with_entropy=True):
-    ctx = FusedOutputProcessorContext(temperature=temperature, with_entropy=with_entropy)
-    return model(ids, pos, mask, labels=labels, output_processor=fused_output_processor, output_processor_context=ctx)
-
-
-def compare_with_unfused(env, model, b, s, temperature, gen, with_labels=False):
-    """Fused vs unfused: values and every parameter gradient. Returns (fused grads, record)."""
-    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
-    mask = env.causal_mask(s)
-    a, c = torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen)
-
-    model.zero_grad(set_to_none=True)
-    out = _fused(model, ids, pos, mask, labels, temperature)
-    record = last_path()
-    assert out.logprobs.shape == (b, s) and out.entropy.shape == (b, s)
-    assert out.logprobs.dtype == torch.float32 and out.entropy.dtype == torch.float32
-    ((a * out.logprobs).sum() + (c * out.entropy).sum()).backward()
-    fused_grads = env.param_grads(model)
-
-    model.zero_grad(set_to_none=True)
-    if with_labels:
-        logits = env.unfused_logits_with_labels(model, ids, pos, mask, labels)
-    else:
-        logits = env.unfused_logits(model, ids, pos, mask)
-    lp, ent = env.reference_from_logits(logits, labels, temperature)
-    ((a * lp).sum() + (c * ent).sum()).backward()
-    ref_grads = env.param_grads(model)
-
-    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.entropy).all()
-    assert (out.logprobs.double() - lp).abs().max() <= LP_TOL
-    assert (out.entropy.double() - ent).abs().max() <= ENT_TOL
-    assert (out.logprobs <= 0).all() and (out.entropy >= 0).all()
-    if not torch.is_tensor(temperature) and temperature == 1.0:
-        ce = model(ids, pos, mask, labels=labels)          # the model's own per-token CE [b, s]
-        assert (out.logprobs.detach() + ce.detach()).abs().max() <= LP_TOL
-    for name, g in ref_grads.items():
-        assert (g is None) == (fused_grads[name] is None), name
-        if g is not None and g.norm() > 0:
-            assert env.rel_err(fused_grads[name], g) <= GRAD_TOL, name
-    return fused_grads, record
+from mcore_env import ENT_TOL, LP_TOL
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -72,8 +21,8 @@ def test_hook_matches_unfused(megatron_tp1, seed, tied, temp_kind):
     model = env.build_gpt(tied=tied, seed=seed)
     assert supports_output_processor_hook(model) and fused_forward_mode(model) == "hook"
     b, s = 3, 13
-    temperature = 1.0 if temp_kind == "one" else _temperature(temp_kind, b, s, gen)
-    grads, record = compare_with_unfused(env, model, b, s, temperature, gen)
+    temperature = 1.0 if temp_kind == "one" else env.temperature_of_kind(temp_kind, b, s, gen)
+    grads, record = env.compare_with_unfused(model, b, s, temperature, gen)
     assert record.path == "hook" and record.backend in ("chunked", "triton", "reference")
     head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     assert grads[head] is not None and grads[head].norm() > 0
@@ -89,9 +38,9 @@ def test_batch_pairing_any_b(megatron_tp1, seed):
     ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
     mask = env.causal_mask(s)
     with torch.no_grad():
-        full = _fused(model, ids, pos, mask, labels, 1.0)
+        full = env.run_fused(model, ids, pos, mask, labels, 1.0)
         for i in range(b):
-            one = _fused(model, ids[i:i + 1], pos[i:i + 1], mask, labels[i:i + 1], 1.0)
+            one = env.run_fused(model, ids[i:i + 1], pos[i:i + 1], mask, labels[i:i + 1], 1.0)
             assert (one.logprobs[0] - full.logprobs[i]).abs().max() <= LP_TOL
             assert (one.entropy[0] - full.entropy[i]).abs().max() <= ENT_TOL
 
@@ -103,7 +52,7 @@ def test_mtp_parameters_get_gradients(megatron_tp1, seed):
     gen = torch.Generator().manual_seed(seed)
     model = env.build_gpt(mtp=True, seed=seed)
     # reference logits from a forward given the same labels, so the MTP loss is the same
-    grads, _ = compare_with_unfused(env, model, 2, 11, 0.9, gen, with_labels=True)
+    grads, _ = env.compare_with_unfused(model, 2, 11, 0.9, gen, with_labels=True)
     mtp = {n: g for n, g in grads.items() if n.startswith("mtp.")}
     assert mtp and all(g is not None and g.norm() > 0 for g in mtp.values()), sorted(mtp)
 
@@ -114,7 +63,7 @@ def test_post_process_false_passes_through(megatron_tp1, seed):
     model = env.build_gpt(post_process=False, seed=seed)
     ids, pos, labels = env.random_batch(2, 7, 262, gen)
     before = last_path()
-    out = _fused(model, ids, pos, env.causal_mask(7), labels, 1.0)
+    out = env.run_fused(model, ids, pos, env.causal_mask(7), labels, 1.0)
     assert torch.is_tensor(out) and out.shape == (7, 2, 48)      # hidden states, as without a processor
     assert last_path() is before                                  # the processor never ran
 
@@ -126,7 +75,7 @@ def test_inference_no_grad(megatron_tp1, seed):
     ids, pos, labels = env.random_batch(2, 10, 262, gen)
     mask = env.causal_mask(10)
     with torch.no_grad():
-        out = _fused(model, ids, pos, mask, labels, 1.3, with_entropy=False)
+        out = env.run_fused(model, ids, pos, mask, labels, 1.3, with_entropy=False)
         lp, _ = env.reference_from_logits(env.unfused_logits(model, ids, pos, mask), labels, 1.3)
     assert out.entropy is None and not out.logprobs.requires_grad
     assert (out.logprobs.double() - lp).abs().max() <= LP_TOL
@@ -137,7 +86,7 @@ def test_labels_none_is_a_clear_error(megatron_tp1, seed):
     model = env.build_gpt(seed=seed)
     ids, pos, _ = env.random_batch(2, 5, 262)
     with pytest.raises(ValueError, match="labels is None"):
-        _fused(model, ids, pos, env.causal_mask(5), None, 1.0)
+        env.run_fused(model, ids, pos, env.causal_mask(5), None, 1.0)
 
 
 def test_bad_context_and_temperature(megatron_tp1, seed):
@@ -148,13 +97,13 @@ def test_bad_context_and_temperature(megatron_tp1, seed):
     with pytest.raises(TypeError, match="output_processor_context"):
         model(ids, pos, mask, labels=labels, output_processor=fused_output_processor, output_processor_context={"t": 1})
     with pytest.raises(ValueError, match="temperature"):
-        _fused(model, ids, pos, mask, labels, torch.ones(3))
+        env.run_fused(model, ids, pos, mask, labels, torch.ones(3))
     with pytest.raises(ValueError, match="temperature"):
         FusedOutputProcessorContext(temperature=-1.0)
     with pytest.raises(TypeError, match="with_entropy"):
         FusedOutputProcessorContext(with_entropy=1)
     with pytest.raises(ValueError, match="labels shape"):
-        _fused(model, ids, pos, mask, labels[:, :4], 1.0)
+        env.run_fused(model, ids, pos, mask, labels[:, :4], 1.0)
 
 
 def test_mup_scale_logits_honoured(megatron_tp1, seed):
@@ -163,8 +112,8 @@ def test_mup_scale_logits_honoured(megatron_tp1, seed):
     gen = torch.Generator().manual_seed(seed)
     model = env.build_gpt(seed=seed, use_mup=True, mup_base_hidden_size=24)
     assert model.config.mup_output_mult == 0.5
-    compare_with_unfused(env, model, 2, 9, 1.0, gen)
-    compare_with_unfused(env, model, 2, 9, 0.8, gen)
+    env.compare_with_unfused(model, 2, 9, 1.0, gen)
+    env.compare_with_unfused(model, 2, 9, 0.8, gen)
 
 
 def test_nonlinear_scale_logits_refused(megatron_tp1, seed):
@@ -189,7 +138,7 @@ def test_config_logger_payload(megatron_tp1, seed, tmp_path):
     model.config.config_logger_dir = str(tmp_path)
     try:
         with torch.no_grad():
-            out = _fused(model, ids, pos, env.causal_mask(6), labels, 1.0)
+            out = env.run_fused(model, ids, pos, env.causal_mask(6), labels, 1.0)
     finally:
         model.config.config_logger_dir = ""
     files = sorted(tmp_path.glob("input_and_logprobs.rank_*.pth"))
@@ -213,7 +162,7 @@ def test_float16module_wrapper_bf16(megatron_tp1, seed):
     ids, pos, labels = env.random_batch(2, 8, 262, gen)
     mask = env.causal_mask(8)
     with torch.no_grad():
-        lp, ent = _fused(model, ids, pos, mask, labels, 0.9)
+        lp, ent = env.run_fused(model, ids, pos, mask, labels, 0.9)
         hidden = model(ids, pos, mask, labels=labels, output_processor=lambda **kw: kw["hidden_states"])
     weight = inner.output_layer.weight
     assert weight.dtype == torch.bfloat16
