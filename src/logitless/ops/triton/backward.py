@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend import mm_fp32
-from .common import LOG2E, tile_operands, backward_tiles, dot_flags
+from .common import LN2, LOG2E, tile_operands, backward_tiles, dot_flags
 from .tile import logits_tile, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
@@ -40,24 +40,28 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
     row_ok = rows < n_rows
-    col_ok = cols < n_cols
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-    z = acc * inv_t[:, None]
-    x = z - lse[:, None]
-    p = tl.exp2(x * LOG2E)
+    # x2 = log2 p = (z - lse) * log2(e): one fused multiply-add per element
+    x2 = acc * (inv_t * LOG2E)[:, None] - (lse * LOG2E)[:, None]
+    p = tl.exp2(x2)
     if WITH_ENTROPY:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-        dz = -p * (g_lp[:, None] + g_ent[:, None] * (x + ent[:, None]))
+        # -inv_t * (g_lp + g_ent * (x + ent)) with x = x2 * ln 2, as c1 * x2 + c0 per row
+        c1 = -inv_t * g_ent * LN2
+        c0 = -inv_t * (g_lp + g_ent * ent)
+        dl = p * (x2 * c1[:, None] + c0[:, None])
     else:
-        dz = -p * g_lp[:, None]
-    dz += tl.where((cols + col0)[None, :] == label[:, None], g_lp[:, None], 0.0)
-    dl = (dz * inv_t[:, None]).to(dl_ptr.dtype.element_ty)
+        dl = p * (-inv_t * g_lp)[:, None]
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - col0
+    first = pid_n * BLOCK_N
+    here = row_ok & (label >= first) & (label < first + BLOCK_N)
+    if tl.max(here.to(tl.int32), axis=0) > 0:   # most tiles hold no label
+        dl += tl.where(cols[None, :] == label[:, None], (g_lp * inv_t)[:, None], 0.0)
     ptrs = dl_ptr + rows.to(tl.int64)[:, None] * s_dn + cols[None, :]
-    tl.store(ptrs, dl, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(ptrs, dl.to(dl_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < n_cols)[None, :])
 
 
 def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, inv_temp: Tensor, lse: Tensor,

@@ -13,7 +13,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # from TRITON_INTERPRET as it was when triton was imported.
 INTERPRETING = bool(triton.knobs.runtime.interpret)
 
-LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr so kernels can read it
+# constexprs so kernels can read them: the kernels work in base 2 (exp2 is the hardware's exponential)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LOG2E, tile_operands, dot_flags, forward_tiles
+from .common import LN2, LOG2E, tile_operands, dot_flags, forward_tiles
 from .tile import logits_tile, tile_coords
 
 
@@ -30,25 +30,32 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
     row_ok = rows < n_rows
-    col_ok = cols < n_cols
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
-    z = acc * inv_t[:, None]
-    # padded columns of the last tile carry no probability mass
-    z = tl.where(col_ok[None, :], z, float("-inf"))
-    m = tl.max(z, axis=1)                      # finite: every tile has at least one real column
-    d = z - m[:, None]                         # <= 0, -inf on padding
-    e = tl.exp2(d * LOG2E)
+    padded = (pid_n + 1) * BLOCK_N > n_cols          # only the last vocabulary tile has padding
+    if padded:
+        # padded columns carry no probability mass
+        acc = tl.where((cols < n_cols)[None, :], acc, float("-inf"))
+    # max of the raw products: as 1/T > 0 and rounding is monotonic, max(acc) * inv_t is exactly the
+    # largest tempered logit, so zy <= m <= lse hold in float32 too (log-probs never round above 0)
+    m_acc = tl.max(acc, axis=1)                 # finite: every tile has at least one real column
+    scale2 = inv_t * LOG2E
+    # base-2 differences to the max, one fused multiply-add per element; exp2 is the hardware's exp
+    d2 = acc * scale2[:, None] - (m_acc * scale2)[:, None]      # <= ~0, -inf on padding
+    e = tl.exp2(d2)
     out = pid_n.to(tl.int64) * n_rows + rows
-    tl.store(part_m_ptr + out, m, mask=row_ok)
+    tl.store(part_m_ptr + out, m_acc * inv_t, mask=row_ok)
     tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
     if WITH_ENTROPY:
         # sum e * (z - m), relative to the tile max so large logits do not cancel
-        tl.store(part_t_ptr + out, tl.sum(e * tl.where(col_ok[None, :], d, 0.0), axis=1), mask=row_ok)
+        if padded:
+            d2 = tl.where((cols < n_cols)[None, :], d2, 0.0)
+        tl.store(part_t_ptr + out, tl.sum(e * d2, axis=1) * LN2, mask=row_ok)
     label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     first = pid_n * BLOCK_N
     here = row_ok & (label >= first) & (label < first + BLOCK_N)
-    zy = tl.sum(tl.where(cols[None, :] == label[:, None], z, 0.0), axis=1)
-    tl.store(zy_ptr + rows, zy, mask=here)
+    if tl.max(here.to(tl.int32), axis=0) > 0:   # most tiles hold no label: skip the pick
+        zy = tl.sum(tl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
+        tl.store(zy_ptr + rows, zy, mask=here)
 
 
 def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
@@ -83,7 +90,9 @@ def combine_tiles(part_m: Tensor, part_s: Tensor, part_t: Optional[Tensor]):
     shift = part_m - big
     w = shift.exp()
     total = (part_s * w).sum(dim=0)
-    log_total = total.log()
+    # S >= 1 exactly (the max tile's max term is e^0); its float32 sum can land an ulp under 1, which
+    # would put lse under the label's logit for a near-certain token: clamp
+    log_total = total.log().clamp_min(0.0)
     ent = None
     if part_t is not None:
         ent = log_total - ((part_t + shift * part_s) * w).sum(dim=0) / total
