@@ -210,3 +210,28 @@ def test_nothing_to_score_gives_zeros_and_connected_graph():
     assert (res.logprobs == 0).all() and (res.entropy == 0).all()
     (res.logprobs.sum() + res.entropy.sum()).backward()  # no error, zero gradients
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_gradient_checkpointing_in_train_mode():
+    model = tiny_model("llama")
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()  # dropout is 0 in these configs, so train mode is still deterministic
+    ids, mask = padded_batch(2, 8, "left")
+    check_against_model(model, ids, mask, temperature=1.2)
+
+
+def test_cpu_autocast_uses_the_heads_autocast_dtype():
+    """Under autocast the model's head multiplies in bfloat16; so does logitless (fp32 accumulation)."""
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(2, 7, "right")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = fused_forward(model, ids, mask, temperature=1.1)
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    ref_lp, ref_ent = logprobs_entropy64(hidden.bfloat16(), model.lm_head.weight.bfloat16(),
+                                         expected_targets(ids, mask), temperature=1.1)
+    assert fused.logprobs.dtype == torch.float32
+    assert (fused.logprobs.double() - ref_lp).abs().max() <= 1e-3
+    assert (fused.entropy.double() - ref_ent).abs().max() <= 2e-3
+    (fused.logprobs.sum() + fused.entropy.sum()).backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32 and torch.isfinite(model.lm_head.weight.grad).all()

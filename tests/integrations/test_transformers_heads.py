@@ -25,6 +25,27 @@ def test_logit_scale_folds_into_temperature(kind, attr, value):
     check_against_model(model, ids, mask, temperature=torch.rand(3) + 0.5)
 
 
+def test_same_attribute_name_opposite_direction():
+    """HyperCLOVA X *multiplies* by config.logits_scaling where Granite divides by it."""
+    model = tf.HyperCLOVAXForCausalLM(tf.HyperCLOVAXConfig(**COMMON, logits_scaling=2.5))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    ids, mask = padded_batch(2, 7, "left")
+    check_against_model(model.eval(), ids, mask, temperature=0.9)
+
+
+def test_falcon_h1_lm_head_multiplier_folds_into_temperature():
+    cfg = tf.FalconH1Config(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=12, mamba_d_ssm=48,
+                            mamba_n_heads=4, mamba_d_head=12, mamba_n_groups=1, mamba_d_state=8,
+                            mamba_chunk_size=4, lm_head_multiplier=2.0)
+    model = tf.FalconH1ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    ids, mask = padded_batch(2, 7, "right")
+    check_against_model(model.eval(), ids, mask, temperature=0.7)
+
+
 def test_minicpm3_hidden_scaling_folds_into_temperature():
     cfg = tf.MiniCPM3Config(**{**COMMON, "num_key_value_heads": 4, "dim_model_base": 12, "scale_emb": 2,
                                "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,

@@ -105,11 +105,16 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     plan = plan_head(core, backbone)
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    **backbone_kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    hidden = getattr(out, "last_hidden_state", None)
+    if not isinstance(hidden, Tensor):
+        raise ValueError(f"{type(core).__name__}'s base model {type(backbone).__name__} returned no "
+                         "last_hidden_state; logitless needs a transformers *ForCausalLM whose base model "
+                         "produces the final hidden states")
     b, s = targets.shape
-    if tuple(hidden.shape[:2]) != (b, s):
-        raise ValueError(f"the backbone returned hidden states {list(hidden.shape)} for labels [{b}, {s}]")
     weight = plan.weight
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (b, s) or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"the base model returned hidden states {list(hidden.shape)}; expected "
+                         f"[{b}, {s}, {weight.shape[1]}] to match the labels and lm_head.weight")
     device = weight.device
     # The head would see the hidden states on its own device (accelerate moves them there).
     hidden = hidden.to(device)
