@@ -169,7 +169,7 @@ def floors(hidden, weight):
         torch.mm(hidden, weight.t(), out=z)
         torch.mm(z, weight, out=dh)
         torch.mm(z.t(), hidden, out=dw)
-    return {"gemm1_ms": bench(one)[0], "gemm4_ms": bench(four, reps=5)[0]}
+    return {"gemm1_ms": bench(one, reps=15)[0], "gemm4_ms": bench(four, reps=7)[0]}
 
 
 def peak_extra(fn, grad_bytes):
@@ -260,19 +260,22 @@ def shape_run(tag, sweep):
         res["naive_error"] = repr(exc)[:200]
     del ref
     torch.cuda.empty_cache()
+    # the floor again, after everything: the ratios use the mean of the two, both are kept
+    again = floors(hidden, weight)
+    res["gemm1_ms_before"], res["gemm4_ms_before"] = res["gemm1_ms"], res["gemm4_ms"]
+    res["gemm1_ms_after"], res["gemm4_ms_after"] = again["gemm1_ms"], again["gemm4_ms"]
+    res["gemm1_ms"] = (res["gemm1_ms_before"] + again["gemm1_ms"]) / 2
+    res["gemm4_ms"] = (res["gemm4_ms_before"] + again["gemm4_ms"]) / 2
+    log(tag, "floor after", again)
     write()
 
 
 FWD_VARIANTS = [  # (BM, BN, BK, GROUP_M, warps, stages), bulk-copy (TMA) loads
-    ((128, 256, 64, 8, 8, 3), False), ((128, 256, 64, 16, 8, 4), False),
-    ((128, 256, 64, 8, 8, 3), True), ((128, 256, 64, 16, 8, 3), True), ((128, 256, 64, 16, 8, 4), True),
-    ((128, 256, 64, 32, 8, 4), True), ((256, 128, 64, 16, 8, 4), True), ((128, 128, 64, 16, 4, 4), True),
-    ((128, 128, 64, 16, 8, 5), True), ((64, 256, 64, 16, 4, 4), True),
+    ((128, 256, 64, 16, 8, 3), True), ((128, 256, 64, 16, 8, 4), True), ((128, 256, 64, 8, 8, 3), True),
+    ((128, 256, 64, 16, 8, 3), False), ((256, 128, 64, 16, 8, 3), True),
 ]
-BWD_VARIANTS = [((128, 256, 64, 8, 8, 3), False, 1 << 26), ((128, 256, 64, 16, 8, 4), False, 1 << 26),
-                ((128, 256, 64, 16, 8, 4), True, 1 << 26), ((128, 256, 64, 8, 8, 3), True, 1 << 26),
-                ((128, 256, 64, 16, 8, 4), True, 1 << 25), ((128, 256, 64, 16, 8, 4), True, 1 << 27),
-                ((256, 128, 64, 16, 8, 4), True, 1 << 26)]
+BWD_VARIANTS = [((128, 256, 64, 16, 8, 4), True, 1 << 26), ((128, 256, 64, 8, 8, 3), True, 1 << 26),
+                ((128, 256, 64, 8, 8, 3), False, 1 << 26), ((128, 256, 64, 16, 8, 3), True, 1 << 26)]
 KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGITS_ELEMENTS", "LOGITLESS_TRITON_TMA")
 
 

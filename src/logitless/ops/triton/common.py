@@ -65,7 +65,8 @@ def forward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
         return env
     if dtype == torch.float32:
         return Tiles(64, 64, 32, 8, 4, 3)
-    return Tiles(128, 256, 64, 8, 8, 3)
+    # H200 sweep (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 3 stages, 16 token blocks per group
+    return Tiles(128, 256, 64, 16, 8, 3)
 
 
 def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
@@ -76,7 +77,7 @@ def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
         return env
     if dtype == torch.float32:
         return Tiles(64, 64, 32, 8, 4, 3)
-    return Tiles(128, 256, 64, 8, 8, 3)
+    return Tiles(128, 256, 64, 16, 8, 4)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
