@@ -103,6 +103,12 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
         raise TypeError(f"with_entropy must be a bool, got {type(with_entropy).__name__}")
     backbone = _backbone(core)
     plan = plan_head(core, backbone)
+    b, s = targets.shape
+    weight = plan.weight
+    device = weight.device
+    # checked before the backbone runs, so a bad temperature costs no forward pass
+    temp = per_token_temperature(temperature, (b, s), position_ids, device)
+    temp = temp / plan.logit_scale  # softmax(scale * z / T) == softmax(z / (T / scale))
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    **backbone_kwargs)
     hidden = getattr(out, "last_hidden_state", None)
@@ -110,17 +116,12 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
         raise ValueError(f"{type(core).__name__}'s base model {type(backbone).__name__} returned no "
                          "last_hidden_state; logitless needs a transformers *ForCausalLM whose base model "
                          "produces the final hidden states")
-    b, s = targets.shape
-    weight = plan.weight
     if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (b, s) or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"the base model returned hidden states {list(hidden.shape)}; expected "
                          f"[{b}, {s}, {weight.shape[1]}] to match the labels and lm_head.weight")
-    device = weight.device
     # The head would see the hidden states on its own device (accelerate moves them there).
     hidden = hidden.to(device)
     targets = targets.to(device)
-    temp = per_token_temperature(temperature, (b, s), position_ids, device)
-    temp = temp / plan.logit_scale  # softmax(scale * z / T) == softmax(z / (T / scale))
 
     h = hidden.reshape(b * s, hidden.shape[-1])
     dev_type = device.type
