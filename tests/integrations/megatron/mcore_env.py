@@ -25,7 +25,7 @@ _saved_current_device = None
 
 
 def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file: str | None = None,
-                      seed: int = 123) -> None:
+                      seed: int = 123, cp: int = 1) -> None:
     """gloo process group + megatron model-parallel state on CPU."""
     global _saved_current_device
     from megatron.core import parallel_state, tensor_parallel
@@ -37,7 +37,7 @@ def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file
     if _saved_current_device is None:
         _saved_current_device = torch.cuda.current_device
         torch.cuda.current_device = lambda: "cpu"
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
@@ -78,6 +78,63 @@ def packed_attention_class():
     return PackedDotProductAttention
 
 
+def _zigzag_positions(cu, cp, rank):
+    """Global packed positions held by CP rank ``rank`` (chunks rank and 2cp-1-rank of each
+    sequence); written out here independently of logitless' own packing code."""
+    out = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        c = (b - a) // (2 * cp)
+        for k in (rank, 2 * cp - 1 - rank):
+            out += range(a + k * c, a + (k + 1) * c)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def context_parallel_attention_class():
+    """Core attention for packed sequences under context parallelism on CPU (test-only; TE's
+    ring attention is GPU-only): all-gathers K and V over the CP group (differentiably), puts them
+    back in global order, and lets each local query attend causally within its own sequence.
+    Unpacked input runs Megatron's DotProductAttention unchanged."""
+    import torch.distributed.nn.functional as dist_fn
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class ContextParallelPackedAttention(DotProductAttention):
+        def __init__(self, config, *args, **kwargs):
+            cp = config.context_parallel_size
+            config.context_parallel_size = 1        # DotProductAttention refuses CP at construction
+            try:
+                super().__init__(config, *args, **kwargs)
+            finally:
+                config.context_parallel_size = cp
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kw):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, **kw)
+            group = packed_seq_params.cp_group or parallel_state.get_context_parallel_group()
+            cp, rank = dist.get_world_size(group), dist.get_rank(group)
+            cu = packed_seq_params.cu_seqlens_q_padded.tolist()
+            total = cu[-1]
+            held = [_zigzag_positions(cu, cp, r) for r in range(cp)]
+            order = torch.cat(held)
+            keys = torch.empty_like(torch.cat([key] * cp))
+            vals = torch.empty_like(keys)
+            keys = keys.index_copy(0, order, torch.cat(dist_fn.all_gather(key.contiguous(), group=group)))
+            vals = vals.index_copy(0, order, torch.cat(dist_fn.all_gather(value.contiguous(), group=group)))
+            seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+            qpos = held[rank]
+            kpos = torch.arange(total)
+            allowed = (seq_of[qpos][:, None] == seq_of[kpos][None, :]) & (kpos[None, :] <= qpos[:, None])
+            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.softmax_scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+            out = torch.einsum("hqk,khd->qhd", probs, vals)
+            return out.reshape(out.shape[0], 1, -1)
+
+    return ContextParallelPackedAttention
+
+
 class SequenceParallelTorchNorm:
     """torch LayerNorm for sequence-parallel test models. Megatron's WrappedTorchNorm refuses
     sequence_parallel=True (its fused norms are GPU-only); this builds the same torch LayerNorm and
@@ -104,7 +161,8 @@ def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int
                             mtp_num_layers=1 if mtp else None, **cfg_kw)
     spec = get_gpt_layer_local_spec()
     if packed_attention:
-        spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
+        spec.submodules.self_attention.submodules.core_attention = (
+            context_parallel_attention_class() if cfg.context_parallel_size > 1 else packed_attention_class())
     kw = {}
     layer_spec = spec
     if sequence_parallel:

@@ -1,5 +1,6 @@
-"""Tensor parallelism 2 (gloo, two spawned CPU processes), with and without sequence parallelism:
-the hook, the legacy patch and the batch entry points against the unfused model, per rank.
+"""Two spawned CPU processes (gloo): tensor parallelism 2, with and without sequence parallelism
+(the hook, the legacy patch and the batch entry points against the unfused model, per rank),
+then context parallelism 2 (zigzag THD split and gather in forward_padded / forward_packed).
 
 Both ranks run every case once in one spawn (tp2_worker.py); each test below reads its case.
 """

@@ -1,4 +1,5 @@
-"""One rank of the TP=2 Megatron checks (gloo, CPU). Spawned twice by test_megatron_tp2.py; runs
+"""One rank of the two-process Megatron checks (gloo, CPU): tensor parallelism 2 (with and without
+sequence parallelism), then context parallelism 2. Spawned twice by test_megatron_tp2.py; runs
 every case in one process (spawning is the slow part) and writes {case: [ok, message]} as JSON.
 
     python tp2_worker.py RANK WORLD INIT_FILE SEED OUT_JSON
@@ -10,6 +11,7 @@ import traceback
 LP_TOL = ENT_TOL = 2e-5
 GRAD_TOL = 1e-4
 TP = 2
+CP = 2
 
 
 def _case_names():
@@ -20,6 +22,7 @@ def _case_names():
                 names.append(f"hook-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-{temp}")
     names += ["hook-nosp-mtp", "legacy-nosp-untied", "legacy-sp-tied", "inference-no-grad",
               "forward_padded-sp-thd", "forward_packed-nosp-thd", "forward_padded-sp-bshd"]
+    names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy"]
     return names
 
 
@@ -67,8 +70,68 @@ def _compare(env, torch, model, temperature, gen, with_labels=False, b=3, s=10):
     return rec, fused, f"lp {e_lp:.1e} ent {e_ent:.1e} grad {worst:.1e}"
 
 
+def run_cp_case(name, env, torch, seed):
+    """Context parallelism 2 (TP 1): forward_* split each packed sequence zigzag over the two
+    ranks and all-gather the results; compared with every sequence run alone, unpacked."""
+    import torch.distributed as dist
+    from logitless.megatron import forward_packed, forward_padded, last_path, patch_fused_forward
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(packed_attention=True, seed=seed, context_parallel_size=CP)
+    if name.endswith("legacy"):
+        model = env.build_with_class(env.old_signature_gpt_class(), **kw)
+        assert patch_fused_forward(model) == "legacy"
+    else:
+        model = env.build_gpt(**kw)
+    from logitless.integrations.megatron.forward import parallel_layout
+    layout = parallel_layout(model)
+    assert layout.cp_size == CP and layout.cp_rank == dist.get_rank() and layout.align == 2 * CP, layout
+    if name == "cp2-forward_packed-grads":
+        seqs = [torch.randint(0, model.vocab_size, (n,), generator=gen) for n in (9, 1, 14, 6)]
+        temps = 0.6 + torch.rand(len(seqs), generator=gen)
+        w = [(torch.randn(q.numel(), generator=gen), torch.randn(q.numel(), generator=gen)) for q in seqs]
+        model.zero_grad(set_to_none=True)
+        out = forward_packed(model, seqs, temperature=temps, strict=True)
+        assert last_path().path == "hook" and last_path().entry == "forward_packed"
+        sum((a * lp).sum() + (c * e).sum() for (a, c), lp, e in zip(w, out.logprobs, out.entropy)).backward()
+        fused = env.param_grads(model)
+        for g in fused.values():            # Megatron sums gradients over the CP ranks (DDP over dp x cp)
+            if g is not None:
+                dist.all_reduce(g)
+        model.zero_grad(set_to_none=True)
+        ref_loss, worst = 0, 0.0
+        for i, q in enumerate(seqs):
+            lp, ent = env.per_sequence_reference(model, q, temps[i])
+            worst = max(worst, float((out.logprobs[i].detach().double() - lp).abs().max()),
+                        float((out.entropy[i].detach().double() - ent).abs().max()))
+            ref_loss = ref_loss + (w[i][0] * lp).sum() + (w[i][1] * ent).sum()
+        assert worst <= LP_TOL, worst
+        ref_loss.backward()
+        gworst = 0.0
+        for n_, g in env.param_grads(model).items():
+            if g is not None and g.norm() > 0:
+                err = env.rel_err(fused[n_], g)
+                assert err <= GRAD_TOL, (n_, err)
+                gworst = max(gworst, err)
+        return f"lp/ent {worst:.1e} grad {gworst:.1e}"
+    ids, mask = env.ragged_batch(gen)
+    b, s = ids.shape
+    temps = 0.6 + torch.rand(b, s, generator=gen)
+    with torch.no_grad():
+        out = forward_padded(model, ids, mask, temperature=temps, strict=True)
+        assert last_path().path == ("legacy" if name.endswith("legacy") else "hook")
+        worst = 0.0
+        for i in range(b):
+            lp, ent = env.per_sequence_reference(model, ids[i][mask[i]], temps[i][mask[i]][None, :-1])
+            worst = max(worst, float((out.logprobs[i][mask[i]].double() - lp).abs().max()),
+                        float((out.entropy[i][mask[i]].double() - ent).abs().max()))
+    assert worst <= LP_TOL, worst
+    return f"max err {worst:.1e}"
+
+
 def run_case(name, env, torch, seed):
     from logitless.megatron import forward_packed, forward_padded, last_path
+    if name.startswith("cp2"):
+        return run_cp_case(name, env, torch, seed)
     gen = torch.Generator().manual_seed(seed)
     parts = name.split("-")
     sp = "sp" in parts
@@ -147,8 +210,15 @@ def main():
     import torch
     env.init_cpu_megatron(rank=rank, world_size=world, tp=TP, init_file=init_file)
     only = sys.argv[6].split(",") if len(sys.argv) > 6 else CASES
+    env_is_cp = [False]
     results = {}
     for i, name in enumerate(only):
+        if name.startswith("cp2") and not env_is_cp[0]:
+            from megatron.core import parallel_state, tensor_parallel
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(1, 1, context_parallel_size=CP)
+            tensor_parallel.model_parallel_cuda_manual_seed(123, inference_rng_tracker=True)
+            env_is_cp[0] = True
         try:
             results[name] = [True, run_case(name, env, torch, seed + i)]
         except Exception:                           # noqa: BLE001 - reported to the test, per case
