@@ -6,10 +6,10 @@ import pytest
 mcore = pytest.importorskip("megatron.core", reason="megatron-core is not installed (make setup installs it)")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron_tp1():
-    """One gloo process group (world 1) and megatron's model-parallel state, for the whole session;
-    restored afterwards so other tests see an untouched torch."""
+    """One gloo process group (world 1) and megatron's model-parallel state per test module;
+    torch and torch.distributed are restored afterwards, so other tests see them untouched."""
     import mcore_env
     mcore_env.init_cpu_megatron(rank=0, world_size=1, tp=1)
     yield mcore_env
