@@ -366,3 +366,38 @@ def ragged_batch(gen, b=4, s=15, vocab=262):
     mask[3, :] = False
     mask[3, 2:4] = True
     return ids, mask
+
+
+def spawn_two(python: str, seed: int, cases=None, timeout: int = 420):
+    """Run tp2_worker.py as ranks 0 and 1 under ``python``; returns each rank's {case: [ok, msg]}."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "gloo_init")
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([here, os.path.dirname(os.path.dirname(here))]
+                                              + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        extra = [",".join(cases)] if cases else []
+        procs = [subprocess.Popen([python or sys.executable, os.path.join(here, "tp2_worker.py"), str(r), "2", init,
+                                   str(seed), outs[r]] + extra, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        logs = []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=timeout)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        results = []
+        for r in range(2):
+            assert os.path.exists(outs[r]), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
+            with open(outs[r]) as f:
+                results.append(json.load(f))
+        for r, p in enumerate(procs):
+            assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-3000:]}"
+    return results

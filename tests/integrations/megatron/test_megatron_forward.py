@@ -156,3 +156,19 @@ def test_fp8_config_sets_the_padding(megatron_tp1, seed):
         assert parallel_layout(model).align == 16
     finally:
         model.config.fp8 = None
+
+
+def test_forward_without_entropy_under_no_grad(megatron_tp1, seed):
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = env.build_gpt(packed_attention=True, seed=seed)
+    ids, mask = env.ragged_batch(gen)
+    with torch.no_grad():
+        full = forward_padded(model, ids, mask, temperature=1.1)
+        lean = forward_padded(model, ids, mask, temperature=1.1, with_entropy=False)
+        packed = forward_packed(model, [ids[i][mask[i]] for i in range(ids.shape[0])], temperature=1.1,
+                                with_entropy=False)
+    assert lean.entropy is None and packed.entropy is None and not lean.logprobs.requires_grad
+    assert torch.equal(lean.logprobs, full.logprobs)
+    for i, lp in enumerate(packed.logprobs):
+        assert torch.equal(lp, full.logprobs[i][mask[i]])

@@ -10,6 +10,7 @@ import torch
 
 from logitless.megatron import forward_padded, last_path
 
+import mcore_env
 from mcore_env import ENT_TOL, LP_TOL
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +35,22 @@ def test_legacy_release_suite_passes(legacy_run):
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
     assert m and int(m.group(1)) >= 17 and "failed" not in proc.stdout and "skipped" not in proc.stdout, tail
+
+
+LEGACY_TWO_PROCESS_CASES = ["legacy-nosp-untied", "legacy-sp-tied", "forward_padded-sp-thd", "forward_packed-nosp-thd",
+                            "forward_padded-sp-bshd", "cp2-forward_packed-grads", "cp2-forward_padded-per_token"]
+
+
+def test_legacy_release_two_processes():
+    """TP=2 (with and without SP) and CP=2 through the legacy patch on the real older release."""
+    assert os.path.exists(LEGACY_PY), f"{LEGACY_PY} is missing: `make setup` builds it (megatron-core 0.16.1)"
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    results = mcore_env.spawn_two(LEGACY_PY, seed, LEGACY_TWO_PROCESS_CASES)
+    for case in LEGACY_TWO_PROCESS_CASES:
+        for rank, res in enumerate(results):
+            ok, msg = res[case]
+            assert ok, f"{case} rank {rank}: {msg}"
 
 
 def test_equal_numbers_across_releases(megatron_tp1, legacy_run):

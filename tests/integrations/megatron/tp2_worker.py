@@ -74,7 +74,7 @@ def run_cp_case(name, env, torch, seed):
     """Context parallelism 2 (TP 1): forward_* split each packed sequence zigzag over the two
     ranks and all-gather the results; compared with every sequence run alone, unpacked."""
     import torch.distributed as dist
-    from logitless.megatron import forward_packed, forward_padded, last_path, patch_fused_forward
+    from logitless.megatron import forward_packed, forward_padded, fused_forward_mode, last_path, patch_fused_forward
     gen = torch.Generator().manual_seed(seed)
     kw = dict(packed_attention=True, seed=seed, context_parallel_size=CP)
     if name.endswith("legacy"):
@@ -91,7 +91,7 @@ def run_cp_case(name, env, torch, seed):
         w = [(torch.randn(q.numel(), generator=gen), torch.randn(q.numel(), generator=gen)) for q in seqs]
         model.zero_grad(set_to_none=True)
         out = forward_packed(model, seqs, temperature=temps, strict=True)
-        assert last_path().path == "hook" and last_path().entry == "forward_packed"
+        assert last_path().path in ("hook", "legacy") and last_path().entry == "forward_packed"
         sum((a * lp).sum() + (c * e).sum() for (a, c), lp, e in zip(w, out.logprobs, out.entropy)).backward()
         fused = env.param_grads(model)
         for g in fused.values():            # Megatron sums gradients over the CP ranks (DDP over dp x cp)
@@ -118,7 +118,7 @@ def run_cp_case(name, env, torch, seed):
     temps = 0.6 + torch.rand(b, s, generator=gen)
     with torch.no_grad():
         out = forward_padded(model, ids, mask, temperature=temps, strict=True)
-        assert last_path().path == ("legacy" if name.endswith("legacy") else "hook")
+        assert last_path().path == ("legacy" if name.endswith("legacy") else fused_forward_mode(model))
         worst = 0.0
         for i in range(b):
             lp, ent = env.per_sequence_reference(model, ids[i][mask[i]], temps[i][mask[i]][None, :-1])
@@ -184,7 +184,8 @@ def run_case(name, env, torch, seed):
         out = forward_packed(model, [ids[i][mask[i]] for i in range(b)], temperature=temps, strict=True)
         lps, ents = out.logprobs, out.entropy
     rec = last_path()
-    assert rec.path == "hook" and rec.entry == parts[0], rec
+    from logitless.megatron import fused_forward_mode
+    assert rec.path == fused_forward_mode(model) != "unfused" and rec.entry == parts[0], rec
     worst = 0.0
     with torch.no_grad():
         for i in range(b):

@@ -51,8 +51,13 @@ class FusedOutputProcessorContext:
             raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__}")
 
 
-def _tp_group_and_size(output_layer):
+def _tp_group_and_size(output_layer, config):
+    """The output layer's tensor-parallel group and its size. Releases whose layers do not carry
+    ``tp_group`` use the global model-parallel state when the config says TP > 1."""
     group = getattr(output_layer, "tp_group", None)
+    if group is None and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
+        from megatron.core import parallel_state
+        group = parallel_state.get_tensor_model_parallel_group()
     if group is None:
         return None, 1
     return group, group.size()
@@ -142,7 +147,7 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     if weight is None:
         raise ValueError("no output weight: output_weight is None and output_layer.weight is None")
 
-    group, tp_size = _tp_group_and_size(output_layer)
+    group, tp_size = _tp_group_and_size(output_layer, config)
     hidden = hidden_states
     reduce_grad_hidden = True
     if tp_size > 1 and getattr(output_layer, "sequence_parallel", False):
