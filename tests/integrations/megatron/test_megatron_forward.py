@@ -169,6 +169,6 @@ def test_forward_without_entropy_under_no_grad(megatron_tp1, seed):
         packed = forward_packed(model, [ids[i][mask[i]] for i in range(ids.shape[0])], temperature=1.1,
                                 with_entropy=False)
     assert lean.entropy is None and packed.entropy is None and not lean.logprobs.requires_grad
-    assert torch.equal(lean.logprobs, full.logprobs)
+    assert (lean.logprobs - full.logprobs).abs().max() <= LP_TOL
     for i, lp in enumerate(packed.logprobs):
-        assert torch.equal(lp, full.logprobs[i][mask[i]])
+        assert (lp - full.logprobs[i][mask[i]]).abs().max() <= LP_TOL
