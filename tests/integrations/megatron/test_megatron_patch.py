@@ -91,6 +91,7 @@ def test_legacy_patch_numbers_and_exact_undo(megatron_tp1, seed, tied, mtp):
         assert patch_fused_forward(Wrapper(model)) == "legacy"
     patched = model.__dict__["forward"]
     assert patch_fused_forward(model) == "legacy" and model.__dict__["forward"] is patched   # one patch, one backup
+    assert patched.__self__ is model
     grads = _run_pair(env, model, gen, 0.8)
     assert last_path() is not None
     assert "_postprocess" not in model.__dict__ and "forward" not in model.output_layer.__dict__
@@ -168,3 +169,19 @@ def test_no_postprocess_model_is_unfused_mode(megatron_tp1, seed):
     model = env.build_with_class(env.no_postprocess_gpt_class(), seed=seed)
     assert fused_forward_mode(model) == "unfused"
     assert patch_fused_forward(model) == "unfused" and "forward" not in model.__dict__
+
+
+def test_hook_needs_both_parameters(megatron_tp1, seed):
+    """Signature inspection: a forward with output_processor but no output_processor_context is
+    not the hook."""
+    from megatron.core.models.gpt import GPTModel
+    env = megatron_tp1
+
+    class HalfHook(GPTModel):
+        def forward(self, input_ids, position_ids, attention_mask, labels=None, output_processor=None):
+            return super().forward(input_ids, position_ids, attention_mask, labels=labels,
+                                   output_processor=output_processor)
+
+    model = env.build_with_class(HalfHook, seed=seed)
+    assert not supports_output_processor_hook(model)
+    assert fused_forward_mode(model) == "legacy"

@@ -13,6 +13,7 @@ is kept in one backup attribute; unpatch restores it exactly and removes the bac
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Any
 
 from torch import nn
@@ -21,7 +22,10 @@ from .detect import fused_forward_mode, unwrap_gpt_model
 from .record import legacy_call
 
 _BACKUP_ATTR = "_logitless_forward_backup"
-_ABSENT = object()   # marks "there was no instance-level forward before the patch"
+# Backup value meaning "no instance-level forward before the patch". A string, so it survives
+# copy.deepcopy and pickling of a patched model (an object() sentinel would not).
+_CLASS_FORWARD = "<class forward>"
+_ABSENT = object()   # local marker for "no such attribute" during one call
 
 
 class _MainHidden(Exception):
@@ -43,10 +47,9 @@ def patch_fused_forward(model: nn.Module) -> str:
     mode = fused_forward_mode(gpt)
     if mode != "legacy" or _BACKUP_ATTR in gpt.__dict__:
         return mode
-    previous = gpt.__dict__.get("forward", _ABSENT)
-    original = previous if previous is not _ABSENT else type(gpt).forward.__get__(gpt)
-    gpt.__dict__[_BACKUP_ATTR] = previous
-    gpt.__dict__["forward"] = _make_legacy_forward(gpt, original)
+    gpt.__dict__[_BACKUP_ATTR] = gpt.__dict__.get("forward", _CLASS_FORWARD)
+    # a bound method (not a closure over gpt): a deep copy of the model binds it to the copy
+    gpt.__dict__["forward"] = types.MethodType(_legacy_forward, gpt)
     return mode
 
 
@@ -54,26 +57,30 @@ def unpatch_fused_forward(model: nn.Module) -> str:
     """Undo ``patch_fused_forward`` exactly (idempotent); returns the mode."""
     gpt = unwrap_gpt_model(model)
     mode = fused_forward_mode(gpt)
-    previous = gpt.__dict__.pop(_BACKUP_ATTR, None)
-    if previous is not None:
-        if previous is _ABSENT:
+    if _BACKUP_ATTR in gpt.__dict__:
+        previous = gpt.__dict__.pop(_BACKUP_ATTR)
+        if isinstance(previous, str) and previous == _CLASS_FORWARD:
             gpt.__dict__.pop("forward", None)
         else:
             gpt.__dict__["forward"] = previous
     return mode
 
 
-def _make_legacy_forward(gpt: nn.Module, original):
-    def forward(*args, output_processor=None, output_processor_context=None, **kwargs):
-        if output_processor is None or not getattr(gpt, "post_process", True):
-            # no processor, or a non-last pipeline stage: the hook would not run either
-            return original(*args, **kwargs)
-        return _forward_with_processor(gpt, original, args, kwargs, output_processor,
-                                       output_processor_context)
-    forward.__wrapped__ = original
-    forward.__doc__ = ("logitless legacy patch of GPTModel.forward: also accepts output_processor and "
-                       "output_processor_context, like megatron-core 0.18+.")
-    return forward
+def _original_forward(gpt: nn.Module):
+    previous = gpt.__dict__.get(_BACKUP_ATTR, _CLASS_FORWARD)
+    if isinstance(previous, str) and previous == _CLASS_FORWARD:
+        return type(gpt).forward.__get__(gpt)
+    return previous
+
+
+def _legacy_forward(self, *args, output_processor=None, output_processor_context=None, **kwargs):
+    """logitless legacy patch of GPTModel.forward: also accepts ``output_processor`` and
+    ``output_processor_context``, like megatron-core 0.18+."""
+    original = _original_forward(self)
+    if output_processor is None or not getattr(self, "post_process", True):
+        # no processor, or a non-last pipeline stage: the hook would not run either
+        return original(*args, **kwargs)
+    return _forward_with_processor(self, original, args, kwargs, output_processor, output_processor_context)
 
 
 def _forward_with_processor(gpt, original, args, kwargs, processor, context) -> Any:
