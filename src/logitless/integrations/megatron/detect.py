@@ -4,7 +4,8 @@ Modes:
 - "hook":    ``GPTModel.forward`` accepts ``output_processor`` and ``output_processor_context``
              (megatron-core 0.18+, or any backport): logitless passes its processor, nothing patched.
 - "legacy":  no hook, but the model routes its output through ``_postprocess`` (megatron-core
-             0.13-0.17): logitless patches that one instance's ``forward`` (see patch.py).
+             releases before 0.18; tested on 0.16.1): logitless patches that one instance's
+             ``forward`` (see patch.py).
 - "unfused": neither; only the unfused fallback can run (refused in strict mode).
 
 The decision comes from inspecting the forward signature, never from a version number, so

@@ -2,7 +2,8 @@
 
 Hook mode (megatron-core 0.18+): nothing to do; ``model.forward`` is never touched.
 
-Legacy mode (0.13-0.17, no hook): the one GPTModel instance gets an instance-level ``forward``
+Legacy mode (releases without the hook that route their output through ``_postprocess``; tested
+against megatron-core 0.16.1): the one GPTModel instance gets an instance-level ``forward``
 (never the class) that accepts the two hook arguments. With a processor it runs the original
 forward while, for that call only, the instance's ``_postprocess`` is wrapped and its
 ``output_layer`` intercepted at the main-model logits call: the original post-processing (MTP
@@ -22,8 +23,8 @@ from .detect import fused_forward_mode, unwrap_gpt_model
 from .record import legacy_call
 
 _BACKUP_ATTR = "_logitless_forward_backup"
-# Backup value meaning "no instance-level forward before the patch". A string, so it survives
-# copy.deepcopy and pickling of a patched model (an object() sentinel would not).
+# Backup value meaning "no instance-level forward before the patch". A string, so it keeps its
+# meaning through copies and pickles of the model (an object() sentinel would not).
 _CLASS_FORWARD = "<class forward>"
 _ABSENT = object()   # local marker for "no such attribute" during one call
 
@@ -48,7 +49,8 @@ def patch_fused_forward(model: nn.Module) -> str:
     if mode != "legacy" or _BACKUP_ATTR in gpt.__dict__:
         return mode
     gpt.__dict__[_BACKUP_ATTR] = gpt.__dict__.get("forward", _CLASS_FORWARD)
-    # a bound method (not a closure over gpt): a deep copy of the model binds it to the copy
+    # a bound method resolving the original at call time (not a closure holding it), so a copy
+    # of the model never calls back into this instance
     gpt.__dict__["forward"] = types.MethodType(_legacy_forward, gpt)
     return mode
 
