@@ -3,7 +3,8 @@
 Without a GPU these run in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), with the
 interpreter's small tiles (16 x 64 x 32): V = 1031 leaves a last vocabulary tile of 7 real columns and
 57 padded ones, H = 100 a ragged last K tile, and a small dlogits budget makes the backward walk
-several vocabulary chunks with a ragged last one.
+several vocabulary chunks with a ragged last one. On a CUDA machine the same tests run the compiled
+kernels on the GPU (with the GPU's tiles, where every shape here is ragged too).
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import torch
 
 from logitless import fused_logprobs, last_backend
 from logitless.ops.triton import backend as triton_backend
+from logitless.ops.triton.common import INTERPRETING
 from reference64 import logprobs_entropy64, rel_err
+
+DEVICE = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
 
 TOL = {  # logprob max abs, entropy max abs, gradient relative error
     torch.float32: (2e-5, 2e-5, 1e-4),
@@ -29,8 +33,8 @@ def several_backward_chunks(monkeypatch):
 
 def make_inputs(lead=(7,), h=96, v=1031, dtype=torch.float32, logit_std=4.0):
     """hidden [*lead, H], weight [V, H] with logits of std about logit_std, labels sampled from the softmax."""
-    hidden = torch.randn(*lead, h)
-    weight = torch.randn(v, h) * (logit_std / h ** 0.5)
+    hidden = torch.randn(*lead, h, device=DEVICE)
+    weight = torch.randn(v, h, device=DEVICE) * (logit_std / h ** 0.5)
     with torch.no_grad():
         probs = torch.softmax(hidden.double() @ weight.double().t(), dim=-1)
         labels = torch.multinomial(probs.reshape(-1, v), 1).reshape(lead)
@@ -61,8 +65,8 @@ def check(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, with_en
     assert torch.isfinite(out.logprobs).all()
     assert (out.logprobs - lp64).abs().max().item() <= tol[0]
     assert (out.logprobs <= 0).all()
-    a = torch.randn(labels.shape, dtype=torch.float64)
-    b = torch.randn(labels.shape, dtype=torch.float64)
+    a = torch.randn(labels.shape, dtype=torch.float64, device=labels.device)
+    b = torch.randn(labels.shape, dtype=torch.float64, device=labels.device)
     loss, loss64 = (out.logprobs * a.float()).sum(), (lp64 * a).sum()
     if with_entropy:
         assert out.entropy.dtype == torch.float32 and torch.isfinite(out.entropy).all()
@@ -96,7 +100,7 @@ def test_matches_float64(dtype):
 def test_per_token_temperature_and_ignored_rows(dtype):
     hidden, weight, labels = make_inputs(dtype=dtype)
     labels[1] = labels[4] = -100
-    temperature = torch.rand(7) + 0.5
+    temperature = torch.rand(7, device=DEVICE) + 0.5
     out = check(hidden, weight, labels, temperature=temperature)
     assert out.logprobs[1] == 0 and out.entropy[4] == 0
 
@@ -114,7 +118,7 @@ def test_three_dimensional_ragged_k():
     # [2, 5, 100]: H = 100 is not a multiple of the K tile; per-sequence temperature [2, 1]
     hidden, weight, labels = make_inputs(lead=(2, 5), h=100)
     labels[0, 3] = -100
-    check(hidden, weight, labels, temperature=torch.tensor([[0.8], [1.3]]))
+    check(hidden, weight, labels, temperature=torch.tensor([[0.8], [1.3]], device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -137,7 +141,7 @@ def test_int32_labels():
 def test_non_contiguous_inputs():
     hidden, weight, labels = make_inputs(lead=(7,), h=96)
     hidden_t = hidden.t().contiguous().t()             # column-major [7, 96]
-    wide = torch.randn(1031, 192)
+    wide = torch.randn(1031, 192, device=DEVICE)
     wide[:, ::2] = weight
     weight_strided = wide[:, ::2]                       # row stride 192, column stride 2
     assert not hidden_t.is_contiguous() and not weight_strided.is_contiguous()
@@ -174,7 +178,7 @@ def test_padded_last_tile_carries_no_mass():
     # V = 131 leaves 3 real columns in the last tile of 64.
     v = 131
     hidden, weight, _ = make_inputs(lead=(1,), h=48, v=v)
-    out = fused_logprobs(hidden.expand(v, 48), weight, torch.arange(v), backend="triton")
+    out = fused_logprobs(hidden.expand(v, 48), weight, torch.arange(v, device=DEVICE), backend="triton")
     assert (out.logprobs <= 0).all()
     assert abs(out.logprobs.double().exp().sum().item() - 1.0) <= 1e-5
     assert torch.allclose(out.entropy, out.entropy[0].expand(v))
@@ -188,23 +192,29 @@ def test_labels_in_first_and_last_column():
 
 def test_availability():
     cpu = torch.zeros(2, 3)
-    assert triton_backend.unavailable_reason(cpu, cpu) is None        # interpreter on in this process
+    if INTERPRETING:
+        assert triton_backend.unavailable_reason(cpu, cpu) is None
+    else:
+        assert "TRITON_INTERPRET=1" in triton_backend.unavailable_reason(cpu, cpu)
+    if torch.cuda.is_available():
+        gpu = cpu.cuda()
+        assert triton_backend.unavailable_reason(gpu, gpu) is None
     meta = torch.empty(2, 3, device="meta")
     assert "CUDA" in triton_backend.unavailable_reason(meta, meta)
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(triton_backend, "INTERPRETING", False)
-    hidden, weight, labels = make_inputs()
+    hidden, weight, labels = (t.cpu() for t in make_inputs())
     assert "TRITON_INTERPRET=1" in triton_backend.unavailable_reason(hidden, weight)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         fused_logprobs(hidden, weight, labels, backend="triton")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (non-interpreted) kernels need a CUDA GPU")
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled (non-interpreted) kernels need a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_kernels_on_cuda(dtype, monkeypatch):
     monkeypatch.delenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS")
     hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype)
     labels[::7] = -100
-    check(hidden.cuda(), weight.cuda(), labels.cuda(), temperature=torch.rand(300, device="cuda") + 0.5)
+    check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5)

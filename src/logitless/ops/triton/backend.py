@@ -5,8 +5,10 @@ Runs on CUDA tensors; on CPU tensors only when TRITON_INTERPRET=1 was set before
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from . import backward, forward_stats
@@ -28,10 +30,18 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
 
 def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
     """(lse, entropy or None, zy), float32 [N]; see logitless.ops.backend."""
-    return forward_stats.stats(hidden, weight, labels, inv_temp, with_entropy)
+    with _on(hidden):
+        return forward_stats.stats(hidden, weight, labels, inv_temp, with_entropy)
 
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool):
     """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None); see logitless.ops.backend."""
-    return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw)
+    with _on(hidden):
+        return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw)
+
+
+def _on(t: Tensor):
+    """Launch on the tensors' GPU, not on whichever one is current (triton launches on the current)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+

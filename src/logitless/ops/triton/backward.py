@@ -70,7 +70,7 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
     col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C]."""
     n, k = hidden.shape
     cols = w_chunk.shape[0]
-    tiles = backward_tiles(n, k, hidden.dtype)
+    tiles = backward_tiles(n, k, hidden.dtype, hidden.device)
     with_entropy = g_ent is not None
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
     h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
@@ -119,7 +119,7 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool):
     n, k = hidden.shape
     vocab = weight.shape[0]
-    tiles = backward_tiles(n, k, hidden.dtype)
+    tiles = backward_tiles(n, k, hidden.dtype, hidden.device)
     step = chunk_columns(n, vocab, tiles.block_n)
     dh = torch.zeros((n, k), dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty((vocab, k), dtype=weight.dtype, device=weight.device) if need_dw else None

@@ -57,26 +57,44 @@ def _env_tiles(var: str):
     return Tiles(*(int(x) for x in raw.split(",")))
 
 
-def forward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
+def _hopper_or_newer(device: torch.device) -> bool:
+    """NVIDIA compute capability >= 9.0: the bulk copy engine, and 228 KiB of shared memory per SM."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# Before Hopper (A100: 164 KiB shared memory, consumer parts ~100 KiB) the H200 tiles do not fit:
+# 128 x 128 x 32 in 3 stages needs 48 KiB. Not tuned: no such GPU was measured.
+PRE_HOPPER_TILES = Tiles(128, 128, 32, 8, 4, 3)
+# float32 operands go through IEEE fp32 FMA (no tf32), whose tiles need more registers than bf16 wgmma
+FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
+
+
+def forward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     if INTERPRETING:
         return INTERPRETER_TILES
     env = _env_tiles("LOGITLESS_TRITON_FWD")
     if env is not None:
         return env
     if dtype == torch.float32:
-        return Tiles(64, 64, 32, 8, 4, 3)
+        return FLOAT32_TILES
+    if not _hopper_or_newer(device):
+        return PRE_HOPPER_TILES
     # H200 sweep (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 3 stages, 16 token blocks per group
     return Tiles(128, 256, 64, 16, 8, 3)
 
 
-def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype) -> Tiles:
+def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     if INTERPRETING:
         return INTERPRETER_TILES
     env = _env_tiles("LOGITLESS_TRITON_BWD")
     if env is not None:
         return env
     if dtype == torch.float32:
-        return Tiles(64, 64, 32, 8, 4, 3)
+        return FLOAT32_TILES
+    if not _hopper_or_newer(device):
+        return PRE_HOPPER_TILES
     return Tiles(128, 256, 64, 16, 8, 4)
 
 
@@ -88,10 +106,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
-    """(hidden operand, weight operand, USE_TMA) for logits_tile: tensor descriptors where the layout
-    allows and LOGITLESS_TRITON_TMA is not "0", else the tensors themselves (pointer loads)."""
+    """(hidden operand, weight operand, USE_TMA) for logits_tile: tensor descriptors on Hopper or newer
+    (and in the interpreter) where the layout allows and LOGITLESS_TRITON_TMA is not "0", else the
+    tensors themselves (pointer loads)."""
     mode = os.environ.get("LOGITLESS_TRITON_TMA", "1")
-    if mode != "0" and _tma_ok(hidden) and _tma_ok(weight):
+    engine = INTERPRETING or _hopper_or_newer(hidden.device)
+    if mode != "0" and engine and _tma_ok(hidden) and _tma_ok(weight):
         h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])
         w = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [tiles.block_n, tiles.block_k])
         return h, w, True

@@ -62,7 +62,7 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     [ceil(V / BLOCK_N), N], zy float32 [N] (0.0 where the label is -1)."""
     n, k = hidden.shape
     vocab = weight.shape[0]
-    tiles = forward_tiles(n, k, hidden.dtype)
+    tiles = forward_tiles(n, k, hidden.dtype, hidden.device)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
     dev = hidden.device
     part_m = torch.empty((n_tiles, n), dtype=torch.float32, device=dev)
