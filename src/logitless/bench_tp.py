@@ -119,6 +119,7 @@ def _rank_main(rank: int, cfg: dict, tmp: str) -> None:
         if rank == 0:
             with open(os.path.join(tmp, "rows.json"), "w") as f:
                 json.dump(rows, f)
+        dist.barrier()     # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

@@ -27,7 +27,9 @@ __all__ = ["VocabParallel", "gather_sequence", "scatter_sequence", "next_token_l
 
 # dtype codes exchanged once per (group, shard) to catch shards of different dtypes across ranks
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# group -> {(local V, H, dtype, device): VocabParallel}; weak so destroyed groups are forgotten
+# group -> {(local V, H, dtype, device): shard sizes}. Weak, and the values do not refer to the group:
+# a cache that kept the group alive would let its gloo/NCCL threads outlive destroy_process_group
+# and abort the process at exit.
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -56,6 +58,23 @@ def _check_group(group, arg: str = "tp_group") -> tuple[int, int]:
     if rank < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of {arg}")
     return rank, dist.get_world_size(group)
+
+
+def _exchange_sizes(group, world: int, weight: Tensor) -> tuple:
+    """Every rank's shard size, from one all-gather of (V_local, H, dtype code); ValueError, on every
+    rank alike, when the shards disagree in H or dtype."""
+    code = _DTYPES.index(weight.dtype) if weight.dtype in _DTYPES else -1
+    mine = torch.tensor([weight.shape[0], weight.shape[1], code], dtype=torch.int64, device=weight.device)
+    every = torch.empty(world * 3, dtype=torch.int64, device=weight.device)
+    _gather_into(every, mine, group)
+    sizes, hs, codes = (tuple(int(x) for x in col) for col in every.view(world, 3).t().cpu())
+    if len(set(hs)) != 1:
+        raise ValueError(f"weight shards differ in hidden size across tp_group: H per rank = {list(hs)}; "
+                         "every rank must hold rows of the same [V, H] matrix")
+    if len(set(codes)) != 1:
+        names = [str(_DTYPES[c]) if c >= 0 else "other" for c in codes]
+        raise ValueError(f"weight shards differ in dtype across tp_group: dtype per rank = {names}")
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,25 +113,9 @@ class VocabParallel:
         rank, world = _check_group(group)
         per_group = _LAYOUTS.setdefault(group, {})
         key = (int(weight.shape[0]), int(weight.shape[1]), weight.dtype, weight.device)
-        layout = per_group.get(key)
-        if layout is None:
-            layout = cls._exchange(group, rank, world, weight)
-            per_group[key] = layout
-        return layout
-
-    @classmethod
-    def _exchange(cls, group, rank: int, world: int, weight: Tensor) -> "VocabParallel":
-        code = _DTYPES.index(weight.dtype) if weight.dtype in _DTYPES else -1
-        mine = torch.tensor([weight.shape[0], weight.shape[1], code], dtype=torch.int64, device=weight.device)
-        every = torch.empty(world * 3, dtype=torch.int64, device=weight.device)
-        _gather_into(every, mine, group)
-        sizes, hs, codes = (tuple(int(x) for x in col) for col in every.view(world, 3).t().cpu())
-        if len(set(hs)) != 1:
-            raise ValueError(f"weight shards differ in hidden size across tp_group: H per rank = {list(hs)}; "
-                             "every rank must hold rows of the same [V, H] matrix")
-        if len(set(codes)) != 1:
-            names = [str(_DTYPES[c]) if c >= 0 else "other" for c in codes]
-            raise ValueError(f"weight shards differ in dtype across tp_group: dtype per rank = {names}")
+        sizes = per_group.get(key)
+        if sizes is None:
+            sizes = per_group[key] = _exchange_sizes(group, world, weight)
         return cls(group=group, rank=rank, world_size=world, sizes=sizes,
                    vocab_offset=sum(sizes[:rank]), vocab_size=sum(sizes))
 

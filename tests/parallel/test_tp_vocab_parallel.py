@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import tp_cases
-from tp_harness import run_world
+from tp_harness import EXIT, run_world
 
 
 def check_outcome(world: int, case: str) -> None:
@@ -24,3 +24,8 @@ def params(fns):
 @pytest.mark.parametrize("world,case", params(tp_cases.VOCAB_CASES + [tp_cases.case_triton_interpreted]))
 def test_vocab_parallel(world, case):
     check_outcome(world, case)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_processes_exit_cleanly(world):
+    check_outcome(world, EXIT)

@@ -8,15 +8,17 @@ collectives that follow, so failures are collected and raised at the end of the 
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from logitless import fused_logprobs, last_backend
+from logitless import fused_logprobs, last_backend, parallel
 from logitless.parallel import (VocabParallel, gather_sequence, next_token_labels, next_token_labels_sharded,
                                 scatter_sequence)
 from reference64 import logprobs_entropy64, rel_err
@@ -295,7 +297,14 @@ def case_layout(ctx):
     ck.true("vocab_size", tp.vocab_size == V, f"{tp.vocab_size} != {V}")
     ck.true("sizes", list(tp.sizes) == sizes, f"{tp.sizes} != {sizes}")
     ck.true("rank/world", (tp.rank, tp.world_size) == (ctx.rank, ctx.world))
-    ck.true("cached", VocabParallel.for_group(ctx.group, w.clone()) is tp, "a second look-up built a new layout")
+    exchanges = []
+    real = parallel._exchange_sizes
+    parallel._exchange_sizes = lambda *args: exchanges.append(1) or real(*args)   # counts, then runs it
+    try:
+        again = VocabParallel.for_group(ctx.group, w.clone())
+    finally:
+        parallel._exchange_sizes = real
+    ck.true("cached", again == tp and not exchanges, "a second look-up exchanged the sizes again")
     ck.true("with_reduce(True)", tp.with_reduce(True) is tp and tp.reduce)
     partial = tp.with_reduce(False)
     ck.true("with_reduce(False)", not partial.reduce and tp.reduce and partial.vocab_offset == off)
@@ -303,6 +312,22 @@ def case_layout(ctx):
     ck.true("no reduce", torch.equal(partial.reduce_grad_hidden(x.clone()), x))
     total = float(sum(range(1, ctx.world + 1)))
     ck.true("reduce", bool((tp.reduce_grad_hidden(x.clone()) == total).all()))
+    ck.done()
+
+
+def case_layout_releases_group(ctx):
+    """The layout cache must not keep a destroyed group alive: its threads would outlive
+    destroy_process_group and can abort the process at exit."""
+    ck = Checks()
+    sub = dist.new_group(list(range(ctx.world)))
+    hidden, weight, labels = make_inputs(ctx, even_sizes(V, ctx.world), lead=(3,), n_ignored=0)
+    _, w = shard(ctx, weight, even_sizes(V, ctx.world))
+    fused_logprobs(hidden, w, labels, tp_group=sub, backend="chunked")
+    alive = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    ck.true("group released", alive() is None, "a destroyed group is still referenced")
     ck.done()
 
 
@@ -491,7 +516,8 @@ def case_next_token_labels_sharded(ctx):
 
 VOCAB_CASES = [case_scalar_temperature, case_per_token_temperature, case_without_entropy, case_unequal_shards,
                case_partial_grad_hidden, case_ignore_index, case_grad_subsets, case_bfloat16,
-               case_three_dims_odd_hidden, case_empty_tokens, case_layout, case_single_rank_subgroup]
+               case_three_dims_odd_hidden, case_empty_tokens, case_layout, case_layout_releases_group,
+               case_single_rank_subgroup]
 ERROR_CASES = [case_error_hidden_size_differs, case_error_dtype_differs, case_error_labels_outside_global_vocab,
                case_error_group_type]
 SEQUENCE_CASES = [case_gather_sequence_grads, case_scatter_sequence_grads, case_sequence_parallel_end_to_end,

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 300
+EXIT = "ranks_exit_cleanly"   # pseudo-case: every rank process ended with exit code 0
 
 
 class Skip(Exception):
@@ -55,6 +56,8 @@ def run_world(world: int) -> dict:
             got = json.load(open(path)) if os.path.exists(path) else {}
             for name in names:
                 outcomes[name].append(got.get(name, f"no result from rank {rank} (seed {seed}): {crashed}"))
+    # a rank that aborts after its cases (e.g. a process group kept alive past destroy) is a bug too
+    outcomes[EXIT] = ["ok" if crashed is None else f"seed {seed}: {crashed}"]
     return outcomes
 
 
@@ -91,5 +94,6 @@ def _entry(rank: int, world: int, tmp: str, seed: int) -> None:
     try:
         for i, (name, fn) in enumerate(cases_for(world)):
             record(name, fn, Ctx(rank, world, dist.group.WORLD, seed + 1000 * i))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
