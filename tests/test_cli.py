@@ -145,6 +145,18 @@ def test_tp_without_the_tp_bench_says_so(monkeypatch, capsys):
     assert "tensor-parallel bench is not available" in capsys.readouterr().err
 
 
+def test_tp_dispatches_to_the_vocab_parallel_bench(tmp_path):
+    out_json = tmp_path / "tp.json"
+    proc = _run(_logitless() + ["bench", "--device", "cpu", "--tp", "2", "--shape", "13,48,1031",
+                                "--repeats", "1", "--backends", "chunked", "--json", str(out_json)])
+    assert proc.returncode == 0, proc.stderr
+    assert "vocab-parallel over 2 ranks: N=13 H=48 V=1031" in proc.stdout
+    chunked_line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| chunked |"))
+    assert float(chunked_line.split("|")[2]) > 0, chunked_line
+    rows = json.loads(out_json.read_text())
+    assert rows[0]["backend"] == "chunked" and rows[0]["status"] == "ok" and rows[0]["world_size"] == 2
+
+
 def test_every_named_backend_is_a_choice():
     parsed = cli.build_parser().parse_args(["bench", "--backends", ",".join(peers.NAMES)])
     assert tuple(parsed.backends[0]) == peers.NAMES

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -115,20 +114,39 @@ def _bench_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 
 def _run_tp(args: argparse.Namespace, cfg) -> int:
+    """`--tp N`: the vocab-parallel bench of logitless.bench_tp (logitless backends only)."""
     try:
         from .bench_tp import run_tp_bench
     except ImportError as exc:
         print(f"logitless bench --tp: the tensor-parallel bench is not available in this install "
               f"(logitless.bench_tp: {exc})", file=sys.stderr)
         return 2
-    options = {"tp": args.tp, "config": cfg, "device": cfg.device, "shape": cfg.shape, "dtype": cfg.dtype,
-               "temperature": cfg.temperature, "backends": cfg.backends, "repeats": cfg.repeats,
-               "seed": cfg.seed, "json_path": args.json, "plot_path": args.plot}
-    params = inspect.signature(run_tp_bench).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        options = {k: v for k, v in options.items() if k in params}
-    result = run_tp_bench(**options)
-    return result if isinstance(result, int) else 0
+    if args.plot or args.md:
+        print("logitless bench --tp: --plot and --md are not produced for the tensor-parallel bench; "
+              "--json is", file=sys.stderr)
+    backends = cfg.backends if args.backends else (("chunked", "triton") if cfg.device == "cuda" else ("chunked",))
+    rows = run_tp_bench(args.tp, cfg.shape, dtype=cfg.dtype, device=cfg.device, backends=backends,
+                        temperature=cfg.temperature, repeats=cfg.repeats, seed=cfg.seed, json_path=args.json)
+    print(_tp_table(rows, args.tp, cfg), end="")
+    return 0
+
+
+def _tp_table(rows: list, tp: int, cfg) -> str:
+    n, h, v = cfg.shape
+    out = [f"vocab-parallel over {tp} ranks: N={n} H={h} V={v} {cfg.dtype} on {cfg.device}; "
+           "max over ranks of per-rank medians", "",
+           "| backend | fwd ms | fwd x floor | fwd+bwd ms | fwd+bwd x floor | comm share fwd | "
+           "comm share fwd+bwd | note |", "|" + "---|" * 8]
+
+    def num(row, key, scale=1.0, spec=".2f"):
+        value = row.get(key)
+        return "-" if value is None else format(value * scale, spec)
+
+    for r in rows:
+        out.append(f"| {r['backend']} | {num(r, 'fwd_s', 1e3, '.1f')} | {num(r, 'fwd_x_floor')} | "
+                   f"{num(r, 'fwd_bwd_s', 1e3, '.1f')} | {num(r, 'fwd_bwd_x_floor')} | "
+                   f"{num(r, 'comm_share_fwd')} | {num(r, 'comm_share_fwd_bwd')} | {r.get('reason') or ''} |")
+    return "\n".join(out) + "\n"
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: str) -> int:
