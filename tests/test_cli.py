@@ -71,6 +71,17 @@ def test_bench_end_to_end_tiny_shape(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.skipif(not LEGACY_PY.exists(), reason=".venv-legacy (a venv without the peers) is not built")
+def test_missing_peers_keep_their_rows_with_the_reason():
+    proc = _run([str(LEGACY_PY), "-m", "logitless.cli", "bench", "--device", "cpu", "--shape", "13,48,1031",
+                 "--repeats", "1", "--backends", "chunked", "liger-scaled-ce", "cce"])
+    assert proc.returncode == 0, proc.stderr
+    lines = {ln.split("|")[1].strip(): ln for ln in proc.stdout.splitlines() if ln.startswith("| ")}
+    assert float(lines["logitless chunked"].split("|")[2]) > 0
+    for label, dist in (("liger fused scaled CE", "liger-kernel"), ("cut-cross-entropy (cce)", "cut-cross-entropy")):
+        assert f"{dist} is not installed" in lines[label], lines[label]
+
+
 def test_bench_inputs_follow_the_rl_setting():
     """Logit std about 4 and labels drawn from the softmax: then E[logprob of the label] equals
     -E[entropy], whereas uniform labels would sit near -log V - 8."""
