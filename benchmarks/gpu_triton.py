@@ -274,16 +274,20 @@ FWD_VARIANTS = [  # (BM, BN, BK, GROUP_M, warps, stages), bulk-copy (TMA) loads
     ((128, 256, 64, 16, 8, 3), True), ((128, 256, 64, 16, 8, 4), True), ((128, 256, 64, 8, 8, 3), True),
     ((128, 256, 64, 16, 8, 3), False), ((256, 128, 64, 16, 8, 3), True),
 ]
-BWD_VARIANTS = [((128, 256, 64, 16, 8, 4), True, 1 << 26), ((128, 256, 64, 8, 8, 3), True, 1 << 26),
-                ((128, 256, 64, 8, 8, 3), False, 1 << 26), ((128, 256, 64, 16, 8, 3), True, 1 << 26)]
-KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGITS_ELEMENTS", "LOGITLESS_TRITON_TMA")
+BWD_VARIANTS = [  # (tiles, TMA loads, dlogits budget, TMA store of dlogits)
+    ((128, 256, 64, 16, 8, 4), True, 1 << 26, False), ((128, 256, 64, 16, 8, 4), True, 1 << 26, True),
+    ((128, 256, 64, 16, 8, 4), True, 1 << 27, False), ((128, 256, 64, 16, 8, 4), True, 1 << 27, True),
+    ((128, 256, 64, 16, 8, 3), True, 1 << 26, True),
+]
+KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGITS_ELEMENTS", "LOGITLESS_TRITON_TMA",
+         "LOGITLESS_TRITON_TMA_STORE")
 
 
 def variant_sweep(tag, hidden, weight, labels, a, b, res):
     saved = {k: os.environ.get(k) for k in KNOBS}
     from logitless.ops.triton import forward_stats
     ones = torch.ones(hidden.shape[0], device="cuda")
-    for cfg, tma in FWD_VARIANTS:
+    for cfg, tma in FWD_VARIANTS if not ARGS.bwd_only else []:
         os.environ["LOGITLESS_TRITON_FWD"] = ",".join(map(str, cfg))
         os.environ["LOGITLESS_TRITON_TMA"] = "1" if tma else "0"
         row = {"shape": tag, "stage": "fwd", "cfg": cfg, "tma": tma}
@@ -299,16 +303,17 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
             row["error"] = repr(exc)[:300]
         RESULTS["sweep"].append(row)
         log("sweep", row)
-    os.environ.pop("LOGITLESS_TRITON_FWD")
+    os.environ.pop("LOGITLESS_TRITON_FWD", None)
     # backward: the dlogits kernel alone (one chunk) and the whole grads() per tile config and budget
     n, v = hidden.shape[0], weight.shape[0]
     lse = torch.randn(n, device="cuda").abs() + 10
     ent = torch.rand(n, device="cuda") * 3
-    for cfg, tma, budget in BWD_VARIANTS:
+    for cfg, tma, budget, store in BWD_VARIANTS:
         os.environ["LOGITLESS_TRITON_BWD"] = ",".join(map(str, cfg))
         os.environ["LOGITLESS_TRITON_TMA"] = "1" if tma else "0"
         os.environ["LOGITLESS_TRITON_DLOGITS_ELEMENTS"] = str(budget)
-        row = {"shape": tag, "stage": "bwd", "cfg": cfg, "tma": tma, "budget": budget}
+        os.environ["LOGITLESS_TRITON_TMA_STORE"] = "1" if store else "0"
+        row = {"shape": tag, "stage": "bwd", "cfg": cfg, "tma": tma, "budget": budget, "tma_store": store}
         try:
             fn = lambda: tri_bwd.grads(hidden, weight, labels, ones, lse, ent, a, b, True, True)
             fn()
@@ -379,6 +384,7 @@ def main():
     p.add_argument("--shapes", default="A,B,C")
     p.add_argument("--sweep", default="", help="shapes to sweep variants on, e.g. A")
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--bwd-only", action="store_true", help="sweep only the backward variants")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     ARGS = p.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
@@ -401,7 +407,7 @@ def main():
     log("\nchecks ok:", all(c["ok"] for c in RESULTS["checks"]), len(RESULTS["checks"]))
     for row in RESULTS["sweep"]:
         log("sweep", row.get("shape"), row.get("stage"), row.get("cfg"), "tma" if row.get("tma") else "ptr",
-            row.get("budget", ""),
+            row.get("budget", ""), "store-tma" if row.get("tma_store") else "",
             "%.2f ms" % row["ms"] if "ms" in row else row.get("error"),
             "x%.3f" % row.get("x_gemm1", row.get("x_gemm3", float("nan"))))
     log(table())

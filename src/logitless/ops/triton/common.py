@@ -98,7 +98,7 @@ def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype, device: torch
     return Tiles(128, 256, 64, 16, 8, 4)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
+def tma_layout_ok(t: torch.Tensor) -> bool:
     """The bulk copy engine needs unit stride along H and 16-byte aligned rows and base."""
     size = t.element_size()
     return (t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 0 and (t.stride(0) * size) % 16 == 0
@@ -111,7 +111,7 @@ def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
     tensors themselves (pointer loads)."""
     mode = os.environ.get("LOGITLESS_TRITON_TMA", "1")
     engine = INTERPRETING or _hopper_or_newer(hidden.device)
-    if mode != "0" and engine and _tma_ok(hidden) and _tma_ok(weight):
+    if mode != "0" and engine and tma_layout_ok(hidden) and tma_layout_ok(weight):
         h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])
         w = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [tiles.block_n, tiles.block_k])
         return h, w, True

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LN2, LOG2E, tile_operands, dot_flags, forward_tiles
+from .common import LN2, LOG2E, dot_flags, forward_tiles, tile_operands
 from .tile import logits_tile, tile_coords
 
 
