@@ -71,6 +71,33 @@ def test_bench_end_to_end_tiny_shape(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+def _run_row(fn, entropy=True):
+    cfg = bench.BenchConfig(shape=(53, 48, 1031), repeats=1, check_tokens=31,
+                            seed=int.from_bytes(os.urandom(4), "little"))
+    x = bench.make_inputs(cfg)
+    floor, _ = bench.run_floor(x, cfg)
+    impl = peers.Impl("under-test", "under test", "peer", entropy, None, lambda device: fn)
+    return bench.run_row(impl, x, cfg, floor, bench.Checker(x, cfg.temperature, cfg.check_tokens),
+                         bench.PeakMemory(torch.device("cpu")))
+
+
+def test_error_columns_catch_a_wrong_implementation():
+    def bf16_logits(h, w, y, t):      # fp32 inputs, logits rounded through bfloat16
+        return peers.naive(h.bfloat16(), w.bfloat16(), y, t)
+    row = _run_row(bf16_logits)
+    assert row.status == "ok"
+    assert row.err_logprob > 1e-3 and row.err_entropy > 1e-3 and row.err_dh > 1e-3 and row.err_dw > 1e-3, row
+    exact = _run_row(peers.naive)
+    assert exact.err_logprob < 2e-5 and exact.err_dw < 1e-4, exact
+
+
+def test_a_row_that_drops_a_gradient_fails_with_the_reason():
+    def detached_hidden(h, w, y, t):
+        return peers.naive(h.detach(), w, y, t)
+    row = _run_row(detached_hidden)
+    assert row.status == "failed" and "no gradient reached hidden" in row.reason, row
+
+
 @pytest.mark.skipif(not LEGACY_PY.exists(), reason=".venv-legacy (a venv without the peers) is not built")
 def test_missing_peers_keep_their_rows_with_the_reason():
     proc = _run([str(LEGACY_PY), "-m", "logitless.cli", "bench", "--device", "cpu", "--shape", "13,48,1031",

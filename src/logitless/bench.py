@@ -237,7 +237,11 @@ class Checker:
             self._ref[with_entropy] = (out.logprobs.detach(), out.entropy.detach(), h.grad, w.grad)
         return self._ref[with_entropy]
 
-    def compare(self, row: Row, lp: Tensor, ent: Optional[Tensor], dh: Tensor, dw: Tensor) -> None:
+    def compare(self, row: Row, lp: Tensor, ent: Optional[Tensor], dh: Optional[Tensor],
+                dw: Optional[Tensor]) -> None:
+        for name, grad in (("hidden", dh), ("weight", dw)):
+            if grad is None:    # e.g. an autograd Function that lost requires_grad on the way
+                raise RuntimeError(f"no gradient reached {name}")
         for name, out in (("logprobs", lp), ("entropy", ent), ("d_hidden", dh), ("d_weight", dw)):
             if out is not None and not bool(torch.isfinite(out).all()):
                 raise FloatingPointError(f"{name} has non-finite values")
@@ -428,9 +432,11 @@ def write_plot(result: dict, path: str) -> None:
     rows = [r for r in result["rows"] if r["status"] == "ok"]
     labels = [r["label"] for r in rows]
     ys = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.6))
-    ax.barh([y - 0.2 for y in ys], [r["fwd_x_floor"] for r in rows], height=0.4, label="forward")
-    ax.barh([y + 0.2 for y in ys], [r["fwd_bwd_x_floor"] for r in rows], height=0.4, label="forward+backward")
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 2.0))
+    for offset, key, name in ((-0.2, "fwd_x_floor", "forward"), (0.2, "fwd_bwd_x_floor", "forward+backward")):
+        values = [r[key] for r in rows]
+        bars = ax.barh([y + offset for y in ys], values, height=0.4, label=name)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], padding=2, fontsize=8)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(list(ys), labels)
     ax.invert_yaxis()
@@ -438,7 +444,8 @@ def write_plot(result: dict, path: str) -> None:
     cfg = result["config"]
     n, h, v = cfg["shape"]
     ax.set_title(f"logitless bench: N={n} H={h} V={v} {cfg['dtype']} on {cfg['device']}")
-    ax.legend(loc="lower right")
+    ax.margins(x=0.12)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.3 / len(rows)), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
