@@ -50,10 +50,13 @@ def test_bench_end_to_end_tiny_shape(tmp_path):
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["gemm", "reference", "chunked", "naive", "triton"]
     assert rows["gemm"]["fwd_s"] > 0 and rows["gemm"]["fwd_bwd_s"] > 0
+    # the floor is sampled up front (2 repeats) and again after each of the 3 rows that ran
+    assert len(rows["gemm"]["times_fwd"]) == 5 and result["floor"]["fwd_s"] == min(rows["gemm"]["times_fwd"])
     for name in ("reference", "chunked", "naive"):
         r = rows[name]
         assert r["status"] == "ok", r
         assert len(r["times_fwd"]) == 2 and len(r["times_fwd_bwd"]) == 2
+        assert r["fwd_s"] == min(r["times_fwd"]) and r["fwd_bwd_s"] == min(r["times_fwd_bwd"])
         assert r["fwd_x_floor"] == pytest.approx(r["fwd_s"] / result["floor"]["fwd_s"])
         assert r["fwd_bwd_extra_bytes"] is not None
         # fp32 tolerances of the project, against the reference backend on the checked tokens
@@ -75,9 +78,8 @@ def _run_row(fn, entropy=True):
     cfg = bench.BenchConfig(shape=(53, 48, 1031), repeats=1, check_tokens=31,
                             seed=int.from_bytes(os.urandom(4), "little"))
     x = bench.make_inputs(cfg)
-    floor, _ = bench.run_floor(x, cfg)
     impl = peers.Impl("under-test", "under test", "peer", entropy, None, lambda device: fn)
-    return bench.run_row(impl, x, cfg, floor, bench.Checker(x, cfg.temperature, cfg.check_tokens),
+    return bench.run_row(impl, x, cfg, bench.Checker(x, cfg.temperature, cfg.check_tokens),
                          bench.PeakMemory(torch.device("cpu")))
 
 

@@ -9,9 +9,10 @@ log-prob term only.
 
 Per row: one checked warm-up (errors vs the reference backend on the first tokens), then
 ``repeats`` timed forwards (inputs not requiring grad: the rollout / reference-model use) and
-``repeats`` timed forward+backwards; times are medians. Floor: forward = 1 GEMM [N,H]x[H,V],
+``repeats`` timed forward+backwards; a row's time is its best call (the least disturbed by other
+work on a shared machine; every call is in the JSON). Floor: forward = 1 GEMM [N,H]x[H,V],
 forward+backward = 4 (forward, recompute, dH = dZ W, dW = dZ^T h), in the input dtype.
-Peak extra memory is measured around each timed call: on CUDA torch's allocator peak minus what
+Peak extra memory is measured in one more call of each kind, not timed: on CUDA torch's allocator peak minus what
 was allocated before; on CPU the kernel's peak-RSS counter (VmHWM, reset through
 /proc/self/clear_refs) minus the RSS before. Both include the gradient buffers.
 """
@@ -21,7 +22,6 @@ import ctypes
 import gc
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -259,8 +259,7 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
 
 
-def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, floor: dict, checker: Checker,
-            meter: PeakMemory) -> Row:
+def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, meter: PeakMemory) -> Row:
     row = Row(impl.name, impl.label, impl.kind, impl.entropy)
     gc.collect()                    # the previous row's leftovers must not count against this one
     device = torch.device(cfg.device)
@@ -294,47 +293,58 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, floor: dict, checker:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return row
-    row.fwd_s = statistics.median(row.times_fwd)
-    row.fwd_bwd_s = statistics.median(row.times_fwd_bwd)
-    row.fwd_x_floor = row.fwd_s / floor["fwd_s"]
-    row.fwd_bwd_x_floor = row.fwd_bwd_s / floor["fwd_bwd_s"]
+    row.fwd_s, row.fwd_bwd_s = min(row.times_fwd), min(row.times_fwd_bwd)
     return row
 
 
-def run_floor(x: Inputs, cfg: BenchConfig) -> tuple[dict, Row]:
+class Floor:
     """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward.
 
-    Outputs are allocated once before timing: the floor is the GEMMs' arithmetic, not the page
-    faults of fresh [N, V] buffers (on CPU those cost as much as the GEMM itself)."""
-    device = torch.device(cfg.device)
-    n, h, v = cfg.shape
-    hid, w = x.hidden, x.weight
-    z = torch.empty(n, v, device=device, dtype=hid.dtype)
-    dz = torch.randn(n, v, device=device).to(hid.dtype)   # stands for d_logits
-    dh = torch.empty(n, h, device=device, dtype=hid.dtype)
-    dw = torch.empty(v, h, device=device, dtype=hid.dtype)
+    Sampled before the first row and again after every row that ran; the floor is the best sample,
+    the one least disturbed by other work on the machine. Outputs are allocated once: the floor is
+    the GEMMs' arithmetic, not the page faults of fresh [N, V] buffers (on CPU those can cost as
+    much as the GEMM itself)."""
 
-    def fwd():
-        torch.mm(hid, w.t(), out=z)
+    def __init__(self, x: Inputs, cfg: BenchConfig):
+        self.device = torch.device(cfg.device)
+        self.shape = cfg.shape
+        n, h, v = cfg.shape
+        self.hid, self.w = x.hidden, x.weight
+        dtype = x.hidden.dtype
+        self.z = torch.empty(n, v, device=self.device, dtype=dtype)
+        self.dz = torch.randn(n, v, device=self.device).to(dtype)     # stands for d_logits
+        self.dh = torch.empty(n, h, device=self.device, dtype=dtype)
+        self.dw = torch.empty(v, h, device=self.device, dtype=dtype)
+        self.row = Row("gemm", "GEMM floor (1 / 4 GEMMs)", "floor")
+        self._fwd_bwd()                                                  # warm-up
 
-    def fwd_bwd():
-        torch.mm(hid, w.t(), out=z)
-        torch.mm(hid, w.t(), out=z)          # the recompute a fused backward does
-        torch.mm(dz, w, out=dh)
-        torch.mm(dz.t(), hid, out=dw)
+    def _fwd(self) -> None:
+        torch.mm(self.hid, self.w.t(), out=self.z)
 
-    row = Row("gemm", "GEMM floor (1 / 4 GEMMs)", "floor")
-    fwd_bwd()
-    for _ in range(cfg.repeats):
-        row.times_fwd.append(_time(fwd, device))
-        row.times_fwd_bwd.append(_time(fwd_bwd, device))
-    del z, dz, dh, dw
-    row.fwd_s, row.fwd_bwd_s = statistics.median(row.times_fwd), statistics.median(row.times_fwd_bwd)
-    row.fwd_x_floor = row.fwd_bwd_x_floor = 1.0
-    flops = 2.0 * n * h * v
-    floor = {"fwd_s": row.fwd_s, "fwd_bwd_s": row.fwd_bwd_s, "fwd_tflops": flops / row.fwd_s / 1e12,
-             "fwd_bwd_tflops": 4 * flops / row.fwd_bwd_s / 1e12}
-    return floor, row
+    def _fwd_bwd(self) -> None:
+        torch.mm(self.hid, self.w.t(), out=self.z)
+        torch.mm(self.hid, self.w.t(), out=self.z)        # the recompute a fused backward does
+        torch.mm(self.dz, self.w, out=self.dh)
+        torch.mm(self.dz.t(), self.hid, out=self.dw)
+
+    def sample(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.row.times_fwd.append(_time(self._fwd, self.device))
+            self.row.times_fwd_bwd.append(_time(self._fwd_bwd, self.device))
+
+    def best(self) -> dict:
+        n, h, v = self.shape
+        fwd, fwd_bwd = min(self.row.times_fwd), min(self.row.times_fwd_bwd)
+        flops = 2.0 * n * h * v
+        return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "fwd_tflops": flops / fwd / 1e12,
+                "fwd_bwd_tflops": 4 * flops / fwd_bwd / 1e12, "samples": len(self.row.times_fwd)}
+
+    def close(self) -> tuple[dict, Row]:
+        """Free the buffers; return the floor numbers and its table row."""
+        del self.z, self.dz, self.dh, self.dw
+        floor = self.best()
+        self.row.fwd_s, self.row.fwd_bwd_s = floor["fwd_s"], floor["fwd_bwd_s"]
+        return floor, self.row
 
 
 def _progress(msg: str) -> None:
@@ -356,20 +366,29 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
     impls = [peers.get(name) for name in cfg.backends]
     total = len(impls) + 1
     progress(f"[1/{total}] GEMM floor")
-    floor, floor_row = run_floor(x, cfg)
-    progress(f"      fwd {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
-             f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms")
-    rows = [floor_row]
+    gemms = Floor(x, cfg)
+    gemms.sample(cfg.repeats)
+    first = gemms.best()
+    progress(f"      fwd {first['fwd_s'] * 1e3:.1f} ms ({first['fwd_tflops']:.2f} TFLOP/s), "
+             f"4 GEMMs {first['fwd_bwd_s'] * 1e3:.1f} ms")
+    rows = []
     for i, impl in enumerate(impls, start=2):
         progress(f"[{i}/{total}] {impl.name}")
         t0 = time.perf_counter()
-        row = run_row(impl, x, cfg, floor, checker, meter)
+        row = run_row(impl, x, cfg, checker, meter)
         rows.append(row)
         if row.status == "ok":
             progress(f"      fwd {row.fwd_s * 1e3:.1f} ms, fwd+bwd {row.fwd_bwd_s * 1e3:.1f} ms "
                      f"({time.perf_counter() - t0:.1f} s with warm-up)")
+            gemms.sample()
         else:
             progress(f"      {row.status}: {row.reason}")
+    floor, floor_row = gemms.close()
+    rows.insert(0, floor_row)
+    for row in rows:
+        if row.status == "ok":
+            row.fwd_x_floor = row.fwd_s / floor["fwd_s"]
+            row.fwd_bwd_x_floor = row.fwd_bwd_s / floor["fwd_bwd_s"]
     return {
         "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -403,7 +422,7 @@ def format_table(result: dict) -> str:
     n, h, v = cfg["shape"]
     where = m["cuda"][0]["name"] if cfg["device"] == "cuda" and m["cuda"] else m["cpu"]
     head = (f"N={n} H={h} V={v} {cfg['dtype']} T={cfg['temperature']} on {cfg['device']} ({where}); "
-            f"median of {cfg['repeats']}; errors vs the reference backend on the first "
+            f"best of {cfg['repeats']} calls; errors vs the reference backend on the first "
             f"{min(cfg['check_tokens'], n)} tokens\n"
             f"floor: 1 GEMM {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
             f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms\n\n")
