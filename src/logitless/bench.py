@@ -301,36 +301,44 @@ class Floor:
     """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward.
 
     Sampled before the first row and again after every row that ran; the floor is the best sample,
-    the one least disturbed by other work on the machine. Outputs are allocated once: the floor is
-    the GEMMs' arithmetic, not the page faults of fresh [N, V] buffers (on CPU those can cost as
+    the one least disturbed by other work on the machine. Each sample allocates and touches its
+    [N, V] buffers before the clock starts and frees them after (the rows get the memory back): the
+    floor is the GEMMs' arithmetic, not the page faults of fresh buffers (on CPU those can cost as
     much as the GEMM itself)."""
 
     def __init__(self, x: Inputs, cfg: BenchConfig):
         self.device = torch.device(cfg.device)
         self.shape = cfg.shape
-        n, h, v = cfg.shape
         self.hid, self.w = x.hidden, x.weight
-        dtype = x.hidden.dtype
-        self.z = torch.empty(n, v, device=self.device, dtype=dtype)
-        self.dz = torch.randn(n, v, device=self.device).to(dtype)     # stands for d_logits
-        self.dh = torch.empty(n, h, device=self.device, dtype=dtype)
-        self.dw = torch.empty(v, h, device=self.device, dtype=dtype)
         self.row = Row("gemm", "GEMM floor (1 / 4 GEMMs)", "floor")
-        self._fwd_bwd()                                                  # warm-up
-
-    def _fwd(self) -> None:
-        torch.mm(self.hid, self.w.t(), out=self.z)
-
-    def _fwd_bwd(self) -> None:
-        torch.mm(self.hid, self.w.t(), out=self.z)
-        torch.mm(self.hid, self.w.t(), out=self.z)        # the recompute a fused backward does
-        torch.mm(self.dz, self.w, out=self.dh)
-        torch.mm(self.dz.t(), self.hid, out=self.dw)
+        self._warm = False
 
     def sample(self, count: int = 1) -> None:
+        n, h, v = self.shape
+        hid, w, dev, dtype = self.hid, self.w, self.device, self.hid.dtype
+        z = torch.full((n, v), 0.5, device=dev, dtype=dtype)                 # pages touched
+        dz = torch.randn(n, v, device=dev).to(dtype)                          # stands for d_logits
+        dh = torch.full((n, h), 0.5, device=dev, dtype=dtype)
+        dw = torch.full((v, h), 0.5, device=dev, dtype=dtype)
+
+        def fwd():
+            torch.mm(hid, w.t(), out=z)
+
+        def fwd_bwd():
+            torch.mm(hid, w.t(), out=z)
+            torch.mm(hid, w.t(), out=z)        # the recompute a fused backward does
+            torch.mm(dz, w, out=dh)
+            torch.mm(dz.t(), hid, out=dw)
+
+        if not self._warm:
+            fwd_bwd()
+            self._warm = True
         for _ in range(count):
-            self.row.times_fwd.append(_time(self._fwd, self.device))
-            self.row.times_fwd_bwd.append(_time(self._fwd_bwd, self.device))
+            self.row.times_fwd.append(_time(fwd, dev))
+            self.row.times_fwd_bwd.append(_time(fwd_bwd, dev))
+        del z, dz, dh, dw
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     def best(self) -> dict:
         n, h, v = self.shape
@@ -340,8 +348,7 @@ class Floor:
                 "fwd_bwd_tflops": 4 * flops / fwd_bwd / 1e12, "samples": len(self.row.times_fwd)}
 
     def close(self) -> tuple[dict, Row]:
-        """Free the buffers; return the floor numbers and its table row."""
-        del self.z, self.dz, self.dh, self.dw
+        """The floor numbers and its table row."""
         floor = self.best()
         self.row.fwd_s, self.row.fwd_bwd_s = floor["fwd_s"], floor["fwd_bwd_s"]
         return floor, self.row
