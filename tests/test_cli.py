@@ -197,6 +197,11 @@ def test_tp_dispatches_to_the_vocab_parallel_bench(tmp_path):
     assert rows[0]["backend"] == "chunked" and rows[0]["status"] == "ok" and rows[0]["world_size"] == 2
 
 
+def test_tp_with_impossible_sharding_fails_clearly(capsys):
+    assert cli.main(["bench", "--device", "cpu", "--tp", "3", "--shape", "4,8,2", "--repeats", "1"]) == 2
+    assert "vocab 2 is smaller than world_size 3" in capsys.readouterr().err
+
+
 def test_every_named_backend_is_a_choice():
     parsed = cli.build_parser().parse_args(["bench", "--backends", ",".join(peers.NAMES)])
     assert tuple(parsed.backends[0]) == peers.NAMES

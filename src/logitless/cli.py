@@ -125,8 +125,12 @@ def _run_tp(args: argparse.Namespace, cfg) -> int:
         print("logitless bench --tp: --plot and --md are not produced for the tensor-parallel bench; "
               "--json is", file=sys.stderr)
     backends = cfg.backends if args.backends else (("chunked", "triton") if cfg.device == "cuda" else ("chunked",))
-    rows = run_tp_bench(args.tp, cfg.shape, dtype=cfg.dtype, device=cfg.device, backends=backends,
-                        temperature=cfg.temperature, repeats=cfg.repeats, seed=cfg.seed, json_path=args.json)
+    try:
+        rows = run_tp_bench(args.tp, cfg.shape, dtype=cfg.dtype, device=cfg.device, backends=backends,
+                            temperature=cfg.temperature, repeats=cfg.repeats, seed=cfg.seed, json_path=args.json)
+    except ValueError as exc:       # e.g. more ranks than GPUs or vocabulary rows
+        print(f"logitless bench --tp: {exc}", file=sys.stderr)
+        return 2
     print(_tp_table(rows, args.tp, cfg), end="")
     return 0
 
