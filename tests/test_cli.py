@@ -3,7 +3,6 @@ bad arguments, and doctor (with the hook-capable and the legacy megatron-core)."
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
