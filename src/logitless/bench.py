@@ -428,7 +428,8 @@ def format_table(result: dict) -> str:
     where = m["cuda"][0]["name"] if cfg["device"] == "cuda" and m["cuda"] else m["cpu"]
     head = (f"N={n} H={h} V={v} {cfg['dtype']} T={cfg['temperature']} on {cfg['device']} ({where}); "
             f"best of {cfg['repeats']} calls; errors vs the reference backend on the first "
-            f"{min(cfg['check_tokens'], n)} tokens\n"
+            f"{min(cfg['check_tokens'], n)} tokens; fwd = forward without grad (rollout / reference "
+            f"model), fwd+bwd = training step; MiB = peak memory beyond the inputs\n"
             f"floor: 1 GEMM {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
             f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms\n\n")
     cols = ["implementation", "fwd ms", "fwd x floor", "fwd+bwd ms", "fwd+bwd x floor",
