@@ -17,7 +17,7 @@ setup: $(VENV)/.ready $(LEGACY)/.ready
 $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) "$(TORCH)"
-	$(PIP) -e ".[test,bench]"
+	$(PIP) -e ".[test,bench,peers]"
 	@# megatron-core's wheel is cp312-only; its sdist builds and runs on 3.11
 	mkdir -p $(CACHE)
 	$(PY) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python \
@@ -35,8 +35,16 @@ $(LEGACY)/.ready: pyproject.toml Makefile
 test: setup
 	$(PY) -m pytest -q tests
 
+# On CUDA: the three GPU shapes of the README table (bf16); elsewhere one CPU shape (~1 minute).
+GPU_SHAPES ?= 16384,4096,151936 8192,4096,131072 1024,4096,151936
 bench: setup
-	$(VENV)/bin/logitless bench --json benchmarks/results/latest.json
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		for s in $(GPU_SHAPES); do \
+			$(VENV)/bin/logitless bench --device cuda --shape $$s --json benchmarks/results/latest-$$s.json || exit 1; \
+		done; \
+	else \
+		$(VENV)/bin/logitless bench --json benchmarks/results/latest.json; \
+	fi
 
 doctor: setup
 	$(VENV)/bin/logitless doctor

@@ -26,3 +26,22 @@ def rel_err(a, b):
     """||a - b|| / ||b|| in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# Tolerances of the public op against float64: logprob max abs, entropy max abs, gradient relative norm.
+TOL = {
+    torch.float32: (2e-5, 2e-5, 1e-4),
+    torch.bfloat16: (1e-3, 2e-3, 1e-2),
+    torch.float16: (1e-3, 2e-3, 1e-2),
+}
+
+
+def make_inputs(lead=(7,), h=96, v=4099, dtype=torch.float32, logit_std=4.0, device="cpu"):
+    """Fresh random hidden [*lead, H] and weight [V, H] (dtype) whose logits have std about logit_std,
+    and labels [*lead] sampled from the softmax, as in RL rollouts."""
+    hidden = torch.randn(*lead, h, device=device)
+    weight = torch.randn(v, h, device=device) * (logit_std / h ** 0.5)
+    with torch.no_grad():
+        probs = torch.softmax(hidden.double() @ weight.double().t(), dim=-1)
+        labels = torch.multinomial(probs.reshape(-1, v), 1).reshape(lead)
+    return hidden.to(dtype), weight.to(dtype), labels

@@ -14,15 +14,11 @@ import torch
 from logitless import fused_logprobs, last_backend
 from logitless.ops.triton import backend as triton_backend
 from logitless.ops.triton.common import INTERPRETING
-from reference64 import logprobs_entropy64, rel_err
+from reference64 import TOL, logprobs_entropy64, rel_err
+from reference64 import make_inputs as shared_inputs
 
 DEVICE = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
 
-TOL = {  # logprob max abs, entropy max abs, gradient relative error
-    torch.float32: (2e-5, 2e-5, 1e-4),
-    torch.bfloat16: (1e-3, 2e-3, 1e-2),
-    torch.float16: (1e-3, 2e-3, 1e-2),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -32,13 +28,8 @@ def several_backward_chunks(monkeypatch):
 
 
 def make_inputs(lead=(7,), h=96, v=1031, dtype=torch.float32, logit_std=4.0):
-    """hidden [*lead, H], weight [V, H] with logits of std about logit_std, labels sampled from the softmax."""
-    hidden = torch.randn(*lead, h, device=DEVICE)
-    weight = torch.randn(v, h, device=DEVICE) * (logit_std / h ** 0.5)
-    with torch.no_grad():
-        probs = torch.softmax(hidden.double() @ weight.double().t(), dim=-1)
-        labels = torch.multinomial(probs.reshape(-1, v), 1).reshape(lead)
-    return hidden.to(dtype), weight.to(dtype), labels
+    """Shared inputs (tests/reference64.py) on this file's device, V = 1031 by default."""
+    return shared_inputs(lead, h, v, dtype, logit_std, device=DEVICE)
 
 
 def close_everywhere(got, want, rel):
