@@ -99,11 +99,22 @@ def _inv_temperature(temperature, labels: Tensor) -> Tensor:
     return torch.full((labels.numel(),), 1.0 / float(temperature), dtype=torch.float32, device=labels.device)
 
 
+def _check_softcap(softcap) -> Optional[float]:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+        raise TypeError(f"softcap must be None or a positive float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    return float(softcap)
+
+
 def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True,
                    ignore_index: int = -100, tp_group=None, reduce_grad_hidden: bool = True,
-                   backend: str = "auto") -> TokenLogProbs:
-    """Log-probability of each label and entropy of softmax(hidden @ weight.T / temperature),
+                   backend: str = "auto", softcap: Optional[float] = None) -> TokenLogProbs:
+    """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
+    (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
 
     Args:
@@ -121,6 +132,9 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             every rank gets the full gradient. False leaves it partial for callers whose own
             region ops reduce it (Megatron's copy-to-tensor-parallel region); never both.
         backend: "auto", "reference", "chunked" or "triton"; see ``logitless.last_backend()``.
+        softcap: None, or a positive number c: the logits are capped to (-c, c) by c * tanh(logit / c)
+            before the temperature divides them (Gemma 2's ``final_logit_softcapping``). Exact in value
+            and gradient; not differentiated itself.
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape``.
@@ -159,6 +173,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     if not isinstance(reduce_grad_hidden, bool):
         raise TypeError(f"reduce_grad_hidden must be a bool, got {type(reduce_grad_hidden).__name__}")
 
+    softcap = _check_softcap(softcap)
+
     mod, _ = choose_backend(hidden, weight, backend)
     inv_temp = _inv_temperature(temperature, labels)
 
@@ -179,6 +195,6 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     # reshape outside the Function so autograd links the caller's tensors to ours
     h2 = hidden.reshape(-1, hidden.shape[-1])
     lp, ent = FusedLogProbsFunction.apply(h2, weight, flat_labels, inv_temp, valid, mod, with_entropy,
-                                          tp if tp is None else tp.with_reduce(reduce_grad_hidden))
+                                          tp if tp is None else tp.with_reduce(reduce_grad_hidden), softcap)
     _state.backend = mod.name
     return TokenLogProbs(lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None)

@@ -6,8 +6,12 @@ Shapes and dtypes (N tokens, H hidden, V vocabulary rows held by this process):
 - labels  [N]     int64, the label's row in *this* weight, or -1 when the row holds no label
                   (ignored token, or under tensor parallelism a label owned by another rank)
 - inv_temp [N]    float32, 1 / temperature per token
+- softcap         None, or a positive float c: the logits are tanh-softcapped before the temperature
 
-Forward statistics, all float32 [N], of z = (hidden @ weight.T) * inv_temp[:, None]:
+With raw = hidden @ weight.T (float32), the logits are
+  z = raw * inv_temp[:, None]                          (softcap None)
+  z = tanh(raw / c) * (c * inv_temp)[:, None]          (softcap c; Gemma 2's final_logit_softcapping)
+Forward statistics, all float32 [N], of z:
 - lse = logsumexp_j z_j
 - ent = -sum_j p_j * log p_j, p = softmax(z)   (None when with_entropy is False)
 - zy  = z_label, 0.0 where labels == -1
@@ -20,7 +24,8 @@ Accumulate it relative to the running max instead: with m the max and s = sum_j 
 Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global* lse and ent:
   x = z - lse   (log p), p = exp(x)
   dz = g_lp * (onehot(label) - p) - g_ent * p * (x + ent)        [since z - sum p z = x + ent]
-  dlogits = dz * inv_temp
+  dlogits = dz * inv_temp                    (softcap None)
+  dlogits = dz * inv_temp * (1 - t^2)        (softcap c, t = tanh(raw / c): the chain rule through the cap)
   dh = dlogits @ weight      -> float32 [N, H] (the caller casts and reduces)
   dw = dlogits.T @ hidden    -> weight.dtype [V, H]
 Each is None when not requested.
@@ -39,11 +44,13 @@ class Backend(Protocol):
     def unavailable_reason(self, hidden: Tensor, weight: Tensor) -> Optional[str]: ...
 
     def stats(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
-              with_entropy: bool) -> tuple[Tensor, Optional[Tensor], Tensor]: ...  # lse, ent, zy
+              with_entropy: bool, softcap: Optional[float] = None
+              ) -> tuple[Tensor, Optional[Tensor], Tensor]: ...  # lse, ent, zy
 
     def grads(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
               lse: Tensor, ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
-              need_dh: bool, need_dw: bool) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+              need_dh: bool, need_dw: bool, softcap: Optional[float] = None
+              ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
 
 
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -60,6 +67,30 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
         except (RuntimeError, TypeError):
             pass
     return a.float() @ b.float()
+
+
+def logits_from_products(raw: Tensor, inv_temp: Tensor, softcap: Optional[float],
+                         keep_tanh: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """The float32 logits z [N, C] of the module docstring from raw = hidden @ weight.T [N, C] (float32,
+    overwritten in place), and, with keep_tanh and a softcap, t = tanh(raw / softcap) for the backward
+    (a second [N, C] tensor; else None).
+
+    Softcapped logits are t * (softcap * inv_temp): one rounded product per element, as in the Triton
+    kernels, so the row max of z is the max of t times that factor and zy <= max <= lse hold exactly."""
+    if softcap is None:
+        return raw.mul_(inv_temp.unsqueeze(1)), None
+    t = raw.div_(softcap).tanh_()
+    scale = (inv_temp * softcap).unsqueeze(1)
+    if keep_tanh:
+        return t * scale, t
+    return t.mul_(scale), None
+
+
+def apply_softcap_derivative(dlogits: Tensor, t: Optional[Tensor]) -> Tensor:
+    """dlogits *= 1 - t^2 in place (d tanh(x) / dx), consuming ``t``; unchanged when t is None."""
+    if t is None:
+        return dlogits
+    return dlogits.mul_(t.square_().neg_().add_(1.0))
 
 
 def label_logits(z: Tensor, labels: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backend import dlogits_from_logits, label_logits, mm_fp32
+from .backend import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
 
 name = "chunked"
 
@@ -45,15 +45,14 @@ def _local_labels(labels: Tensor, start: int, stop: int) -> Tensor:
     return torch.where(inside, labels - start, torch.full_like(labels, -1))
 
 
-def stats(hidden, weight, labels, inv_temp, with_entropy):
+def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
     n, vocab = hidden.shape[0], weight.shape[0]
     m = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
     s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     t = torch.zeros_like(s) if with_entropy else None   # sum_j exp(z_j - m) * (z_j - m)
     zy = torch.zeros_like(s)
-    col_scale = inv_temp.unsqueeze(1)
     for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
-        z = mm_fp32(hidden, weight[start:stop].t()).mul_(col_scale)
+        z, _ = logits_from_products(mm_fp32(hidden, weight[start:stop].t()), inv_temp, softcap)
         m_new = torch.maximum(m, z.amax(dim=1))
         rescale = torch.exp(m - m_new)          # exp(-inf) = 0 on the first chunk
         zy += label_logits(z, _local_labels(labels, start, stop))
@@ -71,15 +70,16 @@ def stats(hidden, weight, labels, inv_temp, with_entropy):
     return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None):
     n, vocab = hidden.shape[0], weight.shape[0]
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
-    col_scale = inv_temp.unsqueeze(1)
     for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
         w = weight[start:stop]
-        z = mm_fp32(hidden, w.t()).mul_(col_scale)
+        # with a softcap, t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
+        z, t = logits_from_products(mm_fp32(hidden, w.t()), inv_temp, softcap, keep_tanh=True)
         dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent)
+        dz = apply_softcap_derivative(dz, t)
         if hidden.is_cuda and hidden.dtype != torch.float32:
             # half-precision GEMMs on the tensor cores (fp32 accumulation); a float32 dz would force
             # fp32 GEMMs ~9x slower. Rounding dlogits to the input dtype costs ~3e-3 relative in grads.

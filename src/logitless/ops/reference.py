@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backend import dlogits_from_logits, label_logits, mm_fp32
+from .backend import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
 
 name = "reference"
 
@@ -18,13 +18,14 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
     return None
 
 
-def logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor) -> Tensor:
-    """float32 [N, V] tempered logits."""
-    return mm_fp32(hidden, weight.t()).mul_(inv_temp.unsqueeze(1))
+def logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Optional[float] = None,
+           keep_tanh: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """float32 [N, V] (softcapped, then) tempered logits, and tanh(raw / softcap) if keep_tanh."""
+    return logits_from_products(mm_fp32(hidden, weight.t()), inv_temp, softcap, keep_tanh)
 
 
-def stats(hidden, weight, labels, inv_temp, with_entropy):
-    z = logits(hidden, weight, inv_temp)
+def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
+    z, _ = logits(hidden, weight, inv_temp, softcap)
     lse = torch.logsumexp(z, dim=1)
     zy = label_logits(z, labels)
     ent = None
@@ -34,9 +35,9 @@ def stats(hidden, weight, labels, inv_temp, with_entropy):
     return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw):
-    z = logits(hidden, weight, inv_temp)
-    dz = dlogits_from_logits(z, labels, inv_temp, lse, ent, g_lp, g_ent)
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None):
+    z, t = logits(hidden, weight, inv_temp, softcap, keep_tanh=True)
+    dz = apply_softcap_derivative(dlogits_from_logits(z, labels, inv_temp, lse, ent, g_lp, g_ent), t)
     dh = mm_fp32(dz, weight) if need_dh else None
     dw = mm_fp32(dz.t(), hidden).to(weight.dtype) if need_dw else None
     return dh, dw

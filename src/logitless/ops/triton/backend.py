@@ -28,17 +28,18 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
     return f"triton needs CUDA tensors, got {hidden.device.type} and {weight.device.type}"
 
 
-def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
+def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
+          softcap: Optional[float] = None):
     """(lse, entropy or None, zy), float32 [N]; see logitless.ops.backend."""
     with _on(hidden):
-        return forward_stats.stats(hidden, weight, labels, inv_temp, with_entropy)
+        return forward_stats.stats(hidden, weight, labels, inv_temp, with_entropy, softcap)
 
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
-          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool):
+          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None):
     """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None); see logitless.ops.backend."""
     with _on(hidden):
-        return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw)
+        return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap)
 
 
 def _on(t: Tensor):

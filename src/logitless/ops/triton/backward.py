@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backend import mm_fp32
 from .common import LN2, LOG2E, backward_tiles, dot_flags, tile_operands, tl_dtype, tma_layout_ok
-from .tile import logits_tile, tile_coords
+from .tile import logits_tile, softcap_tanh, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
 DEFAULT_DLOGITS_ELEMENTS = 1 << 26
@@ -33,9 +33,11 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
                     WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                    STORE_TMA: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                    STORE_TMA: tl.constexpr, OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """dl[i, j] = inv_t_i * (g_lp_i * ([j + col0 == label_i] - p_ij) - g_ent_i * p_ij * (x_ij + ent_i)),
     x = z - lse = log p, for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk).
+    SOFTCAP: z = tanh(raw / CAP) * CAP * inv_t, and dl is further multiplied by 1 - tanh^2 (compile-time
+    branch; without it the kernel is unchanged).
     STORE_TMA: dl_ptr is a tensor descriptor of the [N, C] output and the bulk copy engine writes the
     tile (clipped at the edges); else a masked pointer store."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
@@ -45,8 +47,12 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
+    z_scale = inv_t            # z = acc * z_scale
+    if SOFTCAP:
+        acc, dcap = softcap_tanh(acc, CAP)     # acc now holds t = tanh(raw / CAP); dcap = 1 - t^2
+        z_scale = inv_t * CAP
     # x2 = log2 p = (z - lse) * log2(e): one fused multiply-add per element
-    x2 = acc * (inv_t * LOG2E)[:, None] - (lse * LOG2E)[:, None]
+    x2 = acc * (z_scale * LOG2E)[:, None] - (lse * LOG2E)[:, None]
     p = tl.exp2(x2)
     if WITH_ENTROPY:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
@@ -62,6 +68,8 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     here = row_ok & (label >= first) & (label < first + BLOCK_N)
     if tl.max(here.to(tl.int32), axis=0) > 0:   # most tiles hold no label
         dl += tl.where(cols[None, :] == label[:, None], (g_lp * inv_t)[:, None], 0.0)
+    if SOFTCAP:
+        dl = dl * dcap     # chain rule through the cap: d z / d raw = inv_t * (1 - t^2)
     if STORE_TMA:
         dl_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dl.to(OUT_DTYPE))
     else:
@@ -70,9 +78,10 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
 
 
 def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, inv_temp: Tensor, lse: Tensor,
-                  ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], out: Tensor) -> Tensor:
+                  ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], out: Tensor,
+                  softcap: Optional[float] = None) -> Tensor:
     """Fill ``out`` [N, C] (hidden.dtype, unit column stride) with the dlogits of vocabulary rows
-    col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C]."""
+    col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C] (d raw logits when softcap is set)."""
     n, k = hidden.shape
     cols = w_chunk.shape[0]
     tiles = backward_tiles(n, k, hidden.dtype, hidden.device)
@@ -90,7 +99,8 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
         WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         K_TILES=triton.cdiv(k, tiles.block_k),
         GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
-        STORE_TMA=store_tma, OUT_DTYPE=tl_dtype(out.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        STORE_TMA=store_tma, OUT_DTYPE=tl_dtype(out.dtype),
+        SOFTCAP=softcap is not None, CAP=1.0 if softcap is None else float(softcap), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -125,8 +135,9 @@ def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
-          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool):
+          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None):
     """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None), chunk by chunk.
+    softcap: None or c > 0, see logitless.ops.backend (the cap's derivative is applied in the kernel).
 
     Workspace: one dlogits buffer [N, C] of hidden.dtype (128 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
@@ -141,7 +152,8 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         w_chunk = weight[start:stop]
-        dl = dlogits_chunk(hidden, w_chunk, start, labels, inv_temp, lse, ent, g_lp, g_ent, buf[:, :stop - start])
+        dl = dlogits_chunk(hidden, w_chunk, start, labels, inv_temp, lse, ent, g_lp, g_ent, buf[:, :stop - start],
+                           softcap)
         if dh is not None:
             _accumulate_mm(dh, dl, w_chunk)
         if dw is not None:

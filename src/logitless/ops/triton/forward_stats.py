@@ -4,7 +4,8 @@ One program per [BLOCK_M tokens x BLOCK_N vocab rows] tile: it computes the floa
 the tensor cores, scales it by 1/temperature, and reduces it to three numbers per token (tile max m,
 sum exp(z - m), sum exp(z - m) * (z - m)) written to a [vocab tiles, N] float32 workspace; the label's
 logit is written by the one tile that holds it. Logits never reach HBM. A combine over the tiles then
-gives the global statistics.
+gives the global statistics. With a softcap c the tile is first mapped to t = tanh(raw / c) and scaled
+by c / temperature instead of 1 / temperature (a compile-time branch: without it the kernel is unchanged).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import LN2, LOG2E, dot_flags, forward_tiles, tile_operands
-from .tile import logits_tile, tile_coords
+from .tile import logits_tile, softcap_tanh, tile_coords
 
 
 @triton.jit
@@ -25,12 +26,18 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
                        WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                        EVEN_K: tl.constexpr,
-                       UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
+                       UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+                       SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    if SOFTCAP:
+        # z = tanh(raw / CAP) * (CAP / T): below, acc holds t and inv_t the per-row factor CAP / T
+        # (> 0, so the max argument that follows holds unchanged)
+        acc, _ = softcap_tanh(acc, CAP)
+        inv_t = inv_t * CAP
     padded = (pid_n + 1) * BLOCK_N > n_cols          # only the last vocabulary tile has padding
     if padded:
         # padded columns carry no probability mass
@@ -57,9 +64,11 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
         tl.store(zy_ptr + rows, zy, mask=here)
 
 
-def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
+def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
+               softcap: Optional[float] = None):
     """Per-tile partial statistics. Returns (part_m, part_s, part_t or None, zy); part_* are float32
-    [ceil(V / BLOCK_N), N], zy float32 [N] (0.0 where the label is -1)."""
+    [ceil(V / BLOCK_N), N], zy float32 [N] (0.0 where the label is -1). softcap: None or c > 0 (the cap
+    is a compile-time constant: one build per distinct value, a model has one)."""
     n, k = hidden.shape
     vocab = weight.shape[0]
     tiles = forward_tiles(n, k, hidden.dtype, hidden.device)
@@ -77,6 +86,7 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
         WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         K_TILES=triton.cdiv(k, tiles.block_k),
         GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
+        SOFTCAP=softcap is not None, CAP=1.0 if softcap is None else float(softcap),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return part_m, part_s, part_t if with_entropy else None, zy
 
@@ -98,7 +108,8 @@ def combine_tiles(part_m: Tensor, part_s: Tensor, part_t: Optional[Tensor]):
     return big + log_total, ent
 
 
-def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool):
-    part_m, part_s, part_t, zy = tile_stats(hidden, weight, labels, inv_temp, with_entropy)
+def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
+          softcap: Optional[float] = None):
+    part_m, part_s, part_t, zy = tile_stats(hidden, weight, labels, inv_temp, with_entropy, softcap)
     lse, ent = combine_tiles(part_m, part_s, part_t)
     return lse, ent, zy

@@ -4,6 +4,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import LOG2E
+
 
 @triton.jit
 def tile_coords(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -70,3 +72,18 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
             a_ptrs += BLOCK_K * s_hk
             b_ptrs += BLOCK_K * s_wk
     return acc, rows, cols
+
+
+@triton.jit
+def softcap_tanh(acc, CAP: tl.constexpr):
+    """(t, 1 - t^2) with t = tanh(acc / CAP), elementwise, float32.
+
+    From one exp2 of a non-positive argument, e = exp(-2|x|) in (0, 1] (no overflow, no inf / inf):
+    |t| = (1 - e) / (1 + e) and 1 - t^2 = 4e / (1 + e)^2, the latter with full relative precision even
+    where |t| rounds to 1. Absolute error of t ~1e-7, like float32 tanh. Written out because triton 3.6
+    has no tl.tanh and its interpreter cannot run libdevice.tanh; the same code runs on both."""
+    e = tl.exp2(tl.abs(acc) * (-2.0 * LOG2E / CAP))
+    r = 1.0 / (1.0 + e)
+    t_abs = (1.0 - e) * r
+    t = tl.where(acc < 0, -t_abs, t_abs)
+    return t, 4.0 * e * r * r
