@@ -46,6 +46,13 @@ def inputs():
     ("ignore_index_float", TypeError, "ignore_index"),
     ("unknown_backend", ValueError, "backend must be one of"),
     ("backend_not_str", TypeError, "backend"),
+    ("softcap_zero", ValueError, "softcap"),
+    ("softcap_negative", ValueError, "softcap"),
+    ("softcap_nan", ValueError, "softcap"),
+    ("softcap_inf", ValueError, "softcap"),
+    ("softcap_bool", TypeError, "softcap"),
+    ("softcap_str", TypeError, "softcap"),
+    ("softcap_tensor", TypeError, "softcap"),
 ])
 def test_bad_input_is_named(case, exc, match):
     h, w, y = inputs()
@@ -95,8 +102,28 @@ def test_bad_input_is_named(case, exc, match):
         kw["backend"] = "cuda_magic"
     elif case == "backend_not_str":
         kw["backend"] = None
+    elif case.startswith("softcap"):
+        kw["softcap"] = {
+            "softcap_zero": 0.0, "softcap_negative": -30.0, "softcap_nan": float("nan"),
+            "softcap_inf": float("inf"), "softcap_bool": True, "softcap_str": "30",
+            "softcap_tensor": torch.tensor(30.0),
+        }[case]
     with pytest.raises(exc, match=match):
         fused_logprobs(h, w, y, **kw)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "triton"])
+def test_bad_softcap_is_refused_before_any_kernel(backend):
+    h, w, y = inputs()
+    with pytest.raises(ValueError, match="softcap"):
+        fused_logprobs(h, w, y, softcap=-1.0, backend=backend)
+
+
+def test_integer_softcap_is_accepted():
+    h, w, y = inputs()
+    a = fused_logprobs(h, w, y, softcap=30)
+    b = fused_logprobs(h, w, y, softcap=30.0)
+    assert torch.equal(a.logprobs, b.logprobs)
 
 
 def test_ignore_index_labels_are_not_range_checked():

@@ -17,18 +17,18 @@ def small_chunks(monkeypatch):
 
 
 def check(hidden, weight, labels, backend, *, temperature=1.0, ignore_index=-100, with_entropy=True,
-          grad_hidden=True, grad_weight=True, a_scale=1.0, b_scale=1.0, tol=None):
+          grad_hidden=True, grad_weight=True, a_scale=1.0, b_scale=1.0, tol=None, softcap=None):
     """Run the op forward and backward on sum(a*logprob) + sum(b*entropy) and compare with float64."""
     tol = tol or TOL[hidden.dtype]
     h = hidden.detach().clone().requires_grad_(grad_hidden)
     w = weight.detach().clone().requires_grad_(grad_weight)
     out = fused_logprobs(h, w, labels, temperature=temperature, ignore_index=ignore_index,
-                         with_entropy=with_entropy, backend=backend)
+                         with_entropy=with_entropy, backend=backend, softcap=softcap)
     assert last_backend() == backend
     assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == labels.shape
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
-    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature, ignore_index)
+    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature, ignore_index, softcap)
     assert torch.isfinite(out.logprobs).all()
     assert (out.logprobs - lp64).abs().max().item() <= tol[0]
     if with_entropy:
@@ -194,6 +194,57 @@ def test_empty_token_batch(backend):
     assert out.logprobs.shape == (0,) and out.entropy.shape == (0,)
     (out.logprobs.sum() + out.entropy.sum()).backward()
     assert h.grad.shape == (0, 96) and (w.grad == 0).all()
+
+
+# ------------------------------------------------ softcap: z = c * tanh(hidden @ weight.T / c) / T
+# Raw logits of std 12 against a cap of 8: most logits are bent by the tanh, the largest saturate.
+SOFTCAP, CAPPED_STD = 8.0, 12.0
+
+
+def assert_cap_is_active(hidden, weight, labels, temperature=1.0):
+    """Guard against inputs on which softcap=None would pass the softcap tests too."""
+    capped, _ = logprobs_entropy64(hidden, weight, labels, temperature, -100, SOFTCAP)
+    plain, _ = logprobs_entropy64(hidden, weight, labels, temperature, -100)
+    assert (capped - plain).abs().max() > 0.5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_matches_float64(backend, dtype):
+    hidden, weight, labels = make_inputs(dtype=dtype, logit_std=CAPPED_STD)
+    assert_cap_is_active(hidden, weight, labels, 0.7)
+    check(hidden, weight, labels, backend, temperature=0.7, softcap=SOFTCAP)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_per_token_temperature_and_ignored_rows(backend, dtype):
+    hidden, weight, labels = make_inputs(lead=(3, 4), dtype=dtype, logit_std=CAPPED_STD)
+    labels[0, 1] = labels[2, 3] = -100
+    per_token = torch.rand(3, 4) * 1.5 + 0.5
+    out = check(hidden, weight, labels, backend, temperature=per_token, softcap=SOFTCAP)
+    assert out.logprobs[0, 1] == 0 and out.entropy[2, 3] == 0
+    h = hidden.clone().requires_grad_(True)
+    res = fused_logprobs(h, weight, labels, temperature=per_token, softcap=SOFTCAP, backend=backend)
+    (res.logprobs.sum() + res.entropy.sum()).backward()
+    assert (h.grad[0, 1] == 0).all() and (h.grad[2, 3] == 0).all() and (h.grad[1] != 0).any()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_softcap_without_entropy_and_gradient_subsets(backend):
+    hidden, weight, labels = make_inputs(logit_std=CAPPED_STD)
+    check(hidden, weight, labels, backend, temperature=1.3, softcap=SOFTCAP, with_entropy=False)
+    check(hidden, weight, labels, backend, softcap=SOFTCAP, grad_weight=False)
+    check(hidden, weight, labels, backend, softcap=SOFTCAP, grad_hidden=False, b_scale=0.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_softcap_saturated_logits(backend):
+    # raw logits of std 200 against a cap of 5: nearly every tanh is within 1e-6 of +-1 and its
+    # derivative tiny; nothing may overflow or lose the gradient of the few unsaturated logits
+    hidden, weight, labels = make_inputs(logit_std=200.0)
+    out = check(hidden, weight, labels, backend, softcap=5.0, temperature=0.5)
+    assert out.logprobs.min() > -21.0   # |z| <= 10 after the cap: no log-prob below -20 - log V
 
 
 def test_backends_agree_with_each_other_on_bf16():

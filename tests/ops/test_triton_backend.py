@@ -41,18 +41,18 @@ def close_everywhere(got, want, rel):
 
 
 def check(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, with_entropy=True,
-          grad_hidden=True, grad_weight=True):
+          grad_hidden=True, grad_weight=True, softcap=None):
     """Forward and backward of sum(a * logprob) + sum(b * entropy) through backend="triton", against float64."""
     tol = TOL[hidden.dtype]
     h = hidden.detach().clone().requires_grad_(grad_hidden)
     w = weight.detach().clone().requires_grad_(grad_weight)
     out = fused_logprobs(h, w, labels, temperature=temperature, ignore_index=ignore_index,
-                         with_entropy=with_entropy, backend="triton")
+                         with_entropy=with_entropy, backend="triton", softcap=softcap)
     assert last_backend() == "triton"
     assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == labels.shape
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
-    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature, ignore_index)
+    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature, ignore_index, softcap)
     assert torch.isfinite(out.logprobs).all()
     assert (out.logprobs - lp64).abs().max().item() <= tol[0]
     assert (out.logprobs <= 0).all()
@@ -187,6 +187,73 @@ def test_labels_in_first_and_last_column():
     check(hidden, weight, labels)
 
 
+# ------------------------------------------------ softcap: z = c * tanh(hidden @ weight.T / c) / T
+# Raw logits of std 12 against a cap of 8: most logits bent by the tanh, the largest saturated.
+SOFTCAP, CAPPED_STD = 8.0, 12.0
+
+
+def capped_inputs(**kw):
+    hidden, weight, labels = make_inputs(logit_std=CAPPED_STD, **kw)
+    capped, _ = logprobs_entropy64(hidden, weight, labels, softcap=SOFTCAP)
+    plain, _ = logprobs_entropy64(hidden, weight, labels)
+    assert (capped - plain).abs().max() > 0.5   # inputs on which ignoring the cap would fail
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_matches_float64(dtype):
+    check(*capped_inputs(dtype=dtype), temperature=0.7, softcap=SOFTCAP)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_per_token_temperature_and_ignored_rows(dtype):
+    hidden, weight, labels = capped_inputs(dtype=dtype)
+    labels[1] = labels[4] = -100
+    temperature = torch.rand(7, device=DEVICE) + 0.5
+    out = check(hidden, weight, labels, temperature=temperature, softcap=SOFTCAP)
+    assert out.logprobs[1] == 0 and out.entropy[4] == 0
+    h = hidden.clone().requires_grad_()
+    res = fused_logprobs(h, weight, labels, temperature=temperature, softcap=SOFTCAP, backend="triton")
+    (res.logprobs.sum() + res.entropy.sum()).backward()
+    assert h.grad[1].abs().max() == 0 and h.grad[4].abs().max() == 0 and h.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_without_entropy(dtype):
+    check(*capped_inputs(dtype=dtype), with_entropy=False, temperature=1.3, softcap=SOFTCAP)
+
+
+@pytest.mark.parametrize("grad_hidden,grad_weight", [(True, False), (False, True)])
+def test_softcap_gradients_only_where_required(grad_hidden, grad_weight):
+    check(*capped_inputs(dtype=torch.bfloat16), softcap=SOFTCAP, grad_hidden=grad_hidden, grad_weight=grad_weight)
+
+
+def test_softcap_pointer_loads_ragged_k(monkeypatch):
+    # pointer loads with a masked last K tile (H = 100): clamped padding rows / columns go through the tanh too
+    monkeypatch.setenv("LOGITLESS_TRITON_TMA", "0")
+    hidden, weight, labels = capped_inputs(h=100)
+    labels[0], labels[1] = 0, 1030     # first column, and the last real column of the padded last tile
+    check(hidden, weight, labels, temperature=0.9, softcap=SOFTCAP)
+
+
+def test_softcap_saturated_logits():
+    # raw logits of std 200 against a cap of 5: the exp2 form of tanh must neither overflow nor lose the
+    # unsaturated logits' gradient
+    hidden, weight, labels = make_inputs(logit_std=200.0)
+    out = check(hidden, weight, labels, temperature=0.5, softcap=5.0)
+    assert out.logprobs.min() > -21.0   # |z| <= 10 after the cap
+
+
+def test_softcap_padded_last_tile_carries_no_mass():
+    # padding is masked after the tanh: tanh(-inf) would be -1, a real logit
+    v = 131
+    hidden, weight, _ = make_inputs(lead=(1,), h=48, v=v, logit_std=CAPPED_STD)
+    out = fused_logprobs(hidden.expand(v, 48), weight, torch.arange(v, device=DEVICE), softcap=SOFTCAP,
+                         backend="triton")
+    assert (out.logprobs <= 0).all()
+    assert abs(out.logprobs.double().exp().sum().item() - 1.0) <= 1e-5
+
+
 def test_availability():
     cpu = torch.zeros(2, 3)
     if INTERPRETING:
@@ -215,3 +282,6 @@ def test_compiled_kernels_on_cuda(dtype, monkeypatch):
     hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype)
     labels[::7] = -100
     check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5)
+    hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype, logit_std=CAPPED_STD)
+    labels[::7] = -100
+    check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5, softcap=SOFTCAP)
