@@ -122,11 +122,11 @@ def shard(ctx: Ctx, weight: torch.Tensor, sizes) -> tuple[int, torch.Tensor]:
     return off, weight[off: off + sizes[ctx.rank]].clone()
 
 
-def reference(hidden, weight, labels, temperature, ignore_index, a, b, with_entropy):
+def reference(hidden, weight, labels, temperature, ignore_index, a, b, with_entropy, softcap=None):
     """float64 logprobs, entropy, d_hidden, d_weight of loss = sum(a*logprob) + sum(b*entropy)."""
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
-    lp, ent = logprobs_entropy64(h64, w64, labels, temperature, ignore_index)
+    lp, ent = logprobs_entropy64(h64, w64, labels, temperature, ignore_index, softcap)
     loss = (lp * a).sum() + ((ent * b).sum() if with_entropy else 0.0)
     loss.backward()
     return lp.detach(), ent.detach(), h64.grad, w64.grad
@@ -140,13 +140,14 @@ def same_on_every_rank(ctx: Ctx, ck: Checks, what: str, t: torch.Tensor) -> None
 
 def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, h=H, dtype=torch.float32,
                   temperature=1.0, ignore_index=-100, n_ignored=3, with_entropy=True,
-                  reduce_grad_hidden=True, grad_hidden=True, grad_weight=True, tag="", salt=0):
+                  reduce_grad_hidden=True, grad_hidden=True, grad_weight=True, tag="", salt=0,
+                  softcap=None, logit_std=4.0):
     """One forward + backward across the group against the float64 unsharded ground truth."""
     sizes = sizes or even_sizes(V, ctx.world)
     tag = f"[{backend}{' ' + tag if tag else ''}]"
     tol = TOL[dtype]
     hidden, weight, labels = make_inputs(ctx, sizes, lead=lead, h=h, dtype=dtype, n_ignored=n_ignored,
-                                         ignore_index=ignore_index, salt=salt)
+                                         ignore_index=ignore_index, salt=salt, logit_std=logit_std)
     g = ctx.gen(salt + 1)
     a = torch.randn(labels.shape, generator=g, dtype=torch.float64)
     b = torch.randn(labels.shape, generator=g, dtype=torch.float64)
@@ -157,7 +158,7 @@ def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, 
     w_in = w_local.requires_grad_(grad_weight)
     out = fused_logprobs(h_in, w_in, labels, temperature=temperature, with_entropy=with_entropy,
                          ignore_index=ignore_index, tp_group=ctx.group, reduce_grad_hidden=reduce_grad_hidden,
-                         backend=backend)
+                         backend=backend, softcap=softcap)
     ck.true(f"{tag} last_backend", last_backend() == backend, f"is {last_backend()}")
     loss = (out.logprobs * a.float()).sum()
     if with_entropy:
@@ -166,7 +167,12 @@ def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, 
         ck.true(f"{tag} entropy", out.entropy is None, "is not None with with_entropy=False")
     if grad_hidden or grad_weight:
         loss.backward()
-    lp64, ent64, dh64, dw64 = reference(hidden, weight, labels, temperature, ignore_index, a, b, with_entropy)
+    lp64, ent64, dh64, dw64 = reference(hidden, weight, labels, temperature, ignore_index, a, b, with_entropy,
+                                        softcap)
+    if softcap is not None:
+        # the inputs must make the cap matter, or a rank that ignored it would pass too
+        plain, _ = logprobs_entropy64(hidden, weight, labels, temperature, ignore_index)
+        ck.true(f"{tag} cap active", bool((plain - lp64).abs().max() > 0.5), "inputs barely reach the cap")
 
     ck.true(f"{tag} logprobs dtype", out.logprobs.dtype == torch.float32)
     ck.abs_le(f"{tag} logprobs", out.logprobs, lp64, tol[0])
@@ -287,6 +293,23 @@ def case_empty_tokens(ctx):
     ck.done()
 
 
+def case_softcap(ctx):
+    """Gemma-style logits c * tanh(raw / c) / T across the group: the cap is per logit, so the shards'
+    statistics combine as without it; raw logits of std 12 against c = 8 bend most of them."""
+    ck = Checks()
+    per_token = lambda g, shape: torch.rand(shape, generator=g) * 1.5 + 0.5  # noqa: E731
+    for backend in CPU_BACKENDS:
+        check_sharded(ctx, ck, backend=backend, softcap=8.0, logit_std=12.0, temperature=per_token,
+                      sizes=uneven_sizes(V, ctx.world), tag="unequal")
+        # even shards here: a one-row shard whose logit saturates the tanh adds almost nothing to d_hidden,
+        # and the check that the partial d_hidden is not already reduced could not tell the difference
+        check_sharded(ctx, ck, backend=backend, softcap=8.0, logit_std=12.0, temperature=0.8,
+                      reduce_grad_hidden=False, tag="partial", salt=5)
+    check_sharded(ctx, ck, backend="chunked", softcap=8.0, logit_std=12.0, dtype=torch.bfloat16, with_entropy=False,
+                  tag="bf16, no entropy", salt=9)
+    ck.done()
+
+
 def case_layout(ctx):
     ck = Checks()
     sizes = uneven_sizes(V, ctx.world)
@@ -362,6 +385,8 @@ def case_triton_interpreted(ctx):
     check_sharded(ctx, ck, backend="triton", sizes=sizes, lead=(5,), h=32, temperature=per_token, n_ignored=1)
     check_sharded(ctx, ck, backend="triton", sizes=[60, 37], lead=(5,), h=32, with_entropy=False,
                   reduce_grad_hidden=False, n_ignored=1, tag="unequal, partial, no entropy", salt=3)
+    check_sharded(ctx, ck, backend="triton", sizes=sizes, lead=(5,), h=32, temperature=0.9, n_ignored=1,
+                  softcap=8.0, logit_std=12.0, tag="softcap", salt=11)
     ck.done()
 
 
@@ -516,7 +541,7 @@ def case_next_token_labels_sharded(ctx):
 
 VOCAB_CASES = [case_scalar_temperature, case_per_token_temperature, case_without_entropy, case_unequal_shards,
                case_partial_grad_hidden, case_ignore_index, case_grad_subsets, case_bfloat16,
-               case_three_dims_odd_hidden, case_empty_tokens, case_layout, case_layout_releases_group,
+               case_three_dims_odd_hidden, case_softcap, case_empty_tokens, case_layout, case_layout_releases_group,
                case_single_rank_subgroup]
 ERROR_CASES = [case_error_hidden_size_differs, case_error_dtype_differs, case_error_labels_outside_global_vocab,
                case_error_group_type]
