@@ -1,14 +1,16 @@
-"""Heads that are not a plain linear map: a logit scale is folded into the temperature exactly;
-softcapping, a bias and scales without a known rule are refused, naming the attribute. And clear
-errors for bad input."""
+"""Heads that are not a plain linear map: a logit scale is folded into the temperature exactly, Gemma 2 /
+Gemma 3's final-logit softcap is applied exactly; softcapping elsewhere, a bias and scales without a known
+rule are refused, naming the attribute. And clear errors for bad input."""
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers as tf
 
-from logitless.transformers import fused_forward, patch_model
-from test_transformers import COMMON, V, check_against_model, padded_batch, tiny_model
+from logitless.integrations.hf_heads import plan_head
+from logitless.transformers import fused_forward, patch_model, unpatch_model
+from test_transformers import (COMMON, TOL_ENT, TOL_LP, V, check_against_model, expected_targets, padded_batch,
+                               reference_from_logits, tiny_model)
 
 
 @pytest.fixture(autouse=True)
@@ -58,16 +60,89 @@ def test_minicpm3_hidden_scaling_folds_into_temperature():
     check_against_model(model.eval(), ids, mask, temperature=0.8)
 
 
-def test_gemma2_softcapping_is_refused():
-    model = tiny_model("gemma2", final_logit_softcapping=30.0)
+GEMMA_CAP = 1.5   # the head's logits have std ~2 (tiny_model): a cap of 1.5 bends most of them
+
+
+def gemma(kind: str, cap=GEMMA_CAP) -> torch.nn.Module:
+    """A tiny Gemma2ForCausalLM or Gemma3ForCausalLM (text) with final_logit_softcapping=cap."""
+    if kind == "gemma2":
+        return tiny_model("gemma2", final_logit_softcapping=cap)
+    cfg = tf.Gemma3TextConfig(**COMMON, head_dim=12, query_pre_attn_scalar=12, sliding_window=5,
+                              final_logit_softcapping=cap)
+    model = tf.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_final_logit_softcapping_matches_the_model(kind):
+    """Values and every parameter's gradient against the model's own (capped) logits in float64."""
+    model = gemma(kind)
+    assert plan_head(model).softcap == GEMMA_CAP
+    ids, mask = padded_batch(3, 8, "left")
+    fused = check_against_model(model, ids, mask, temperature=0.9)
+    check_against_model(model, ids, mask, temperature=torch.rand(3) + 0.5)   # per sequence
+    check_against_model(model, ids, mask, temperature=torch.rand(3, 8) + 0.5)  # per token
+    # the cap matters here: without it the same weights give other log-probs
+    model.config.final_logit_softcapping = None
+    assert plan_head(model).softcap is None
+    plain = fused_forward(model, ids, mask, temperature=0.9)
+    assert (plain.logprobs - fused.logprobs).abs().max() > 0.05
+
+
+def test_patched_gemma2_applies_the_softcap():
+    model = gemma("gemma2")
+    ids, mask = padded_batch(2, 7, "right")
+    out = patch_model(model, temperature=0.8)(input_ids=ids, attention_mask=mask)
+    unpatch_model(model)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    ref_lp, ref_ent = reference_from_logits(logits, expected_targets(ids, mask), 0.8)
+    assert (out.logprobs.double() - ref_lp).abs().max() <= TOL_LP
+    assert (out.entropy.double() - ref_ent).abs().max() <= TOL_ENT
+
+
+def test_softcapping_without_a_rule_is_refused():
+    model = tiny_model("llama")
+    model.config.final_logit_softcapping = 30.0   # llama's forward never reads it: no rule, refused
     ids = torch.randint(0, V, (1, 5))
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         fused_forward(model, ids)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         patch_model(model)
     assert "forward" not in vars(model)
-    model.config.final_logit_softcapping = None  # the documented way out: the head is linear again
-    check_against_model(model, torch.randint(0, V, (2, 6)), torch.tensor([[0, 1, 1, 1, 1, 1]] * 2))
+    model = gemma("gemma2")
+    model.config.logit_softcapping = 30.0         # another softcap name on a Gemma: not the known one
+    with pytest.raises(ValueError, match="logit_softcapping"):
+        fused_forward(model, ids)
+
+
+def test_gemma3_multimodal_text_softcap_is_refused():
+    # Gemma3ForConditionalGeneration keeps final_logit_softcapping on its text config; whether its forward
+    # applies it depends on the transformers release, so logitless refuses rather than guess
+    text = tf.Gemma3TextConfig(**COMMON, head_dim=12, query_pre_attn_scalar=12, sliding_window=5,
+                               final_logit_softcapping=GEMMA_CAP)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(text_config=text.to_dict(),
+                                                              vision_config=vision.to_dict(), mm_tokens_per_image=4))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        plan_head(model)
+
+
+@pytest.mark.parametrize("cap", [0.0, -30.0, float("inf")])   # the config's own validation refuses non-floats
+def test_bad_gemma_softcap_value_is_refused(cap):
+    model = gemma("gemma2")
+    model.config.final_logit_softcapping = cap
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        fused_forward(model, torch.randint(0, V, (1, 5)))
+
+
+def test_gemma_softcap_with_a_head_bias_is_refused():
+    model = gemma("gemma2")
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, V, bias=True)
+    with pytest.raises(ValueError, match="lm_head.bias"):
+        fused_forward(model, torch.randint(0, V, (1, 5)))
 
 
 def test_head_bias_is_refused():

@@ -1,10 +1,13 @@
-"""What a transformers causal-LM head computes, reduced to "a linear map times a constant".
+"""What a transformers causal-LM head computes, reduced to "a linear map times a constant",
+optionally tanh-softcapped.
 
-logitless computes softmax(hidden @ weight.T / T). A head is usable when the model's logits are
-exactly ``scale * (hidden @ weight.T)`` for a positive constant ``scale``: then the model's
-softmax(logits / T) is ours with temperature ``T / scale``. Anything else (tanh softcapping, a
-bias, an adapter on the head, a scale of unknown direction) is refused with an error that names
-the attribute, never approximated.
+logitless computes softmax(hidden @ weight.T / T), or with ``softcap=c`` softmax(c * tanh(hidden @
+weight.T / c) / T). A head is usable when the model's logits are exactly ``scale * (hidden @ weight.T)``
+for a positive constant ``scale`` (then the model's softmax(logits / T) is ours with temperature
+``T / scale``), or exactly ``c * tanh(hidden @ weight.T / c)`` in an architecture known to compute
+that (Gemma 2 and Gemma 3's ``final_logit_softcapping``). Anything else (softcapping elsewhere, a bias,
+an adapter on the head, a scale of unknown direction) is refused with an error that names the
+attribute, never approximated.
 """
 from __future__ import annotations
 
@@ -22,12 +25,15 @@ class HeadPlan:
     """The output embedding of a causal LM, and the constant its logits are multiplied by.
 
     weight: [V, H] the head's weight (the input embedding when tied).
-    logit_scale: the model's logits equal ``logit_scale * hidden @ weight.T``.
+    logit_scale: the model's logits equal ``logit_scale * hidden @ weight.T`` (1.0 with a softcap).
     source: where the scale came from, for messages ("1" when there is none).
+    softcap: None, or c: the model's logits equal ``c * tanh(hidden @ weight.T / c)`` (pass it to
+        ``fused_logprobs(softcap=...)``).
     """
     weight: Tensor
     logit_scale: float
     source: str
+    softcap: Optional[float] = None
 
 
 # Model types whose CausalLM forward is known to rescale the logits, and how (read in
@@ -51,6 +57,15 @@ _DIV_PREFIXES = ("granite",)
 # another (Granite vs HyperCLOVA X), so guessing would give silently different numbers.
 _SCALE_ATTRS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_logits_scale")
 _SOFTCAP_ATTRS = ("final_logit_softcapping", "logit_softcapping", "output_softcapping")
+
+# Model types (of model.config itself) whose CausalLM forward computes, from that same config,
+#   logits = cap * tanh(lm_head(hidden) / cap),  cap = config.final_logit_softcapping  (None: no cap)
+# (read in transformers 5.25: Gemma2ForCausalLM, Gemma3ForCausalLM). A cap found anywhere else, e.g.
+# on the text config of Gemma3ForConditionalGeneration, whose forward does not apply it, stays refused.
+_SOFTCAP_RULES = {
+    "gemma2": "final_logit_softcapping",
+    "gemma3_text": "final_logit_softcapping",
+}
 
 
 def _configs(model: nn.Module):
@@ -103,11 +118,39 @@ def _check_head_module(model: nn.Module, head: nn.Module) -> Tensor:
     return weight
 
 
+def _softcap(model: nn.Module, configs) -> Optional[float]:
+    """The model's final-logit softcap (None when there is none), or ValueError naming the attribute
+    for a softcap logitless has no rule for."""
+    cls = type(model).__name__
+    top = configs[0] if configs else None
+    attr = _SOFTCAP_RULES.get(getattr(top, "model_type", None))
+    cap = None
+    if attr is not None and getattr(top, attr, None) is not None:
+        cap = _number("config", attr, getattr(top, attr))
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"{cls}: config.{attr}={cap} must be finite and > 0 (the logits are "
+                             f"cap * tanh(logits / cap))")
+    for cfg in configs:
+        for other in _SOFTCAP_ATTRS:
+            if cfg is top and other == attr:
+                continue
+            value = getattr(cfg, other, None)
+            if value is not None:
+                owner = "config" if cfg is top else "config.get_text_config()"
+                raise ValueError(
+                    f"{cls} (model_type {getattr(cfg, 'model_type', '?')!r}) has {owner}.{other}={value}, a tanh "
+                    "softcap that logitless has no rule for on this architecture (where, and whether, its "
+                    "forward applies it is unknown). Refusing rather than guessing; set "
+                    f"{owner}.{other} = None if the model does not use it, or use the model's own logits.")
+    return cap
+
+
 def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None) -> HeadPlan:
     """The HeadPlan of an unwrapped transformers causal LM, or a clear error.
 
-    Raises ValueError naming the attribute for a head that is not ``scale * linear``
-    (softcapping, bias, adapter on the head, a scale on an architecture without a known rule).
+    Raises ValueError naming the attribute for a head that is neither ``scale * linear`` nor a known
+    softcap (softcapping without a rule, bias, adapter on the head, a scale on an architecture without
+    a known rule).
     """
     cls = type(model).__name__
     get_out = getattr(model, "get_output_embeddings", None)
@@ -118,14 +161,7 @@ def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None) -> HeadPla
     weight = _check_head_module(model, head)
 
     configs = _configs(model)
-    for cfg in configs:
-        for attr in _SOFTCAP_ATTRS:
-            cap = getattr(cfg, attr, None)
-            if cap is not None:
-                raise ValueError(
-                    f"{cls} applies tanh softcapping to its logits (config.{attr}={cap}): logits = "
-                    f"cap * tanh(hidden @ W.T / cap) is not a linear head and the fused op has no softcap. "
-                    f"Set model.config.{attr} = None to train without it, or use the model's own logits.")
+    softcap = _softcap(model, configs)
 
     types = [getattr(cfg, "model_type", "") or "" for cfg in configs]
     rule = next((_SCALE_RULES[t] for t in types if t in _SCALE_RULES), None)
@@ -169,4 +205,8 @@ def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None) -> HeadPla
         if "minicpm3" not in types and base is not None and base != getattr(cfg, "hidden_size", base):
             raise ValueError(f"{cls} has config.dim_model_base={base} != hidden_size (MiniCPM-style muP): its "
                              "head rescales the hidden states and logitless has no rule for this variant")
-    return HeadPlan(weight=weight, logit_scale=scale, source=source)
+    if softcap is not None and scale != 1.0:
+        # no known architecture does both, and the order (scale inside or outside the tanh) would matter
+        raise ValueError(f"{cls} has both a logit scale ({source}) and a softcap ({softcap}); logitless has "
+                         "no rule for their order")
+    return HeadPlan(weight=weight, logit_scale=scale, source=source, softcap=softcap)

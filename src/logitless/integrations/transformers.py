@@ -146,7 +146,7 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
         temp = temp.reshape(-1)
     with torch.autocast(dev_type, enabled=False):
         res = fused_logprobs(h, weight, flat, temperature=temp, with_entropy=with_entropy,
-                             ignore_index=ignore_index)
+                             ignore_index=ignore_index, softcap=plan.softcap)
 
     def full(x: Optional[Tensor]) -> Optional[Tensor]:
         if x is None:
@@ -294,7 +294,8 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
             padding and packed-sequence boundaries ignored.
         temperature: a positive number; or a tensor: [b] / [b, 1] per sequence, [b, s] per token, or
             for one packed row [n] per packed sequence. The head's own logit scale, if any (Cohere
-            ``logit_scale``, Granite ``logits_scaling``, ...), is folded in exactly.
+            ``logit_scale``, Granite ``logits_scaling``, ...), is folded in exactly; Gemma 2 / 3's
+            ``final_logit_softcapping`` is applied exactly before the temperature, as the model does.
         with_entropy: also return the entropy.
         model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``).
 
