@@ -3,11 +3,13 @@
     PYTHONPATH=src python3 benchmarks/gpu_triton.py [--shapes A,B,C] [--sweep] [--out DIR]
 
 1. Correctness on small odd shapes against float64 (fp32/bf16/fp16, per-token temperature, ignored rows,
-   with_entropy False, H not a multiple of the K tile, padded last vocab tile).
+   with_entropy False, H not a multiple of the K tile, padded last vocab tile), and of the softcap path
+   (logits c * tanh(raw / c) / T, Gemma 2's final_logit_softcapping) in fp32 and bf16.
 2. For each benchmark shape (bf16, logit std about 4, labels sampled from the softmax):
    the cuBLAS floor (1 GEMM forward, 4 GEMMs forward+backward) in the same process; logitless triton
-   (forward, forward+backward, with and without entropy), its errors against a float32 reference from
-   the same bf16 values, its peak extra memory; the chunked backend and the naive eager path.
+   (forward, forward+backward, with and without entropy, and with a softcap of 30), its errors against a
+   float32 reference from the same bf16 values, its peak extra memory; the chunked backend and the naive
+   eager path.
 3. With --sweep: tile / warp / stage variants of the forward and backward kernels and dlogits chunk sizes.
 Writes every number to DIR/gpu_triton.json and a log; prints a short table last.
 """
@@ -67,32 +69,41 @@ def small_checks():
         (7, 96, 1031, torch.bfloat16, True, True),
         (333, 100, 5003, torch.bfloat16, True, True),   # rows of 200 bytes: pointer loads, masked K tail
     ]
-    for case in cases:
+    # softcap 8 against raw logits of std 12: most logits bent by the tanh, the largest saturated
+    softcap_cases = [
+        (333, 200, 5003, torch.float32, True, True),
+        (333, 200, 5003, torch.bfloat16, True, True),
+        (1000, 4096, 33001, torch.bfloat16, False, False),
+        (333, 100, 5003, torch.bfloat16, True, True),   # pointer loads, masked K tail
+    ]
+    runs = [(case, {}) for case in cases] + [(case, {"softcap": 8.0, "logit_std": 12.0}) for case in softcap_cases]
+    for case, extra in runs:
         try:
-            one_check(*case, tol[case[3]])
+            one_check(*case, tol[case[3]], **extra)
         except Exception as exc:  # noqa: BLE001 - record it, go on to the timings
-            RESULTS["checks"].append({"case": str(case), "ok": False, "error": repr(exc)[:500]})
-            log("check FAILED", case, repr(exc)[:500])
+            RESULTS["checks"].append({"case": str(case), **extra, "ok": False, "error": repr(exc)[:500]})
+            log("check FAILED", case, extra, repr(exc)[:500])
 
 
-def one_check(n, h, v, dt, per_tok, with_ent, t):
+def one_check(n, h, v, dt, per_tok, with_ent, t, softcap=None, logit_std=4.0):
     from reference64 import logprobs_entropy64, rel_err
     hidden = torch.randn(n, h, device="cuda")
-    weight = torch.randn(v, h, device="cuda") * (4 / h ** 0.5)
+    weight = torch.randn(v, h, device="cuda") * (logit_std / h ** 0.5)
     with torch.no_grad():
         labels = torch.multinomial(torch.softmax(hidden @ weight.t(), -1), 1).squeeze(1)
     labels[::5] = -100
     temp = (torch.rand(n, device="cuda") + 0.5) if per_tok else 0.7
     hd, wd = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
-    out = fused_logprobs(hd, wd, labels, temperature=temp, with_entropy=with_ent, backend="triton")
+    out = fused_logprobs(hd, wd, labels, temperature=temp, with_entropy=with_ent, backend="triton", softcap=softcap)
     assert last_backend() == "triton"
     h64, w64 = hd.detach().double().requires_grad_(), wd.detach().double().requires_grad_()
-    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temp)
+    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temp, softcap=softcap)
     a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     loss = (out.logprobs * a).sum() + ((out.entropy * b).sum() if with_ent else 0)
     loss.backward()
     (((lp64 * a.double()).sum() + ((ent64 * b.double()).sum() if with_ent else 0))).backward()
     r = {"n": n, "h": h, "v": v, "dtype": str(dt), "per_token_temp": per_tok, "with_entropy": with_ent,
+         "softcap": softcap,
          "lp_err": (out.logprobs - lp64).abs().max().item(),
          "ent_err": (out.entropy - ent64).abs().max().item() if with_ent else 0.0,
          "dh_rel": rel_err(hd.grad, h64.grad), "dw_rel": rel_err(wd.grad, w64.grad),
@@ -131,10 +142,10 @@ def reference32(hidden, weight, labels, a, b):
     return res
 
 
-def run_op(hidden, weight, labels, a, b, backend, with_entropy=True, backward=True):
+def run_op(hidden, weight, labels, a, b, backend, with_entropy=True, backward=True, softcap=None):
     h = hidden.detach().requires_grad_(backward)
     w = weight.detach().requires_grad_(backward)
-    out = fused_logprobs(h, w, labels, with_entropy=with_entropy, backend=backend)
+    out = fused_logprobs(h, w, labels, with_entropy=with_entropy, backend=backend, softcap=softcap)
     if backward:
         loss = (out.logprobs * a).sum()
         if with_entropy:
@@ -234,6 +245,10 @@ def shape_run(tag, sweep):
     timed("triton_fwd_noent_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", False, False))
     timed("triton_fwdbwd_ms", lambda: run_op(hidden, weight, labels, a, b, "triton"), reps=5)
     timed("triton_fwdbwd_noent_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", False), reps=5)
+    # Gemma 2's cap of 30: the cost of the tanh in both kernels (its correctness: the small checks)
+    timed("triton_softcap_fwd_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", backward=False,
+                                                  softcap=30.0))
+    timed("triton_softcap_fwdbwd_ms", lambda: run_op(hidden, weight, labels, a, b, "triton", softcap=30.0), reps=5)
     res["triton_peak_gib"], res["triton_extra_gib"] = peak_extra(
         lambda: run_op(hidden, weight, labels, a, b, "triton"), grad_bytes)
     log(tag, "triton memory", res["triton_peak_gib"], res["triton_extra_gib"])
@@ -358,8 +373,9 @@ def write():
 
 def table():
     lines = ["| shape | floor fwd ms | triton fwd x | fwd noent x | floor 4-GEMM ms | triton fwd+bwd x | noent x "
-             "| extra GiB over grads | lp err | ent err | dh rel | dw rel | chunked fwd+bwd x | naive fwd+bwd x |",
-             "|---" * 14 + "|"]
+             "| extra GiB over grads | lp err | ent err | dh rel | dw rel | chunked fwd+bwd x | naive fwd+bwd x "
+             "| softcap fwd x | softcap fwd+bwd x |",
+             "|---" * 16 + "|"]
     for tag, r in RESULTS["shapes"].items():
         def x(key, floor):
             return "%.3f" % (r[key] / r[floor]) if r.get(key) else "-"
@@ -371,7 +387,8 @@ def table():
             f"| {r.get('triton_extra_gib', float('nan')):.3f} | {e.get('lp_err', float('nan')):.2e} "
             f"| {e.get('ent_err', float('nan')):.2e} | {e.get('dh_rel', float('nan')):.2e} "
             f"| {e.get('dw_rel', float('nan')):.2e} | {x('chunked_fwdbwd_ms', 'gemm4_ms')} "
-            f"| {x('naive_fwdbwd_ms', 'gemm4_ms')} |")
+            f"| {x('naive_fwdbwd_ms', 'gemm4_ms')} | {x('triton_softcap_fwd_ms', 'gemm1_ms')} "
+            f"| {x('triton_softcap_fwdbwd_ms', 'gemm4_ms')} |")
     text = "\n".join(lines)
     with open(os.path.join(ARGS.out, "table.md"), "w") as f:
         f.write(text + "\n")
