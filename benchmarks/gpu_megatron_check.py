@@ -31,6 +31,10 @@ def build(dtype):
                             attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=50257,
                      max_sequence_length=256, share_embeddings_and_output_weights=False).cuda()
+    if dtype != torch.float32:
+        # how trainers run bf16 Megatron models: the wrapper casts activations (and is unwrapped by logitless)
+        from megatron.core.transformer.module import Float16Module
+        model = Float16Module(cfg, model)
     return model
 
 
