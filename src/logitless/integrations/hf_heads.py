@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 
@@ -99,14 +98,15 @@ def _number(owner: str, attr: str, value) -> Optional[float]:
     return float(value)
 
 
-def _check_head_module(model: nn.Module, head: nn.Module) -> Tensor:
+def _check_head_module(model: nn.Module, head: nn.Module, weight_sharded: bool) -> Tensor:
     cls = type(model).__name__
     if hasattr(head, "base_layer") or type(head).__module__.split(".")[0] == "peft":
         raise ValueError(f"{cls}'s output embedding is wrapped by an adapter ({type(head).__name__}, e.g. LoRA "
                          "on lm_head): its update is not in lm_head.weight. Leave lm_head out of the adapter's "
                          "target_modules (or merge the adapter) to use logitless.")
     weight = getattr(head, "weight", None)
-    if not isinstance(head, (nn.Linear, nn.Embedding)) or not isinstance(weight, Tensor) or weight.dim() != 2:
+    if not isinstance(head, (nn.Linear, nn.Embedding)) or not isinstance(weight, Tensor) or (
+            weight.dim() != 2 and not weight_sharded):
         raise TypeError(f"{cls}'s output embedding is a {type(head).__name__}; logitless supports an "
                         "nn.Linear head (or a tied embedding) with a 2-D weight [vocab, hidden]")
     if getattr(head, "bias", None) is not None:
@@ -145,8 +145,11 @@ def _softcap(model: nn.Module, configs) -> Optional[float]:
     return cap
 
 
-def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None) -> HeadPlan:
+def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None, *, weight_sharded: bool = False) -> HeadPlan:
     """The HeadPlan of an unwrapped transformers causal LM, or a clear error.
+
+    weight_sharded: the model is inside FSDP and this is not its forward, so the head weight may be a
+        flat shard; its shape is not checked (the plan is only for validation then).
 
     Raises ValueError naming the attribute for a head that is neither ``scale * linear`` nor a known
     softcap (softcapping without a rule, bias, adapter on the head, a scale on an architecture without
@@ -158,7 +161,7 @@ def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None) -> HeadPla
     if head is None:
         raise ValueError(f"{cls} has no output embeddings (get_output_embeddings() is None): "
                          "logitless needs a causal LM with an LM head")
-    weight = _check_head_module(model, head)
+    weight = _check_head_module(model, head, weight_sharded)
 
     configs = _configs(model)
     softcap = _softcap(model, configs)

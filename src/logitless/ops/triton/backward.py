@@ -100,7 +100,8 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
         K_TILES=triton.cdiv(k, tiles.block_k),
         GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
         STORE_TMA=store_tma, OUT_DTYPE=tl_dtype(out.dtype),
-        SOFTCAP=softcap is not None, CAP=1.0 if softcap is None else float(softcap), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        SOFTCAP=softcap is not None, CAP=1.0 if softcap is None else float(softcap),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
