@@ -20,10 +20,12 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from logitless import TokenLogProbs, fused_logprobs
 
+from .hf_fsdp import check_head_in_root_unit, fsdp_units
 from .hf_heads import plan_head
 from .hf_labels import check_labels, next_token_labels, per_token_temperature
 from .hf_labels import shift_labels as shift_unshifted_labels
@@ -31,6 +33,8 @@ from .hf_labels import shift_labels as shift_unshifted_labels
 __all__ = ["fused_forward", "patch_model", "unpatch_model", "is_patched", "FusedCausalLMOutput", "unwrap_model"]
 
 _STATE = "_logitless_patch"
+# DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
+_WRAPPER_ATTRS = ("module", "_fsdp_wrapped_module", "_orig_mod")
 
 
 @dataclass
@@ -68,13 +72,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             if isinstance(inner, nn.Module):
                 model = inner
                 continue
-        if hasattr(model, "get_output_embeddings"):
+        if isinstance(model, PreTrainedModel):
             break
-        for attr in ("module", "_orig_mod", "_fsdp_wrapped_module"):
-            inner = getattr(model, attr, None)
-            if isinstance(inner, nn.Module) and inner is not model:
-                model = inner
-                break
+        # Wrapper attributes first: FSDP1 forwards unknown attribute lookups to the module it wraps,
+        # so the wrapper itself seems to have get_output_embeddings().
+        inner = next((m for m in (getattr(model, a, None) for a in _WRAPPER_ATTRS)
+                      if isinstance(m, nn.Module) and m is not model), None)
+        if inner is None:
+            break
+        model = inner
     return model
 
 
@@ -102,6 +108,7 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     if not isinstance(with_entropy, bool):
         raise TypeError(f"with_entropy must be a bool, got {type(with_entropy).__name__}")
     backbone = _backbone(core)
+    check_head_in_root_unit(core)
     plan = plan_head(core, backbone)
     b, s = targets.shape
     weight = plan.weight
@@ -244,7 +251,10 @@ def patch_model(model: nn.Module, *, temperature: Union[float, Tensor] = 1.0, wi
     """
     core = unwrap_model(model)
     _check_settings(temperature, with_entropy, ignore_index)
-    plan_head(core, _backbone(core))
+    check_head_in_root_unit(core)
+    # Outside its forward, an FSDP1 root holds the head weight as a flat shard: its shape is
+    # checked when the patched forward runs, with the weight unsharded.
+    plan_head(core, _backbone(core), weight_sharded=bool(fsdp_units(model)))
     state = core.__dict__.get(_STATE)
     if state is None:
         state = {"previous": core.__dict__.get("forward")}
@@ -266,11 +276,12 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _patched_for_call(core: nn.Module):
+def _patched_for_call(model: nn.Module, core: nn.Module):
+    """``core`` (the causal LM inside the wrapper ``model``) patched for the duration, unless it already is."""
     if _STATE in core.__dict__:
         yield
         return
-    patch_model(core)
+    patch_model(model)  # the wrapper, so an FSDP root is seen
     try:
         yield
     finally:
@@ -319,7 +330,7 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     if labels is None:
         labels = next_token_labels(input_ids, attention_mask, position_ids, ignore_index) \
             if input_ids is not None else labels
-    with _patched_for_call(core):
+    with _patched_for_call(model, core):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     shift_labels=labels, temperature=temperature, with_entropy=with_entropy,
                     ignore_index=ignore_index, **model_kwargs)
