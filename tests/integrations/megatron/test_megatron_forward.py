@@ -123,6 +123,26 @@ def test_strict_mode_refuses_the_fallback(megatron_tp1, seed, monkeypatch):
     assert (fallback.entropy - fused.entropy).abs().max() <= ENT_TOL
 
 
+@pytest.mark.parametrize("b,s", [(5, 5), (3, 7)])
+def test_unfused_fallback_per_sequence_temperature(megatron_tp1, seed, b, s):
+    """A [b] temperature is one value per row on the unfused fallback too, also when b == s (where
+    broadcasting [b] against [b, s] would silently pair it with positions instead)."""
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    old = env.build_with_class(env.no_postprocess_gpt_class(), seed=seed)
+    ids = torch.randint(0, 262, (b, s), generator=gen)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, s - 2:] = False  # one padded row
+    temperature = 0.4 + 2.0 * torch.rand(b, generator=gen)
+    fallback = forward_padded(old, ids, mask, temperature=temperature, packed=False, strict=False)
+    assert last_path().path == "unfused"
+    fused = forward_padded(env.build_gpt(seed=seed), ids, mask, temperature=temperature, packed=False)
+    assert last_path().path == "hook"
+    assert (fallback.logprobs - fused.logprobs).abs().max() <= LP_TOL
+    assert (fallback.entropy - fused.entropy).abs().max() <= ENT_TOL
+    assert (fused.logprobs[mask[:, 1:].nonzero()[:, 0], mask[:, 1:].nonzero()[:, 1]] != 0).all()
+
+
 def test_forward_padded_bad_input(megatron_tp1, seed):
     env = megatron_tp1
     model = env.build_gpt(seed=seed)
@@ -136,6 +156,11 @@ def test_forward_padded_bad_input(megatron_tp1, seed):
         forward_padded(model, ids, mask, temperature=torch.ones(3))
     with pytest.raises(ValueError, match="temperature"):
         forward_padded(model, ids, mask, temperature=0.0)
+    for bad in ("x", None, True):
+        with pytest.raises(TypeError, match="temperature"):
+            forward_padded(model, ids, mask, temperature=bad)
+        with pytest.raises(TypeError, match="temperature"):
+            forward_packed(model, [ids[0]], temperature=bad)
     with pytest.raises(ValueError, match="position_ids"):
         forward_padded(model, ids, mask, torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(TypeError, match="strict"):

@@ -13,7 +13,6 @@ next token: logprob 0 and entropy 0 there, as at pads.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from numbers import Real
 from typing import Optional, Sequence, Union
 
 import torch
@@ -27,6 +26,7 @@ from .packing import (PackedBatch, check_padded, pack_like, pack_padded, pack_se
 from .patch import patch_fused_forward
 from .processor import FusedOutputProcessorContext, fused_output_processor
 from .record import FusedPathUnavailable, last_path, strict_enabled, write_record
+from .temperature import check_temperature, temperature_bs
 
 IGNORE = -100
 
@@ -90,12 +90,11 @@ def _gather_cp(x: Optional[Tensor], batch: PackedBatch, layout: ParallelLayout) 
 
 
 def _unfused(logits: Tensor, labels: Tensor, temperature, with_entropy: bool) -> TokenLogProbs:
-    """The materialised reference path: logits [B, S, V] (already scaled by the model)."""
+    """The materialised reference path: logits [B, S, V] (already scaled by the model), labels
+    [B, S]; temperature in any form ``temperature_bs`` takes ([B] is one value per row)."""
     z = logits.float()
-    if isinstance(temperature, Tensor):
-        z = z / torch.broadcast_to(temperature.float(), labels.shape).unsqueeze(-1)
-    else:
-        z = z / float(temperature)
+    t = temperature_bs(temperature, labels.shape[0], labels.shape[1], z.device)
+    z = z / (t.unsqueeze(-1) if isinstance(t, Tensor) else t)
     logp = torch.log_softmax(z, dim=-1)
     valid = labels != IGNORE
     lp = logp.gather(-1, labels.clamp(min=0).long().unsqueeze(-1)).squeeze(-1)
@@ -103,16 +102,6 @@ def _unfused(logits: Tensor, labels: Tensor, temperature, with_entropy: bool) ->
     lp = torch.where(valid, lp, zero)
     ent = torch.where(valid, -(logp.exp() * logp).sum(-1), zero) if with_entropy else None
     return TokenLogProbs(lp, ent)
-
-
-def _check_temperature(temperature):
-    if isinstance(temperature, Tensor):
-        if temperature.requires_grad:
-            raise ValueError("temperature must not require grad: logitless treats it as a constant")
-        return temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive float or a tensor, got {temperature!r}")
-    return float(temperature)
 
 
 def _run(model: nn.Module, gpt: nn.Module, ids: Tensor, pos: Tensor, mask: Optional[Tensor], labels: Tensor,
@@ -189,7 +178,7 @@ def forward_padded(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     """
     gpt, layout = _prepare(model, strict)
     mask = check_padded(input_ids, attention_mask)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if not isinstance(with_entropy, bool):
         raise TypeError(f"with_entropy must be a bool, got {type(with_entropy).__name__}")
     if position_ids is not None and (not isinstance(position_ids, Tensor) or position_ids.shape != input_ids.shape):
@@ -255,7 +244,7 @@ def forward_packed(model: nn.Module, sequences, *, temperature: Union[float, Ten
     gpt, layout = _prepare(model, strict)
     nested = isinstance(sequences, Tensor) and sequences.is_nested
     seqs: Sequence[Tensor] = list(sequences.unbind()) if nested else sequences
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if not isinstance(with_entropy, bool):
         raise TypeError(f"with_entropy must be a bool, got {type(with_entropy).__name__}")
     batch = pack_sequences(seqs, align=layout.align, ignore_index=IGNORE)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Real
 from typing import Optional, Union
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from ...api import TokenLogProbs, fused_logprobs, last_backend
 from .record import in_legacy_call, write_record
+from .temperature import check_temperature, temperature_bs
 
 _SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)
 
@@ -37,14 +37,7 @@ class FusedOutputProcessorContext:
     backend: str = "auto"
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, Tensor):
-            if t.dim() > 2:
-                raise ValueError(f"temperature tensor must have shape [b] or [b, s], got {tuple(t.shape)}")
-        elif isinstance(t, bool) or not isinstance(t, Real):
-            raise TypeError(f"temperature must be a float or a tensor, got {type(t).__name__}")
-        elif not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature must be finite and > 0, got {t}")
+        check_temperature(self.temperature)
         if not isinstance(self.with_entropy, bool):
             raise TypeError(f"with_entropy must be a bool, got {type(self.with_entropy).__name__}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -79,23 +72,6 @@ def logit_scale(scale_logits) -> float:
         raise ValueError("scale_logits is not multiplication by a positive constant (e.g. a logit soft "
                          "cap); the fused path cannot reproduce it. Disable it or use the unfused path")
     return c
-
-
-def _temperature_sb(temperature, b: int, s: int, device) -> Union[float, Tensor]:
-    """The context's temperature in the [s, b] layout the fused op sees (hidden's token order)."""
-    if not isinstance(temperature, Tensor):
-        return float(temperature)
-    t = temperature.detach().to(device)
-    if t.dim() == 0:
-        return t
-    if t.dim() == 1:
-        if t.shape[0] not in (1, b):
-            raise ValueError(f"temperature of shape [{t.shape[0]}] must have one entry per sequence (b={b})")
-        return t.view(1, -1)
-    if t.shape[0] not in (1, b) or t.shape[1] not in (1, s):
-        raise ValueError(f"temperature of shape {tuple(t.shape)} must be [b, s] = [{b}, {s}] (or broadcast "
-                         "to it)")
-    return t.t()
 
 
 def _log_payload(config, kwargs, lp: Tensor, ent: Optional[Tensor]) -> None:
@@ -166,7 +142,9 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match hidden_states: expected [b, s] = "
                          f"[{b}, {s}]")
     c = logit_scale(kwargs.get("scale_logits"))
-    temperature = _temperature_sb(context.temperature, b, s, labels.device)
+    temperature = temperature_bs(context.temperature, b, s, labels.device)
+    if isinstance(temperature, Tensor) and temperature.dim() == 2:
+        temperature = temperature.t()  # the [s, b] token order of hidden
     if c != 1.0:
         temperature = temperature / c  # softmax(c * z / T) == softmax(z / (T / c))
 
