@@ -14,7 +14,7 @@ import fsdp_worker
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    seed = int.from_bytes(os.urandom(4), "little") if "LOGITLESS_SEED" not in os.environ else int(os.environ["LOGITLESS_SEED"])
+    seed = int(os.environ.get("LOGITLESS_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed={seed}")
     mp.spawn(fsdp_worker.run, args=(str(tmp / "store"), seed, str(tmp)), nprocs=2)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]

@@ -161,6 +161,28 @@ def test_scale_without_a_known_rule_is_refused():
     fused_forward(model, torch.randint(0, V, (1, 5)))
 
 
+@pytest.mark.parametrize("where", ["config", "text_config"])
+def test_output_multiplier_is_refused(where):
+    """MuseSpark / MuseGlimmer multiply the logits by ``output_multiplier`` (inside their softcap): on a
+    model without a rule for it, a non-neutral value is refused, never dropped."""
+    model = tiny_model("llama")
+    cfg = model.config
+    if where == "text_config":  # where a multimodal model keeps it
+        text = tf.LlamaConfig(**COMMON)
+        cfg.get_text_config = lambda *a, **k: text
+        cfg = text
+    cfg.output_multiplier = 0.25
+    with pytest.raises(ValueError, match="output_multiplier"):
+        plan_head(model)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        fused_forward(model, torch.randint(0, V, (1, 5)))
+    with pytest.raises(ValueError, match="output_multiplier"):
+        patch_model(model)
+    assert "forward" not in vars(model)
+    cfg.output_multiplier = 1.0  # neutral: fine
+    check_against_model(model, *padded_batch(2, 6, "right"), temperature=0.8)
+
+
 def test_trainable_scale_is_refused():
     model = tiny_model("cohere")
     model.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
@@ -173,8 +195,10 @@ def test_bad_input_errors():
     ids = torch.randint(0, V, (2, 6))
     with pytest.raises(TypeError, match="model"):
         fused_forward("llama", ids)
-    with pytest.raises(ValueError, match="input_ids"):
+    with pytest.raises(TypeError, match="input_ids"):
         fused_forward(model, ids.float())
+    with pytest.raises(ValueError, match="input_ids"):
+        fused_forward(model, ids[0])
     with pytest.raises(ValueError, match="attention_mask"):
         fused_forward(model, ids, torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(TypeError, match="attention_mask"):

@@ -12,6 +12,7 @@ from logitless.transformers import FusedCausalLMOutput, fused_forward, is_patche
 from test_transformers import (TOL_ENT, TOL_GRAD, TOL_LP, V, expected_targets, grads_of, padded_batch,
                                reference_from_logits, tiny_model)
 from reference64 import rel_err
+from required import import_or_skip
 
 
 def test_patch_is_instance_level_and_idempotent():
@@ -98,7 +99,7 @@ def test_unpatch_restores_a_previous_instance_forward():
 
 
 def lora_model():
-    peft = pytest.importorskip("peft", reason="peft is not installed")
+    peft = import_or_skip("peft", "make setup installs peft")
     base = tiny_model("llama")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                       target_modules=["q_proj", "v_proj"]))
@@ -134,7 +135,7 @@ def test_peft_lora_model():
 
 
 def test_lora_on_the_head_is_refused():
-    peft = pytest.importorskip("peft", reason="peft is not installed")
+    peft = import_or_skip("peft", "make setup installs peft")
     model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ValueError, match="lm_head"):
         fused_forward(model, torch.randint(0, V, (1, 4)))

@@ -25,13 +25,11 @@ class HeadPlan:
 
     weight: [V, H] the head's weight (the input embedding when tied).
     logit_scale: the model's logits equal ``logit_scale * hidden @ weight.T`` (1.0 with a softcap).
-    source: where the scale came from, for messages ("1" when there is none).
     softcap: None, or c: the model's logits equal ``c * tanh(hidden @ weight.T / c)`` (pass it to
         ``fused_logprobs(softcap=...)``).
     """
     weight: Tensor
     logit_scale: float
-    source: str
     softcap: Optional[float] = None
 
 
@@ -54,7 +52,9 @@ _DIV_PREFIXES = ("granite",)
 # Config attributes that change the head in some architecture. On a model type without a rule
 # above, a non-neutral value is refused: the same name means multiply in one model and divide in
 # another (Granite vs HyperCLOVA X), so guessing would give silently different numbers.
-_SCALE_ATTRS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_logits_scale")
+# MuseSpark / MuseGlimmer's ``output_multiplier`` scales the logits inside their tanh softcap (and
+# their MoE router logits), so it is refused like the rest.
+_SCALE_ATTRS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_logits_scale", "output_multiplier")
 _SOFTCAP_ATTRS = ("final_logit_softcapping", "logit_softcapping", "output_softcapping")
 
 # Model types (of model.config itself) whose CausalLM forward computes, from that same config,
@@ -212,4 +212,4 @@ def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None, *, weight_
         # no known architecture does both, and the order (scale inside or outside the tanh) would matter
         raise ValueError(f"{cls} has both a logit scale ({source}) and a softcap ({softcap}); logitless has "
                          "no rule for their order")
-    return HeadPlan(weight=weight, logit_scale=scale, source=source, softcap=softcap)
+    return HeadPlan(weight=weight, logit_scale=scale, softcap=softcap)

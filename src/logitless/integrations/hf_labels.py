@@ -38,15 +38,16 @@ def continues(position_ids: Optional[Tensor], shape) -> Optional[Tensor]:
     return (step == 1).expand(shape[0], shape[1] - 1)
 
 
-def next_token_labels(input_ids: Tensor, attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
+def targets_from_input_ids(input_ids: Tensor, attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
                       ignore_index: int) -> Tensor:
     """int64 [b, s]: labels[t] = input_ids[t+1], or ``ignore_index`` where t is the last position,
     t or t+1 is padding, or t+1 starts another packed sequence."""
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"input_ids must be int32/int64 [batch, seq], got {input_ids.dtype} "
-                         f"{list(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"input_ids must be int32 or int64 token ids, got {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [batch, seq], got {list(input_ids.shape)}")
     shape = input_ids.shape
     keep = torch.ones(shape[0], max(shape[1] - 1, 0), dtype=torch.bool, device=input_ids.device)
     if attention_mask is not None:
@@ -64,7 +65,7 @@ def next_token_labels(input_ids: Tensor, attention_mask: Optional[Tensor], posit
     return labels
 
 
-def shift_labels(labels: Tensor, position_ids: Optional[Tensor], ignore_index: int) -> Tensor:
+def targets_from_unshifted_labels(labels: Tensor, position_ids: Optional[Tensor], ignore_index: int) -> Tensor:
     """Unshifted labels (transformers' ``labels=`` convention, label[t] is token t itself) to
     per-position targets: out[t] = labels[t+1], never across a packed-sequence boundary."""
     out = torch.full_like(labels, ignore_index, dtype=torch.long)

@@ -27,8 +27,7 @@ from logitless import TokenLogProbs, fused_logprobs
 
 from .hf_fsdp import check_head_in_root_unit, fsdp_units
 from .hf_heads import plan_head
-from .hf_labels import check_labels, next_token_labels, per_token_temperature
-from .hf_labels import shift_labels as shift_unshifted_labels
+from .hf_labels import check_labels, per_token_temperature, targets_from_input_ids, targets_from_unshifted_labels
 
 __all__ = ["fused_forward", "patch_model", "unpatch_model", "is_patched", "FusedCausalLMOutput", "unwrap_model"]
 
@@ -207,10 +206,10 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
     elif labels is not None:
         # transformers' convention: labels[t] is token t; the model scores position t against t+1
         shape = _batch_shape(input_ids, labels, "labels")
-        targets = shift_unshifted_labels(check_labels(labels, shape), position_ids, ignore_index)
+        targets = targets_from_unshifted_labels(check_labels(labels, shape), position_ids, ignore_index)
     else:
         _batch_shape(input_ids, None, "labels")
-        targets = next_token_labels(input_ids, attention_mask, position_ids, ignore_index)
+        targets = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
     res, out = _score(self, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
                       ignore_index, kwargs)
     return FusedCausalLMOutput(logprobs=res.logprobs, entropy=res.entropy, cache=getattr(out, "cache", None),
@@ -321,14 +320,14 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
         labels = check_labels(labels, shape)
     model_kwargs.setdefault("use_cache", False)  # scoring builds no KV cache unless asked to
     if core is model:
-        targets = labels if labels is not None else next_token_labels(input_ids, attention_mask, position_ids,
+        targets = labels if labels is not None else targets_from_input_ids(input_ids, attention_mask, position_ids,
                                                                       ignore_index)
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
                         ignore_index, model_kwargs)
         return res
     # Go through the wrapper's own __call__ so DDP / FSDP / PEFT do their part of the forward.
     if labels is None:
-        labels = next_token_labels(input_ids, attention_mask, position_ids, ignore_index) \
+        labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index) \
             if input_ids is not None else labels
     with _patched_for_call(model, core):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

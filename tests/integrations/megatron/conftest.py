@@ -3,7 +3,9 @@ import random
 
 import pytest
 
-mcore = pytest.importorskip("megatron.core", reason="megatron-core is not installed (make setup installs it)")
+from required import import_or_skip
+
+mcore = import_or_skip("megatron.core", "make setup installs megatron-core")
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +21,7 @@ def megatron_tp1():
 @pytest.fixture
 def seed():
     """A fresh seed per test (printed, so a failure can be replayed)."""
-    s = int.from_bytes(os.urandom(4), "little") if "LOGITLESS_SEED" not in os.environ else int(os.environ["LOGITLESS_SEED"])
+    s = int(os.environ.get("LOGITLESS_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed={s}")
     random.seed(s)
     return s

@@ -16,7 +16,7 @@ from tp2_worker import CASES
 @pytest.fixture(scope="module")
 def tp2_results():
     from logitless.parallel import VocabParallel, gather_sequence  # noqa: F401  (tp_group support)
-    seed = int.from_bytes(os.urandom(4), "little") if "LOGITLESS_SEED" not in os.environ else int(os.environ["LOGITLESS_SEED"])
+    seed = int(os.environ.get("LOGITLESS_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed={seed}")
     return mcore_env.spawn_two(sys.executable, seed)
 

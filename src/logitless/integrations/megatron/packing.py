@@ -114,8 +114,10 @@ def pack_sequences(sequences: Sequence[Tensor], align: int = 1, ignore_index: in
 
 def check_padded(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Validate a padded batch; returns attention_mask as bool [b, s] (True = real token)."""
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [b, s] tensor, got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [b, s] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
     if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:

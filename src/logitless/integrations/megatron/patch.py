@@ -37,10 +37,6 @@ class _MainHidden(Exception):
         self.hidden, self.weight, self.runtime_gather_output = hidden, weight, runtime_gather_output
 
 
-def is_legacy_patched(model: nn.Module) -> bool:
-    return _BACKUP_ATTR in unwrap_gpt_model(model).__dict__
-
-
 def patch_fused_forward(model: nn.Module) -> str:
     """Let ``model`` take ``output_processor`` / ``output_processor_context``. Idempotent.
     Returns the mode ("hook", "legacy" or "unfused"); only "legacy" changes anything."""
