@@ -9,7 +9,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-CASES = ["use_orig_params=False", "use_orig_params=True", "lm_head in its own unit"]
+# (model kind, use_orig_params): Llama's head is its own weight, GPT-2's is tied to the input embedding
+THROUGH_FSDP = [("llama", False), ("llama", True), ("gpt2", False), ("gpt2", True)]
+CASES = [f"{kind} use_orig_params={orig}" for kind, orig in THROUGH_FSDP] + [
+    "lm_head in its own unit", "tied embedding in its own unit"]
 TOL_LP = TOL_ENT = 2e-5
 TOL_GRAD = 1e-4
 
@@ -32,14 +35,14 @@ def _full_grads(fsdp, use_orig_params: bool) -> dict:
     return out
 
 
-def _check_through_fsdp(use_orig_params: bool, seed: int) -> str:
+def _check_through_fsdp(kind: str, use_orig_params: bool, seed: int) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from logitless.transformers import fused_forward, is_patched, patch_model, unpatch_model, unwrap_model
     from reference64 import rel_err
     from test_transformers import expected_targets, grads_of, padded_batch, reference_from_logits, tiny_model
 
     torch.manual_seed(seed)  # the same weights on both ranks, as FSDP expects
-    model = tiny_model("llama").train()
+    model = tiny_model(kind).train()
     plain = copy.deepcopy(model)
     torch.manual_seed(seed + 1 + dist.get_rank())  # a different batch per rank
     ids, mask = padded_batch(3, 7, "left")
@@ -55,8 +58,8 @@ def _check_through_fsdp(use_orig_params: bool, seed: int) -> str:
 
     logits = plain(input_ids=ids, attention_mask=mask, use_cache=False).logits
     ref_lp, ref_ent = reference_from_logits(logits, expected_targets(ids, mask), temp)
-    err_lp = float((fused.logprobs.double() - ref_lp).abs().max())
-    err_ent = float((fused.entropy.double() - ref_ent).abs().max())
+    err_lp = float((fused.logprobs.detach().double() - ref_lp.detach()).abs().max())
+    err_ent = float((fused.entropy.detach().double() - ref_ent.detach()).abs().max())
     assert err_lp <= TOL_LP and err_ent <= TOL_ENT, (err_lp, err_ent)
     ref = grads_of(plain, ref_lp, ref_ent, a.double(), b.double())
     for g in ref.values():  # FSDP averages the ranks' gradients
@@ -74,14 +77,13 @@ def _check_through_fsdp(use_orig_params: bool, seed: int) -> str:
     return f"logprob err {err_lp:.1e}, entropy err {err_ent:.1e}, worst grad rel err {worst:.1e}"
 
 
-def _check_own_unit_refused(seed: int) -> str:
+def _check_own_unit_refused(kind: str, wrapped: type, seed: int) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from logitless.transformers import fused_forward, patch_model
     from test_transformers import tiny_model
     torch.manual_seed(seed)
-    fsdp = FSDP(tiny_model("llama"), device_id=torch.device("cpu"),
-                auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    fsdp = FSDP(tiny_model(kind), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({wrapped}))
     for call in (lambda: fused_forward(fsdp, torch.randint(0, 1031, (2, 5))), lambda: patch_model(fsdp)):
         try:
             call()
@@ -97,9 +99,10 @@ def run(rank: int, init_file: str, seed: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     results = {}
     try:
-        for case, check in zip(CASES, (lambda: _check_through_fsdp(False, seed),
-                                       lambda: _check_through_fsdp(True, seed),
-                                       lambda: _check_own_unit_refused(seed))):
+        checks = [lambda k=kind, o=orig: _check_through_fsdp(k, o, seed) for kind, orig in THROUGH_FSDP]
+        checks += [lambda: _check_own_unit_refused("llama", torch.nn.Linear, seed),
+                   lambda: _check_own_unit_refused("gpt2", torch.nn.Embedding, seed)]  # lm_head stays in the root
+        for case, check in zip(CASES, checks):
             try:
                 results[case] = [True, check()]
             except Exception:  # recorded per case, so one failure does not hide the others

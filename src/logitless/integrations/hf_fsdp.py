@@ -30,20 +30,20 @@ def check_head_in_root_unit(core: nn.Module) -> None:
         return
     get_out = getattr(core, "get_output_embeddings", None)
     head = get_out() if callable(get_out) else None
-    owners = [head] if head is not None else []
+    owners = [("output embedding (lm_head)", head)] if head is not None else []
     get_in = getattr(core, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) else None
     cfg = getattr(core, "config", None)
     tied = getattr(cfg, "tie_word_embeddings", False) or (
         head is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0))
     if tied and embed is not None:
-        owners.append(embed)
+        owners.append(("input embedding (holding lm_head's tied weight)", embed))
     for unit in nested:
         inside = set(map(id, unit.modules()))
-        for owner in owners:
+        for what, owner in owners:
             if id(owner) in inside:
                 raise ValueError(
-                    f"{type(core).__name__}'s output embedding ({type(owner).__name__}) is in its own "
-                    "FSDP (FullyShardedDataParallel) unit; logitless reads the head weight without calling "
-                    "that unit, so it would stay sharded. Keep lm_head (and a tied embedding) in the root "
-                    "FSDP unit, e.g. leave nn.Linear / nn.Embedding out of auto_wrap_policy.")
+                    f"{type(core).__name__}'s {what} is in its own FSDP (FullyShardedDataParallel) unit; "
+                    "logitless reads the head weight without calling that unit, so it would stay sharded. "
+                    "Keep lm_head (and a tied embedding) in the root FSDP unit, e.g. leave nn.Linear / "
+                    "nn.Embedding out of auto_wrap_policy.")

@@ -10,6 +10,8 @@ Wrappers are looked through: PEFT (LoRA and other adapters that live inside the 
 DistributedDataParallel / FSDP / DeepSpeed ``.module`` chains, ``torch.compile``'s ``_orig_mod``.
 A wrapped model is still *called* through its wrapper, so DDP's gradient bookkeeping, FSDP's
 all-gathers and PEFT's hooks run as usual; only the innermost causal LM's forward is replaced.
+Under FSDP1 the head weight (and a tied input embedding) must belong to the root unit, which is
+unsharded for the whole forward; a head in a nested unit is refused (see hf_fsdp.py).
 """
 from __future__ import annotations
 
