@@ -51,6 +51,13 @@ def _check_through_fsdp(kind: str, use_orig_params: bool, seed: int) -> str:
 
     fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
     assert unwrap_model(fsdp) is model
+    if use_orig_params:  # the module inside, outside FSDP's forward: its head weight is a flat shard
+        try:
+            patch_model(model)
+        except ValueError as e:
+            assert "FSDP" in str(e) and "lm_head.weight" in str(e), str(e)
+        else:
+            raise AssertionError("patching the module inside FSDP, with its head sharded, was not refused")
     fused = fused_forward(fsdp, ids, mask, temperature=temp)
     assert not is_patched(fsdp)
     (a * fused.logprobs).sum().add((b * fused.entropy).sum()).backward()

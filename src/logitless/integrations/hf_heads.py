@@ -105,6 +105,11 @@ def _check_head_module(model: nn.Module, head: nn.Module, weight_sharded: bool) 
                          "on lm_head): its update is not in lm_head.weight. Leave lm_head out of the adapter's "
                          "target_modules (or merge the adapter) to use logitless.")
     weight = getattr(head, "weight", None)
+    if isinstance(head, (nn.Linear, nn.Embedding)) and isinstance(weight, Tensor) and weight.dim() == 1 \
+            and not weight_sharded:
+        raise ValueError(f"{cls}.lm_head.weight is 1-D {tuple(weight.shape)}: a flat FSDP shard. Pass the FSDP "
+                         "(FullyShardedDataParallel) wrapper itself, whose forward unshards it, not the module "
+                         "inside it.")
     if not isinstance(head, (nn.Linear, nn.Embedding)) or not isinstance(weight, Tensor) or (
             weight.dim() != 2 and not weight_sharded):
         raise TypeError(f"{cls}'s output embedding is a {type(head).__name__}; logitless supports an "
