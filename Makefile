@@ -33,7 +33,7 @@ $(LEGACY)/.ready: pyproject.toml Makefile
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q tests
+	LOGITLESS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests
 
 # On CUDA: the three GPU shapes of the README table (bf16); elsewhere one CPU shape (~1 minute).
 GPU_SHAPES ?= 16384,4096,151936 8192,4096,131072 1024,4096,151936

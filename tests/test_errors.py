@@ -44,6 +44,7 @@ def inputs():
     ("temperature_requires_grad", ValueError, "temperature"),
     ("with_entropy_str", TypeError, "with_entropy"),
     ("ignore_index_float", TypeError, "ignore_index"),
+    ("ignore_index_huge", ValueError, "ignore_index"),
     ("unknown_backend", ValueError, "backend must be one of"),
     ("backend_not_str", TypeError, "backend"),
     ("softcap_zero", ValueError, "softcap"),
@@ -98,6 +99,8 @@ def test_bad_input_is_named(case, exc, match):
         kw["with_entropy"] = "yes"
     elif case == "ignore_index_float":
         kw["ignore_index"] = -100.0
+    elif case == "ignore_index_huge":
+        kw["ignore_index"] = 2 ** 70
     elif case == "unknown_backend":
         kw["backend"] = "cuda_magic"
     elif case == "backend_not_str":

@@ -83,6 +83,12 @@ def _inv_temperature(temperature, labels: Tensor) -> Tensor:
             raise ValueError("temperature must not require grad: logitless treats it as a constant")
         if temperature.device != labels.device:
             raise ValueError(f"temperature is on {temperature.device}, labels on {labels.device}")
+        if temperature.dim() == 1 and temperature.numel() > 1 and labels.dim() >= 2:
+            # broadcasting would line [k] up with the *last* (sequence) axis: a per-sequence [b] would
+            # silently become per-position whenever b == s
+            raise ValueError(f"temperature of shape {tuple(temperature.shape)} is ambiguous for labels of shape "
+                             f"{tuple(labels.shape)}: pass [b, 1] for one per sequence or the labels' full "
+                             f"shape for one per token")
         try:
             t = torch.broadcast_to(temperature, labels.shape)
         except RuntimeError:
@@ -170,6 +176,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         raise TypeError(f"with_entropy must be a bool, got {type(with_entropy).__name__}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -2**63 <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     if not isinstance(reduce_grad_hidden, bool):
         raise TypeError(f"reduce_grad_hidden must be a bool, got {type(reduce_grad_hidden).__name__}")
 

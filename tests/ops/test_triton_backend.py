@@ -151,12 +151,13 @@ def test_gradients_only_where_required(grad_hidden, grad_weight):
 
 
 def test_all_logits_negative():
-    # a constant last feature shifts every logit by about -60: a running max that started at 0
-    # instead of -inf would give wrong results here
+    # a constant last feature shifts every logit by about -120: a running max started at 0 instead of
+    # -inf would underflow every exp to 0 here
     hidden, weight, labels = make_inputs(h=48)
     hidden[:, -1] = 1.0
-    weight[:, -1] = -60.0
-    out = check(hidden, weight, labels)
+    weight[:, -1] = -120.0
+    # d_hidden's last feature cancels exactly; float32 rounding times 120 is all it holds: not compared
+    out = check(hidden, weight, labels, grad_hidden=False)
     assert out.entropy.min() > 0
 
 

@@ -60,6 +60,13 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     ``torch.mm(..., out_dtype=float32)`` keeps the fast tensor-core path, elsewhere we upcast.
     """
     if a.dtype == torch.float32 and b.dtype == torch.float32:
+        if a.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+            # a trainer's global TF32 switch would cost ~3e-4 relative here: keep IEEE float32
+            torch.backends.cuda.matmul.allow_tf32 = False
+            try:
+                return a @ b
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = True
         return a @ b
     if a.is_cuda:
         try:
