@@ -40,8 +40,8 @@ def check(hidden, weight, labels, backend, *, temperature=1.0, ignore_index=-100
         assert (out.entropy - ent64).abs().max().item() <= tol[1]
     else:
         assert out.entropy is None
-    a = torch.randn(labels.shape, dtype=torch.float64) * a_scale
-    b = torch.randn(labels.shape, dtype=torch.float64) * b_scale
+    a = torch.randn(labels.shape, dtype=torch.float64, device=hidden.device) * a_scale
+    b = torch.randn(labels.shape, dtype=torch.float64, device=hidden.device) * b_scale
     loss = (out.logprobs * a.float()).sum()
     loss64 = (lp64 * a).sum()
     if with_entropy:
@@ -275,7 +275,9 @@ def test_auto_on_cpu_picks_chunked():
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["triton"])
 def test_non_finite_hidden_on_an_ignored_row_stays_out(backend):
     # ignored rows never reach a backend: 0 * inf there would otherwise poison every row of d_weight
-    hidden, weight, labels = make_inputs(lead=(9,))
+    # triton runs on CUDA tensors where there is a GPU, else in its interpreter on CPU tensors
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    hidden, weight, labels = make_inputs(lead=(9,), device=device)
     hidden[4] = float("inf")
     hidden[6] = float("nan")
     labels[4] = labels[6] = -100
