@@ -15,6 +15,7 @@ sequence (a local ``roll`` would give every shard's last token a wrong label).
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Optional
 
@@ -297,7 +298,7 @@ def next_token_labels_sharded(local_ids: Tensor, group, *, dim: int = -1, ignore
     slice_shape = list(ids.shape)
     slice_shape[dim] = 1
     # [has tokens, first token slice...] per rank; int64 so any id dtype and ignore_index fit
-    mine = torch.full([1 + _numel(slice_shape)], ignore_index, dtype=torch.int64, device=ids.device)
+    mine = torch.full([1 + math.prod(slice_shape)], ignore_index, dtype=torch.int64, device=ids.device)
     mine[0] = int(n > 0)
     if n > 0:
         mine[1:] = ids.narrow(dim, 0, 1).reshape(-1)
@@ -312,8 +313,3 @@ def next_token_labels_sharded(local_ids: Tensor, group, *, dim: int = -1, ignore
     return labels
 
 
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out

@@ -12,7 +12,7 @@ import torch
 
 from logitless.integrations.megatron import detect
 from logitless.megatron import (FusedPathUnavailable, forward_packed, forward_padded, fused_forward_mode,
-                                fused_output_processor, last_path, patch_fused_forward,
+                                last_path, patch_fused_forward,
                                 supports_output_processor_hook, unpatch_fused_forward)
 
 from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL

@@ -1,5 +1,4 @@
 """THD packing, TP x CP x FP8 padding and the zigzag context-parallel split: exact round trips."""
-import math
 
 import pytest
 import torch
