@@ -20,7 +20,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backend import mm_fp32
-from .common import LN2, LOG2E, backward_tiles, dot_flags, tile_operands, tl_dtype, tma_layout_ok
+from .common import LN2, LOG2E, choose_tiles, dot_flags, tile_operands, tl_dtype, tma_layout_ok
 from .tile import logits_tile, softcap_tanh, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
@@ -84,7 +84,7 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
     col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C] (d raw logits when softcap is set)."""
     n, k = hidden.shape
     cols = w_chunk.shape[0]
-    tiles = backward_tiles(n, k, hidden.dtype, hidden.device)
+    tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
     with_entropy = g_ent is not None
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
     h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
@@ -145,7 +145,7 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     the gradients, the same as any bf16 backward; float32 inputs stay float32 throughout)."""
     n, k = hidden.shape
     vocab = weight.shape[0]
-    tiles = backward_tiles(n, k, hidden.dtype, hidden.device)
+    tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
     step = chunk_columns(n, vocab, tiles.block_n)
     dh = torch.zeros((n, k), dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty((vocab, k), dtype=weight.dtype, device=weight.device) if need_dw else None

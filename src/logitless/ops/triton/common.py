@@ -71,31 +71,23 @@ PRE_HOPPER_TILES = Tiles(128, 128, 32, 8, 4, 3)
 FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
 
 
-def forward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+# H200 sweep (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
+# 4 backward
+HOPPER_TILES = {"FWD": Tiles(128, 256, 64, 16, 8, 3), "BWD": Tiles(128, 256, 64, 16, 8, 4)}
+
+
+def choose_tiles(stage: str, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """Tiles of the "FWD" or "BWD" kernel; LOGITLESS_TRITON_<stage> overrides them for benchmarking."""
     if INTERPRETING:
         return INTERPRETER_TILES
-    env = _env_tiles("LOGITLESS_TRITON_FWD")
+    env = _env_tiles(f"LOGITLESS_TRITON_{stage}")
     if env is not None:
         return env
     if dtype == torch.float32:
         return FLOAT32_TILES
     if not _hopper_or_newer(device):
         return PRE_HOPPER_TILES
-    # H200 sweep (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 3 stages, 16 token blocks per group
-    return Tiles(128, 256, 64, 16, 8, 3)
-
-
-def backward_tiles(n_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> Tiles:
-    if INTERPRETING:
-        return INTERPRETER_TILES
-    env = _env_tiles("LOGITLESS_TRITON_BWD")
-    if env is not None:
-        return env
-    if dtype == torch.float32:
-        return FLOAT32_TILES
-    if not _hopper_or_newer(device):
-        return PRE_HOPPER_TILES
-    return Tiles(128, 256, 64, 16, 8, 4)
+    return HOPPER_TILES[stage]
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:

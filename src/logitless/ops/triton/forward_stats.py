@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LN2, LOG2E, dot_flags, forward_tiles, tile_operands
+from .common import LN2, LOG2E, dot_flags, choose_tiles, tile_operands
 from .tile import logits_tile, softcap_tanh, tile_coords
 
 
@@ -71,7 +71,7 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     is a compile-time constant: one build per distinct value, a model has one)."""
     n, k = hidden.shape
     vocab = weight.shape[0]
-    tiles = forward_tiles(n, k, hidden.dtype, hidden.device)
+    tiles = choose_tiles("FWD", hidden.dtype, hidden.device)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
     dev = hidden.device
     part_m = torch.empty((n_tiles, n), dtype=torch.float32, device=dev)
