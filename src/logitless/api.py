@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import importlib
-import math
 import threading
-from numbers import Real
 from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
+from .checks import positive_float
 from .ops.function import FusedLogProbsFunction
 
 BACKENDS = ("auto", "reference", "chunked", "triton")
@@ -98,21 +97,12 @@ def _inv_temperature(temperature, labels: Tensor) -> Tensor:
         if t.numel() and not bool(torch.isfinite(t).all() and (t > 0).all()):
             raise ValueError("temperature must be finite and > 0 everywhere")
         return t.reciprocal()
-    if isinstance(temperature, bool) or not isinstance(temperature, Real):
-        raise TypeError(f"temperature must be a positive float or a tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    return torch.full((labels.numel(),), 1.0 / float(temperature), dtype=torch.float32, device=labels.device)
+    temperature = positive_float(temperature, "temperature", "a positive float or a tensor")
+    return torch.full((labels.numel(),), 1.0 / temperature, dtype=torch.float32, device=labels.device)
 
 
 def _check_softcap(softcap) -> Optional[float]:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, Real):
-        raise TypeError(f"softcap must be None or a positive float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
-    return float(softcap)
+    return None if softcap is None else positive_float(softcap, "softcap", "None or a positive float")
 
 
 def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,

@@ -8,12 +8,12 @@ Conventions (the ones transformers uses for attention, so scoring and attention 
 """
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
+
+from ..checks import positive_float
 
 
 def _check_2d(name: str, value, shape) -> Tensor:
@@ -116,8 +116,4 @@ def per_token_temperature(temperature: Union[float, Tensor], shape, position_ids
         if t.numel() and not bool(torch.isfinite(t).all() and (t > 0).all()):
             raise ValueError("temperature must be finite and > 0 everywhere")
         return t
-    if isinstance(temperature, bool) or not isinstance(temperature, Real):
-        raise TypeError(f"temperature must be a positive float or a tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    return float(temperature)
+    return positive_float(temperature, "temperature", "a positive float or a tensor")

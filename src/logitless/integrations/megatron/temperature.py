@@ -8,12 +8,12 @@ would be when b == s).
 """
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import Union
 
 import torch
 from torch import Tensor
+
+from ...checks import positive_float
 
 
 def check_temperature(temperature) -> Union[float, Tensor]:
@@ -25,11 +25,7 @@ def check_temperature(temperature) -> Union[float, Tensor]:
         if temperature.dim() > 2:
             raise ValueError(f"temperature tensor must have shape [b] or [b, s], got {tuple(temperature.shape)}")
         return temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, Real):
-        raise TypeError(f"temperature must be a positive float or a tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
-    return float(temperature)
+    return positive_float(temperature, "temperature", "a positive float or a tensor")
 
 
 def temperature_bs(temperature, b: int, s: int, device) -> Union[float, Tensor]:
