@@ -126,7 +126,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         tp_group: a torch.distributed process group over which ``weight`` is sharded by vocab rows.
         reduce_grad_hidden: under ``tp_group``, all-reduce d_hidden inside backward (default), so
             every rank gets the full gradient. False leaves it partial for callers whose own
-            region ops reduce it (Megatron's copy-to-tensor-parallel region); never both.
+            region ops reduce it (Megatron's copy-to-tensor-parallel region, or
+            ``logitless.parallel.gather_sequence``, whose backward reduce-scatters it); never both.
         backend: "auto", "reference", "chunked" or "triton"; see ``logitless.last_backend()``.
         softcap: None, or a positive number c: the logits are capped to (-c, c) by c * tanh(logit / c)
             before the temperature divides them (Gemma 2's ``final_logit_softcapping``). Exact in value
