@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from logitless import fused_logprobs, last_backend
-from reference64 import TOL, logprobs_entropy64, make_inputs, rel_err
+from reference64 import check_op as check
+from reference64 import logprobs_entropy64, make_inputs
 
 CPU_BACKENDS = ["reference", "chunked"]
 
@@ -14,54 +15,6 @@ CPU_BACKENDS = ["reference", "chunked"]
 def small_chunks(monkeypatch):
     # force several vocab chunks with a ragged last one (4099 = 3 * 1301 + 196 at N = 7)
     monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(7 * 1301))
-
-
-def check(hidden, weight, labels, backend, *, temperature=1.0, ignore_index=-100, with_entropy=True,
-          grad_hidden=True, grad_weight=True, a_scale=1.0, b_scale=1.0, tol=None, softcap=None,
-          grad_features=None):
-    """Run the op forward and backward on sum(a*logprob) + sum(b*entropy) and compare with float64.
-    grad_features: compare gradients on the first k features only (the offset feature that the
-    shift tests append has an exactly-cancelling gradient, pure float32 rounding times the offset)."""
-    tol = tol or TOL[hidden.dtype]
-    h = hidden.detach().clone().requires_grad_(grad_hidden)
-    w = weight.detach().clone().requires_grad_(grad_weight)
-    out = fused_logprobs(h, w, labels, temperature=temperature, ignore_index=ignore_index,
-                         with_entropy=with_entropy, backend=backend, softcap=softcap)
-    assert last_backend() == backend
-    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == labels.shape
-    h64 = hidden.detach().double().requires_grad_(True)
-    w64 = weight.detach().double().requires_grad_(True)
-    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature, ignore_index, softcap)
-    assert torch.isfinite(out.logprobs).all()
-    assert (out.logprobs - lp64).abs().max().item() <= tol[0]
-    if with_entropy:
-        assert out.entropy.dtype == torch.float32 and out.entropy.shape == labels.shape
-        assert torch.isfinite(out.entropy).all()
-        assert (out.entropy - ent64).abs().max().item() <= tol[1]
-    else:
-        assert out.entropy is None
-    a = torch.randn(labels.shape, dtype=torch.float64, device=hidden.device) * a_scale
-    b = torch.randn(labels.shape, dtype=torch.float64, device=hidden.device) * b_scale
-    loss = (out.logprobs * a.float()).sum()
-    loss64 = (lp64 * a).sum()
-    if with_entropy:
-        loss = loss + (out.entropy * b.float()).sum()
-        loss64 = loss64 + (ent64 * b).sum()
-    if not (grad_hidden or grad_weight):
-        return out
-    loss.backward()
-    loss64.backward()
-    if grad_hidden:
-        assert h.grad is not None and h.grad.dtype == hidden.dtype and h.grad.shape == hidden.shape
-        assert rel_err(h.grad[..., :grad_features], h64.grad[..., :grad_features]) <= tol[2]
-    else:
-        assert h.grad is None
-    if grad_weight:
-        assert w.grad is not None and w.grad.dtype == weight.dtype
-        assert rel_err(w.grad[:, :grad_features], w64.grad[:, :grad_features]) <= tol[2]
-    else:
-        assert w.grad is None
-    return out
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
