@@ -60,7 +60,7 @@ def test_legacy_matches_unfused(megatron_tp1, seed, tied, temp_kind):
     model = env.build_gpt(tied=tied, seed=seed)
     patch_fused_forward(model)
     temperature = env.temperature_of_kind(temp_kind, 3, 12, gen)
-    grads, record = env.compare_with_unfused(model, 3, 12, temperature, gen)
+    grads, record, _ = env.compare_with_unfused(model, 3, 12, temperature, gen)
     assert record.path == "legacy"
     head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     assert grads[head].norm() > 0 and grads["decoder.layers.0.self_attention.linear_qkv.weight"].norm() > 0
@@ -72,7 +72,7 @@ def test_legacy_mtp_parameters_get_gradients(megatron_tp1, seed):
     gen = torch.Generator().manual_seed(seed)
     model = env.build_gpt(mtp=True, seed=seed)
     patch_fused_forward(model)
-    grads, record = env.compare_with_unfused(model, 2, 11, 0.9, gen, with_labels=True)
+    grads, record, _ = env.compare_with_unfused(model, 2, 11, 0.9, gen, with_labels=True)
     mtp = [g for n, g in grads.items() if n.startswith("mtp.")]
     assert record.path == "legacy" and mtp and all(g is not None and g.norm() > 0 for g in mtp)
 

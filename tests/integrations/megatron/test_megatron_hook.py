@@ -22,7 +22,7 @@ def test_hook_matches_unfused(megatron_tp1, seed, tied, temp_kind):
     assert supports_output_processor_hook(model) and fused_forward_mode(model) == "hook"
     b, s = 3, 13
     temperature = 1.0 if temp_kind == "one" else env.temperature_of_kind(temp_kind, b, s, gen)
-    grads, record = env.compare_with_unfused(model, b, s, temperature, gen)
+    grads, record, _ = env.compare_with_unfused(model, b, s, temperature, gen)
     assert record.path == "hook" and record.backend in ("chunked", "triton", "reference")
     head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     assert grads[head] is not None and grads[head].norm() > 0
@@ -52,7 +52,7 @@ def test_mtp_parameters_get_gradients(megatron_tp1, seed):
     gen = torch.Generator().manual_seed(seed)
     model = env.build_gpt(mtp=True, seed=seed)
     # reference logits from a forward given the same labels, so the MTP loss is the same
-    grads, _ = env.compare_with_unfused(model, 2, 11, 0.9, gen, with_labels=True)
+    grads, _, _ = env.compare_with_unfused(model, 2, 11, 0.9, gen, with_labels=True)
     mtp = {n: g for n, g in grads.items() if n.startswith("mtp.")}
     assert mtp and all(g is not None and g.norm() > 0 for g in mtp.values()), sorted(mtp)
 

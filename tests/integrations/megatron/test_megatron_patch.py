@@ -4,11 +4,9 @@ import torch
 from torch import nn
 
 from logitless.integrations.megatron import detect
-from logitless.megatron import (FusedOutputProcessorContext, fused_forward_mode, fused_output_processor, last_path,
+from logitless.megatron import (fused_forward_mode, fused_output_processor, last_path,
                                 patch_fused_forward, supports_output_processor_hook, unpatch_fused_forward)
 
-LP_TOL = ENT_TOL = 2e-5
-GRAD_TOL = 1e-4
 BACKUP = "_logitless_forward_backup"
 
 
@@ -50,29 +48,10 @@ def test_hook_mode_idempotent_and_untouched(megatron_tp1, seed):
 
 
 def _run_pair(env, model, gen, temperature):
-    """Fused vs unfused logprobs/entropy/grads on ``model``; returns the fused TokenLogProbs."""
-    b, s = 3, 10
-    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
-    mask = env.causal_mask(s)
-    a, c = torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen)
-    model.zero_grad(set_to_none=True)
-    ctx = FusedOutputProcessorContext(temperature=temperature)
-    out = model(ids, pos, mask, labels=labels, output_processor=fused_output_processor, output_processor_context=ctx)
-    ((a * out.logprobs).sum() + (c * out.entropy).sum()).backward()
-    fused = env.param_grads(model)
-    model.zero_grad(set_to_none=True)
-    lp, ent = env.reference_from_logits(env.unfused_logits_with_labels(model, ids, pos, mask, labels)
-                                        if model.config.mtp_num_layers else env.unfused_logits(model, ids, pos, mask),
-                                        labels, temperature)
-    ((a * lp).sum() + (c * ent).sum()).backward()
-    ref = env.param_grads(model)
-    assert (out.logprobs.double() - lp).abs().max() <= LP_TOL
-    assert (out.entropy.double() - ent).abs().max() <= ENT_TOL
-    for name, g in ref.items():
-        assert (g is None) == (fused[name] is None), name
-        if g is not None and g.norm() > 0:
-            assert env.rel_err(fused[name], g) <= GRAD_TOL, name
-    return fused
+    """Fused vs unfused logprobs/entropy/grads on ``model`` (MTP models score through their labels);
+    returns the fused parameter gradients."""
+    mtp = bool(model.config.mtp_num_layers)
+    return env.compare_with_unfused(model, 3, 10, temperature, gen, with_labels=mtp)[0]
 
 
 @pytest.mark.parametrize("tied,mtp", [(False, False), (True, False), (False, True)], ids=["untied", "tied", "mtp"])
