@@ -10,7 +10,7 @@ wall=$SECONDS
 cp benchmarks/results/latest.json "benchmarks/results/cpu-$day.json"
 .venv/bin/python - "benchmarks/results/cpu-$day.json" "benchmarks/results/cpu-$day.md" "$wall" <<'PY'
 import json, sys
-from logitless.bench import format_report
+from logitless.tools.bench import format_report
 result = json.load(open(sys.argv[1]))
 text = format_report(result).replace("\n\nN=", f"\n- `make bench` wall time: {float(sys.argv[3]):.0f} s\n\nN=", 1)
 open(sys.argv[2], "w").write(text)

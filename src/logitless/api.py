@@ -1,20 +1,21 @@
 """The public operation: validation, backend choice, and the record of which backend ran."""
 from __future__ import annotations
 
-import importlib
 import threading
-from typing import NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .checks import positive_float
-from .ops.function import FusedLogProbsFunction
+from . import checks
+from .ops.function import FusedLogProbsFunction, OpOptions
+from .ops.registry import BACKENDS, choose_backend
 
-BACKENDS = ("auto", "reference", "chunked", "triton")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MODULES = {"reference": "logitless.ops.reference", "chunked": "logitless.ops.chunked",
-            "triton": "logitless.ops.triton.backend"}
+if TYPE_CHECKING:
+    from .parallel import VocabParallel
+
+__all__ = ["fused_logprobs", "TokenLogProbs", "last_backend", "choose_backend", "BACKENDS"]
+
 _state = threading.local()
 
 
@@ -31,78 +32,72 @@ def last_backend() -> Optional[str]:
     return getattr(_state, "backend", None)
 
 
-def load_backend(name: str):
-    """The backend module for ``name`` (not "auto"). Raises ValueError for an unknown name and
-    RuntimeError when the backend cannot be imported here (e.g. triton missing)."""
-    if name not in _MODULES:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    try:
-        return importlib.import_module(_MODULES[name])
-    except ImportError as exc:
-        raise RuntimeError(f"backend {name!r} cannot be imported here: {exc}") from exc
+def record_backend(name: str) -> None:
+    """Set what ``last_backend()`` returns (the op, and the fused losses, call it)."""
+    _state.backend = name
 
 
-def choose_backend(hidden: Tensor, weight: Tensor, backend: str = "auto"):
-    """Resolve ``backend`` for these inputs: returns (module, reason it was chosen).
-
-    "auto" takes "triton" for CUDA tensors when it can run, else "chunked". An explicit name that
-    cannot run on these inputs raises RuntimeError with the reason."""
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    if backend != "auto":
-        mod = load_backend(backend)
-        reason = mod.unavailable_reason(hidden, weight)
-        if reason is not None:
-            raise RuntimeError(f"backend {backend!r} cannot run on these inputs: {reason}")
-        return mod, "requested"
-    if hidden.is_cuda:
-        try:
-            mod = load_backend("triton")
-            reason = mod.unavailable_reason(hidden, weight)
-        except RuntimeError as exc:
-            reason = str(exc)
-        if reason is None:
-            return mod, "CUDA tensors and triton runs"
-        return load_backend("chunked"), f"triton cannot run: {reason}"
-    return load_backend("chunked"), f"{hidden.device.type} tensors: triton runs on CUDA only"
-
-
-def _check_tensor(arg: str, value) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _inv_temperature(temperature, labels: Tensor) -> Tensor:
+def inv_temperature(temperature, labels: Tensor) -> Tensor:
     """float32 [N] of 1/temperature, from a positive number or a tensor broadcastable to labels."""
-    if isinstance(temperature, Tensor):
-        if not (temperature.is_floating_point() or temperature.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"temperature tensor must be a real number type, got {temperature.dtype}")
-        if temperature.requires_grad:
-            raise ValueError("temperature must not require grad: logitless treats it as a constant")
-        if temperature.device != labels.device:
-            raise ValueError(f"temperature is on {temperature.device}, labels on {labels.device}")
-        if temperature.dim() == 1 and temperature.numel() > 1 and labels.dim() >= 2:
-            # broadcasting would line [k] up with the *last* (sequence) axis: a per-sequence [b] would
-            # silently become per-position whenever b == s
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} is ambiguous for labels of shape "
-                             f"{tuple(labels.shape)}: pass [b, 1] for one per sequence or the labels' full "
-                             f"shape for one per token")
-        try:
-            t = torch.broadcast_to(temperature, labels.shape)
-        except RuntimeError:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
-                             f"labels' shape {tuple(labels.shape)}") from None
-        t = t.reshape(-1).float()
-        if t.numel() and not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ValueError("temperature must be finite and > 0 everywhere")
-        return t.reciprocal()
-    temperature = positive_float(temperature, "temperature", "a positive float or a tensor")
-    return torch.full((labels.numel(),), 1.0 / temperature, dtype=torch.float32, device=labels.device)
+    t = checks.temperature(temperature, device=labels.device)
+    if not isinstance(t, Tensor):
+        return torch.full((labels.numel(),), 1.0 / t, dtype=torch.float32, device=labels.device)
+    if t.dim() == 1 and t.numel() > 1 and labels.dim() >= 2:
+        # broadcasting would line [k] up with the *last* (sequence) axis: a per-sequence [b] would
+        # silently become per-position whenever b == s
+        raise ValueError(f"temperature of shape {tuple(t.shape)} is ambiguous for labels of shape "
+                         f"{tuple(labels.shape)}: pass [b, 1] for one per sequence or the labels' full "
+                         f"shape for one per token")
+    try:
+        t = torch.broadcast_to(t, labels.shape)
+    except RuntimeError:
+        raise ValueError(f"temperature of shape {tuple(t.shape)} does not broadcast to the "
+                         f"labels' shape {tuple(labels.shape)}") from None
+    return t.reshape(-1).reciprocal()
 
 
-def _check_softcap(softcap) -> Optional[float]:
-    return None if softcap is None else positive_float(softcap, "softcap", "None or a positive float")
+def check_head(hidden, weight, labels) -> tuple[Tensor, Tensor, Tensor]:
+    """The checks every fused entry point makes on (hidden [..., H], weight [V, H], labels [...])."""
+    hidden = checks.tensor(hidden, "hidden")
+    weight = checks.tensor(weight, "weight")
+    labels = checks.index_tensor(labels, "labels")
+    if hidden.dtype not in checks.FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension [..., H]")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has an empty vocabulary (V == 0)")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has H={weight.shape[1]} but hidden has H={hidden.shape[-1]}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    if labels.device != hidden.device:
+        raise ValueError(f"labels are on {labels.device}, hidden on {hidden.device}")
+    return hidden, weight, labels
+
+
+def vocab_layout(weight: Tensor, tp_group) -> tuple[Optional["VocabParallel"], int]:
+    """(the vocab-parallel layout or None, the global vocabulary size)."""
+    if tp_group is None:
+        return None, weight.shape[0]
+    from .parallel import VocabParallel
+    tp = VocabParallel.for_group(tp_group, weight)
+    return tp, tp.vocab_size
+
+
+def check_label_range(flat_labels: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> None:
+    """ValueError when a label that is not ignore_index lies outside [0, vocab) (one host sync)."""
+    bad = valid & ((flat_labels < 0) | (flat_labels >= vocab))
+    if flat_labels.numel() and bool(bad.any()):
+        first = int(flat_labels[bad][0])
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
 
 
 def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
@@ -139,61 +134,24 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     Gradients flow to ``hidden`` and ``weight`` (only those that require grad) from any loss on
     logprobs and/or entropy; nothing of size [tokens x vocab] is kept for backward.
     """
-    hidden = _check_tensor("hidden", hidden)
-    weight = _check_tensor("weight", weight)
-    labels = _check_tensor("labels", labels)
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dimension [..., H]")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-    if weight.shape[0] == 0:
-        raise ValueError("weight has an empty vocabulary (V == 0)")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight has H={weight.shape[1]} but hidden has H={hidden.shape[-1]}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}")
-    if labels.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}")
-    if labels.device != hidden.device:
-        raise ValueError(f"labels are on {labels.device}, hidden on {hidden.device}")
-    if not isinstance(with_entropy, bool):
-        raise TypeError(f"with_entropy must be a bool, got {type(with_entropy).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not -2**63 <= ignore_index < 2**63:
-        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
-    if not isinstance(reduce_grad_hidden, bool):
-        raise TypeError(f"reduce_grad_hidden must be a bool, got {type(reduce_grad_hidden).__name__}")
-
-    softcap = _check_softcap(softcap)
+    hidden, weight, labels = check_head(hidden, weight, labels)
+    checks.boolean(with_entropy, "with_entropy")
+    ignore_index = checks.ignore_index(ignore_index)
+    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    softcap = checks.optional_positive_float(softcap, "softcap")
 
     mod, _ = choose_backend(hidden, weight, backend)
-    inv_temp = _inv_temperature(temperature, labels)
+    inv_temp = inv_temperature(temperature, labels)
 
     flat_labels = labels.reshape(-1).long()
     valid = flat_labels != ignore_index
-    tp = None
-    if tp_group is not None:
-        from .parallel import VocabParallel
-        tp = VocabParallel.for_group(tp_group, weight)
-        vocab = tp.vocab_size
-    else:
-        vocab = weight.shape[0]
-    bad = valid & ((flat_labels < 0) | (flat_labels >= vocab))
-    if flat_labels.numel() and bool(bad.any()):
-        first = int(flat_labels[bad][0])
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
+    tp, vocab = vocab_layout(weight, tp_group)
+    check_label_range(flat_labels, valid, vocab, ignore_index)
 
     # reshape outside the Function so autograd links the caller's tensors to ours
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    lp, ent = FusedLogProbsFunction.apply(h2, weight, flat_labels, inv_temp, valid, mod, with_entropy,
-                                          tp if tp is None else tp.with_reduce(reduce_grad_hidden), softcap)
-    _state.backend = mod.name
+    options = OpOptions(backend=mod, with_entropy=with_entropy, softcap=softcap,
+                        tp=None if tp is None else tp.with_reduce(reduce_grad_hidden))
+    lp, ent = FusedLogProbsFunction.apply(h2, weight, flat_labels, inv_temp, valid, options)
+    record_backend(mod.name)
     return TokenLogProbs(lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None)

@@ -1,8 +1,61 @@
-"""Argument checks shared by the public op and the integrations, so every entry point says the same."""
+"""Argument checks shared by the public op, the losses and the integrations, so every entry point
+accepts the same things and says the same thing about what it refuses.
+
+Each check names the argument: TypeError for a value of the wrong kind, ValueError for a value of
+the right kind that is out of range. Integrations keep only their own layout rules (which axis a
+per-sequence temperature belongs to) as short adapters in front of :func:`temperature`.
+"""
 from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor(value, name: str) -> Tensor:
+    """``value`` if it is a torch.Tensor, else TypeError naming ``name``."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def index_tensor(value, name: str) -> Tensor:
+    """A tensor of int32 or int64 (token ids, labels), else TypeError naming ``name``."""
+    value = tensor(value, name)
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
+    return value
+
+
+def boolean(value, name: str) -> bool:
+    """``value`` if it is a bool (not merely truthy), else TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def integer(value, name: str, minimum: Optional[int] = None) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum`` (when given); TypeError / ValueError
+    naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def ignore_index(value, name: str = "ignore_index") -> int:
+    """An int that fits in int64 (it is compared with int64 labels)."""
+    value = integer(value, name)
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {value}")
+    return value
 
 
 def positive_float(value, name: str, expected: str = "a positive float") -> float:
@@ -15,3 +68,43 @@ def positive_float(value, name: str, expected: str = "a positive float") -> floa
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return float(value)
+
+
+def optional_positive_float(value, name: str) -> Optional[float]:
+    return None if value is None else positive_float(value, name, "None or a positive float")
+
+
+def real_tensor(value: Tensor, name: str, device: Optional[torch.device] = None, max_dim: Optional[int] = None,
+                check_values: bool = True, positive: bool = False) -> Tensor:
+    """A per-token / per-sequence input tensor (temperature, advantages, log-probs) as detached
+    float32: a real dtype, not requiring grad (logitless treats it as a constant), on ``device`` when
+    given, at most ``max_dim`` dimensions, and with ``check_values`` finite (and > 0 if ``positive``)
+    everywhere (one host synchronisation)."""
+    if not (value.is_floating_point() or value.dtype in INDEX_DTYPES):
+        raise TypeError(f"{name} tensor must be a real number type, got {value.dtype}")
+    if value.requires_grad:
+        raise ValueError(f"{name} must not require grad: logitless treats it as a constant")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device}, the tokens on {device}")
+    if max_dim is not None and value.dim() > max_dim:
+        raise ValueError(f"{name} tensor must have at most {max_dim} dimensions, got shape {tuple(value.shape)}")
+    value = value.detach().float()
+    if check_values and value.numel():
+        ok = torch.isfinite(value).all()
+        if positive:
+            ok = ok & (value > 0).all()
+        if not bool(ok):
+            raise ValueError(f"{name} must be finite{' and > 0' if positive else ''} everywhere")
+    return value
+
+
+def temperature(value, device: Optional[torch.device] = None, max_dim: Optional[int] = None,
+                check_values: bool = True) -> Union[float, Tensor]:
+    """The one temperature rule: a positive finite number (returned as a float), or a real tensor
+    that does not require grad, lies on ``device`` (when given), has at most ``max_dim`` dimensions
+    and is finite and > 0 everywhere (returned as detached float32; ``check_values=False`` skips the
+    value check, the only host synchronisation). Its layout (per sequence, per token) is the caller's
+    rule."""
+    if isinstance(value, Tensor):
+        return real_tensor(value, "temperature", device, max_dim, check_values, positive=True)
+    return positive_float(value, "temperature", "a positive float or a tensor")

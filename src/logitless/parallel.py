@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import checks
+
 __all__ = ["VocabParallel", "gather_sequence", "scatter_sequence", "next_token_labels",
            "next_token_labels_sharded"]
 
@@ -171,8 +173,7 @@ class VocabParallel:
 # ---------------------------------------------------------------------------- sequence parallel
 
 def _norm_dim(x: Tensor, dim, arg: str = "dim") -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{arg} must be an int, got {type(dim).__name__}")
+    checks.integer(dim, arg)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{arg}={dim} is out of range for a tensor of {x.dim()} dimensions")
     return dim % x.dim()
@@ -222,8 +223,7 @@ def gather_sequence(x: Tensor, group, dim: int = 0) -> Tensor:
     Args: x any shape and dtype; group a ProcessGroup; dim the sequence dimension (0 for Megatron's
     [s, b, h]). Returns a new tensor of x's dtype with dim W times longer.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    checks.tensor(x, "x")
     _, world = _check_group(group, "group")
     dim = _norm_dim(x, dim)
     return _GatherSequence.apply(x, group, dim, world)
@@ -235,8 +235,7 @@ def scatter_sequence(x: Tensor, group, dim: int = 0) -> Tensor:
     Backward all-gathers the gradient (each rank's gradient covers only its own block). The size
     along ``dim`` must be divisible by the group size (ValueError otherwise).
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    checks.tensor(x, "x")
     rank, world = _check_group(group, "group")
     dim = _norm_dim(x, dim)
     if x.shape[dim] % world:
@@ -247,19 +246,12 @@ def scatter_sequence(x: Tensor, group, dim: int = 0) -> Tensor:
 # ------------------------------------------------------------------------ next-token labels
 
 def _check_ids(input_ids, arg: str) -> Tensor:
-    if not isinstance(input_ids, Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(input_ids).__name__}")
+    checks.tensor(input_ids, arg)
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"{arg} must hold integer token ids, got {input_ids.dtype}")
     if input_ids.dim() == 0:
         raise ValueError(f"{arg} must have a sequence dimension, got a scalar")
     return input_ids
-
-
-def _check_ignore(ignore_index) -> int:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    return ignore_index
 
 
 def next_token_labels(input_ids: Tensor, *, ignore_index: int = -100, dim: int = -1) -> Tensor:
@@ -269,7 +261,7 @@ def next_token_labels(input_ids: Tensor, *, ignore_index: int = -100, dim: int =
     :func:`next_token_labels_sharded`."""
     ids = _check_ids(input_ids, "input_ids")
     dim = _norm_dim(ids, dim)
-    ignore_index = _check_ignore(ignore_index)
+    ignore_index = checks.ignore_index(ignore_index)
     labels = torch.full_like(ids, ignore_index)
     s = ids.shape[dim]
     if s > 1:
@@ -292,7 +284,7 @@ def next_token_labels_sharded(local_ids: Tensor, group, *, dim: int = -1, ignore
     ids = _check_ids(local_ids, "local_ids")
     rank, world = _check_group(group, "group")
     dim = _norm_dim(ids, dim)
-    ignore_index = _check_ignore(ignore_index)
+    ignore_index = checks.ignore_index(ignore_index)
     labels = next_token_labels(ids, ignore_index=ignore_index, dim=dim)
     n = ids.shape[dim]
     slice_shape = list(ids.shape)

@@ -1,12 +1,10 @@
 """Backends: each computes per-token statistics (forward) and gradients (backward) of
-z = (hidden @ weight.T) * inv_temp (optionally tanh-softcapped first) without keeping anything of size [tokens x vocab].
+z = (hidden @ weight.T) * inv_temp (optionally tanh-softcapped first) without keeping anything of
+size [tokens x vocab].
 
-A backend is a module-level object with this interface (see ``ops/backend.py``):
-
-- ``unavailable_reason(hidden, weight) -> str | None``
-- ``stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None) -> (lse, ent, zy)``
-  (entropy returned directly, see backend.py)
-- ``grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None) -> (dh, dw)``
-
-``ops/function.py`` glues them (and the tensor-parallel combine) into one autograd Function.
+- ``contract.py``: the interface a backend implements (``stats`` and ``grads``) and their formulas.
+- ``maths.py``: the torch maths the backends share.
+- ``registry.py``: the backends by name and the ``"auto"`` choice.
+- ``reference.py``, ``chunked.py``, ``triton/``: the backends.
+- ``function.py``: the one autograd Function that glues a backend (and the tensor-parallel combine).
 """

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backend import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
+from .maths import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
 
 name = "chunked"
 

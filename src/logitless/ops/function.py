@@ -9,11 +9,32 @@ in RL batches), and a non-finite hidden state there cannot leak into d_weight th
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from .contract import Backend
+
+if TYPE_CHECKING:
+    from ..parallel import VocabParallel
+
+
+@dataclass(frozen=True)
+class OpOptions:
+    """What one call computes, besides its tensors.
+
+    backend: the backend module (see ``contract.py``) that runs both stages.
+    with_entropy: also compute the entropy (else a non-differentiable placeholder is returned).
+    softcap: None or c > 0, the tanh cap of the logits, applied per logit before the temperature.
+    tp: the vocab-parallel layout of ``weight`` (None: the weight holds the whole vocabulary).
+    """
+    backend: Backend
+    with_entropy: bool
+    softcap: Optional[float] = None
+    tp: Optional["VocabParallel"] = None
 
 
 def _scatter_rows(values: Tensor, rows: Optional[Tensor], n: int) -> Tensor:
@@ -27,12 +48,12 @@ def _scatter_rows(values: Tensor, rows: Optional[Tensor], n: int) -> Tensor:
 class FusedLogProbsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, valid: Tensor,
-                backend: Any, with_entropy: bool, tp: Optional[Any], softcap: Optional[float] = None):
+                options: OpOptions):
         """hidden [N, H], weight [V_local, H], labels [N] int64 global ids (anything where not valid),
-        inv_temp [N] float32, valid [N] bool, softcap None or a positive float (tanh cap of the logits,
-        applied per logit before the temperature, so the tensor-parallel combine is unchanged).
-        Under ``tp`` every rank holds the same labels, hence the same valid rows.
-        Returns logprobs [N], entropy [N] (or a non-differentiable placeholder), float32."""
+        inv_temp [N] float32, valid [N] bool. Under ``options.tp`` every rank holds the same labels,
+        hence the same valid rows. Returns logprobs [N], entropy [N] (or a non-differentiable
+        placeholder), float32."""
+        backend, with_entropy, tp, softcap = options.backend, options.with_entropy, options.tp, options.softcap
         n = hidden.shape[0]
         rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
         if rows is not None:
@@ -55,7 +76,7 @@ class FusedLogProbsFunction(torch.autograd.Function):
         entropy = _scatter_rows(ent, rows, n) if with_entropy else None
 
         ctx.save_for_backward(hidden, weight, local, inv_temp, rows, lse, ent)
-        ctx.backend, ctx.tp, ctx.with_entropy, ctx.softcap = backend, tp, with_entropy, softcap
+        ctx.options = options
         if entropy is None:
             placeholder = torch.zeros_like(logprobs)
             ctx.mark_non_differentiable(placeholder)  # keep the output arity fixed
@@ -67,24 +88,25 @@ class FusedLogProbsFunction(torch.autograd.Function):
     def backward(ctx, g_lp: Optional[Tensor], g_ent: Optional[Tensor]):
         hidden, weight, local, inv_temp, rows, lse, ent = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        opts = ctx.options
         if not (need_dh or need_dw):
-            return (None,) * 9
+            return (None,) * 6
         h = hidden if rows is None else hidden.index_select(0, rows)
 
         def kept(g):
             g = g.float()
             return g if rows is None else g[rows]
         g_lp = torch.zeros_like(lse) if g_lp is None else kept(g_lp)
-        g_ent = kept(g_ent) if ctx.with_entropy and g_ent is not None else None
+        g_ent = kept(g_ent) if opts.with_entropy and g_ent is not None else None
 
         if h.shape[0] == 0:
             dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_dh else None
             dw = torch.zeros_like(weight) if need_dw else None
         else:
-            dh, dw = ctx.backend.grads(h, weight, local, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw,
-                                      ctx.softcap)
-        if dh is not None and ctx.tp is not None:
-            dh = ctx.tp.reduce_grad_hidden(dh)
+            dh, dw = opts.backend.grads(h, weight, local, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw,
+                                        opts.softcap)
+        if dh is not None and opts.tp is not None:
+            dh = opts.tp.reduce_grad_hidden(dh)
         if dh is not None:
             dh = _scatter_rows(dh, rows, hidden.shape[0]).to(hidden.dtype)
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None

@@ -5,5 +5,5 @@
 - ``backward``: the vocabulary is walked in chunks; a Triton kernel recomputes each chunk's logits and
   writes its dlogits (input dtype), and cuBLAS turns them into d_hidden (float32, accumulated) and
   that chunk's rows of d_weight.
-- ``backend``: the backend contract of ``logitless.ops.backend``.
+- ``backend``: the backend contract of ``logitless.ops.contract``.
 """

@@ -1,4 +1,4 @@
-"""The Triton backend, behind the contract of ``logitless.ops.backend``.
+"""The Triton backend, behind the contract of ``logitless.ops.contract``.
 
 Runs on CUDA tensors; on CPU tensors only when TRITON_INTERPRET=1 was set before triton was imported
 (the real kernels then run in triton's interpreter: that is how CI tests them).
@@ -30,14 +30,14 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
 
 def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
           softcap: Optional[float] = None):
-    """(lse, entropy or None, zy), float32 [N]; see logitless.ops.backend."""
+    """(lse, entropy or None, zy), float32 [N]; see logitless.ops.contract."""
     with _on(hidden):
         return forward_stats.stats(hidden, weight, labels, inv_temp, with_entropy, softcap)
 
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None):
-    """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None); see logitless.ops.backend."""
+    """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None); see logitless.ops.contract."""
     with _on(hidden):
         return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..backend import mm_fp32
+from ..maths import mm_fp32
 from .common import LN2, LOG2E, choose_tiles, dot_flags, tile_operands, tl_dtype, tma_layout_ok
 from .tile import logits_tile, softcap_tanh, tile_coords
 
@@ -138,7 +138,7 @@ def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None):
     """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None), chunk by chunk.
-    softcap: None or c > 0, see logitless.ops.backend (the cap's derivative is applied in the kernel).
+    softcap: None or c > 0, see logitless.ops.contract (the cap's derivative is applied in the kernel).
 
     Workspace: one dlogits buffer [N, C] of hidden.dtype (128 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in

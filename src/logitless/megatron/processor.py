@@ -1,0 +1,160 @@
+"""The output processor that Megatron-Core calls at its post-process boundary instead of building
+logits: per-token log-probability of the label and entropy, from the fused op.
+
+Megatron hands over hidden_states [s, b, h] (after the final norm; sequence-parallel scattered
+when SP is on; the CP-local slice under context parallelism) and labels [b, s]. The processor
+returns ``TokenLogProbs`` in the labels' layout [b, s], float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import checks
+from ..api import TokenLogProbs, fused_logprobs, last_backend
+from .record import in_legacy_call, write_record
+from .temperature import check_temperature, temperature_bs
+
+_SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)
+
+
+@dataclass
+class FusedOutputProcessorContext:
+    """What the processor computes; pass it as ``output_processor_context``.
+
+    temperature: a positive float, or a tensor of shape [b] (per sequence) or [b, s] (per token),
+        in the labels' layout. Not differentiated.
+    with_entropy: also return the entropy (False: ``entropy`` is None and less work is done).
+    ignore_index: label value whose positions get logprob 0, entropy 0 and no gradient.
+    backend: the fused op's backend ("auto", "chunked", "triton", "reference").
+    """
+    temperature: Union[float, Tensor] = 1.0
+    with_entropy: bool = True
+    ignore_index: int = -100
+    backend: str = "auto"
+
+    def __post_init__(self):
+        check_temperature(self.temperature)
+        checks.boolean(self.with_entropy, "with_entropy")
+        checks.ignore_index(self.ignore_index)
+
+
+def _tp_group_and_size(output_layer, config):
+    """The output layer's tensor-parallel group and its size. Releases whose layers do not carry
+    ``tp_group`` use the global model-parallel state when the config says TP > 1."""
+    group = getattr(output_layer, "tp_group", None)
+    if group is None and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
+        from megatron.core import parallel_state
+        group = parallel_state.get_tensor_model_parallel_group()
+    if group is None:
+        return None, 1
+    return group, group.size()
+
+
+def logit_scale(scale_logits) -> float:
+    """The constant c with scale_logits(z) == c * z (Megatron's MuP output multiplier), probed on a
+    few values. Raises ValueError for anything else (e.g. a soft cap), which the fused path cannot
+    reproduce; None means no scaling."""
+    if scale_logits is None:
+        return 1.0
+    probe = torch.tensor(_SCALE_PROBE, dtype=torch.float32)
+    out = scale_logits(probe.clone())
+    if not isinstance(out, Tensor) or out.shape != probe.shape:
+        raise ValueError("scale_logits must map a logits tensor to one of the same shape; logitless "
+                         "cannot fuse it")
+    c = float(out[0])
+    if not (math.isfinite(c) and c > 0 and torch.allclose(out.float(), probe * c, rtol=1e-6, atol=0.0)):
+        raise ValueError("scale_logits is not multiplication by a positive constant (e.g. a logit soft "
+                         "cap); the fused path cannot reproduce it. Disable it or use the unfused path")
+    return c
+
+
+def _log_payload(config, kwargs, lp: Tensor, ent: Optional[Tensor]) -> None:
+    """Megatron's config logger: the same payload as its unfused path, logprobs for logits."""
+    try:
+        from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
+    except ImportError:
+        return
+    if config is None or not has_config_logger_enabled(config):
+        return
+    from collections import OrderedDict
+    payload = OrderedDict({k: kwargs.get(k) for k in ("input_ids", "position_ids", "attention_mask",
+                                                       "decoder_input")})
+    payload["logprobs"] = lp
+    payload["entropy"] = ent
+    log_config_to_disk(config, payload, prefix="input_and_logprobs")
+
+
+def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight: Optional[Tensor],
+                           labels: Optional[Tensor], context: Optional[FusedOutputProcessorContext] = None,
+                           config=None, **kwargs) -> TokenLogProbs:
+    """Megatron-Core ``output_processor``: returns TokenLogProbs(logprobs, entropy), each float32
+    [b, s] like ``labels``, without building the [s, b, vocab] logits.
+
+    hidden_states: [s, b, h] (or [s / tp, b, h] under sequence parallelism), any float dtype.
+    output_weight: the shared embedding [V / tp, h] when weights are tied, else None
+        (``output_layer.weight`` is used). The TP group is ``output_layer.tp_group``.
+    labels: int [b, s] global token ids. Required.
+    context: a FusedOutputProcessorContext (None: temperature 1, with entropy).
+    kwargs: the rest of Megatron's hook arguments; ``scale_logits`` (MuP) is honoured when it is a
+        positive constant multiplier and refused otherwise.
+    """
+    if labels is None:
+        raise ValueError("labels is None: the fused output processor computes the log-probability of "
+                         "labels, so pass labels=[b, s] token ids to the model's forward")
+    if context is None:
+        context = FusedOutputProcessorContext()
+    if not isinstance(context, FusedOutputProcessorContext):
+        raise TypeError("output_processor_context must be a FusedOutputProcessorContext, got "
+                        f"{type(context).__name__}")
+    if not isinstance(hidden_states, Tensor) or hidden_states.dim() != 3:
+        raise ValueError("hidden_states must be a [s, b, h] tensor, got "
+                         f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
+    if not isinstance(labels, Tensor) or labels.dim() != 2:
+        raise ValueError(f"labels must be a [b, s] tensor, got {getattr(labels, 'shape', type(labels).__name__)}")
+    if getattr(output_layer, "bias", None) is not None:
+        raise ValueError("output_layer has a bias; the fused op computes hidden @ weight.T only")
+    weight = output_weight if output_weight is not None else output_layer.weight
+    if weight is None:
+        raise ValueError("no output weight: output_weight is None and output_layer.weight is None")
+
+    group, tp_size = _tp_group_and_size(output_layer, config)
+    hidden = hidden_states
+    reduce_grad_hidden = True
+    if tp_size > 1 and getattr(output_layer, "sequence_parallel", False):
+        # SP: gather the sequence shards; the gather's backward reduce-scatters d_hidden, so the
+        # op must not all-reduce it as well.
+        from ..parallel import gather_sequence
+        hidden = gather_sequence(hidden, group, dim=0)
+        reduce_grad_hidden = False
+    # Without SP the op all-reduces d_hidden itself: Megatron's output_layer, whose
+    # copy-to-tensor-parallel region would do it, is never called on this path.
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+
+    s, b = hidden.shape[0], hidden.shape[1]
+    if tuple(labels.shape) != (b, s):
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match hidden_states: expected [b, s] = "
+                         f"[{b}, {s}]")
+    c = logit_scale(kwargs.get("scale_logits"))
+    temperature = temperature_bs(context.temperature, b, s, labels.device)
+    if isinstance(temperature, Tensor) and temperature.dim() == 2:
+        temperature = temperature.t()  # the [s, b] token order of hidden
+    if c != 1.0:
+        temperature = temperature / c  # softmax(c * z / T) == softmax(z / (T / c))
+
+    # hidden is [s, b, h]: pair it with labels transposed to [s, b] (no copy of hidden), then
+    # hand the results back in the labels' [b, s] layout.
+    out = fused_logprobs(hidden, weight, labels.t(), temperature=temperature,
+                         with_entropy=context.with_entropy, ignore_index=context.ignore_index,
+                         tp_group=group if tp_size > 1 else None, reduce_grad_hidden=reduce_grad_hidden,
+                         backend=context.backend)
+    lp = out.logprobs.t().contiguous()
+    ent = out.entropy.t().contiguous() if out.entropy is not None else None
+    write_record("legacy" if in_legacy_call() else "hook", last_backend(), "processor")
+    _log_payload(config, kwargs, lp, ent)
+    return TokenLogProbs(lp, ent)

@@ -1,0 +1,52 @@
+"""The contract every backend implements (the maths they share is in ``maths.py``).
+
+Shapes and dtypes (N tokens, H hidden, V vocabulary rows held by this process):
+- hidden  [N, H]  float32 / bfloat16 / float16, any strides
+- weight  [V, H]  same dtype and device as hidden, any strides
+- labels  [N]     int64, the label's row in *this* weight, or -1 when the row holds no label
+                  (ignored token, or under tensor parallelism a label owned by another rank)
+- inv_temp [N]    float32, 1 / temperature per token
+- softcap         None, or a positive float c: the logits are tanh-softcapped before the temperature
+
+With raw = hidden @ weight.T (float32), the logits are
+  z = raw * inv_temp[:, None]                          (softcap None)
+  z = tanh(raw / c) * (c * inv_temp)[:, None]          (softcap c; Gemma 2's final_logit_softcapping)
+Forward statistics, all float32 [N], of z:
+- lse = logsumexp_j z_j
+- ent = -sum_j p_j * log p_j, p = softmax(z)   (None when with_entropy is False)
+- zy  = z_label, 0.0 where labels == -1
+
+Then logprob = zy - lse. The entropy is returned directly, not as lse - sum_j p_j z_j: both terms are of
+the logits' magnitude and their difference loses ~1e-5 in float32 when every logit is large (say -60).
+Accumulate it relative to the running max instead: with m the max and s = sum_j exp(z_j - m),
+  ent = log s - (sum_j exp(z_j - m) * (z_j - m)) / s.
+
+Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global* lse and ent:
+  x = z - lse   (log p), p = exp(x)
+  dz = g_lp * (onehot(label) - p) - g_ent * p * (x + ent)        [since z - sum p z = x + ent]
+  dlogits = dz * inv_temp                    (softcap None)
+  dlogits = dz * inv_temp * (1 - t^2)        (softcap c, t = tanh(raw / c): the chain rule through the cap)
+  dh = dlogits @ weight      -> float32 [N, H] (the caller casts and reduces)
+  dw = dlogits.T @ hidden    -> weight.dtype [V, H]
+Each is None when not requested.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from torch import Tensor
+
+
+class Backend(Protocol):
+    name: str
+
+    def unavailable_reason(self, hidden: Tensor, weight: Tensor) -> Optional[str]: ...
+
+    def stats(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
+              with_entropy: bool, softcap: Optional[float] = None
+              ) -> tuple[Tensor, Optional[Tensor], Tensor]: ...  # lse, ent, zy
+
+    def grads(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
+              lse: Tensor, ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
+              need_dh: bool, need_dw: bool, softcap: Optional[float] = None
+              ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...

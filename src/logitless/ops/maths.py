@@ -1,0 +1,83 @@
+"""The torch maths every backend shares: float32-accumulating products, the (softcapped) tempered
+logits, the label's logit and the backward formula of ``contract.py`` applied to a logits tile."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with float32 accumulation *and* a float32 result, whatever the input dtype.
+
+    A plain bf16 matmul rounds its result to bf16, which costs ~0.08 in log-prob; on CUDA
+    ``torch.mm(..., out_dtype=float32)`` keeps the fast tensor-core path, elsewhere we upcast.
+    """
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        if a.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+            # a trainer's global TF32 switch would cost ~3e-4 relative here: keep IEEE float32
+            torch.backends.cuda.matmul.allow_tf32 = False
+            try:
+                return a @ b
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = True
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            pass
+    return a.float() @ b.float()
+
+
+def logits_from_products(raw: Tensor, inv_temp: Tensor, softcap: Optional[float],
+                         keep_tanh: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """The float32 logits z [N, C] of the module docstring from raw = hidden @ weight.T [N, C] (float32,
+    overwritten in place), and, with keep_tanh and a softcap, t = tanh(raw / softcap) for the backward
+    (a second [N, C] tensor; else None).
+
+    Softcapped logits are t * (softcap * inv_temp): one rounded product per element, as in the Triton
+    kernels, so the row max of z is the max of t times that factor and zy <= max <= lse hold exactly."""
+    if softcap is None:
+        return raw.mul_(inv_temp.unsqueeze(1)), None
+    t = raw.div_(softcap).tanh_()
+    scale = (inv_temp * softcap).unsqueeze(1)
+    if keep_tanh:
+        return t * scale, t
+    return t.mul_(scale), None
+
+
+def apply_softcap_derivative(dlogits: Tensor, t: Optional[Tensor]) -> Tensor:
+    """dlogits *= 1 - t^2 in place (d tanh(x) / dx), consuming ``t``; unchanged when t is None."""
+    if t is None:
+        return dlogits
+    return dlogits.mul_(t.square_().neg_().add_(1.0))
+
+
+def label_logits(z: Tensor, labels: Tensor) -> Tensor:
+    """z[i, labels[i]] for rows with a label here, 0.0 where labels[i] == -1."""
+    has = labels >= 0
+    zy = z.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(has, zy, torch.zeros_like(zy))
+
+
+def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
+                        g_lp: Tensor, g_ent: Optional[Tensor]) -> Tensor:
+    """The backward formula of the module docstring, in place on the float32 logits tile ``z``.
+
+    ``labels`` index columns of this tile (-1 or out of range: no label here).
+    """
+    x = z.sub_(lse.unsqueeze(1))          # log p, in place
+    p = x.exp()
+    if g_ent is not None:
+        # dz = -p * (g_lp + g_ent * (x + ent)), plus g_lp at the label
+        x.add_(ent.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).add_(g_lp.unsqueeze(1)).mul_(p).neg_()
+        dz = x
+    else:
+        dz = p.mul_(-g_lp.unsqueeze(1))
+    has = (labels >= 0) & (labels < dz.shape[1])
+    rows = has.nonzero().squeeze(1)
+    if rows.numel():
+        dz[rows, labels[rows]] += g_lp[rows]
+    return dz.mul_(inv_temp.unsqueeze(1))

@@ -1,0 +1,498 @@
+"""`logitless bench`: time logitless's backends, the naive torch path and the installed peers on the
+same inputs, against the GEMMs of the same shape measured in the same process (the floor).
+
+Work per token: log-prob of the label and entropy of softmax(h @ W^T / T). Inputs: hidden
+[N, H] and weight [V, H] in the chosen dtype, weights scaled so the logits have std ~4, labels
+sampled from that softmax (as in RL rollouts). Backward loss: sum(a * logprob) + sum(b * entropy)
+with random signed a, b per token (what PPO/GRPO send back); rows without entropy use the
+log-prob term only.
+
+Per row: one checked warm-up (errors vs the reference backend on the first tokens), then
+``repeats`` timed forwards (inputs not requiring grad: the rollout / reference-model use) and
+``repeats`` timed forward+backwards; a row's time is its best call (the least disturbed by other
+work on a shared machine; every call is in the JSON). Floor: forward = 1 GEMM [N,H]x[H,V],
+forward+backward = 4 (forward, recompute, dH = dZ W, dW = dZ^T h), in the input dtype.
+Peak extra memory is measured in one more call of each kind, not timed: on CUDA torch's allocator peak minus what
+was allocated before; on CPU the kernel's peak-RSS counter (VmHWM, reset through
+/proc/self/clear_refs) minus the RSS before. Both include the gradient buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import peers
+from .doctor import machine, versions
+
+GPU_SHAPE = (16384, 4096, 151936)
+# Sized so that `make bench` (every row, compiles included) takes about a minute on 2 CPU cores.
+CPU_SHAPE = (1024, 512, 32000)
+LOGIT_STD = 4.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BenchConfig:
+    device: str = "cpu"
+    shape: tuple[int, int, int] = CPU_SHAPE      # N tokens, H hidden, V vocabulary
+    dtype: str = "float32"
+    temperature: float = 1.0
+    backends: tuple[str, ...] = peers.NAMES
+    repeats: int = 3
+    check_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    name: str
+    label: str
+    kind: str
+    entropy: bool = True               # False: the implementation computes log-probs only
+    status: str = "ok"                 # ok | unavailable | failed
+    reason: Optional[str] = None
+    fwd_s: Optional[float] = None
+    fwd_bwd_s: Optional[float] = None
+    fwd_x_floor: Optional[float] = None
+    fwd_bwd_x_floor: Optional[float] = None
+    fwd_extra_bytes: Optional[int] = None
+    fwd_bwd_extra_bytes: Optional[int] = None
+    err_logprob: Optional[float] = None
+    err_entropy: Optional[float] = None
+    err_dh: Optional[float] = None
+    err_dw: Optional[float] = None
+    warmup_s: Optional[float] = None
+    times_fwd: list = field(default_factory=list)
+    times_fwd_bwd: list = field(default_factory=list)
+
+
+# --- measurement -----------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def _release_free_heap() -> None:
+    """Hand the memory glibc keeps after frees back to the kernel, so that what the next call
+    reuses shows up as RSS growth. (Not done before timed calls: re-faulting pages costs time.)"""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak memory allocated during one call above the level before it, in bytes.
+
+    CUDA: torch.cuda.max_memory_allocated minus memory_allocated before. CPU: peak RSS (VmHWM,
+    reset through /proc/self/clear_refs) minus RSS before, after returning freed heap to the
+    kernel. ``method`` says which; ``measure`` returns None when neither works here."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.method = "torch.cuda.max_memory_allocated minus memory allocated before the call"
+            return
+        try:
+            self._reset_hwm()
+            _status_kib("VmHWM")
+            self.method = "peak RSS (VmHWM reset via /proc/self/clear_refs) minus RSS before the call"
+        except OSError as exc:
+            self.method = f"unavailable: {exc}"
+
+    @staticmethod
+    def _reset_hwm() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def measure(self, fn: Callable[[], object]) -> Optional[int]:
+        """Call fn once (its result dropped) and return the peak extra bytes, or None."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            out = fn()
+            torch.cuda.synchronize(self.device)
+            del out
+            return max(0, torch.cuda.max_memory_allocated(self.device) - base)
+        if self.method.startswith("unavailable"):
+            return None
+        _release_free_heap()
+        base = _status_kib("VmRSS") * 1024
+        self._reset_hwm()
+        out = fn()
+        peak = _status_kib("VmHWM") * 1024
+        del out
+        return max(0, peak - base)
+
+
+def _time(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call; whatever fn returns is dropped after the clock stops."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    del out
+    return seconds
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+@dataclass
+class Inputs:
+    hidden: Tensor       # [N, H] dtype
+    weight: Tensor       # [V, H] dtype
+    labels: Tensor       # [N] int64, sampled from the tempered softmax
+    a: Tensor            # [N] float32 coefficient of logprob in the backward loss
+    b: Tensor            # [N] float32 coefficient of entropy
+
+
+def make_inputs(cfg: BenchConfig) -> Inputs:
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    n, h, v = cfg.shape
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    hidden = torch.randn(n, h, device=device, generator=gen).to(dtype)
+    # h ~ N(0, 1), W ~ N(0, s^2) => each logit ~ N(0, H s^2): s = 4 / sqrt(H) gives std 4
+    weight = (torch.randn(v, h, device=device, generator=gen) * (LOGIT_STD / math.sqrt(h))).to(dtype)
+    labels = torch.empty(n, dtype=torch.long, device=device)
+    step = max(1, (1 << 24) // v)     # sample a few tokens at a time: never [N, V] at once
+    for i in range(0, n, step):
+        z = (hidden[i:i + step] @ weight.t()).float() / cfg.temperature
+        labels[i:i + step] = torch.multinomial(torch.softmax(z, dim=1), 1, generator=gen).squeeze(1)
+    a = torch.randn(n, device=device, generator=gen)
+    b = torch.randn(n, device=device, generator=gen)
+    return Inputs(hidden, weight, labels, a, b)
+
+
+# --- one row ---------------------------------------------------------------------------------
+
+def _forward(fn: peers.Fn, x: Inputs, t: float) -> Callable[[], object]:
+    return lambda: fn(x.hidden, x.weight, x.labels, t)
+
+
+def _forward_backward(fn: peers.Fn, x: Inputs, t: float, a: Tensor, b: Tensor):
+    def step():
+        h = x.hidden.detach().requires_grad_()
+        w = x.weight.detach().requires_grad_()
+        lp, ent = fn(h, w, x.labels, t)
+        loss = (a * lp).sum()
+        if ent is not None:
+            loss = loss + (b * ent).sum()
+        loss.backward()
+        return lp.detach(), None if ent is None else ent.detach(), h.grad, w.grad
+    return step
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+class Checker:
+    """Reference-backend results on the first ``s`` tokens, to compare every row against.
+
+    Rows are checked on a full-size call whose loss coefficients are zero beyond those tokens, so
+    d_weight there comes from the same tokens as the reference's (and compiled rows see one shape)."""
+
+    def __init__(self, x: Inputs, t: float, s: int):
+        self.s, self.x, self.t = s, x, t
+        self.a = torch.zeros_like(x.a)
+        self.a[:s] = x.a[:s]
+        self.b = torch.zeros_like(x.b)
+        self.b[:s] = x.b[:s]
+        self._ref: dict[bool, tuple] = {}
+
+    def reference(self, with_entropy: bool):
+        if with_entropy not in self._ref:
+            from logitless import fused_logprobs
+            s, x = self.s, self.x
+            h = x.hidden[:s].detach().requires_grad_()
+            w = x.weight.detach().requires_grad_()
+            out = fused_logprobs(h, w, x.labels[:s], temperature=self.t, backend="reference")
+            loss = (x.a[:s] * out.logprobs).sum()
+            if with_entropy:
+                loss = loss + (x.b[:s] * out.entropy).sum()
+            loss.backward()
+            self._ref[with_entropy] = (out.logprobs.detach(), out.entropy.detach(), h.grad, w.grad)
+        return self._ref[with_entropy]
+
+    def compare(self, row: Row, lp: Tensor, ent: Optional[Tensor], dh: Optional[Tensor],
+                dw: Optional[Tensor]) -> None:
+        for name, grad in (("hidden", dh), ("weight", dw)):
+            if grad is None:    # e.g. an autograd Function that lost requires_grad on the way
+                raise RuntimeError(f"no gradient reached {name}")
+        for name, out in (("logprobs", lp), ("entropy", ent), ("d_hidden", dh), ("d_weight", dw)):
+            if out is not None and not bool(torch.isfinite(out).all()):
+                raise FloatingPointError(f"{name} has non-finite values")
+        s = self.s
+        r_lp, r_ent, r_dh, r_dw = self.reference(ent is not None)
+        row.err_logprob = float((lp[:s].float() - r_lp).abs().max())
+        if ent is not None:
+            row.err_entropy = float((ent[:s].float() - r_ent).abs().max())
+        row.err_dh = _rel(dh[:s], r_dh)
+        row.err_dw = _rel(dw, r_dw)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
+
+
+def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, meter: PeakMemory) -> Row:
+    row = Row(impl.name, impl.label, impl.kind, impl.entropy)
+    gc.collect()                    # the previous row's leftovers must not count against this one
+    device = torch.device(cfg.device)
+    try:
+        fn = impl.build(device)
+    except peers.Unavailable as exc:
+        row.status, row.reason = "unavailable", str(exc)
+        return row
+    except Exception as exc:  # noqa: BLE001 - a broken peer keeps its row with the reason
+        row.status, row.reason = "unavailable", _short(exc)
+        return row
+    t = cfg.temperature
+    try:
+        t0 = time.perf_counter()
+        lp, ent, dh, dw = _forward_backward(fn, x, t, checker.a, checker.b)()
+        _sync(device)
+        row.warmup_s = time.perf_counter() - t0
+        checker.compare(row, lp, ent, dh, dw)
+        del lp, ent, dh, dw
+        with torch.no_grad():
+            _forward(fn, x, t)()            # warm-up of the inference path (compiles its own graph)
+            row.times_fwd = [_time(_forward(fn, x, t), device) for _ in range(cfg.repeats)]
+            row.fwd_extra_bytes = meter.measure(_forward(fn, x, t))
+        step = _forward_backward(fn, x, t, x.a, x.b)
+        row.times_fwd_bwd = [_time(step, device) for _ in range(cfg.repeats)]
+        row.fwd_bwd_extra_bytes = meter.measure(step)
+    except Exception as exc:  # noqa: BLE001
+        row.status, row.reason = "failed", _short(exc)
+        if impl.triton_kernel and device.type != "cuda":
+            row.reason = f"triton GPU kernel, no GPU here: {row.reason}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
+    row.fwd_s, row.fwd_bwd_s = min(row.times_fwd), min(row.times_fwd_bwd)
+    return row
+
+
+class Floor:
+    """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward.
+
+    Sampled before the first row and again after every row that ran; the floor is the best sample,
+    the one least disturbed by other work on the machine. Each sample allocates and touches its
+    [N, V] buffers before the clock starts and frees them after (the rows get the memory back): the
+    floor is the GEMMs' arithmetic, not the page faults of fresh buffers (on CPU those can cost as
+    much as the GEMM itself)."""
+
+    def __init__(self, x: Inputs, cfg: BenchConfig):
+        self.device = torch.device(cfg.device)
+        self.shape = cfg.shape
+        self.hid, self.w = x.hidden, x.weight
+        self.row = Row("gemm", "GEMM floor (1 / 4 GEMMs)", "floor")
+        self._warm = False
+
+    def sample(self, count: int = 1) -> None:
+        n, h, v = self.shape
+        hid, w, dev, dtype = self.hid, self.w, self.device, self.hid.dtype
+        z = torch.full((n, v), 0.5, device=dev, dtype=dtype)                 # pages touched
+        dz = torch.randn(n, v, device=dev).to(dtype)                          # stands for d_logits
+        dh = torch.full((n, h), 0.5, device=dev, dtype=dtype)
+        dw = torch.full((v, h), 0.5, device=dev, dtype=dtype)
+
+        def fwd():
+            torch.mm(hid, w.t(), out=z)
+
+        def fwd_bwd():
+            torch.mm(hid, w.t(), out=z)
+            torch.mm(hid, w.t(), out=z)        # the recompute a fused backward does
+            torch.mm(dz, w, out=dh)
+            torch.mm(dz.t(), hid, out=dw)
+
+        if not self._warm:
+            fwd_bwd()
+            self._warm = True
+        for _ in range(count):
+            self.row.times_fwd.append(_time(fwd, dev))
+            self.row.times_fwd_bwd.append(_time(fwd_bwd, dev))
+        # the buffers go when this returns; the rows get the memory back
+
+    def best(self) -> dict:
+        n, h, v = self.shape
+        fwd, fwd_bwd = min(self.row.times_fwd), min(self.row.times_fwd_bwd)
+        flops = 2.0 * n * h * v
+        return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "fwd_tflops": flops / fwd / 1e12,
+                "fwd_bwd_tflops": 4 * flops / fwd_bwd / 1e12, "samples": len(self.row.times_fwd)}
+
+    def close(self) -> tuple[dict, Row]:
+        """The floor numbers and its table row."""
+        floor = self.best()
+        self.row.fwd_s, self.row.fwd_bwd_s = floor["fwd_s"], floor["fwd_bwd_s"]
+        return floor, self.row
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
+              command: str = "logitless bench") -> dict:
+    """Run every requested row; returns the full record (what --json writes). ``command`` is
+    recorded as given."""
+    started = time.perf_counter()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    device = torch.device(cfg.device)
+    n, h, v = cfg.shape
+    progress(f"{cfg.device} N={n} H={h} V={v} {cfg.dtype} T={cfg.temperature}: making inputs")
+    x = make_inputs(cfg)
+    meter = PeakMemory(device)
+    checker = Checker(x, cfg.temperature, min(cfg.check_tokens, n))
+    impls = [peers.get(name) for name in cfg.backends]
+    total = len(impls) + 1
+    progress(f"[1/{total}] GEMM floor")
+    gemms = Floor(x, cfg)
+    gemms.sample(cfg.repeats)
+    first = gemms.best()
+    progress(f"      fwd {first['fwd_s'] * 1e3:.1f} ms ({first['fwd_tflops']:.2f} TFLOP/s), "
+             f"4 GEMMs {first['fwd_bwd_s'] * 1e3:.1f} ms")
+    rows = []
+    for i, impl in enumerate(impls, start=2):
+        progress(f"[{i}/{total}] {impl.name}")
+        t0 = time.perf_counter()
+        row = run_row(impl, x, cfg, checker, meter)
+        rows.append(row)
+        if row.status == "ok":
+            progress(f"      fwd {row.fwd_s * 1e3:.1f} ms, fwd+bwd {row.fwd_bwd_s * 1e3:.1f} ms "
+                     f"({time.perf_counter() - t0:.1f} s with warm-up)")
+            gemms.sample()
+        else:
+            progress(f"      {row.status}: {row.reason}")
+    floor, floor_row = gemms.close()
+    rows.insert(0, floor_row)
+    for row in rows:
+        if row.status == "ok":
+            row.fwd_x_floor = row.fwd_s / floor["fwd_s"]
+            row.fwd_bwd_x_floor = row.fwd_bwd_s / floor["fwd_bwd_s"]
+    return {
+        "command": command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "versions": versions(),
+        "config": {**asdict(cfg), "shape": list(cfg.shape), "backends": list(cfg.backends),
+                   "logit_std": LOGIT_STD},
+        "memory_method": meter.method,
+        "load_average_start": load_start,
+        "floor": floor,
+        "rows": [asdict(r) for r in rows],
+        "elapsed_s": time.perf_counter() - started,
+        # other work on the machine skews CPU timings: keep the load next to them
+        "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def format_table(result: dict) -> str:
+    """The markdown table the bench prints, with a header line for the setup."""
+    cfg, floor, m = result["config"], result["floor"], result["machine"]
+    n, h, v = cfg["shape"]
+    where = m["cuda"][0]["name"] if cfg["device"] == "cuda" and m["cuda"] else m["cpu"]
+    head = (f"N={n} H={h} V={v} {cfg['dtype']} T={cfg['temperature']} on {cfg['device']} ({where}); "
+            f"best of {cfg['repeats']} calls; errors vs the reference backend on the first "
+            f"{min(cfg['check_tokens'], n)} tokens; fwd = forward without grad (rollout / reference "
+            f"model), fwd+bwd = training step; MiB = peak memory beyond the inputs\n"
+            f"floor: 1 GEMM {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "
+            f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms\n\n")
+    cols = ["implementation", "fwd ms", "fwd x floor", "fwd+bwd ms", "fwd+bwd x floor",
+            "fwd MiB", "fwd+bwd MiB", "lp err", "ent err", "dh rel", "dW rel", "note"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result["rows"]:
+        note = r["reason"] or ""
+        if r["status"] == "ok" and not r["entropy"] and r["kind"] != "floor":
+            note = "log-prob only (no entropy)"
+        cells = [r["label"], _fmt(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), _fmt(r["fwd_x_floor"], ".2f"),
+                 _fmt(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), _fmt(r["fwd_bwd_x_floor"], ".2f"),
+                 _mib(r["fwd_extra_bytes"]), _mib(r["fwd_bwd_extra_bytes"]), _fmt(r["err_logprob"], ".1e"),
+                 _fmt(r["err_entropy"], ".1e"), _fmt(r["err_dh"], ".1e"), _fmt(r["err_dw"], ".1e"),
+                 note.replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_plot(result: dict, path: str) -> None:
+    """A PNG bar chart: time over the GEMM floor, forward and forward+backward, per row that ran."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    labels = [r["label"] for r in rows]
+    ys = range(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 2.0))
+    for offset, key, name in ((-0.2, "fwd_x_floor", "forward"), (0.2, "fwd_bwd_x_floor", "forward+backward")):
+        values = [r[key] for r in rows]
+        bars = ax.barh([y + offset for y in ys], values, height=0.4, label=name)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], padding=2, fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(list(ys), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("time / GEMM floor (lower is better)")
+    cfg = result["config"]
+    n, h, v = cfg["shape"]
+    ax.set_title(f"logitless bench: N={n} H={h} V={v} {cfg['dtype']} on {cfg['device']}")
+    ax.margins(x=0.12)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.3 / len(rows)), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_report(result: dict) -> str:
+    """A markdown report: the command, machine, versions and date, then the table (what
+    benchmarks/results/*.md hold)."""
+    m, cfg = result["machine"], result["config"]
+    gpus = ", ".join(d["name"] for d in m["cuda"]) or "none"
+    vers = ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v)
+    load = result.get("load_average_start")
+    lines = [f"# logitless bench, {cfg['device']}, {result['date'][:10]}", "",
+             f"- command: `{result['command']}`",
+             f"- date: {result['date']}",
+             f"- machine: {m['cpu']}, {m['cpu_count']} cores (torch threads {m['torch_threads']}); GPUs: {gpus}",
+             f"- versions: {vers}",
+             f"- seed {cfg['seed']}, logit std {cfg['logit_std']}, labels sampled from the softmax; "
+             f"backward loss sum(a*logprob) + sum(b*entropy), random signed a, b",
+             f"- peak extra memory: {result['memory_method']}; includes the gradient buffers"]
+    if load:
+        lines.append(f"- load average (1 min) at start {load[0]:.1f}, at end {result['load_average_end'][0]:.1f}"
+                     " (other work on the machine inflates CPU timings)")
+    lines.append(f"- wall time of the whole bench: {result['elapsed_s']:.0f} s")
+    return "\n".join(lines) + "\n\n" + format_table(result)

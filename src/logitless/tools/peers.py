@@ -1,0 +1,187 @@
+"""The implementations `logitless bench` compares, behind one calling convention.
+
+Every entry turns (hidden [N, H], weight [V, H], labels [N] int64, temperature float) into
+(logprobs [N] float32, entropy [N] float32 or None), differentiable w.r.t. hidden and weight.
+Entries are logitless's own backends (through the public ``fused_logprobs``), the naive torch
+path, ``torch.compile`` of it, and the installed peer libraries, each called through its public
+entry point. A peer that is missing or cannot run here raises ``Unavailable`` with the reason,
+so the bench keeps its row and says why.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+Output = tuple[Tensor, Optional[Tensor]]
+Fn = Callable[[Tensor, Tensor, Tensor, float], Output]
+
+
+class Unavailable(RuntimeError):
+    """This implementation cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One row of the bench.
+
+    name: the key given to ``--backends``; label: what the table shows; kind: "logitless" or
+    "peer"; entropy: whether it computes the entropy too; package: the distribution whose version
+    the bench records (None for torch-only paths); build(device): returns the callable or raises
+    ``Unavailable``; triton_kernel: it runs a triton GPU kernel, so on CPU it fails (the bench
+    says so next to the error).
+    """
+    name: str
+    label: str
+    kind: str
+    entropy: bool
+    package: Optional[str]
+    build: Callable[[torch.device], Fn]
+    triton_kernel: bool = False      # a triton GPU kernel: on CPU its failure is expected
+
+
+def package_version(dist: str) -> Optional[str]:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _require(dist: str) -> None:
+    if package_version(dist) is None:
+        raise Unavailable(f"{dist} is not installed (pip install {dist})")
+
+
+def _interpreting(device: torch.device) -> bool:
+    # Under TRITON_INTERPRET=1 a triton kernel on CPU runs in triton's Python interpreter:
+    # correct but thousands of times slower, so timing it would only measure the interpreter.
+    return device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _needs_gpu_triton(device: torch.device, what: str) -> None:
+    if _interpreting(device):
+        raise Unavailable(f"{what} is a triton kernel; on {device.type} it would run in triton's "
+                          "interpreter (TRITON_INTERPRET=1), which is not worth timing")
+
+
+# --- logitless -------------------------------------------------------------------------------
+
+def _logitless(backend: str) -> Callable[[torch.device], Fn]:
+    def build(device: torch.device) -> Fn:
+        import logitless as api
+        probe = torch.empty(1, 1, device=device)
+        try:
+            api.choose_backend(probe, probe, backend)
+        except (RuntimeError, ValueError) as exc:
+            raise Unavailable(str(exc)) from None
+        if backend == "triton":
+            _needs_gpu_triton(device, "the triton backend")
+
+        def run(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+            out = api.fused_logprobs(h, w, y, temperature=t, backend=backend)
+            # prove that the row measured the backend it is named after
+            if api.last_backend() != backend:
+                raise RuntimeError(f"asked for {backend!r} but {api.last_backend()!r} ran")
+            return out.logprobs, out.entropy
+        return run
+    return build
+
+
+# --- the naive torch path --------------------------------------------------------------------
+
+def naive(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+    """What RL trainers write by hand: logits in the input dtype (bf16 logits for bf16 inputs),
+    then float32 log_softmax, gather and entropy. Materialises [N, V] several times."""
+    z = (h @ w.t()).float() / t
+    logp = torch.log_softmax(z, dim=-1)
+    lp = logp.gather(1, y.unsqueeze(1)).squeeze(1)
+    ent = -(logp.exp() * logp).sum(dim=-1)
+    return lp, ent
+
+
+def _naive(device: torch.device) -> Fn:
+    return naive
+
+
+def _naive_compiled(device: torch.device) -> Fn:
+    if not hasattr(torch, "compile"):
+        raise Unavailable("this torch has no torch.compile")
+    # one compiled object per bench run, so its first call (the warm-up) pays for the compile
+    return torch.compile(naive, dynamic=False)
+
+
+# --- liger-kernel ----------------------------------------------------------------------------
+
+def _liger_scaled(device: torch.device) -> Fn:
+    _require("liger-kernel")
+    try:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import \
+            LigerFusedLinearScaledCrossEntropyFunction as Scaled
+    except Exception as exc:  # noqa: BLE001 - any import failure is the row's reason
+        raise Unavailable(f"liger-kernel scaled CE does not import: {type(exc).__name__}: {exc}") from None
+
+    def run(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+        nll, ent = Scaled.apply(h, w, y, temperature=t, return_entropy=True)
+        return -nll.float(), ent.float()
+    return run
+
+
+def _liger_flce(device: torch.device) -> Fn:
+    _require("liger-kernel")
+    _needs_gpu_triton(device, "liger fused linear cross entropy")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(f"liger-kernel does not import: {type(exc).__name__}: {exc}") from None
+
+    def run(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+        # no temperature argument: scaling hidden by 1/T scales the logits by 1/T
+        loss = flce(h * (1.0 / t), w, y, reduction="none")
+        return -loss.float(), None
+    return run
+
+
+# --- cut-cross-entropy -----------------------------------------------------------------------
+
+def _cce(impl: str) -> Callable[[torch.device], Fn]:
+    def build(device: torch.device) -> Fn:
+        _require("cut-cross-entropy")
+        if impl == "cce":
+            _needs_gpu_triton(device, "cut-cross-entropy's cce kernel")
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+        except Exception as exc:  # noqa: BLE001
+            raise Unavailable(f"cut-cross-entropy does not import: {type(exc).__name__}: {exc}") from None
+
+        def run(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+            loss = linear_cross_entropy(h * (1.0 / t), w, y, reduction="none", impl=impl)
+            return -loss.float(), None
+        return run
+    return build
+
+
+IMPLS: tuple[Impl, ...] = (
+    Impl("reference", "logitless reference (fp32 logits)", "logitless", True, None, _logitless("reference")),
+    Impl("chunked", "logitless chunked", "logitless", True, None, _logitless("chunked")),
+    Impl("triton", "logitless triton", "logitless", True, None, _logitless("triton"), True),
+    Impl("naive", "naive torch (eager)", "peer", True, None, _naive),
+    Impl("naive-compile", "torch.compile(naive)", "peer", True, None, _naive_compiled),
+    Impl("liger-scaled-ce", "liger fused scaled CE", "peer", True, "liger-kernel", _liger_scaled),
+    Impl("liger-flce", "liger fused linear CE", "peer", False, "liger-kernel", _liger_flce, True),
+    Impl("cce", "cut-cross-entropy (cce)", "peer", False, "cut-cross-entropy", _cce("cce"), True),
+    Impl("cce-compile", "cut-cross-entropy (torch_compile)", "peer", False, "cut-cross-entropy",
+         _cce("torch_compile")),
+)
+NAMES = tuple(i.name for i in IMPLS)
+PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy")
+
+
+def get(name: str) -> Impl:
+    for impl in IMPLS:
+        if impl.name == name:
+            return impl
+    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(NAMES)}")

@@ -1,0 +1,9 @@
+"""logitless for Hugging Face transformers causal LMs: ``fused_forward`` for per-token log-probs
+and entropy straight from the backbone's hidden states, and ``patch_model`` / ``unpatch_model``
+to make one model instance return them from its own ``forward`` (no logits).
+
+Modules: ``forward`` (entry points and the instance patch), ``heads`` (what the LM head computes),
+``labels`` (targets and temperature per position), ``fsdp`` (FSDP1 head placement)."""
+from .forward import FusedCausalLMOutput, fused_forward, is_patched, patch_model, unpatch_model, unwrap_model
+
+__all__ = ["fused_forward", "patch_model", "unpatch_model", "is_patched", "unwrap_model", "FusedCausalLMOutput"]

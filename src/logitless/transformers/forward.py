@@ -1,0 +1,325 @@
+"""Hugging Face transformers causal LMs: per-token log-probs and entropy from the final hidden
+states and the output embedding, through ``logitless.fused_logprobs``, never building logits.
+
+- ``fused_forward(model, input_ids, ...)`` runs the backbone and the fused op: TokenLogProbs [b, s].
+- ``patch_model(model)`` / ``unpatch_model(model)`` replace ``forward`` on this *instance* only,
+  so a trainer that calls ``model(input_ids=...)`` gets ``logprobs`` and ``entropy`` instead of
+  logits. The class and every other instance are untouched.
+
+Wrappers are looked through: PEFT (LoRA and other adapters that live inside the model),
+DistributedDataParallel / FSDP / DeepSpeed ``.module`` chains, ``torch.compile``'s ``_orig_mod``.
+A wrapped model is still *called* through its wrapper, so DDP's gradient bookkeeping, FSDP's
+all-gathers and PEFT's hooks run as usual; only the innermost causal LM's forward is replaced.
+Under FSDP1 the head weight (and a tied input embedding) must belong to the root unit, which is
+unsharded for the whole forward; a head in a nested unit is refused (see fsdp.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .. import checks
+from ..api import TokenLogProbs, fused_logprobs
+
+from .fsdp import check_head_in_root_unit, fsdp_units
+from .heads import plan_head
+from .labels import check_labels, per_token_temperature, targets_from_input_ids, targets_from_unshifted_labels
+
+
+_STATE = "_logitless_patch"
+# DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
+_WRAPPER_ATTRS = ("module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+@dataclass
+class FusedCausalLMOutput(ModelOutput):
+    """What a patched causal LM returns instead of ``CausalLMOutputWithPast``: no logits.
+
+    logprobs: float32 [b, s], log-prob of the token each position is scored against (0 where ignored).
+    entropy: float32 [b, s] entropy of the temperature-scaled next-token distribution (0 where
+        ignored), or None when the model was patched with ``with_entropy=False``.
+    cache, hidden_states, attentions: the backbone's, as the unpatched model would return them.
+    """
+    logprobs: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+    cache: Any = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The innermost causal LM inside PEFT, DDP/FSDP/DeepSpeed (``.module``) and torch.compile
+    (``_orig_mod``) wrappers. Raises ValueError for prompt-learning PEFT adapters (prefix/prompt
+    tuning), which change the sequence the labels refer to."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if type(model).__module__.split(".")[0] == "peft":
+            cfg = getattr(model, "active_peft_config", None)
+            if getattr(cfg, "is_prompt_learning", False):
+                raise ValueError(f"model is a PEFT {cfg.peft_type} model: prompt-learning adapters prepend "
+                                 "virtual tokens, which logitless does not score; use LoRA-style adapters")
+            get_base = getattr(model, "get_base_model", None)
+            inner = get_base() if callable(get_base) else getattr(model, "model", None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                continue
+        if isinstance(model, PreTrainedModel):
+            break
+        # Wrapper attributes first: FSDP1 forwards unknown attribute lookups to the module it wraps,
+        # so the wrapper itself seems to have get_output_embeddings().
+        inner = next((m for m in (getattr(model, a, None) for a in _WRAPPER_ATTRS)
+                      if isinstance(m, nn.Module) and m is not model), None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def _backbone(core: nn.Module) -> nn.Module:
+    """The module that turns input ids into final (normed) hidden states: the base model."""
+    prefix = getattr(core, "base_model_prefix", "") or ""
+    base = getattr(core, prefix, None) if prefix else None
+    if isinstance(base, nn.Module) and base is not core:
+        return base
+    get_decoder = getattr(core, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if isinstance(decoder, nn.Module) and decoder is not core:
+        return decoder
+    raise ValueError(f"{type(core).__name__} has no base model (base_model_prefix / get_decoder()) to "
+                     "produce hidden states; logitless needs a transformers *ForCausalLM model")
+
+
+def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor],
+           position_ids: Optional[Tensor], targets: Tensor, temperature, with_entropy: bool,
+           ignore_index: int, backbone_kwargs: dict):
+    """Run the backbone, then the fused op on the positions that have a target.
+
+    targets: int [b, s], already per position (ignore_index where not scored).
+    Returns (TokenLogProbs of float32 [b, s], the backbone's output)."""
+    checks.boolean(with_entropy, "with_entropy")
+    backbone = _backbone(core)
+    check_head_in_root_unit(core)
+    plan = plan_head(core, backbone)
+    b, s = targets.shape
+    weight = plan.weight
+    device = weight.device
+    # checked before the backbone runs, so a bad temperature costs no forward pass
+    temp = per_token_temperature(temperature, (b, s), position_ids, device)
+    temp = temp / plan.logit_scale  # softmax(scale * z / T) == softmax(z / (T / scale))
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   **backbone_kwargs)
+    hidden = getattr(out, "last_hidden_state", None)
+    if not isinstance(hidden, Tensor):
+        raise ValueError(f"{type(core).__name__}'s base model {type(backbone).__name__} returned no "
+                         "last_hidden_state; logitless needs a transformers *ForCausalLM whose base model "
+                         "produces the final hidden states")
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (b, s) or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"the base model returned hidden states {list(hidden.shape)}; expected "
+                         f"[{b}, {s}, {weight.shape[1]}] to match the labels and lm_head.weight")
+    # The head would see the hidden states on its own device (accelerate moves them there).
+    hidden = hidden.to(device)
+    targets = targets.to(device)
+
+    h = hidden.reshape(b * s, hidden.shape[-1])
+    dev_type = device.type
+    if torch.is_autocast_enabled(dev_type):
+        # what the head's F.linear would compute in under autocast
+        dtype = torch.get_autocast_dtype(dev_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    elif h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+
+    flat = targets.reshape(-1)
+    keep = flat != ignore_index
+    # Score only the rows that have a target: padding and prompt tokens cost nothing, and a
+    # non-finite hidden row at an ignored position cannot leak NaN into the weight gradient.
+    everything = bool(keep.all())
+    idx = None if everything else keep.nonzero().squeeze(1)
+    if idx is not None:
+        h, flat = h.index_select(0, idx), flat.index_select(0, idx)
+        if isinstance(temp, Tensor):
+            temp = temp.reshape(-1).index_select(0, idx)
+    elif isinstance(temp, Tensor):
+        temp = temp.reshape(-1)
+    with torch.autocast(dev_type, enabled=False):
+        res = fused_logprobs(h, weight, flat, temperature=temp, with_entropy=with_entropy,
+                             ignore_index=ignore_index, softcap=plan.softcap)
+
+    def full(x: Optional[Tensor]) -> Optional[Tensor]:
+        if x is None:
+            return None
+        if idx is None:
+            return x.view(b, s)
+        return x.new_zeros(b * s).index_copy(0, idx, x).view(b, s)
+
+    return TokenLogProbs(full(res.logprobs), full(res.entropy)), out
+
+
+def _batch_shape(input_ids, labels, name: str):
+    if isinstance(input_ids, Tensor):
+        return tuple(input_ids.shape)
+    if input_ids is not None:
+        checks.tensor(input_ids, "input_ids")
+    if labels is None:
+        raise ValueError(f"{name} is required when input_ids is None (e.g. with inputs_embeds): there is "
+                         "no next token to score against")
+    return tuple(checks.tensor(labels, name).shape)
+
+
+def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, *,
+                     shift_labels=None, temperature=None, with_entropy=None, ignore_index=None,
+                     logits_to_keep=0, return_dict=None, **kwargs):
+    """Replaces ``forward`` on a patched causal LM instance (see ``patch_model``)."""
+    state = self.__dict__[_STATE]
+    temperature = state["temperature"] if temperature is None else temperature
+    with_entropy = state["with_entropy"] if with_entropy is None else with_entropy
+    ignore_index = checks.ignore_index(state["ignore_index"] if ignore_index is None else ignore_index)
+    if not (logits_to_keep is None or (isinstance(logits_to_keep, int) and logits_to_keep == 0)):
+        raise ValueError("logits_to_keep is not supported by a logitless-patched model (it returns no logits); "
+                         "call logitless.transformers.unpatch_model(model) before generating")
+    kwargs = {k: v for k, v in kwargs.items() if not (v is None and k.startswith("output_"))}
+    if kwargs.get("use_cache") is None:
+        # No logits, so no generation: a KV cache would only cost memory, and transformers
+        # ignores the packing in position_ids when a cache is present.
+        kwargs["use_cache"] = False
+
+    if shift_labels is not None:
+        shape = _batch_shape(input_ids, shift_labels, "shift_labels")
+        targets = check_labels(shift_labels, shape)
+    elif labels is not None:
+        # transformers' convention: labels[t] is token t; the model scores position t against t+1
+        shape = _batch_shape(input_ids, labels, "labels")
+        targets = targets_from_unshifted_labels(check_labels(labels, shape), position_ids, ignore_index)
+    else:
+        _batch_shape(input_ids, None, "labels")
+        targets = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
+    res, out = _score(self, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
+                      ignore_index, kwargs)
+    return FusedCausalLMOutput(logprobs=res.logprobs, entropy=res.entropy, cache=getattr(out, "cache", None),
+                               hidden_states=getattr(out, "hidden_states", None),
+                               attentions=getattr(out, "attentions", None))
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether the causal LM inside ``model`` currently has the logitless forward."""
+    return _STATE in unwrap_model(model).__dict__
+
+
+def _check_settings(temperature, with_entropy, ignore_index):
+    checks.temperature(temperature, max_dim=2)   # its layout is checked against the batch in the call
+    checks.boolean(with_entropy, "with_entropy")
+    checks.ignore_index(ignore_index)
+
+
+def patch_model(model: nn.Module, *, temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True,
+                ignore_index: int = -100) -> nn.Module:
+    """Make ``model(input_ids=..., attention_mask=..., position_ids=...)`` return a
+    ``FusedCausalLMOutput`` (``logprobs``, ``entropy`` [b, s] float32; no logits).
+
+    Only this instance changes (its innermost causal LM gets an instance attribute ``forward``);
+    the class and other instances keep the original forward. Patching again only updates the
+    settings; ``unpatch_model`` restores the original. Returns ``model``.
+
+    Scoring in the patched forward, per position t: without labels, against input_ids[t+1]
+    (last position, padding and packed-sequence boundaries ignored, as in ``fused_forward``);
+    with ``labels=`` (transformers' unshifted convention), against labels[t+1]; with
+    ``shift_labels=``, against shift_labels[t] as given. ``temperature=``, ``with_entropy=`` and
+    ``ignore_index=`` may also be passed per call. The head is checked at patch time: a head
+    logitless cannot reproduce exactly raises ValueError here, not later.
+    """
+    core = unwrap_model(model)
+    _check_settings(temperature, with_entropy, ignore_index)
+    check_head_in_root_unit(core)
+    # Outside its forward, an FSDP1 root holds the head weight as a flat shard: its shape is
+    # checked when the patched forward runs, with the weight unsharded.
+    plan_head(core, _backbone(core), weight_sharded=bool(fsdp_units(model)))
+    state = core.__dict__.get(_STATE)
+    if state is None:
+        state = {"previous": core.__dict__.get("forward")}
+        core.__dict__[_STATE] = state
+        core.__dict__["forward"] = types.MethodType(_patched_forward, core)
+    state.update(temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo ``patch_model`` (a no-op on a model that is not patched). Returns ``model``."""
+    core = unwrap_model(model)
+    state = core.__dict__.pop(_STATE, None)
+    if state is not None:
+        core.__dict__.pop("forward", None)
+        if state["previous"] is not None:
+            core.__dict__["forward"] = state["previous"]
+    return model
+
+
+@contextlib.contextmanager
+def _patched_for_call(model: nn.Module, core: nn.Module):
+    """``core`` (the causal LM inside the wrapper ``model``) patched for the duration, unless it already is."""
+    if _STATE in core.__dict__:
+        yield
+        return
+    patch_model(model)  # the wrapper, so an FSDP root is seen
+    try:
+        yield
+    finally:
+        unpatch_model(core)
+
+
+def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor] = None,
+                  position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
+                  temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True, ignore_index: int = -100,
+                  **model_kwargs) -> TokenLogProbs:
+    """Per-token log-probs and entropy of a transformers causal LM, without its logits.
+
+    Args:
+        model: a ``*ForCausalLM`` (or PEFT / DDP / FSDP / compiled wrapper of one).
+        input_ids: int64 [b, s]. May be None with ``inputs_embeds=`` in model_kwargs and labels.
+        attention_mask: [b, s] 0/1, 0 = padding (left or right). Other mask forms need labels.
+        position_ids: int64 [b, s]; in a padding-free packed row (b == 1) positions restart at each
+            sequence, and no position is scored across a restart.
+        labels: int [b, s], already shifted: position t is scored against labels[t] as given
+            (``ignore_index`` honoured). Default: labels[t] = input_ids[t+1], with the last position,
+            padding and packed-sequence boundaries ignored.
+        temperature: a positive number; or a tensor: [b] / [b, 1] per sequence, [b, s] per token, or
+            for one packed row [n] per packed sequence. The head's own logit scale, if any (Cohere
+            ``logit_scale``, Granite ``logits_scaling``, ...), is folded in exactly; Gemma 2 / 3's
+            ``final_logit_softcapping`` is applied exactly before the temperature, as the model does.
+        with_entropy: also return the entropy.
+        model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``).
+
+    Returns:
+        TokenLogProbs(logprobs, entropy), float32 [b, s]; 0 at ignored positions. Differentiable
+        w.r.t. every parameter that produced them.
+    """
+    core = unwrap_model(model)
+    _check_settings(temperature, with_entropy, ignore_index)
+    shape = _batch_shape(input_ids, labels, "labels")
+    if labels is not None:
+        labels = check_labels(labels, shape)
+    model_kwargs.setdefault("use_cache", False)  # scoring builds no KV cache unless asked to
+    if core is model:
+        targets = labels if labels is not None else targets_from_input_ids(input_ids, attention_mask, position_ids,
+                                                                      ignore_index)
+        res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
+                        ignore_index, model_kwargs)
+        return res
+    # Go through the wrapper's own __call__ so DDP / FSDP / PEFT do their part of the forward.
+    if labels is None:
+        labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index) \
+            if input_ids is not None else labels
+    with _patched_for_call(model, core):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    shift_labels=labels, temperature=temperature, with_entropy=with_entropy,
+                    ignore_index=ignore_index, **model_kwargs)
+    return TokenLogProbs(out.logprobs, out.entropy)

@@ -1,0 +1,409 @@
+"""Test set-up for a real megatron-core GPTModel on CPU (gloo), shared by the in-process tests,
+the spawned TP=2 workers and the legacy-release suite.
+
+The two CPU workarounds live here, never in library code:
+1. ``model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)``: the plain call asserts CUDA.
+2. ``torch.cuda.current_device = lambda: "cpu"``: megatron-core allocates attention buffers and
+   collective outputs on the "current CUDA device".
+Plus a test-only core attention that runs packed (THD) sequences on CPU: Megatron's own
+DotProductAttention applied to each packed sequence with a causal mask (TE is GPU-only).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+warnings.filterwarnings("ignore")
+
+import torch.distributed as dist  # noqa: E402
+
+_saved_current_device = None
+
+
+def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file: str | None = None,
+                      seed: int = 123, cp: int = 1) -> None:
+    """gloo process group + megatron model-parallel state on CPU."""
+    global _saved_current_device
+    from megatron.core import parallel_state, tensor_parallel
+    if not dist.is_initialized():
+        if init_file is None:
+            import tempfile
+            init_file = tempfile.mktemp(prefix="logitless_gloo_")
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if _saved_current_device is None:
+        _saved_current_device = torch.cuda.current_device
+        torch.cuda.current_device = lambda: "cpu"
+    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+def teardown_cpu_megatron() -> None:
+    global _saved_current_device
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _saved_current_device is not None:
+        torch.cuda.current_device = _saved_current_device
+        _saved_current_device = None
+
+
+def packed_attention_class():
+    """Megatron's DotProductAttention, extended to packed (THD) input by running each packed
+    sequence on its own with the usual causal mask: the same arithmetic as the [s, b] path."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kw):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, **kw)
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            cu = cu.tolist()
+            outs = []
+            for a, b in zip(cu[:-1], cu[1:]):
+                n = b - a
+                mask = torch.ones(n, n, dtype=torch.bool).triu(1).view(1, 1, n, n)
+                outs.append(super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1),
+                                            value[a:b].unsqueeze(1), mask, attn_mask_type=attn_mask_type))
+            return torch.cat(outs, dim=0)
+
+    return PackedDotProductAttention
+
+
+def _zigzag_positions(cu, cp, rank):
+    """Global packed positions held by CP rank ``rank`` (chunks rank and 2cp-1-rank of each
+    sequence); written out here independently of logitless' own packing code."""
+    out = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        c = (b - a) // (2 * cp)
+        for k in (rank, 2 * cp - 1 - rank):
+            out += range(a + k * c, a + (k + 1) * c)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def context_parallel_attention_class():
+    """Core attention for packed sequences under context parallelism on CPU (test-only; TE's
+    ring attention is GPU-only): all-gathers K and V over the CP group (differentiably), puts them
+    back in global order, and lets each local query attend causally within its own sequence.
+    Unpacked input runs Megatron's DotProductAttention unchanged."""
+    import torch.distributed.nn.functional as dist_fn
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class ContextParallelPackedAttention(DotProductAttention):
+        def __init__(self, config, *args, **kwargs):
+            cp = config.context_parallel_size
+            config.context_parallel_size = 1        # DotProductAttention refuses CP at construction
+            try:
+                super().__init__(config, *args, **kwargs)
+            finally:
+                config.context_parallel_size = cp
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kw):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, **kw)
+            group = packed_seq_params.cp_group or parallel_state.get_context_parallel_group()
+            cp, rank = dist.get_world_size(group), dist.get_rank(group)
+            cu = packed_seq_params.cu_seqlens_q_padded.tolist()
+            total = cu[-1]
+            held = [_zigzag_positions(cu, cp, r) for r in range(cp)]
+            order = torch.cat(held)
+            keys = torch.empty_like(torch.cat([key] * cp))
+            vals = torch.empty_like(keys)
+            keys = keys.index_copy(0, order, torch.cat(dist_fn.all_gather(key.contiguous(), group=group)))
+            vals = vals.index_copy(0, order, torch.cat(dist_fn.all_gather(value.contiguous(), group=group)))
+            seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+            qpos = held[rank]
+            kpos = torch.arange(total)
+            allowed = (seq_of[qpos][:, None] == seq_of[kpos][None, :]) & (kpos[None, :] <= qpos[:, None])
+            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.softmax_scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+            out = torch.einsum("hqk,khd->qhd", probs, vals)
+            return out.reshape(out.shape[0], 1, -1)
+
+    return ContextParallelPackedAttention
+
+
+class SequenceParallelTorchNorm:
+    """torch LayerNorm for sequence-parallel test models. Megatron's WrappedTorchNorm refuses
+    sequence_parallel=True (its fused norms are GPU-only); this builds the same torch LayerNorm and
+    tags its parameters ``sequence_parallel`` as Megatron's own norms do (test-side only)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_):
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
+              tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
+              packed_attention: bool = False, post_process: bool = True, seed: int = 0, **cfg_kw):
+    """A small fp32 GPTModel (local layer spec) with random weights from ``seed``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+                            mtp_num_layers=1 if mtp else None, **cfg_kw)
+    spec = get_gpt_layer_local_spec()
+    if packed_attention:
+        spec.submodules.self_attention.submodules.core_attention = (
+            context_parallel_attention_class() if cfg.context_parallel_size > 1 else packed_attention_class())
+    kw = {}
+    layer_spec = spec
+    if sequence_parallel:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        spec.submodules.input_layernorm = SequenceParallelTorchNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        layer_spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelTorchNorm)
+    if mtp:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        kw["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+    model = GPTModel(config=cfg, transformer_layer_spec=layer_spec, vocab_size=vocab, max_sequence_length=max_seq,
+                     share_embeddings_and_output_weights=tied, post_process=post_process, **kw)
+    # small random weights give nearly uniform softmaxes; widen the logits so log-probs vary
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "output_layer" in name or "word_embeddings" in name:
+                p.mul_(25.0)
+    return model
+
+
+def causal_mask(s: int):
+    """Megatron's bool mask [1, 1, s, s], True = masked out."""
+    return torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+
+
+def random_batch(b: int, s: int, vocab: int, gen: torch.Generator | None = None):
+    ids = torch.randint(0, vocab, (b, s), generator=gen)
+    labels = torch.randint(0, vocab, (b, s), generator=gen)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    return ids, pos, labels
+
+
+def unfused_logits(model, ids, pos, mask, **kw):
+    """The model's own logits [b, s, V] (vocab gathered over TP), fp32. At TP=1 nothing is
+    gathered: megatron's TP=1 "gather" returns a view that its in-place cross entropy (the MTP
+    loss) then trips over in backward."""
+    tp = model.config.tensor_model_parallel_size
+    return model(ids, pos, mask, runtime_gather_output=True if tp > 1 else None, **kw)
+
+
+def unfused_logits_with_labels(model, ids, pos, mask, labels, **kw):
+    """The model's own logits [b, s, V] for a forward that was given ``labels`` (so an MTP block
+    computes its loss from those labels, as in the fused call): megatron's own output layer and
+    logit scaling applied at the post-process boundary, exactly what ``_postprocess`` does there."""
+    tp = model.config.tensor_model_parallel_size
+
+    def logits(*, hidden_states, output_layer, output_weight, scale_logits=None, **_):
+        z, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=True if tp > 1 else None)
+        if scale_logits is not None:
+            z = scale_logits(z)
+        return z.transpose(0, 1)
+
+    return model(ids, pos, mask, labels=labels, output_processor=logits, **kw)
+
+
+def reference_from_logits(logits, labels, temperature=1.0):
+    """(logprobs, entropy) float64 from the model's logits [b, s, V]; differentiable."""
+    z = logits.double()
+    if torch.is_tensor(temperature):
+        t = temperature.double()
+        t = t.view(-1, 1, 1) if t.dim() == 1 else t.unsqueeze(-1)
+        z = z / t
+    else:
+        z = z / float(temperature)
+    logp = torch.log_softmax(z, dim=-1)
+    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+def param_grads(model):
+    return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def old_signature_gpt_class():
+    """A GPTModel whose forward has the pre-0.18 signature (no output_processor parameters) but
+    still routes through ``_postprocess``, as megatron-core 0.13-0.17 do: the legacy path's
+    target inside the current release (the real older release is tested in its own venv)."""
+    from megatron.core.models.gpt import GPTModel
+
+    class OldSignatureGPTModel(GPTModel):
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                    runtime_gather_output=None, *, loss_mask=None, padding_mask=None):
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels,
+                                   inference_context, packed_seq_params, extra_block_kwargs,
+                                   runtime_gather_output, loss_mask=loss_mask, padding_mask=padding_mask)
+
+    return OldSignatureGPTModel
+
+
+def no_postprocess_gpt_class():
+    """A GPTModel whose forward neither has the hook nor goes through ``_postprocess`` (the
+    shape of releases older than 0.13): only the unfused path can serve it."""
+    from megatron.core.models.gpt import GPTModel
+
+    class NoPostprocessGPTModel(GPTModel):
+        _postprocess = None
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                    runtime_gather_output=None, **_):
+            hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            hidden = self.decoder(hidden_states=hidden, attention_mask=attention_mask,
+                                  packed_seq_params=packed_seq_params)
+            logits, _ = self.output_layer(hidden, runtime_gather_output=runtime_gather_output)
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            return self.compute_language_model_loss(labels, logits)
+
+    return NoPostprocessGPTModel
+
+
+def build_with_class(cls, **kw):
+    """build_gpt, then the same weights in a model of class ``cls`` (a GPTModel subclass)."""
+    model = build_gpt(**kw)
+    model.__class__ = cls
+    return model
+
+
+LP_TOL = ENT_TOL = 2e-5
+GRAD_TOL = 1e-4
+
+
+def temperature_of_kind(kind, b, s, gen):
+    if kind == "one":
+        return 1.0
+    if kind == "scalar":
+        return 0.7
+    if kind == "per_seq":
+        return 0.5 + torch.rand(b, generator=gen) * 1.5
+    return 0.5 + torch.rand(b, s, generator=gen) * 1.5
+
+
+def run_fused(model, ids, pos, mask, labels, temperature, with_entropy=True):
+    from logitless.megatron import FusedOutputProcessorContext, fused_output_processor
+    ctx = FusedOutputProcessorContext(temperature=temperature, with_entropy=with_entropy)
+    return model(ids, pos, mask, labels=labels, output_processor=fused_output_processor, output_processor_context=ctx)
+
+
+def compare_with_unfused(model, b, s, temperature, gen, with_labels=False):
+    """Fused vs unfused: values and every parameter gradient. Returns (fused grads, record, a short
+    summary of the largest errors)."""
+    from logitless.megatron import last_path
+    ids, pos, labels = random_batch(b, s, model.vocab_size, gen)
+    mask = causal_mask(s)
+    a, c = torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen)
+
+    model.zero_grad(set_to_none=True)
+    out = run_fused(model, ids, pos, mask, labels, temperature)
+    record = last_path()
+    assert out.logprobs.shape == (b, s) and out.entropy.shape == (b, s)
+    assert out.logprobs.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    ((a * out.logprobs).sum() + (c * out.entropy).sum()).backward()
+    fused_grads = param_grads(model)
+
+    model.zero_grad(set_to_none=True)
+    if with_labels:
+        logits = unfused_logits_with_labels(model, ids, pos, mask, labels)
+    else:
+        logits = unfused_logits(model, ids, pos, mask)
+    assert logits.shape[-1] == model.vocab_size           # the reference saw the whole vocabulary
+    lp, ent = reference_from_logits(logits, labels, temperature)
+    ((a * lp).sum() + (c * ent).sum()).backward()
+    ref_grads = param_grads(model)
+
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.entropy).all()
+    e_lp = float((out.logprobs.double() - lp).abs().max())
+    e_ent = float((out.entropy.double() - ent).abs().max())
+    assert e_lp <= LP_TOL and e_ent <= ENT_TOL, (e_lp, e_ent)
+    assert (out.logprobs <= 0).all() and (out.entropy >= 0).all()
+    if not torch.is_tensor(temperature) and temperature == 1.0:
+        ce = model(ids, pos, mask, labels=labels)          # the model's own per-token CE [b, s]
+        assert (out.logprobs.detach() + ce.detach()).abs().max() <= LP_TOL
+    worst = 0.0
+    for name, g in ref_grads.items():
+        assert (g is None) == (fused_grads[name] is None), name
+        if g is not None and g.norm() > 0:
+            err = rel_err(fused_grads[name], g)
+            assert err <= GRAD_TOL, (name, err)
+            worst = max(worst, err)
+    return fused_grads, record, f"lp {e_lp:.1e} ent {e_ent:.1e} grad {worst:.1e}"
+
+
+def per_sequence_reference(model, seq, temperature):
+    """(logprobs, entropy) float64 [n] of one sequence run alone through the model ([1, n], causal
+    mask), from its own logits: position t scores token t + 1; the last position is 0."""
+    n = seq.numel()
+    logits = unfused_logits(model, seq[None], torch.arange(n)[None], causal_mask(n))[0]
+    lp, ent = reference_from_logits(logits[None, :-1], seq[None, 1:], temperature)
+    zero = torch.zeros(1, dtype=torch.float64)
+    return torch.cat([lp[0], zero]), torch.cat([ent[0], zero])
+
+
+def ragged_batch(gen, b=4, s=15, vocab=262):
+    """input_ids [b, s] and an attention mask with right, left+right and heavy padding."""
+    ids = torch.randint(0, vocab, (b, s), generator=gen)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, 10:] = False
+    mask[1, :4] = False
+    mask[1, 13:] = False
+    mask[3, :] = False
+    mask[3, 2:4] = True
+    return ids, mask
+
+
+def spawn_two(python: str, seed: int, cases=None, timeout: int = 420):
+    """Run tp2_worker.py as ranks 0 and 1 under ``python``; returns each rank's {case: [ok, msg]}."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "gloo_init")
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]
+                                              + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        extra = [",".join(cases)] if cases else []
+        procs = [subprocess.Popen([python or sys.executable, os.path.join(here, "tp2_worker.py"), str(r), "2", init,
+                                   str(seed), outs[r]] + extra, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        logs = []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=timeout)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        results = []
+        for r in range(2):
+            assert os.path.exists(outs[r]), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
+            with open(outs[r]) as f:
+                results.append(json.load(f))
+        for r, p in enumerate(procs):
+            assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-3000:]}"
+    return results
