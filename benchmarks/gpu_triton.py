@@ -289,13 +289,11 @@ FWD_VARIANTS = [  # (BM, BN, BK, GROUP_M, warps, stages), bulk-copy (TMA) loads
     ((128, 256, 64, 16, 8, 3), True), ((128, 256, 64, 16, 8, 4), True), ((128, 256, 64, 8, 8, 3), True),
     ((128, 256, 64, 16, 8, 3), False), ((256, 128, 64, 16, 8, 3), True),
 ]
-BWD_VARIANTS = [  # (tiles, TMA loads, dlogits budget, TMA store of dlogits)
-    ((128, 256, 64, 16, 8, 4), True, 1 << 26, False), ((128, 256, 64, 16, 8, 4), True, 1 << 26, True),
-    ((128, 256, 64, 16, 8, 4), True, 1 << 27, False), ((128, 256, 64, 16, 8, 4), True, 1 << 27, True),
-    ((128, 256, 64, 16, 8, 3), True, 1 << 26, True),
+BWD_VARIANTS = [  # (tiles, TMA loads, dlogits budget)
+    ((128, 256, 64, 16, 8, 4), True, 1 << 26), ((128, 256, 64, 16, 8, 4), True, 1 << 27),
+    ((128, 256, 64, 16, 8, 3), True, 1 << 26),
 ]
-KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGITS_ELEMENTS", "LOGITLESS_TRITON_TMA",
-         "LOGITLESS_TRITON_TMA_STORE")
+KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGITS_ELEMENTS", "LOGITLESS_TRITON_TMA")
 
 
 def variant_sweep(tag, hidden, weight, labels, a, b, res):
@@ -323,12 +321,11 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
     n, v = hidden.shape[0], weight.shape[0]
     lse = torch.randn(n, device="cuda").abs() + 10
     ent = torch.rand(n, device="cuda") * 3
-    for cfg, tma, budget, store in BWD_VARIANTS:
+    for cfg, tma, budget in BWD_VARIANTS:
         os.environ["LOGITLESS_TRITON_BWD"] = ",".join(map(str, cfg))
         os.environ["LOGITLESS_TRITON_TMA"] = "1" if tma else "0"
         os.environ["LOGITLESS_TRITON_DLOGITS_ELEMENTS"] = str(budget)
-        os.environ["LOGITLESS_TRITON_TMA_STORE"] = "1" if store else "0"
-        row = {"shape": tag, "stage": "bwd", "cfg": cfg, "tma": tma, "budget": budget, "tma_store": store}
+        row = {"shape": tag, "stage": "bwd", "cfg": cfg, "tma": tma, "budget": budget}
         try:
             fn = lambda: tri_bwd.grads(hidden, weight, labels, ones, lse, ent, a, b, True, True)
             fn()
@@ -424,7 +421,7 @@ def main():
     log("\nchecks ok:", all(c["ok"] for c in RESULTS["checks"]), len(RESULTS["checks"]))
     for row in RESULTS["sweep"]:
         log("sweep", row.get("shape"), row.get("stage"), row.get("cfg"), "tma" if row.get("tma") else "ptr",
-            row.get("budget", ""), "store-tma" if row.get("tma_store") else "",
+            row.get("budget", ""), "",
             "%.2f ms" % row["ms"] if "ms" in row else row.get("error"),
             "x%.3f" % row.get("x_gemm1", row.get("x_gemm3", float("nan"))))
     log(table())

@@ -80,12 +80,6 @@ def test_pointer_loads(dtype, h, monkeypatch):
     check(*make_inputs(h=h, dtype=dtype), temperature=0.8)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bulk_copy_store_of_dlogits(dtype, monkeypatch):
-    monkeypatch.setenv("LOGITLESS_TRITON_TMA_STORE", "1")
-    check(*make_inputs(dtype=dtype), temperature=0.9)
-
-
 def test_int32_labels():
     hidden, weight, labels = make_inputs()
     check(hidden, weight, labels.int())

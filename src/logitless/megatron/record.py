@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .. import checks
+from .. import checks, knobs
 
 PATHS = ("hook", "legacy", "unfused")
 _state = threading.local()
@@ -59,7 +58,7 @@ def strict_enabled(strict: Optional[bool] = None) -> bool:
     """``strict`` when given (a bool), else the env var LOGITLESS_STRICT ("1", "true", "yes", "on")."""
     if strict is not None:
         return checks.boolean(strict, "strict")
-    return os.environ.get("LOGITLESS_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+    return knobs.strict()
 
 
 def in_legacy_call() -> bool:

@@ -7,12 +7,12 @@ is accumulated in float32. Peak extra memory: O(N x chunk + N x H).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .. import knobs
 from .maths import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
 
 name = "chunked"
@@ -31,7 +31,7 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
 def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
     """Vocabulary rows per chunk, so that one float32 [n_tokens, rows] tile fits the budget."""
     default = DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
-    budget = int(os.environ.get("LOGITLESS_CHUNK_ELEMENTS", default))
+    budget = knobs.chunk_elements(default)
     return max(1, min(vocab, budget // max(n_tokens, 1)))
 
 

@@ -10,17 +10,16 @@ from every vocabulary tile (see benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ... import knobs
 from ..maths import mm_fp32
-from .common import LN2, LOG2E, choose_tiles, dot_flags, tile_operands, tl_dtype, tma_layout_ok
+from .common import LN2, LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, softcap_tanh, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
@@ -33,13 +32,12 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
                     WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                    STORE_TMA: tl.constexpr, OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+                    OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """dl[i, j] = inv_t_i * (g_lp_i * ([j + col0 == label_i] - p_ij) - g_ent_i * p_ij * (x_ij + ent_i)),
     x = z - lse = log p, for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk).
     SOFTCAP: z = tanh(raw / CAP) * CAP * inv_t, and dl is further multiplied by 1 - tanh^2 (compile-time
-    branch; without it the kernel is unchanged).
-    STORE_TMA: dl_ptr is a tensor descriptor of the [N, C] output and the bulk copy engine writes the
-    tile (clipped at the edges); else a masked pointer store."""
+    branch; without it the kernel is unchanged). A masked pointer store writes the tile (a bulk-copy
+    store measured no gain: benchmarks/NOTES.md)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
@@ -70,11 +68,8 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
         dl += tl.where(cols[None, :] == label[:, None], (g_lp * inv_t)[:, None], 0.0)
     if SOFTCAP:
         dl = dl * dcap     # chain rule through the cap: d z / d raw = inv_t * (1 - t^2)
-    if STORE_TMA:
-        dl_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dl.to(OUT_DTYPE))
-    else:
-        ptrs = dl_ptr + rows.to(tl.int64)[:, None] * s_dn + cols[None, :]
-        tl.store(ptrs, dl.to(OUT_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
+    ptrs = dl_ptr + rows.to(tl.int64)[:, None] * s_dn + cols[None, :]
+    tl.store(ptrs, dl.to(OUT_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
 
 
 def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, inv_temp: Tensor, lse: Tensor,
@@ -88,26 +83,18 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
     with_entropy = g_ent is not None
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
     h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
-    # bulk-copy store of the dlogits tiles: off unless LOGITLESS_TRITON_TMA_STORE=1 (see NOTES.md)
-    store_tma = use_tma and os.environ.get("LOGITLESS_TRITON_TMA_STORE", "0") == "1" and tma_layout_ok(out)
-    out_op = TensorDescriptor(out, list(out.shape), list(out.stride()), [tiles.block_m, tiles.block_n]) \
-        if store_tma else out
     _dlogits_kernel[grid](
         h_op, w_op, labels, inv_temp, lse, ent if with_entropy else lse, g_lp,
-        g_ent if with_entropy else g_lp, out_op,
+        g_ent if with_entropy else g_lp, out,
         n, cols, k, col0, hidden.stride(0), hidden.stride(1), w_chunk.stride(0), w_chunk.stride(1), out.stride(0),
-        WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_TILES=triton.cdiv(k, tiles.block_k),
-        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
-        STORE_TMA=store_tma, OUT_DTYPE=tl_dtype(out.dtype),
-        SOFTCAP=softcap is not None, CAP=1.0 if softcap is None else float(softcap),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        WITH_ENTROPY=with_entropy, USE_TMA=use_tma, OUT_DTYPE=tl_dtype(out.dtype),
+        **launch_options(tiles, hidden, softcap))
     return out
 
 
 def chunk_columns(n_tokens: int, vocab: int, block_n: int) -> int:
     """Vocabulary rows per dlogits chunk: the element budget over N, a multiple of the tile, <= V."""
-    budget = int(os.environ.get("LOGITLESS_TRITON_DLOGITS_ELEMENTS", DEFAULT_DLOGITS_ELEMENTS))
+    budget = knobs.dlogits_elements(DEFAULT_DLOGITS_ELEMENTS)
     cols = max(block_n, (budget // max(n_tokens, 1)) // block_n * block_n)
     return min(cols, vocab)
 

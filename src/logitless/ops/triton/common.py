@@ -1,13 +1,14 @@
 """What the Triton kernels share: the interpreter switch, dtypes and block-size choice."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ... import knobs
 
 # triton decides at decoration time whether @triton.jit builds GPU code or interpreter functions,
 # from TRITON_INTERPRET as it was when triton was imported.
@@ -49,14 +50,6 @@ class Tiles:
 INTERPRETER_TILES = Tiles(16, 64, 32, 4, 4, 1)
 
 
-def _env_tiles(var: str):
-    """LOGITLESS_TRITON_FWD / _BWD = "BM,BN,BK,GROUP_M,warps,stages" overrides the choice (benchmarks)."""
-    raw = os.environ.get(var)
-    if not raw:
-        return None
-    return Tiles(*(int(x) for x in raw.split(",")))
-
-
 def _hopper_or_newer(device: torch.device) -> bool:
     """NVIDIA compute capability >= 9.0: the bulk copy engine, and 228 KiB of shared memory per SM."""
     if device.type != "cuda" or torch.version.hip is not None:
@@ -80,9 +73,9 @@ def choose_tiles(stage: str, dtype: torch.dtype, device: torch.device) -> Tiles:
     """Tiles of the "FWD" or "BWD" kernel; LOGITLESS_TRITON_<stage> overrides them for benchmarking."""
     if INTERPRETING:
         return INTERPRETER_TILES
-    env = _env_tiles(f"LOGITLESS_TRITON_{stage}")
+    env = knobs.triton_tiles(stage)
     if env is not None:
-        return env
+        return Tiles(*env)
     if dtype == torch.float32:
         return FLOAT32_TILES
     if not _hopper_or_newer(device):
@@ -101,10 +94,21 @@ def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
     """(hidden operand, weight operand, USE_TMA) for logits_tile: tensor descriptors on Hopper or newer
     (and in the interpreter) where the layout allows and LOGITLESS_TRITON_TMA is not "0", else the
     tensors themselves (pointer loads)."""
-    mode = os.environ.get("LOGITLESS_TRITON_TMA", "1")
     engine = INTERPRETING or _hopper_or_newer(hidden.device)
-    if mode != "0" and engine and tma_layout_ok(hidden) and tma_layout_ok(weight):
+    if knobs.triton_tma() and engine and tma_layout_ok(hidden) and tma_layout_ok(weight):
         h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])
         w = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [tiles.block_n, tiles.block_k])
         return h, w, True
     return hidden, weight, False
+
+
+def launch_options(tiles: Tiles, hidden: torch.Tensor, softcap) -> dict:
+    """The compile-time keywords every tile kernel takes (tiles, K loop, dot switches, softcap) and
+    the launch shape, for inputs ``hidden`` [N, K] and ``softcap`` (None or c > 0: the cap is a
+    compile-time constant, one build per distinct value; a model has one)."""
+    k = hidden.shape[1]
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                K_TILES=triton.cdiv(k, tiles.block_k), GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0),
+                **dot_flags(hidden.dtype), SOFTCAP=softcap is not None,
+                CAP=1.0 if softcap is None else float(softcap),
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LN2, LOG2E, dot_flags, choose_tiles, tile_operands
+from .common import LN2, LOG2E, choose_tiles, launch_options, tile_operands
 from .tile import logits_tile, softcap_tanh, tile_coords
 
 
@@ -83,11 +83,7 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     _tile_stats_kernel[grid](
         h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        WITH_ENTROPY=with_entropy, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        K_TILES=triton.cdiv(k, tiles.block_k),
-        GROUP_M=tiles.group_m, EVEN_K=(k % tiles.block_k == 0), **dot_flags(hidden.dtype), USE_TMA=use_tma,
-        SOFTCAP=softcap is not None, CAP=1.0 if softcap is None else float(softcap),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        WITH_ENTROPY=with_entropy, USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
     return part_m, part_s, part_t if with_entropy else None, zy
 
 

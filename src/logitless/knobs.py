@@ -1,0 +1,60 @@
+"""Every ``LOGITLESS_*`` environment variable, read here and nowhere else (README: "Knobs").
+
+Read at call time, not at import, so a benchmark or test can set one for a single call. A value
+that does not parse raises ValueError naming the variable.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _int(name: str, default: Optional[int]) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} must be a positive integer")
+    return value
+
+
+def strict() -> bool:
+    """LOGITLESS_STRICT: forbid every silent fallback to an unfused path ("1", "true", "yes", "on")."""
+    return os.environ.get("LOGITLESS_STRICT", "").strip().lower() in _TRUE
+
+
+def chunk_elements(default: int) -> int:
+    """LOGITLESS_CHUNK_ELEMENTS: float32 logits per chunk of the chunked backend."""
+    return _int("LOGITLESS_CHUNK_ELEMENTS", default)
+
+
+def dlogits_elements(default: int) -> int:
+    """LOGITLESS_TRITON_DLOGITS_ELEMENTS: elements of the triton backward's dlogits workspace."""
+    return _int("LOGITLESS_TRITON_DLOGITS_ELEMENTS", default)
+
+
+def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
+    """LOGITLESS_TRITON_FWD / LOGITLESS_TRITON_BWD = "BM,BN,BK,GROUP_M,warps,stages": the tiles of that
+    kernel (benchmarking only); None when unset."""
+    name = f"LOGITLESS_TRITON_{stage}"
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        values = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 6 or min(values) < 1:
+        raise ValueError(f"{name}={raw!r} must be six positive integers BM,BN,BK,GROUP_M,warps,stages")
+    return values
+
+
+def triton_tma() -> bool:
+    """LOGITLESS_TRITON_TMA: "0" turns the bulk-copy (TMA) tile loads off (pointer loads instead)."""
+    return os.environ.get("LOGITLESS_TRITON_TMA", "1").strip() != "0"
