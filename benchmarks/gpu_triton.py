@@ -31,6 +31,7 @@ import triton  # noqa: E402
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
 from logitless.ops.triton import backward as tri_bwd  # noqa: E402
+from logitless.tools.common import GemmFloor, random_head, sample_labels, time_cuda  # noqa: E402
 
 SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072), "C": (1024, 4096, 151936)}
 GIB = 1 << 30
@@ -39,23 +40,6 @@ RESULTS: dict = {"checks": [], "shapes": {}, "sweep": []}
 
 def log(*a):
     print(*a, flush=True)
-
-
-def bench(fn, warmup=2, reps=7):
-    """Median milliseconds of fn() over reps, timed with CUDA events after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2], times[0], times[-1]
 
 
 # ---------------------------------------------------------------- correctness on small odd shapes
@@ -117,14 +101,8 @@ def one_check(n, h, v, dt, per_tok, with_ent, t, softcap=None, logit_std=4.0):
 # ---------------------------------------------------------------- benchmark shapes
 def make_inputs(n, h, v, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
-    weight = (torch.randn(v, h, device="cuda", generator=g) * (4 / h ** 0.5)).to(torch.bfloat16)
-    labels = torch.empty(n, dtype=torch.long, device="cuda")
-    with torch.no_grad():
-        for i in range(0, n, 1024):
-            z = torch.mm(hidden[i:i + 1024], weight.t(), out_dtype=torch.float32)
-            labels[i:i + 1024] = torch.multinomial(torch.softmax(z, -1), 1, generator=g).squeeze(1)
-            del z
+    hidden, weight = random_head(n, h, v, torch.bfloat16, "cuda", g)
+    labels = sample_labels(hidden, weight, 1.0, g)
     a = torch.randn(n, device="cuda", generator=g)
     b = torch.randn(n, device="cuda", generator=g)
     return hidden, weight, labels, a, b
@@ -167,20 +145,11 @@ def naive(hidden, weight, labels, a, b, backward=True):
 
 
 def floors(hidden, weight):
-    n, v = hidden.shape[0], weight.shape[0]
-    z = torch.empty(n, v, dtype=hidden.dtype, device="cuda")
-    dh = torch.empty_like(hidden)
-    dw = torch.empty_like(weight)
-
-    def one():
-        torch.mm(hidden, weight.t(), out=z)
-
-    def four():
-        torch.mm(hidden, weight.t(), out=z)
-        torch.mm(hidden, weight.t(), out=z)
-        torch.mm(z, weight, out=dh)
-        torch.mm(z.t(), hidden, out=dw)
-    return {"gemm1_ms": bench(one, reps=15)[0], "gemm4_ms": bench(four, reps=7)[0]}
+    gemms = GemmFloor(hidden, weight)
+    res = {"gemm1_ms": time_cuda(gemms.forward, reps=15)[0],
+           "gemm4_ms": time_cuda(gemms.forward_backward, reps=7)[0]}
+    gemms.close()
+    return res
 
 
 def peak_extra(fn, grad_bytes):
@@ -231,7 +200,7 @@ def shape_run(tag, sweep):
 
     def timed(name, fn, reps=7):
         try:
-            ms = bench(fn, reps=reps)
+            ms = time_cuda(fn, reps=reps)
             res[name] = ms[0]
             res[name + "_spread"] = [ms[1], ms[2]]
             log(tag, name, "%.2f ms" % ms[0], "(min %.2f max %.2f)" % (ms[1], ms[2]))
@@ -310,7 +279,7 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
             fn()
             torch.cuda.synchronize()
             row["compile_s"] = time.time() - t0
-            row["ms"] = bench(fn, reps=7)[0]
+            row["ms"] = time_cuda(fn, reps=7)[0]
             row["x_gemm1"] = row["ms"] / res["gemm1_ms"]
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:300]
@@ -329,11 +298,11 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
         try:
             fn = lambda: tri_bwd.grads(hidden, weight, labels, ones, lse, ent, a, b, True, True)
             fn()
-            row["ms"] = bench(fn, reps=3)[0]
+            row["ms"] = time_cuda(fn, reps=3)[0]
             row["x_gemm3"] = row["ms"] / (res["gemm4_ms"] * 0.75)
             step = tri_bwd.chunk_columns(n, v, cfg[1])
             buf = torch.empty(n, step, dtype=hidden.dtype, device="cuda")
-            row["dlogits_chunk_ms"] = bench(lambda: tri_bwd.dlogits_chunk(
+            row["dlogits_chunk_ms"] = time_cuda(lambda: tri_bwd.dlogits_chunk(
                 hidden, weight[:step], 0, labels, ones, lse, ent, a, b, buf), reps=5)[0]
             row["chunk_cols"] = step
             row["chunk_x_gemm"] = row["dlogits_chunk_ms"] / (res["gemm1_ms"] * step / v)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import math
 import os
 import sys
 import time
@@ -32,13 +31,13 @@ import torch
 from torch import Tensor
 
 from . import peers
-from .doctor import machine, versions
+from .common import (DTYPES, LOGIT_STD, GemmFloor, cell, gemm_tflops, markdown_table, random_head, sample_labels,
+                     sync, time_call)
+from .machine import machine, versions
 
 GPU_SHAPE = (16384, 4096, 151936)
 # Sized so that `make bench` (every row, compiles included) takes about a minute on 2 CPU cores.
 CPU_SHAPE = (1024, 512, 32000)
-LOGIT_STD = 4.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -77,11 +76,6 @@ class Row:
 
 
 # --- measurement -----------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -146,17 +140,6 @@ class PeakMemory:
         return max(0, peak - base)
 
 
-def _time(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call; whatever fn returns is dropped after the clock stops."""
-    _sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    del out
-    return seconds
-
-
 # --- inputs ----------------------------------------------------------------------------------
 
 @dataclass
@@ -172,14 +155,8 @@ def make_inputs(cfg: BenchConfig) -> Inputs:
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     n, h, v = cfg.shape
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    hidden = torch.randn(n, h, device=device, generator=gen).to(dtype)
-    # h ~ N(0, 1), W ~ N(0, s^2) => each logit ~ N(0, H s^2): s = 4 / sqrt(H) gives std 4
-    weight = (torch.randn(v, h, device=device, generator=gen) * (LOGIT_STD / math.sqrt(h))).to(dtype)
-    labels = torch.empty(n, dtype=torch.long, device=device)
-    step = max(1, (1 << 24) // v)     # sample a few tokens at a time: never [N, V] at once
-    for i in range(0, n, step):
-        z = (hidden[i:i + step] @ weight.t()).float() / cfg.temperature
-        labels[i:i + step] = torch.multinomial(torch.softmax(z, dim=1), 1, generator=gen).squeeze(1)
+    hidden, weight = random_head(n, h, v, dtype, device, gen)
+    labels = sample_labels(hidden, weight, cfg.temperature, gen)
     a = torch.randn(n, device=device, generator=gen)
     b = torch.randn(n, device=device, generator=gen)
     return Inputs(hidden, weight, labels, a, b)
@@ -275,16 +252,16 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, met
     try:
         t0 = time.perf_counter()
         lp, ent, dh, dw = _forward_backward(fn, x, t, checker.a, checker.b)()
-        _sync(device)
+        sync(device)
         row.warmup_s = time.perf_counter() - t0
         checker.compare(row, lp, ent, dh, dw)
         del lp, ent, dh, dw
         with torch.no_grad():
             _forward(fn, x, t)()            # warm-up of the inference path (compiles its own graph)
-            row.times_fwd = [_time(_forward(fn, x, t), device) for _ in range(cfg.repeats)]
+            row.times_fwd = [time_call(_forward(fn, x, t), device) for _ in range(cfg.repeats)]
             row.fwd_extra_bytes = meter.measure(_forward(fn, x, t))
         step = _forward_backward(fn, x, t, x.a, x.b)
-        row.times_fwd_bwd = [_time(step, device) for _ in range(cfg.repeats)]
+        row.times_fwd_bwd = [time_call(step, device) for _ in range(cfg.repeats)]
         row.fwd_bwd_extra_bytes = meter.measure(step)
     except Exception as exc:  # noqa: BLE001
         row.status, row.reason = "failed", _short(exc)
@@ -298,13 +275,9 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, met
 
 
 class Floor:
-    """The GEMMs of this shape in the input dtype: 1 for forward, 4 for forward+backward.
-
-    Sampled before the first row and again after every row that ran; the floor is the best sample,
-    the one least disturbed by other work on the machine. Each sample allocates and touches its
-    [N, V] buffers before the clock starts and frees them after (the rows get the memory back): the
-    floor is the GEMMs' arithmetic, not the page faults of fresh buffers (on CPU those can cost as
-    much as the GEMM itself)."""
+    """The GEMM floor (``common.GemmFloor``), sampled before the first row and again after every row
+    that ran; the floor is the best sample, the one least disturbed by other work on the machine.
+    Each sample allocates its buffers and frees them after, so the rows get the memory back."""
 
     def __init__(self, x: Inputs, cfg: BenchConfig):
         self.device = torch.device(cfg.device)
@@ -314,36 +287,20 @@ class Floor:
         self._warm = False
 
     def sample(self, count: int = 1) -> None:
-        n, h, v = self.shape
-        hid, w, dev, dtype = self.hid, self.w, self.device, self.hid.dtype
-        z = torch.full((n, v), 0.5, device=dev, dtype=dtype)                 # pages touched
-        dz = torch.randn(n, v, device=dev).to(dtype)                          # stands for d_logits
-        dh = torch.full((n, h), 0.5, device=dev, dtype=dtype)
-        dw = torch.full((v, h), 0.5, device=dev, dtype=dtype)
-
-        def fwd():
-            torch.mm(hid, w.t(), out=z)
-
-        def fwd_bwd():
-            torch.mm(hid, w.t(), out=z)
-            torch.mm(hid, w.t(), out=z)        # the recompute a fused backward does
-            torch.mm(dz, w, out=dh)
-            torch.mm(dz.t(), hid, out=dw)
-
+        gemms = GemmFloor(self.hid, self.w)
         if not self._warm:
-            fwd_bwd()
+            gemms.forward_backward()
             self._warm = True
         for _ in range(count):
-            self.row.times_fwd.append(_time(fwd, dev))
-            self.row.times_fwd_bwd.append(_time(fwd_bwd, dev))
-        # the buffers go when this returns; the rows get the memory back
+            self.row.times_fwd.append(time_call(gemms.forward, self.device))
+            self.row.times_fwd_bwd.append(time_call(gemms.forward_backward, self.device))
+        gemms.close()
 
     def best(self) -> dict:
         n, h, v = self.shape
         fwd, fwd_bwd = min(self.row.times_fwd), min(self.row.times_fwd_bwd)
-        flops = 2.0 * n * h * v
-        return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "fwd_tflops": flops / fwd / 1e12,
-                "fwd_bwd_tflops": 4 * flops / fwd_bwd / 1e12, "samples": len(self.row.times_fwd)}
+        return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "fwd_tflops": gemm_tflops(n, h, v, fwd),
+                "fwd_bwd_tflops": gemm_tflops(n, h, v, fwd_bwd, 4), "samples": len(self.row.times_fwd)}
 
     def close(self) -> tuple[dict, Row]:
         """The floor numbers and its table row."""
@@ -413,12 +370,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
 
 # --- output ----------------------------------------------------------------------------------
 
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _mib(value: Optional[int]) -> str:
-    return "-" if value is None else f"{value / 2**20:.0f}"
+    return cell(value and value / 2**20, ".0f")
 
 
 def format_table(result: dict) -> str:
@@ -434,18 +387,16 @@ def format_table(result: dict) -> str:
             f"4 GEMMs {floor['fwd_bwd_s'] * 1e3:.1f} ms\n\n")
     cols = ["implementation", "fwd ms", "fwd x floor", "fwd+bwd ms", "fwd+bwd x floor",
             "fwd MiB", "fwd+bwd MiB", "lp err", "ent err", "dh rel", "dW rel", "note"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    rows = []
     for r in result["rows"]:
         note = r["reason"] or ""
         if r["status"] == "ok" and not r["entropy"] and r["kind"] != "floor":
             note = "log-prob only (no entropy)"
-        cells = [r["label"], _fmt(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), _fmt(r["fwd_x_floor"], ".2f"),
-                 _fmt(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), _fmt(r["fwd_bwd_x_floor"], ".2f"),
-                 _mib(r["fwd_extra_bytes"]), _mib(r["fwd_bwd_extra_bytes"]), _fmt(r["err_logprob"], ".1e"),
-                 _fmt(r["err_entropy"], ".1e"), _fmt(r["err_dh"], ".1e"), _fmt(r["err_dw"], ".1e"),
-                 note.replace("|", "/")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
+        rows.append([r["label"], cell(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), cell(r["fwd_x_floor"], ".2f"),
+                     cell(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), cell(r["fwd_bwd_x_floor"], ".2f"),
+                     _mib(r["fwd_extra_bytes"]), _mib(r["fwd_bwd_extra_bytes"]), cell(r["err_logprob"], ".1e"),
+                     cell(r["err_entropy"], ".1e"), cell(r["err_dh"], ".1e"), cell(r["err_dw"], ".1e"), note])
+    return head + markdown_table(cols, rows)
 
 
 def write_plot(result: dict, path: str) -> None:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .common import DTYPES, GemmFloor, cell, markdown_table, random_head, sync
+
 LOGITLESS_BACKENDS = ("reference", "chunked", "triton")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOGIT_STD = 4.0
 TIMES = ("fwd_s", "fwd_bwd_s", "floor_fwd_s", "floor_fwd_bwd_s", "comm_fwd_s", "comm_bwd_s")
 
 
@@ -124,19 +124,14 @@ def _rank_main(rank: int, cfg: dict, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _median_time(fn, dev: torch.device, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         dist.barrier()
-        _sync(dev)
+        sync(dev)
         start = time.perf_counter()
         fn()
-        _sync(dev)
+        sync(dev)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -162,11 +157,11 @@ def _bench_backend(name: str, cfg: dict, rank: int, dev: torch.device) -> dict:
     dtype, group, t = DTYPES[cfg["dtype"]], dist.group.WORLD, cfg["temperature"]
     shared = torch.Generator(device=dev).manual_seed(cfg["seed"])           # same on every rank
     own = torch.Generator(device=dev).manual_seed(cfg["seed"] + 1 + rank)   # this rank's rows
-    hidden = torch.randn(n, h, device=dev, generator=shared).to(dtype)
+    hidden, _ = random_head(n, h, 1, dtype, dev, shared)
     labels = torch.randint(0, v, (n,), device=dev, generator=shared)
     a = torch.randn(n, device=dev, generator=shared)
     b = torch.randn(n, device=dev, generator=shared)
-    weight = (torch.randn(sizes[rank], h, device=dev, generator=own) * (LOGIT_STD / h ** 0.5)).to(dtype)
+    _, weight = random_head(1, h, sizes[rank], dtype, dev, own)      # this rank's shard of the head
     h_leaf = hidden.detach().requires_grad_(True)
     w_leaf = weight.detach().requires_grad_(True)
 
@@ -185,18 +180,7 @@ def _bench_backend(name: str, cfg: dict, rank: int, dev: torch.device) -> dict:
         row.update(status="unavailable" if "cannot" in str(exc) else "failed", reason=f"{type(exc).__name__}: {exc}")
         return row
 
-    dz = torch.randn(n, sizes[rank], device=dev, generator=own).to(dtype)   # stands for d_logits
-
-    def floor_fwd():
-        return hidden @ weight.t()
-
-    def floor_fwd_bwd():
-        z = hidden @ weight.t()
-        del z
-        z = hidden @ weight.t()
-        del z
-        return dz @ weight, dz.t() @ hidden
-
+    floor = GemmFloor(hidden, weight)      # the GEMMs of this rank's shard
     tp = VocabParallel.for_group(group, weight)
     stats = [torch.randn(n, device=dev, generator=own) for _ in range(3)]
     dh = torch.randn(n, h, device=dev, generator=own)
@@ -208,7 +192,9 @@ def _bench_backend(name: str, cfg: dict, rank: int, dev: torch.device) -> dict:
         return tp.reduce_grad_hidden(dh)
 
     reps = cfg["repeats"]
-    mine = [_median_time(fn, dev, reps) for fn in (fwd, fwd_bwd, floor_fwd, floor_fwd_bwd, comm_fwd, comm_bwd)]
+    mine = [_median_time(fn, dev, reps) for fn in (fwd, fwd_bwd, floor.forward, floor.forward_backward,
+                                                        comm_fwd, comm_bwd)]
+    floor.close()
     slowest = torch.tensor(mine, dtype=torch.float64, device=dev)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     row.update(zip(TIMES, slowest.tolist()))
@@ -222,24 +208,19 @@ def _bench_backend(name: str, cfg: dict, rank: int, dev: torch.device) -> dict:
 # --- output ----------------------------------------------------------------------------------
 
 def format_tp_table(rows: list[dict]) -> str:
-    """The rows of :func:`run_tp_bench` as a text table (times in ms)."""
+    """The rows of :func:`run_tp_bench` as a markdown table (times in ms), with a header line."""
     if not rows:
         return "no rows\n"
     r0 = rows[0]
-    lines = [f"tensor parallel: {r0['world_size']} ranks ({r0['collectives']}), N={r0['tokens']} H={r0['hidden']} "
-             f"V={r0['vocab']} (per rank {max(r0['vocab_per_rank'])}) {r0['dtype']} on {r0['device']}; "
-             "ms = max over ranks",
-             f"{'backend':<10} {'fwd ms':>9} {'x floor':>8} {'comm %':>7} {'fwd+bwd ms':>11} {'x floor':>8} "
-             f"{'comm %':>7}  {'floor ms (fwd / fwd+bwd)':>25}"]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"{r['backend']:<10} {r['status']}: {r['reason']}")
-            continue
-        lines.append(f"{r['backend']:<10} {r['fwd_s'] * 1e3:9.2f} {r['fwd_x_floor']:8.2f} "
-                     f"{100 * r['comm_share_fwd']:6.1f}% {r['fwd_bwd_s'] * 1e3:11.2f} {r['fwd_bwd_x_floor']:8.2f} "
-                     f"{100 * r['comm_share_fwd_bwd']:6.1f}%  "
-                     f"{r['floor_fwd_s'] * 1e3:11.2f} / {r['floor_fwd_bwd_s'] * 1e3:.2f}")
-    return "\n".join(lines) + "\n"
+    head = (f"vocab-parallel over {r0['world_size']} ranks: N={r0['tokens']} H={r0['hidden']} V={r0['vocab']} "
+            f"{r0['dtype']} on {r0['device']} ({r0['collectives']}); max over ranks of per-rank medians\n\n")
+    cols = ["backend", "fwd ms", "fwd x floor", "fwd+bwd ms", "fwd+bwd x floor", "comm share fwd",
+            "comm share fwd+bwd", "note"]
+    table = [[r["backend"], cell(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), cell(r["fwd_x_floor"], ".2f"),
+              cell(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), cell(r["fwd_bwd_x_floor"], ".2f"),
+              cell(r["comm_share_fwd"], ".2f"), cell(r["comm_share_fwd_bwd"], ".2f"),
+              "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"] for r in rows]
+    return head + markdown_table(cols, table)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -116,7 +116,7 @@ def _bench_config(args: argparse.Namespace, parser: argparse.ArgumentParser):
 def _run_tp(args: argparse.Namespace, cfg) -> int:
     """`--tp N`: the vocab-parallel bench of logitless.tools.bench_tp (logitless backends only)."""
     try:
-        from .bench_tp import run_tp_bench
+        from .bench_tp import format_tp_table, run_tp_bench
     except ImportError as exc:
         print(f"logitless bench --tp: the tensor-parallel bench is not available in this install "
               f"(logitless.tools.bench_tp: {exc})", file=sys.stderr)
@@ -131,26 +131,8 @@ def _run_tp(args: argparse.Namespace, cfg) -> int:
     except ValueError as exc:       # e.g. more ranks than GPUs or vocabulary rows
         print(f"logitless bench --tp: {exc}", file=sys.stderr)
         return 2
-    print(_tp_table(rows, args.tp, cfg), end="")
+    print(format_tp_table(rows), end="")
     return 0
-
-
-def _tp_table(rows: list, tp: int, cfg) -> str:
-    n, h, v = cfg.shape
-    out = [f"vocab-parallel over {tp} ranks: N={n} H={h} V={v} {cfg.dtype} on {cfg.device}; "
-           "max over ranks of per-rank medians", "",
-           "| backend | fwd ms | fwd x floor | fwd+bwd ms | fwd+bwd x floor | comm share fwd | "
-           "comm share fwd+bwd | note |", "|" + "---|" * 8]
-
-    def num(row, key, scale=1.0, spec=".2f"):
-        value = row.get(key)
-        return "-" if value is None else format(value * scale, spec)
-
-    for r in rows:
-        out.append(f"| {r['backend']} | {num(r, 'fwd_s', 1e3, '.1f')} | {num(r, 'fwd_x_floor')} | "
-                   f"{num(r, 'fwd_bwd_s', 1e3, '.1f')} | {num(r, 'fwd_bwd_x_floor')} | "
-                   f"{num(r, 'comm_share_fwd')} | {num(r, 'comm_share_fwd_bwd')} | {r.get('reason') or ''} |")
-    return "\n".join(out) + "\n"
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: str) -> int:

@@ -1,22 +1,20 @@
 """`logitless doctor`: what is installed, which devices are there, which backend "auto" would
 choose and why, and whether the installed megatron-core exposes the GPTModel output_processor hook.
 
-The machine and version helpers here are shared with the bench, which records them in its JSON.
+The machine and version helpers live in machine.py (the bench records them too); the doctor imports
+nothing of the benchmark's peers.
 """
 from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from typing import Optional
 
 import torch
 
-from .peers import PEER_PACKAGES, package_version
-
-VERSIONED = ("torch", "triton", "transformers", "megatron-core", "numpy")
+from .machine import machine, package_version, versions
 
 # Runs in a child process: importing megatron-core is slow, prints warnings and can fail in many
 # ways (missing apex, triton, a CUDA assert); none of that may take the doctor down with it.
@@ -32,40 +30,6 @@ except BaseException as exc:
     result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 sys.stdout.write("\n@@HOOK@@" + json.dumps(result) + "\n")
 """
-
-
-def versions() -> dict[str, Optional[str]]:
-    """Installed versions (None when missing) of python, logitless, the main dependencies and peers.
-    Read from package metadata, so nothing heavy is imported."""
-    from logitless import __version__
-    out: dict[str, Optional[str]] = {"python": platform.python_version(), "logitless": __version__,
-                                     "torch": torch.__version__}
-    for dist in VERSIONED[1:] + PEER_PACKAGES:
-        out[dist] = package_version(dist)
-    return out
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict:
-    """CPU model and core count, torch's thread count, and the CUDA devices (name, memory)."""
-    info = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "cuda": []}
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            info["cuda"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                                 "capability": f"{p.major}.{p.minor}"})
-    return info
 
 
 def auto_choice(device: str) -> tuple[str, str]:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from .machine import package_version
 
 Output = tuple[Tensor, Optional[Tensor]]
 Fn = Callable[[Tensor, Tensor, Tensor, float], Output]
@@ -42,13 +43,6 @@ class Impl:
     package: Optional[str]
     build: Callable[[torch.device], Fn]
     triton_kernel: bool = False      # a triton GPU kernel: on CPU its failure is expected
-
-
-def package_version(dist: str) -> Optional[str]:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _require(dist: str) -> None:
@@ -177,7 +171,6 @@ IMPLS: tuple[Impl, ...] = (
          _cce("torch_compile")),
 )
 NAMES = tuple(i.name for i in IMPLS)
-PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy")
 
 
 def get(name: str) -> Impl:

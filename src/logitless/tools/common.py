@@ -1,0 +1,121 @@
+"""What every benchmark shares: input dtypes, random LM-head inputs with realistic logits, labels
+sampled from the softmax, the cuBLAS GEMM floor, device synchronisation, timing and table cells.
+
+Used by `logitless bench`, `logitless bench --tp` and the GPU scripts under benchmarks/, so that they
+all measure the same work against the same floor.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Logit standard deviation of the benchmark inputs (what trained LM heads show, roughly).
+LOGIT_STD = 4.0
+# Tokens whose labels are sampled at once: never an [N, V] softmax (it would not fit at large N).
+SAMPLE_ELEMENTS = 1 << 24
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn`` (synchronised before and after); its result is dropped after the
+    clock stops."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    del out
+    return seconds
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 2, reps: int = 7) -> tuple[float, float, float]:
+    """(median, min, max) milliseconds of ``fn()`` over ``reps`` calls, timed with CUDA events after
+    ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], times[0], times[-1]
+
+
+def random_head(n: int, h: int, v: int, dtype: torch.dtype, device, generator: torch.Generator,
+                logit_std: float = LOGIT_STD) -> tuple[Tensor, Tensor]:
+    """hidden [n, h] ~ N(0, 1) and weight [v, h] ~ N(0, s^2) in ``dtype``, with s = logit_std / sqrt(h)
+    so that every logit has standard deviation ``logit_std``."""
+    hidden = torch.randn(n, h, device=device, generator=generator).to(dtype)
+    weight = (torch.randn(v, h, device=device, generator=generator) * (logit_std / math.sqrt(h))).to(dtype)
+    return hidden, weight
+
+
+def sample_labels(hidden: Tensor, weight: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
+    """int64 [N]: one token per row drawn from softmax(hidden @ weight.T / temperature), as RL rollouts
+    draw them, a few rows at a time (float32 logits of at most SAMPLE_ELEMENTS)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    labels = torch.empty(n, dtype=torch.long, device=hidden.device)
+    step = max(1, SAMPLE_ELEMENTS // v)
+    with torch.no_grad():
+        for i in range(0, n, step):
+            z = (hidden[i:i + step] @ weight.t()).float() / temperature
+            labels[i:i + step] = torch.multinomial(torch.softmax(z, dim=1), 1, generator=generator).squeeze(1)
+    return labels
+
+
+class GemmFloor:
+    """The GEMMs of an [N, H] x [V, H] head in the input dtype: forward = 1 ([N,H] x [H,V]),
+    forward+backward = 4 (forward, the recompute a fused backward does, dH = dZ W, dW = dZ^T h).
+
+    Construction allocates and touches the [N, V] output and the gradient-sized buffers, so the
+    timed calls measure arithmetic, not page faults of fresh buffers; ``close()`` frees them."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor):
+        n, v = hidden.shape[0], weight.shape[0]
+        self.hidden, self.weight = hidden, weight
+        self.z = torch.full((n, v), 0.5, device=hidden.device, dtype=hidden.dtype)
+        self.dz = torch.randn(n, v, device=hidden.device).to(hidden.dtype)       # stands for d_logits
+        self.dh = torch.full_like(hidden, 0.5)
+        self.dw = torch.full_like(weight, 0.5)
+
+    def forward(self) -> None:
+        torch.mm(self.hidden, self.weight.t(), out=self.z)
+
+    def forward_backward(self) -> None:
+        torch.mm(self.hidden, self.weight.t(), out=self.z)
+        torch.mm(self.hidden, self.weight.t(), out=self.z)
+        torch.mm(self.dz, self.weight, out=self.dh)
+        torch.mm(self.dz.t(), self.hidden, out=self.dw)
+
+    def close(self) -> None:
+        self.z = self.dz = self.dh = self.dw = None
+
+
+def gemm_tflops(n: int, h: int, v: int, seconds: float, gemms: int = 1) -> float:
+    return gemms * 2.0 * n * h * v / seconds / 1e12
+
+
+def cell(value: Optional[float], spec: str) -> str:
+    """A table cell: ``value`` formatted, or "-" when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of string cells ("|" inside a cell becomes "/")."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
