@@ -64,7 +64,7 @@ PRE_HOPPER_TILES = Tiles(128, 128, 32, 8, 4, 3)
 FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
 
 
-# H200 sweep (benchmarks/NOTES.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
+# H200 sweep (benchmarks/DESIGN.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
 # 4 backward
 HOPPER_TILES = {"FWD": Tiles(128, 256, 64, 16, 8, 3), "BWD": Tiles(128, 256, 64, 16, 8, 4)}
 
