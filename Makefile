@@ -1,4 +1,4 @@
-# logitless: `make setup` builds .venv, `make test` runs the whole suite (what CI runs),
+# logitless: `make setup` builds .venv, `make test` runs the linter and the whole suite (what CI runs),
 # `make bench` compares logitless with the naive path and every installed peer.
 PYTHON ?= python3
 VENV := .venv
@@ -33,6 +33,7 @@ $(LEGACY)/.ready: pyproject.toml Makefile
 	touch $@
 
 test: setup
+	$(PY) -m ruff check .
 	LOGITLESS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests
 
 # On CUDA: the three GPU shapes of the README table (bf16); elsewhere one CPU shape (~1 minute).

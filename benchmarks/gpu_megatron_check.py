@@ -74,7 +74,7 @@ def main() -> int:
         lp_err = (out.logprobs - lp).abs().max().item()
         ent_err = (out.entropy - ent).abs().max().item()
         g_err = max(((f.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
-                    for f, r in zip(fused_grads, ref_grads))
+                    for f, r in zip(fused_grads, ref_grads, strict=True))
         good = (rec.path == "hook" and rec.backend == "triton" and lp_err <= tol[0] and ent_err <= tol[1]
                 and g_err <= tol[2])
         ok &= good

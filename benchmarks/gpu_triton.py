@@ -302,7 +302,7 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
             row["x_gemm3"] = row["ms"] / (res["gemm4_ms"] * 0.75)
             step = tri_bwd.chunk_columns(n, v, cfg[1])
             buf = torch.empty(n, step, dtype=hidden.dtype, device="cuda")
-            row["dlogits_chunk_ms"] = time_cuda(lambda: tri_bwd.dlogits_chunk(
+            row["dlogits_chunk_ms"] = time_cuda(lambda step=step, buf=buf: tri_bwd.dlogits_chunk(
                 hidden, weight[:step], 0, labels, ones, lse, ent, a, b, buf), reps=5)[0]
             row["chunk_cols"] = step
             row["chunk_x_gemm"] = row["dlogits_chunk_ms"] / (res["gemm1_ms"] * step / v)
@@ -343,7 +343,7 @@ def table():
              "| softcap fwd x | softcap fwd+bwd x |",
              "|---" * 16 + "|"]
     for tag, r in RESULTS["shapes"].items():
-        def x(key, floor):
+        def x(key, floor, r=r):
             return "%.3f" % (r[key] / r[floor]) if r.get(key) else "-"
         e = r.get("triton_err", {})
         lines.append(

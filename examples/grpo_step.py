@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import logitless
 from logitless.transformers import fused_forward
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 # Absolute on the loss; relative norm on each parameter's gradient. Against float64 the fused path
 # must be within 1e-4. Two float32 paths disagree by the sum of their rounding errors, and the usual

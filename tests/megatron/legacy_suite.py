@@ -10,11 +10,17 @@ import os
 import pytest
 import torch
 
-from logitless.megatron import detect
-from logitless.megatron import (FusedPathUnavailable, forward_packed, forward_padded, fused_forward_mode,
-                                last_path, patch_fused_forward,
-                                supports_output_processor_hook, unpatch_fused_forward)
-
+from logitless.megatron import (
+    FusedPathUnavailable,
+    detect,
+    forward_packed,
+    forward_padded,
+    fused_forward_mode,
+    last_path,
+    patch_fused_forward,
+    supports_output_processor_hook,
+    unpatch_fused_forward,
+)
 from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL
 
 BACKUP = "_logitless_forward_backup"
@@ -121,7 +127,7 @@ def test_legacy_forward_packed_grads(megatron_tp1, seed):
     model.zero_grad(set_to_none=True)
     out = forward_packed(model, seqs, temperature=0.8)
     assert last_path().path == "legacy"
-    sum(lp.sum() - 0.5 * e.sum() for lp, e in zip(out.logprobs, out.entropy)).backward()
+    sum(lp.sum() - 0.5 * e.sum() for lp, e in zip(out.logprobs, out.entropy, strict=True)).backward()
     fused = env.param_grads(model)
     model.zero_grad(set_to_none=True)
     ref = 0

@@ -68,7 +68,7 @@ def packed_attention_class():
                 cu = packed_seq_params.cu_seqlens_q
             cu = cu.tolist()
             outs = []
-            for a, b in zip(cu[:-1], cu[1:]):
+            for a, b in zip(cu[:-1], cu[1:], strict=True):
                 n = b - a
                 mask = torch.ones(n, n, dtype=torch.bool).triu(1).view(1, 1, n, n)
                 outs.append(super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1),
@@ -82,7 +82,7 @@ def _zigzag_positions(cu, cp, rank):
     """Global packed positions held by CP rank ``rank`` (chunks rank and 2cp-1-rank of each
     sequence); written out here independently of logitless' own packing code."""
     out = []
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
         c = (b - a) // (2 * cp)
         for k in (rank, 2 * cp - 1 - rank):
             out += range(a + k * c, a + (k + 1) * c)

@@ -9,8 +9,8 @@ import torch
 
 import logitless
 from logitless.megatron import FusedPathUnavailable, forward_packed, forward_padded, last_path
-
 from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL
+
 FUSED_BACKENDS = ("chunked", "triton", "reference")
 
 
@@ -54,7 +54,7 @@ def test_forward_packed_values_and_grads_equal_per_sequence(megatron_tp1, seed, 
     assert last_path().path == "hook" and last_path().entry == "forward_packed"
     lps = out.logprobs.unbind() if nested else out.logprobs
     ents = out.entropy.unbind() if nested else out.entropy
-    loss = sum((a * lp).sum() + (c * e).sum() for (a, c), lp, e in zip(weights, lps, ents))
+    loss = sum((a * lp).sum() + (c * e).sum() for (a, c), lp, e in zip(weights, lps, ents, strict=True))
     loss.backward()
     fused = env.param_grads(model)
 

@@ -7,9 +7,13 @@ sum(a * logprob) + sum(b * entropy) through those logits.
 import pytest
 import torch
 
-from logitless.megatron import (FusedOutputProcessorContext, fused_forward_mode, fused_output_processor, last_path,
-                                supports_output_processor_hook)
-
+from logitless.megatron import (
+    FusedOutputProcessorContext,
+    fused_forward_mode,
+    fused_output_processor,
+    last_path,
+    supports_output_processor_hook,
+)
 from mcore_env import ENT_TOL, LP_TOL
 
 
@@ -153,6 +157,7 @@ def test_float16module_wrapper_bf16(megatron_tp1, seed):
     """Megatron's Float16Module (bf16): the processor runs inside, the result comes back as a
     tuple of fp32 tensors; values against float64 from the very bf16 hidden states and weight."""
     from megatron.core.transformer.module import Float16Module
+
     from reference64 import logprobs_entropy64
     env = megatron_tp1
     gen = torch.Generator().manual_seed(seed)

@@ -8,9 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from logitless.megatron import forward_padded, last_path
-
 import mcore_env
+from logitless.megatron import forward_padded, last_path
 from mcore_env import ENT_TOL, LP_TOL
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -3,9 +3,17 @@
 import pytest
 import torch
 
-from logitless.megatron.packing import (pack_like, pack_padded, pack_sequences, pad_multiple,
-                                                     unpack_to_list, unpack_to_padded, zigzag_index, zigzag_merge,
-                                                     zigzag_split)
+from logitless.megatron.packing import (
+    pack_like,
+    pack_padded,
+    pack_sequences,
+    pad_multiple,
+    unpack_to_list,
+    unpack_to_padded,
+    zigzag_index,
+    zigzag_merge,
+    zigzag_split,
+)
 from logitless.parallel import next_token_labels
 
 IGNORE = -100
@@ -46,12 +54,12 @@ def test_pack_sequences_round_trip(seed, align):
     batch = pack_sequences(seqs, align=align, ignore_index=IGNORE)
     lengths = [s.numel() for s in seqs]
     padded = batch.padded_lengths.tolist()
-    assert all(p % align == 0 and p >= n and p - n < align for p, n in zip(padded, lengths))
+    assert all(p % align == 0 and p >= n and p - n < align for p, n in zip(padded, lengths, strict=True))
     assert batch.cu_seqlens.tolist() == [0] + list(torch.tensor(lengths).cumsum(0).tolist())
     assert batch.cu_seqlens_padded.tolist() == [0] + list(torch.tensor(padded).cumsum(0).tolist())
     assert batch.cu_seqlens_padded.dtype == torch.int32 and batch.max_seqlen_padded == max(padded)
     assert batch.total == sum(padded)
-    for got, want in zip(unpack_to_list(batch.tokens, batch), seqs):
+    for got, want in zip(unpack_to_list(batch.tokens, batch), seqs, strict=True):
         assert torch.equal(got, want)
     for i, n in enumerate(lengths):
         start, p = int(batch.cu_seqlens_padded[i]), padded[i]

@@ -3,9 +3,15 @@ import pytest
 import torch
 from torch import nn
 
-from logitless.megatron import detect
-from logitless.megatron import (fused_forward_mode, fused_output_processor, last_path,
-                                patch_fused_forward, supports_output_processor_hook, unpatch_fused_forward)
+from logitless.megatron import (
+    detect,
+    fused_forward_mode,
+    fused_output_processor,
+    last_path,
+    patch_fused_forward,
+    supports_output_processor_hook,
+    unpatch_fused_forward,
+)
 
 BACKUP = "_logitless_forward_backup"
 

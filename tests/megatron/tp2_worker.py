@@ -50,6 +50,7 @@ def run_cp_case(name, env, torch, seed):
     """Context parallelism 2 (TP 1): forward_* split each packed sequence zigzag over the two
     ranks and all-gather the results; compared with every sequence run alone, unpacked."""
     import torch.distributed as dist
+
     from logitless.megatron import forward_packed, forward_padded, fused_forward_mode, last_path, patch_fused_forward
     gen = torch.Generator().manual_seed(seed)
     kw = dict(packed_attention=True, seed=seed, context_parallel_size=CP)
@@ -68,7 +69,8 @@ def run_cp_case(name, env, torch, seed):
         model.zero_grad(set_to_none=True)
         out = forward_packed(model, seqs, temperature=temps, strict=True)
         assert last_path().path in ("hook", "legacy") and last_path().entry == "forward_packed"
-        sum((a * lp).sum() + (c * e).sum() for (a, c), lp, e in zip(w, out.logprobs, out.entropy)).backward()
+        sum((a * lp).sum() + (c * e).sum()
+            for (a, c), lp, e in zip(w, out.logprobs, out.entropy, strict=True)).backward()
         fused = env.param_grads(model)
         for g in fused.values():            # Megatron sums gradients over the CP ranks (DDP over dp x cp)
             if g is not None:
@@ -183,8 +185,9 @@ def run_case(name, env, torch, seed):
 def main():
     rank, world, init_file, seed, out_path = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
                                               sys.argv[5])
-    import mcore_env as env
     import torch
+
+    import mcore_env as env
     env.init_cpu_megatron(rank=rank, world_size=world, tp=TP, init_file=init_file)
     only = sys.argv[6].split(",") if len(sys.argv) > 6 else CASES
     env_is_cp = [False]

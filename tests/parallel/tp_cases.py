@@ -18,8 +18,13 @@ import torch
 import torch.distributed as dist
 
 from logitless import fused_logprobs, last_backend, parallel
-from logitless.parallel import (VocabParallel, gather_sequence, next_token_labels, next_token_labels_sharded,
-                                scatter_sequence)
+from logitless.parallel import (
+    VocabParallel,
+    gather_sequence,
+    next_token_labels,
+    next_token_labels_sharded,
+    scatter_sequence,
+)
 from reference64 import logprobs_entropy64, rel_err
 
 TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.bfloat16: (1e-3, 2e-3, 1e-2)}  # logprob, entropy, grads
@@ -441,7 +446,7 @@ def case_error_labels_outside_global_vocab(ctx):
         lab = labels.clone()
         lab[2] = bad
         ck.raises(f"label {bad}", ValueError, f"[0, {V})",
-                  lambda: fused_logprobs(hidden, w, lab, tp_group=ctx.group, backend="chunked"))
+                  lambda lab=lab: fused_logprobs(hidden, w, lab, tp_group=ctx.group, backend="chunked"))
     # the last global id lies outside rank 0's shard but inside the vocabulary: fine
     lab = labels.clone()
     lab[:] = V - 1

@@ -67,8 +67,8 @@ def _entry(rank: int, world: int, tmp: str, seed: int) -> None:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))       # tests/, for reference64
-    import torch
     import torch.distributed as dist
+
     from tp_cases import Ctx, cases_for, configure_process, pre_init_cases
 
     configure_process()

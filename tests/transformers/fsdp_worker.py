@@ -28,7 +28,7 @@ def _full_grads(fsdp, use_orig_params: bool) -> dict:
         parts = [torch.empty_like(flat.grad) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, flat.grad.detach().contiguous())
         full, at, names = torch.cat(parts), 0, iter(flat._fqns)
-        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
             if not padding:
                 out[next(names)] = full[at:at + numel]
             at += numel
@@ -37,6 +37,7 @@ def _full_grads(fsdp, use_orig_params: bool) -> dict:
 
 def _check_through_fsdp(kind: str, use_orig_params: bool, seed: int) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     from logitless.transformers import fused_forward, is_patched, patch_model, unpatch_model, unwrap_model
     from reference64 import rel_err
     from test_transformers import expected_targets, grads_of, padded_batch, reference_from_logits, tiny_model
@@ -87,6 +88,7 @@ def _check_through_fsdp(kind: str, use_orig_params: bool, seed: int) -> str:
 def _check_own_unit_refused(kind: str, wrapped: type, seed: int) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
     from logitless.transformers import fused_forward, patch_model
     from test_transformers import tiny_model
     torch.manual_seed(seed)
@@ -109,7 +111,7 @@ def run(rank: int, init_file: str, seed: int, out_dir: str) -> None:
         checks = [lambda k=kind, o=orig: _check_through_fsdp(k, o, seed) for kind, orig in THROUGH_FSDP]
         checks += [lambda: _check_own_unit_refused("llama", torch.nn.Linear, seed),
                    lambda: _check_own_unit_refused("gpt2", torch.nn.Embedding, seed)]  # lm_head stays in the root
-        for case, check in zip(CASES, checks):
+        for case, check in zip(CASES, checks, strict=True):
             try:
                 results[case] = [True, check()]
             except Exception:  # recorded per case, so one failure does not hide the others

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
 
 import logitless
+import transformers as tf
 from logitless.transformers import fused_forward
 from reference64 import logprobs_entropy64, rel_err
 
@@ -164,13 +164,13 @@ def test_packed_row_never_crosses_a_sequence(kind):
     ids = torch.cat(seqs, 1)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     temps = torch.rand(3) + 0.5  # one temperature per packed sequence
-    per_token = torch.cat([t.expand(n) for t, n in zip(temps, lengths)])[None]
+    per_token = torch.cat([t.expand(n) for t, n in zip(temps, lengths, strict=True)])[None]
     packed = check_against_model(model, ids, pos=pos, temperature=temps, ref_temperature=per_token,
                                  targets=expected_targets(ids, pos=pos))
     start = 0
-    for seq, n, t in zip(seqs, lengths, temps):
+    for seq, n, t in zip(seqs, lengths, temps, strict=True):
         alone = fused_forward(model, seq, temperature=float(t))
-        for got, want in zip(packed, alone):
+        for got, want in zip(packed, alone, strict=True):
             assert (got[0, start:start + n] - want[0]).abs().max() <= TOL_LP
         assert packed.logprobs[0, start + n - 1] == 0  # the last token of each sequence is not scored
         start += n

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
 
-from logitless.transformers.heads import plan_head
+import transformers as tf
 from logitless.transformers import fused_forward, patch_model, unpatch_model
-from test_transformers import (COMMON, TOL_ENT, TOL_LP, V, check_against_model, expected_targets, padded_batch,
-                               reference_from_logits, tiny_model)
+from logitless.transformers.heads import plan_head
+from test_transformers import (
+    COMMON,
+    TOL_ENT,
+    TOL_LP,
+    V,
+    check_against_model,
+    expected_targets,
+    padded_batch,
+    reference_from_logits,
+    tiny_model,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,19 @@ import torch.distributed as dist
 
 import logitless
 from logitless.transformers import FusedCausalLMOutput, fused_forward, is_patched, patch_model, unpatch_model
-from test_transformers import (TOL_ENT, TOL_GRAD, TOL_LP, V, expected_targets, grads_of, padded_batch,
-                               reference_from_logits, tiny_model)
 from reference64 import rel_err
 from required import import_or_skip
+from test_transformers import (
+    TOL_ENT,
+    TOL_GRAD,
+    TOL_LP,
+    V,
+    expected_targets,
+    grads_of,
+    padded_batch,
+    reference_from_logits,
+    tiny_model,
+)
 
 
 def test_patch_is_instance_level_and_idempotent():

@@ -11,8 +11,16 @@ TP x CP padding, zigzag), ``record`` (which path ran), ``temperature`` (its [b, 
 """
 from .detect import fused_forward_mode, supports_output_processor_hook, unwrap_gpt_model
 from .forward import forward_packed, forward_padded
-from .packing import (PackedBatch, pack_padded, pack_sequences, pad_multiple, unpack_to_list, unpack_to_padded,
-                      zigzag_merge, zigzag_split)
+from .packing import (
+                      PackedBatch,
+                      pack_padded,
+                      pack_sequences,
+                      pad_multiple,
+                      unpack_to_list,
+                      unpack_to_padded,
+                      zigzag_merge,
+                      zigzag_split,
+)
 from .patch import patch_fused_forward, unpatch_fused_forward
 from .processor import FusedOutputProcessorContext, fused_output_processor
 from .record import FusedPathUnavailable, PathRecord, last_path, strict_enabled

@@ -22,8 +22,18 @@ from torch import Tensor, nn
 from .. import checks
 from ..api import TokenLogProbs
 from .detect import mode_and_reason, unwrap_gpt_model
-from .packing import (PackedBatch, check_padded, pack_like, pack_padded, pack_sequences, pad_multiple,
-                      unpack_to_list, unpack_to_padded, zigzag_merge, zigzag_split)
+from .packing import (
+    PackedBatch,
+    check_padded,
+    pack_like,
+    pack_padded,
+    pack_sequences,
+    pad_multiple,
+    unpack_to_list,
+    unpack_to_padded,
+    zigzag_merge,
+    zigzag_split,
+)
 from .patch import patch_fused_forward
 from .processor import FusedOutputProcessorContext, fused_output_processor
 from .record import FusedPathUnavailable, last_path, strict_enabled, write_record

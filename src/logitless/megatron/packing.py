@@ -177,7 +177,7 @@ def zigzag_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> Tenso
         raise ValueError(f"cp_rank must lie in [0, {cp_size}), got {cp_rank}")
     cu = cu_seqlens_padded.long().tolist()
     parts = []
-    for start, end in zip(cu[:-1], cu[1:]):
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
         n = end - start
         if n % (2 * cp_size):
             raise ValueError(f"a packed sequence of {n} tokens cannot be split into 2 * cp = {2 * cp_size} "

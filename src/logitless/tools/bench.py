@@ -31,8 +31,18 @@ import torch
 from torch import Tensor
 
 from . import peers
-from .common import (DTYPES, LOGIT_STD, GemmFloor, cell, gemm_tflops, markdown_table, random_head, sample_labels,
-                     sync, time_call)
+from .common import (
+    DTYPES,
+    LOGIT_STD,
+    GemmFloor,
+    cell,
+    gemm_tflops,
+    markdown_table,
+    random_head,
+    sample_labels,
+    sync,
+    time_call,
+)
 from .machine import machine, versions
 
 GPU_SHAPE = (16384, 4096, 151936)

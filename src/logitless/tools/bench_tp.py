@@ -197,7 +197,7 @@ def _bench_backend(name: str, cfg: dict, rank: int, dev: torch.device) -> dict:
     floor.close()
     slowest = torch.tensor(mine, dtype=torch.float64, device=dev)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    row.update(zip(TIMES, slowest.tolist()))
+    row.update(zip(TIMES, slowest.tolist(), strict=True))
     row["fwd_x_floor"] = row["fwd_s"] / row["floor_fwd_s"]
     row["fwd_bwd_x_floor"] = row["fwd_bwd_s"] / row["floor_fwd_bwd_s"]
     row["comm_share_fwd"] = min(1.0, row["comm_fwd_s"] / row["fwd_s"])

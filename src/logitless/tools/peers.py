@@ -113,8 +113,9 @@ def _naive_compiled(device: torch.device) -> Fn:
 def _liger_scaled(device: torch.device) -> Fn:
     _require("liger-kernel")
     try:
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import \
-            LigerFusedLinearScaledCrossEntropyFunction as Scaled
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+            LigerFusedLinearScaledCrossEntropyFunction as Scaled,
+        )
     except Exception as exc:  # noqa: BLE001 - any import failure is the row's reason
         raise Unavailable(f"liger-kernel scaled CE does not import: {type(exc).__name__}: {exc}") from None
 

@@ -22,16 +22,15 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
+
+from transformers import PreTrainedModel
 
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
-
 from .fsdp import check_head_in_root_unit, fsdp_units
 from .heads import plan_head
 from .labels import check_labels, per_token_temperature, targets_from_input_ids, targets_from_unshifted_labels
-
 
 _STATE = "_logitless_patch"
 # DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
