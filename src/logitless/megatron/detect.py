@@ -19,7 +19,6 @@ from typing import Optional
 from torch import nn
 
 HOOK_PARAMETERS = ("output_processor", "output_processor_context")
-MODES = ("hook", "legacy", "unfused")
 _MODE_ATTR = "_logitless_fused_mode"
 _MAX_WRAPPERS = 32
 _inspections = 0
