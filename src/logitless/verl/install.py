@@ -1,0 +1,142 @@
+"""``install()`` / ``uninstall()``: which verl functions logitless replaces, and how they are put back.
+
+Every replacement is one attribute of a verl module or class (a *site*). ``install`` imports the
+module, keeps the attribute's current value and sets logitless' function in its place;
+``uninstall`` puts every kept value back. Sites whose module does not import (megatron-core not
+installed, say) are skipped and listed with the reason by ``sites()``.
+
+Every site is looked up by verl at call time (a module global, a class attribute, or a module
+attribute imported inside the calling function), so ``install`` takes effect for models verl has
+already built as well as for later ones. The strict checks act where verl decides on the fused
+path, i.e. when it builds or patches a model: install before that for them to apply.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from .. import checks
+
+MARK = "__logitless_verl__"
+_lock = threading.RLock()
+
+
+@dataclass(frozen=True)
+class Site:
+    """One replaced attribute: ``module[.owner].attr``; ``make(original)`` builds the replacement."""
+    name: str
+    module: str
+    owner: Optional[str]
+    attr: str
+    make: Callable
+    what: str
+
+
+class _State:
+    installed: Dict[str, Tuple[object, object, object]] = {}   # name -> (owner, original, replacement)
+    skipped: Dict[str, str] = {}
+    strict: bool = False
+
+
+def strict_mode() -> bool:
+    """Whether a verl fallback to its non-fused path raises: ``install(strict=True)`` or
+    LOGITLESS_STRICT=1 (read at the time verl would fall back)."""
+    if _State.strict:
+        return True
+    return os.environ.get("LOGITLESS_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _all_sites() -> Tuple[Site, ...]:
+    from . import fsdp, megatron
+    return fsdp.SITES + megatron.SITES
+
+
+def _owner(site: Site):
+    module = importlib.import_module(site.module)
+    owner = module if site.owner is None else getattr(module, site.owner)
+    if site.attr not in vars(owner):
+        raise AttributeError(f"{site.module}.{site.owner + '.' if site.owner else ''}{site.attr} does not exist "
+                             "in this verl release")
+    return owner
+
+
+def install(strict: bool = False) -> Tuple[str, ...]:
+    """Route verl's fused-kernel paths through logitless. Idempotent; calling it again only updates
+    ``strict``. Returns the names of the replaced sites (see ``sites()``).
+
+    strict: True makes verl's silent fallbacks to its non-fused path raise
+        ``logitless.megatron.FusedPathUnavailable`` (so does LOGITLESS_STRICT=1).
+    """
+    checks.boolean(strict, "strict")
+    try:
+        importlib.import_module("verl")
+    except Exception as exc:  # noqa: BLE001 - any failure means verl cannot be used here
+        raise ImportError(f"logitless.verl.install: verl does not import ({type(exc).__name__}: {exc})") from exc
+    with _lock:
+        _State.strict = strict
+        # Import every site's module before replacing anything: a module that imports a replaced
+        # function by name (model_forward_fused imports the kernel's linear_cross_entropy) must bind
+        # verl's original, not logitless' replacement.
+        owners = {}
+        for site in _all_sites():
+            if site.name in _State.installed:
+                continue
+            try:
+                owners[site.name] = _owner(site)
+            except Exception as exc:  # noqa: BLE001 - e.g. megatron-core missing: that site cannot be used
+                _State.skipped[site.name] = f"{type(exc).__name__}: {exc}"
+        for site in _all_sites():
+            owner = owners.get(site.name)
+            if owner is None:
+                continue
+            original = vars(owner)[site.attr]
+            if getattr(original, MARK, None) in _State.installed:
+                # bound by name to another site's replacement: keep verl's own function as the original
+                original = _State.installed[getattr(original, MARK)][1]
+            replacement = site.make(original)
+            setattr(replacement, MARK, site.name)
+            setattr(owner, site.attr, replacement)
+            _State.installed[site.name] = (owner, original, replacement)
+            _State.skipped.pop(site.name, None)
+        return tuple(_State.installed)
+
+
+def uninstall() -> None:
+    """Put back every original verl function that ``install`` replaced (a no-op when not installed)."""
+    with _lock:
+        for name in list(_State.installed)[::-1]:
+            owner, original, _ = _State.installed.pop(name)
+            setattr(owner, _site_attr(name), original)
+        _State.skipped.clear()
+        _State.strict = False
+
+
+def _site_attr(name: str) -> str:
+    return next(s.attr for s in _all_sites() if s.name == name)
+
+
+def is_installed() -> bool:
+    """Whether ``install()`` is in effect."""
+    return bool(_State.installed)
+
+
+def sites() -> Dict[str, str]:
+    """Every site logitless knows, with its state: "installed: <what it replaces>", "skipped: <why>"
+    (its module did not import) or "not installed"."""
+    out = {}
+    for site in _all_sites():
+        if site.name in _State.installed:
+            out[site.name] = f"installed: {site.what}"
+        elif site.name in _State.skipped:
+            out[site.name] = f"skipped: {_State.skipped[site.name]}"
+        else:
+            out[site.name] = "not installed"
+    return out
+
+
+def original(name: str):
+    """The verl function that site ``name`` replaced (while installed)."""
+    return _State.installed[name][1]

@@ -1,0 +1,112 @@
+"""verl's Megatron engine (``verl.models.mcore.model_forward_fused``) on logitless.
+
+verl computes the fused head in two places, both through the module global
+``linear_cross_entropy`` (its Triton kernel, CUDA only):
+- ``fused_output_processor``: Megatron's native output-processor hook (megatron-core 0.18+),
+- ``_fused_GPTModel_forward``: verl's per-instance forward patch for older releases ("legacy"),
+and the generation / engine forward factories (``fused_forward_model_gen``,
+``fused_forward_model_engine``) reach the head only through those two. Replacing that one global
+(and the same global of ``model_forward_1f1b_overlap``) moves every one of them onto logitless;
+verl's packing, temperature resolution, THD / remove-padding handling and post-processing run
+unchanged.
+
+Tensor parallelism: verl passes Megatron's TP group and, under sequence parallelism, hidden
+states it gathered itself (whose backward reduce-scatters d_hidden). logitless leaves d_hidden
+partial there and all-reduces it otherwise, which is what Megatron's own output layer would do
+(verl's kernel leaves it partial in both cases).
+
+Strict mode turns two silent fallbacks into ``FusedPathUnavailable``: ``patch_fused_forward`` on a
+model that is not (and does not wrap) a GPTModel ("... is not a supported for fused forward",
+then nothing is patched), and the Megatron engine switching ``use_fused_kernels`` off (no
+remove-padding, a value model, or MTP).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+from ..api import last_backend
+from .core import linear_cross_entropy
+from .install import Site, strict_mode
+
+FUSED = "verl.models.mcore.model_forward_fused"
+OVERLAP = "verl.models.mcore.model_forward_1f1b_overlap"
+ENGINE = "verl.workers.engine.megatron.transformer_impl"
+
+
+def _caller_config(frame):
+    """The Megatron TransformerConfig in scope where verl called the head: ``config`` (the hook
+    processor), ``model.config`` (the legacy forward) or ``self.config`` (1f1b overlap)."""
+    loc = frame.f_locals
+    if "config" in loc and hasattr(loc["config"], "sequence_parallel"):
+        return loc["config"]
+    for name in ("model", "self"):
+        cfg = getattr(loc.get(name), "config", None)
+        if hasattr(cfg, "sequence_parallel"):
+            return cfg
+    return None
+
+
+def _make_head(original):
+    def linear_cross_entropy_logitless(hidden, weight, labels, temperature=1.0, reduction="none",
+                                       dist_process_group=None):
+        """logitless in place of verl's Triton ``linear_cross_entropy`` (same arguments and
+        outputs; see logitless.verl)."""
+        caller = sys._getframe(1)
+        try:
+            path = "hook" if caller.f_code.co_name == "fused_output_processor" else "legacy"
+            cfg = _caller_config(caller)
+        finally:
+            del caller
+        # SP: verl gathered the hidden states; the gather's backward reduce-scatters d_hidden.
+        sp = bool(getattr(cfg, "sequence_parallel", False))
+        out = linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group,
+                                   reduce_grad_hidden=not sp)
+        from ..megatron.record import write_record
+        write_record(path, last_backend(), "verl")
+        return out
+
+    return linear_cross_entropy_logitless
+
+
+def _unavailable(msg: str):
+    from ..megatron import FusedPathUnavailable
+    return FusedPathUnavailable(msg + " (logitless.verl strict mode: install(strict=True) or LOGITLESS_STRICT=1)")
+
+
+def _make_patch_fused_forward(original):
+    @functools.wraps(original)
+    def patch_fused_forward(model):
+        if strict_mode() and sys.modules[FUSED]._get_patching_model(model) is None:
+            raise _unavailable(f"verl cannot patch {type(model).__name__} for the fused forward (no GPTModel "
+                               "inside it), so it would run the non-fused path")
+        return original(model)
+
+    return patch_fused_forward
+
+
+def _make_maybe_enable(original):
+    @functools.wraps(original)
+    def _maybe_enable_fused_kernels(self):
+        wanted = bool(self.engine_config.use_fused_kernels)
+        result = original(self)
+        if wanted and not self.engine_config.use_fused_kernels and strict_mode():
+            raise _unavailable("verl's Megatron engine switched use_fused_kernels off (it needs "
+                               "use_remove_padding=True, a policy model rather than a value model, and MTP "
+                               "off), so it would run the non-fused path")
+        return result
+
+    return _maybe_enable_fused_kernels
+
+
+SITES = (
+    Site("megatron.linear_cross_entropy", FUSED, None, "linear_cross_entropy", _make_head,
+         "the fused head of fused_output_processor (hook) and _fused_GPTModel_forward (legacy), used by "
+         "fused_forward_model_gen / fused_forward_model_engine"),
+    Site("megatron.1f1b_overlap.linear_cross_entropy", OVERLAP, None, "linear_cross_entropy", _make_head,
+         "the fused head of gptmodel_forward_1f1b_overlap"),
+    Site("megatron.patch_fused_forward", FUSED, None, "patch_fused_forward", _make_patch_fused_forward,
+         "strict check: a model verl cannot patch for the fused forward"),
+    Site("megatron.engine.maybe_enable_fused_kernels", ENGINE, "MegatronEngine", "_maybe_enable_fused_kernels",
+         _make_maybe_enable, "strict check: the Megatron engine switching use_fused_kernels off"),
+)
