@@ -13,9 +13,6 @@ import_or_skip("verl.models.mcore.model_forward_fused", "make setup installs ver
 import logitless.verl as lv  # noqa: E402
 from logitless.megatron import last_path  # noqa: E402
 
-LP_TOL = ENT_TOL = 2e-5
-GRAD_TOL = 1e-4
-
 
 @pytest.fixture(scope="module")
 def env():
@@ -28,38 +25,6 @@ def env():
     mcore_env.teardown_cpu_megatron()
 
 
-def _loss(out, a, c):
-    return (a * out["log_probs"]).sum() + (c * out["entropy"]).sum()
-
-
-def _compare(env, model, run, gen):
-    """run(fused) -> {"log_probs", "entropy"}; the fused run with logitless installed, the unfused
-    one through verl's logits path. Asserts values and gradients agree; returns the record."""
-    lv.install()
-    model.zero_grad(set_to_none=True)
-    fused = run(True)
-    record = last_path()
-    shape = fused["log_probs"].shape
-    a, c = env.weights(gen, shape), env.weights(gen, shape)
-    _loss(fused, a, c).backward()
-    g_fused = env.grads(model)
-
-    model.zero_grad(set_to_none=True)
-    ref = run(False)
-    _loss(ref, a, c).backward()
-    g_ref = env.grads(model)
-
-    assert fused["log_probs"].dtype == torch.float32 and fused["entropy"].dtype == torch.float32
-    assert fused["log_probs"].abs().sum() > 0
-    e_lp = float((fused["log_probs"] - ref["log_probs"]).abs().max())
-    e_ent = float((fused["entropy"] - ref["entropy"]).abs().max())
-    assert e_lp <= LP_TOL and e_ent <= ENT_TOL, (e_lp, e_ent)
-    assert g_fused.keys() == g_ref.keys() and g_ref
-    for name, g in g_ref.items():
-        assert env.rel_err(g_fused[name], g) <= GRAD_TOL, name
-    return record
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gen_forward_hook_matches_verl_unfused(env, seed, tied):
     from verl.models.mcore.model_forward_fused import patch_fused_forward
@@ -68,7 +33,8 @@ def test_gen_forward_hook_matches_verl_unfused(env, seed, tied):
     patch_fused_forward(model)                      # what verl's engine does when it builds the model
     assert model._verl_fused_forward_mode == "hook" and "forward" not in model.__dict__
     ids, mask, labels, pos = env.padded_batch(gen)
-    record = _compare(env, model, lambda fused: env.run_gen(model, ids, mask, labels, pos, 0.7, fused), gen)
+    lv.install()
+    record = env.compare(model, model, lambda m, fused: env.run_gen(m, ids, mask, labels, pos, 0.7, fused), gen)
     assert record.path == "hook" and record.entry == "verl" and record.backend in ("chunked", "triton")
 
 
@@ -78,7 +44,8 @@ def test_engine_forward_hook_matches_verl_unfused(env, seed):
     from verl.models.mcore.model_forward_fused import patch_fused_forward
     patch_fused_forward(model)
     ids = env.nested_batch(gen)
-    record = _compare(env, model, lambda fused: env.run_engine(model, ids, 1.3, fused), gen)
+    lv.install()
+    record = env.compare(model, model, lambda m, fused: env.run_engine(m, ids, 1.3, fused), gen)
     assert record.path == "hook" and record.entry == "verl"
 
 

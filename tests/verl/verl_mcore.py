@@ -64,10 +64,6 @@ def nested_batch(gen, lengths=(7, 4, 10)):
     return torch.nested.nested_tensor(seqs, layout=torch.jagged)
 
 
-def weights(gen, shape):
-    return torch.randn(shape, generator=gen)
-
-
 def run_gen(model, ids, mask, labels, pos, temperature, fused: bool):
     """verl's generation-path forward: fused (fused_forward_model_gen) or unfused (model_forward_gen
     with verl's own logits processor). Returns {"log_probs", "entropy"} [b, s]."""
@@ -104,5 +100,35 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def rel_err(a, b):
-    return mcore_env.rel_err(a, b)
+LP_TOL = ENT_TOL = 2e-5
+GRAD_TOL = 1e-4
+
+
+def compare(fused_model, ref_model, run, gen):
+    """``run(model, fused)`` -> {"log_probs", "entropy"}: verl's fused forward on ``fused_model``
+    (logitless installed) against verl's unfused forward on ``ref_model`` (the same model in hook
+    mode; a copy with the same weights in legacy mode, where verl's patch replaces the forward).
+    Asserts values and every parameter gradient agree; returns logitless' record of the fused call."""
+    from logitless.megatron import last_path
+    fused_model.zero_grad(set_to_none=True)
+    fused = run(fused_model, True)
+    record = last_path()
+    shape = fused["log_probs"].shape
+    a, c = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    ((a * fused["log_probs"]).sum() + (c * fused["entropy"]).sum()).backward()
+    g_fused = grads(fused_model)
+
+    ref_model.zero_grad(set_to_none=True)
+    ref = run(ref_model, False)
+    ((a * ref["log_probs"]).sum() + (c * ref["entropy"]).sum()).backward()
+    g_ref = grads(ref_model)
+
+    assert fused["log_probs"].dtype == torch.float32 and fused["entropy"].dtype == torch.float32
+    assert fused["log_probs"].abs().sum() > 0
+    e_lp = float((fused["log_probs"] - ref["log_probs"]).abs().max())
+    e_ent = float((fused["entropy"] - ref["entropy"]).abs().max())
+    assert e_lp <= LP_TOL and e_ent <= ENT_TOL, (e_lp, e_ent)
+    assert g_fused.keys() == g_ref.keys() and g_ref
+    for name, g in g_ref.items():
+        assert mcore_env.rel_err(g_fused[name], g) <= GRAD_TOL, name
+    return record
