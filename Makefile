@@ -8,6 +8,9 @@ TORCH ?= torch==2.13.0
 MCORE ?= 0.19.2
 # An older megatron-core without the output_processor hook, for the legacy path's tests.
 MCORE_LEGACY ?= 0.16.1
+# verl is installed without its dependencies (see the test extra in pyproject.toml)
+VERL ?= 0.9.1
+VERL_DEPS := transformers==5.24.0 ray tensordict==0.10.0 hydra-core codetiming dill pillow accelerate
 LEGACY := .venv-legacy
 CACHE := .cache
 
@@ -18,6 +21,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) "$(TORCH)"
 	$(PIP) -e ".[test,bench,peers]"
+	$(PIP) --no-deps verl==$(VERL)
 	@# megatron-core's wheel is cp312-only; its sdist builds and runs on 3.11
 	mkdir -p $(CACHE)
 	$(PY) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python \
@@ -28,8 +32,8 @@ $(VENV)/.ready: pyproject.toml Makefile
 $(LEGACY)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(LEGACY)
 	$(LEGACY)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" \
-		megatron-core==$(MCORE_LEGACY) triton==3.6.0 numpy pytest pytest-timeout
-	$(LEGACY)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+		megatron-core==$(MCORE_LEGACY) triton==3.6.0 numpy pytest pytest-timeout $(VERL_DEPS)
+	$(LEGACY)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . verl==$(VERL)
 	touch $@
 
 test: setup
