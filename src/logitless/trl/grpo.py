@@ -1,0 +1,150 @@
+"""TRL's GRPOTrainer on logitless: ``enable(trainer)`` replaces, on that trainer instance only, the
+method that computes per-token log-probs and entropies (``_get_per_token_logps_and_entropies``,
+used for the policy's loss and for the old / reference log-probs) with one that calls
+``logitless.transformers.fused_forward``: no [tokens x vocab] logits.
+
+Everything else is TRL's: the trainer's temperature, the completion mask (prompt and padding are not
+scored), the micro-batching (``batch_size``), autocast, and ``_compute_loss`` with its loss types,
+clipping, KL, entropy masking (``top_entropy_quantile``) and entropy bonus. The method keeps TRL's
+signature and returns TRL's ``(logps, entropies, aux_loss)``: float32 [b, logits_to_keep], the
+entropies None unless asked for, aux_loss None.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .. import checks
+
+_STATE = "_logitless_trl"
+_METHOD = "_get_per_token_logps_and_entropies"
+# TRL's multimodal arguments of the method: logitless scores text-only causal LMs here
+_VISION_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                "num_tiles", "image_sizes", "mm_token_type_ids", "image_position_ids")
+
+
+def _grpo_trainer_class():
+    try:
+        from trl import GRPOTrainer
+    except Exception as exc:  # noqa: BLE001 - any failure means trl cannot be used here
+        raise ImportError(f"logitless.trl needs trl ({type(exc).__name__}: {exc})") from exc
+    return GRPOTrainer
+
+
+def _check_trainer(trainer):
+    cls = _grpo_trainer_class()
+    if not isinstance(trainer, cls):
+        raise TypeError(f"trainer must be a trl.GRPOTrainer instance, got {type(trainer).__name__}")
+
+
+def _check_supported(trainer):
+    """Settings whose per-token computation logitless does not reproduce: refused, never approximated."""
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise ValueError("trainer.aux_loss_enabled (router_aux_loss_coef != 0 on an MoE model): the MoE "
+                         "load-balancing loss needs router logits, which logitless' fused forward does not return; "
+                         "set router_aux_loss_coef=0 or leave logitless disabled")
+    args = trainer.args
+    mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    if getattr(args, "cast_lm_head_to_fp32", False) and mixed:
+        raise ValueError("args.cast_lm_head_to_fp32=True with bf16/fp16 autocast: TRL runs the head in float32 "
+                         "outside autocast, logitless would run it in the autocast dtype; logitless already "
+                         "accumulates the logits in float32, so set cast_lm_head_to_fp32=False")
+
+
+def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                      compute_entropy=False, compute_aux_loss=False, pixel_values=None,
+                                      image_grid_thw=None, num_images=None, pixel_attention_mask=None,
+                                      spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None,
+                                      mm_token_type_ids=None, image_position_ids=None):
+    """logitless in place of GRPOTrainer._get_per_token_logps_and_entropies (same arguments, same
+    returns): log-probs of the completion tokens, and their entropies, from fused_forward."""
+    from ..transformers import fused_forward
+
+    given = locals()
+    vision = [name for name in _VISION_ARGS if given[name] is not None]
+    if vision:
+        raise ValueError(f"logitless.trl scores text-only models; got {', '.join(vision)} (multimodal inputs): "
+                         "disable logitless for this trainer")
+    if compute_aux_loss:
+        raise ValueError("compute_aux_loss=True: logitless' fused forward returns no router logits for the MoE "
+                         "auxiliary loss")
+    checks.integer(logits_to_keep, "logits_to_keep", minimum=1)
+    batch_size = batch_size or input_ids.size(0)
+    all_logps, all_entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        end = min(start + batch_size, input_ids.size(0))
+        ids, mask = input_ids[start:end], attention_mask[start:end]
+        # TRL's rule: only completion tokens are scored (padding and the prompt get -100) ...
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        # ... and position t is scored against token t + 1: the shifted labels fused_forward takes as given
+        targets = torch.full_like(labels, -100)
+        targets[:, :-1] = labels[:, 1:]
+        kwargs = {}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids[start:end]
+        with self.accelerator.autocast():
+            out = fused_forward(model, ids, mask, labels=targets, temperature=self.temperature,
+                                with_entropy=bool(compute_entropy), **kwargs)
+        # TRL's log_probs has seq_len - 1 columns (position t for t < s - 1); it keeps the last logits_to_keep
+        all_logps.append(out.logprobs[:, :-1][:, -logits_to_keep:])
+        if compute_entropy:
+            all_entropies.append(out.entropy[:, :-1][:, -logits_to_keep:])
+    logps = torch.cat(all_logps, dim=0)
+    entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+    return logps, entropies, None
+
+
+def enable(trainer, *, fused_loss: bool = False):
+    """Compute ``trainer``'s per-token log-probs and entropies with logitless (no logits).
+
+    Only this instance changes (an instance attribute shadows the method); the GRPOTrainer class and
+    every other trainer keep TRL's computation. Idempotent (enabling again only updates the
+    settings); ``disable(trainer)`` restores TRL's method exactly. Returns ``trainer``.
+
+    fused_loss: also compute the policy loss with ``logitless.losses.fused_policy_loss`` (TRL's
+        epsilon, epsilon_high, beta and loss_type mapped onto it); settings that cannot be mapped raise
+        ValueError naming them.
+    """
+    _check_trainer(trainer)
+    checks.boolean(fused_loss, "fused_loss")
+    _check_supported(trainer)
+    if fused_loss:
+        from .loss import check_mappable
+        check_mappable(trainer)
+    state = trainer.__dict__.get(_STATE)
+    if state is None:
+        state = {"previous": {name: trainer.__dict__[name] for name in (_METHOD, "_compute_loss")
+                              if name in trainer.__dict__}}
+        trainer.__dict__[_STATE] = state
+        trainer.__dict__[_METHOD] = types.MethodType(get_per_token_logps_and_entropies, trainer)
+    state["fused_loss"] = fused_loss
+    if fused_loss:
+        from .loss import compute_loss
+        trainer.__dict__["_compute_loss"] = types.MethodType(compute_loss, trainer)
+    else:
+        _restore(trainer, state, "_compute_loss")
+    return trainer
+
+
+def _restore(trainer, state, name):
+    if name in state["previous"]:
+        trainer.__dict__[name] = state["previous"][name]
+    else:
+        trainer.__dict__.pop(name, None)
+
+
+def disable(trainer):
+    """Undo ``enable``: TRL's own methods again (a no-op on a trainer that is not enabled). Returns ``trainer``."""
+    _check_trainer(trainer)
+    state = trainer.__dict__.pop(_STATE, None)
+    if state is not None:
+        for name in (_METHOD, "_compute_loss"):
+            _restore(trainer, state, name)
+    return trainer
+
+
+def is_enabled(trainer) -> bool:
+    """Whether ``enable(trainer)`` is in effect on this trainer."""
+    return _STATE in getattr(trainer, "__dict__", {})

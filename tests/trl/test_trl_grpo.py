@@ -1,0 +1,191 @@
+"""logitless.trl on a real trl.GRPOTrainer (tiny Qwen2 from a config, in-memory dataset, rule-based
+reward, CPU, float32): three training steps with logitless enabled, and on one batch the per-token
+log-probs, entropies, the loss and its gradients against TRL's own computation."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from required import import_or_skip
+
+import_or_skip("trl", "the test extra installs trl")
+
+import logitless.trl as lt  # noqa: E402
+from logitless import last_backend  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import trl_tiny  # noqa: E402
+
+TOL = 1e-5
+GRAD_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"model seed={seed}")
+    return trl_tiny.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")), seed)
+
+
+def _count_trl_fused_head(model, counter):
+    """Count calls of TRL's own fused LM head (its instance forward with fused_lm_head=True)."""
+    trl_forward = model.__dict__["forward"]
+
+    def forward(*args, **kwargs):
+        if kwargs.get("fused_lm_head"):
+            counter["trl"] += 1
+        return trl_forward(*args, **kwargs)
+
+    model.__dict__["forward"] = forward
+
+
+def test_three_grpo_steps_with_logitless(folder, tmp_path):
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), beta=0.04, max_steps=3)
+    lt.enable(trainer)
+    counter = {"trl": 0, "logitless": 0}
+    _count_trl_fused_head(trainer.model, counter)
+    _count_trl_fused_head(trainer.ref_model, counter)
+    ours = trainer.__dict__["_get_per_token_logps_and_entropies"]
+
+    def counted(*args, **kwargs):
+        counter["logitless"] += 1
+        return ours(*args, **kwargs)
+
+    trainer.__dict__["_get_per_token_logps_and_entropies"] = counted
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h and "reward" in h]
+    for h in steps:
+        print(f"step {h['step']}: loss={h['loss']:.6f} reward={h['reward']:.4f} entropy={h['entropy']:.4f}")
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor([h["loss"], h["reward"], h["entropy"]])).all() for h in steps)
+    assert counter["trl"] == 0 and counter["logitless"] >= 6      # policy + reference every step, no TRL head
+    assert last_backend() in ("chunked", "triton")
+
+
+def _perturb(model, gen, scale=0.05):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=gen))
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+CONFIGS = {
+    "grpo-kl-entropy_mask-bonus": dict(loss_type="grpo", beta=0.04, top_entropy_quantile=0.5, entropy_coef=0.01,
+                                        temperature=0.7, num_iterations=2),
+    "dapo-clip_high": dict(loss_type="dapo", beta=0.0, epsilon_high=0.28, temperature=1.2, num_iterations=2),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_logps_and_loss_equal_trl(folder, tmp_path, seed, config):
+    gen = torch.Generator().manual_seed(seed)
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, **CONFIGS[config])
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)       # TRL's own rollout, old and ref log-probs
+    assert "old_per_token_logps" in inputs
+    _perturb(trainer.model, gen)                                   # as after an optimizer step: ratios != 1
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep = inputs["completion_ids"].size(1)
+
+    with torch.no_grad():
+        lp_trl, ent_trl, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep,
+                                                                       compute_entropy=True)
+        lt.enable(trainer)
+        lp, ent, aux = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, compute_entropy=True)
+        lp_chunks = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, batch_size=3)[0]
+    assert aux is None and lp.dtype == lp_trl.dtype == torch.float32 and lp.shape == lp_trl.shape
+    scored = inputs["completion_mask"].bool()
+    assert lp[scored].abs().sum() > 0 and (lp[~scored] == 0).all() and (lp_trl[~scored] == 0).all()
+    assert float((lp - lp_trl).abs().max()) <= TOL
+    assert float((ent - ent_trl).abs().max()) <= TOL
+    assert float((lp_chunks - lp).abs().max()) <= TOL             # TRL's micro-batching (batch_size) honoured
+
+    loss, grads = _loss_and_grads(trainer, inputs)
+    lt.disable(trainer)
+    loss_trl, grads_trl = _loss_and_grads(trainer, inputs)
+    print(f"{config}: loss logitless {loss.item():.8f} TRL {loss_trl.item():.8f}")
+    assert loss_trl.abs() > 0
+    assert abs(loss.item() - loss_trl.item()) <= TOL
+    assert grads.keys() == grads_trl.keys() and grads_trl
+    for name, g in grads_trl.items():
+        assert float((grads[name] - g).norm() / g.norm().clamp_min(1e-30)) <= GRAD_TOL, name
+
+
+def test_per_instance_and_disable_restores(folder, tmp_path):
+    a = trl_tiny.grpo_trainer(folder, str(tmp_path / "a"))
+    b = trl_tiny.grpo_trainer(folder, str(tmp_path / "b"))
+    cls_dict = dict(vars(GRPOTrainer))
+    before = dict(vars(a))
+    assert lt.enable(a) is a and lt.is_enabled(a) and not lt.is_enabled(b)
+    assert a._get_per_token_logps_and_entropies.__func__ is not GRPOTrainer._get_per_token_logps_and_entropies
+    assert b._get_per_token_logps_and_entropies.__func__ is GRPOTrainer._get_per_token_logps_and_entropies
+    assert dict(vars(GRPOTrainer)) == cls_dict
+    lt.enable(a)                                                   # idempotent
+    lt.disable(a)
+    assert dict(vars(a)) == before and not lt.is_enabled(a)
+    lt.disable(a)                                                  # a no-op when not enabled
+    assert dict(vars(a)) == before
+
+
+def test_bad_input(folder, tmp_path):
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path))
+    with pytest.raises(TypeError, match="trainer"):
+        lt.enable(object())
+    with pytest.raises(TypeError, match="trainer"):
+        lt.disable("GRPOTrainer")
+    with pytest.raises(TypeError, match="fused_loss"):
+        lt.enable(trainer, fused_loss="yes")
+    assert not lt.is_enabled(trainer)
+    lt.enable(trainer)
+    ids = torch.randint(3, 50, (2, 6))
+    mask = torch.ones_like(ids)
+    with pytest.raises(ValueError, match="pixel_values"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3, pixel_values=torch.zeros(1))
+    with pytest.raises(ValueError, match="compute_aux_loss"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3, compute_aux_loss=True)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 0)
+    lt.disable(trainer)
+    trainer.aux_loss_enabled = True
+    with pytest.raises(ValueError, match="aux_loss_enabled"):
+        lt.enable(trainer)
+    trainer.aux_loss_enabled = False
+    trainer.args.cast_lm_head_to_fp32, trainer.args.bf16 = True, True
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
+        lt.enable(trainer)
+    assert not lt.is_enabled(trainer)
+
+
+def _peak(mode: str) -> int:
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "trl_memory_child.py"), mode],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"extra_bytes=(-?\d+) max_logp_diff=(\S+)", proc.stdout)
+    assert m, proc.stdout
+    return int(m.group(1)), float(m.group(2))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to reset peak RSS")
+def test_peak_memory_of_the_logprob_step():
+    """The log-prob step (forward + backward of the per-token log-probs and entropies of 16 sequences of
+    48 tokens, vocabulary 32768), measured as peak RSS in a fresh process for TRL's own computation and
+    for logitless'; both numbers are reported."""
+    trl_bytes, _ = _peak("trl")
+    ll_bytes, diff = _peak("logitless")
+    logits_mib = 16 * 47 * 32768 * 4 / 2**20
+    print(f"peak extra memory of the log-prob step: TRL {trl_bytes / 2**20:.1f} MiB, logitless "
+          f"{ll_bytes / 2**20:.1f} MiB (one float32 logits tensor of the batch: {logits_mib:.1f} MiB)")
+    assert diff <= TOL
+    assert 0 < ll_bytes < trl_bytes

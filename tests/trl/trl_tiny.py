@@ -1,0 +1,68 @@
+"""A real trl.GRPOTrainer on CPU with nothing from the Hub: a tiny Qwen2 built from a config (saved to
+a local folder, so TRL can load the reference model from it too), a word-level tokenizer made in
+code, a small in-memory prompt dataset and a rule-based reward."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+N_WORDS = 509            # vocabulary: 3 special tokens + these words
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for i in range(N_WORDS):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.padding_side = "left"
+    return fast
+
+
+def save_tiny_qwen2(folder: str, seed: int) -> str:
+    """A random tiny Qwen2 and its tokenizer, saved to ``folder`` (returned)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)      # spread the logits: log-probs and entropies vary per token
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def prompts(n: int = 8):
+    return [" ".join(f"w{(7 * i + j) % N_WORDS}" for j in range(2 + i % 3)) for i in range(n)]
+
+
+def reward_even_words(completions, **_):
+    """Rule-based reward: the share of even-numbered words in the completion (0 for an empty one)."""
+    def share(text):
+        words = [w for w in text.split() if w[1:].isdigit()]
+        return sum(int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1)
+    return [share(c) for c in completions]
+
+
+def grpo_trainer(folder: str, out_dir: str, seed: int = 0, **overrides):
+    """A GRPOTrainer on the saved tiny model: 4 prompts x 4 generations per step, completions of at
+    most 8 tokens, float32 on CPU. ``overrides`` go to GRPOConfig."""
+    from datasets import Dataset
+
+    from trl import GRPOConfig, GRPOTrainer
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+              max_steps=3, use_cpu=True, logging_steps=1, report_to="none", learning_rate=5e-3,
+              save_strategy="no", temperature=0.9, seed=seed, bf16=False, disable_tqdm=True)
+    kw.update(overrides)
+    args = GRPOConfig(**kw)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return GRPOTrainer(model=folder, reward_funcs=reward_even_words, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": prompts()}), processing_class=tokenizer())
