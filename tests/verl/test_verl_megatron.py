@@ -69,3 +69,36 @@ def test_installed_after_verl_built_the_model(env, seed):
     assert mff.linear_cross_entropy is verl_kernel
     with pytest.raises((AssertionError, RuntimeError)), torch.no_grad():   # CUDA-only kernel
         env.run_gen(model, ids, mask, labels, pos, 1.0, True)
+
+
+def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism():
+    """TP=2 over two gloo processes: verl's fused forward on logitless against its unfused forward,
+    values and every rank's parameter gradients, with and without sequence parallelism (verl gathers
+    the hidden states itself under SP; without SP the full d_hidden must reach the decoder)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    with tempfile.TemporaryDirectory() as tmp:
+        init, outs = os.path.join(tmp, "gloo_init"), [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, os.path.join(here, "verl_tp2_worker.py"), str(r), "2", init,
+                                   str(seed), outs[r]], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for r in range(2)]
+        try:
+            logs = [p.communicate(timeout=420)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for r, p in enumerate(procs):
+            assert p.returncode == 0 and os.path.exists(outs[r]), f"rank {r}:\n{logs[r][-3000:]}"
+        results = [json.load(open(o)) for o in outs]
+    for rank, res in enumerate(results):
+        for case, (ok, msg) in res.items():
+            assert ok, f"{case} rank {rank}: {msg}"
+        assert set(res) == {"tp2-nosp", "tp2-sp"}

@@ -42,6 +42,8 @@ def verl_logits_processor(logits, label, temperature):
     divide by the temperature in place, entropy with vocab_parallel_entropy, log-probs with
     vocab_parallel_log_probs_from_logits on a copy (Megatron's cross entropy works in place)."""
     from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs_from_logits
+    temperature = temperature.clone()
+    temperature[temperature <= 0] = 1e-8          # verl's rule: packing pads the temperature with zeros
     logits = logits.div(temperature.unsqueeze(-1).to(logits.dtype))
     entropy = vocab_parallel_entropy(logits)
     return {"entropy": entropy, "log_probs": vocab_parallel_log_probs_from_logits(logits.clone(), label)}
