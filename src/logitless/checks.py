@@ -108,3 +108,37 @@ def temperature(value, device: Optional[torch.device] = None, max_dim: Optional[
     if isinstance(value, Tensor):
         return real_tensor(value, "temperature", device, max_dim, check_values, positive=True)
     return positive_float(value, "temperature", "a positive float or a tensor")
+
+
+def finite_float(value, name: str, minimum: Optional[float] = None, above: bool = False) -> float:
+    """``value`` as a float if it is a real number (not a bool) and finite, and (when ``minimum`` is
+    given) >= minimum, or > minimum with ``above``. TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if minimum is not None and (value <= minimum if above else value < minimum):
+        raise ValueError(f"{name} must be {'>' if above else '>='} {minimum}, got {value!r}")
+    return value
+
+
+def per_token_tensor(value, name: str, labels: Tensor) -> Tensor:
+    """A per-token input (advantages, log-probs of another policy, ...) as detached float32 of the labels'
+    shape: a real tensor that does not require grad, on the labels' device, broadcastable to
+    ``labels.shape`` (one value per sequence [b, 1], per token [b, s], or one for all).
+
+    A 1-D [k] tensor (k > 1) against labels of two or more dimensions is refused as ambiguous:
+    broadcasting would line it up with the last (sequence) axis, so a per-sequence [b] would silently
+    become per-position whenever b == s. Values are not checked here (the caller checks the scored
+    tokens only, so padding may hold anything)."""
+    value = real_tensor(tensor(value, name), name, device=labels.device, check_values=False)
+    if value.dim() == 1 and value.numel() > 1 and labels.dim() >= 2:
+        raise ValueError(f"{name} of shape {tuple(value.shape)} is ambiguous for labels of shape "
+                         f"{tuple(labels.shape)}: pass [b, 1] for one per sequence or the labels' full shape "
+                         f"for one per token")
+    try:
+        return torch.broadcast_to(value, labels.shape)
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the labels' shape "
+                         f"{tuple(labels.shape)}") from None

@@ -58,3 +58,15 @@ def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
 def triton_tma() -> bool:
     """LOGITLESS_TRITON_TMA: "0" turns the bulk-copy (TMA) tile loads off (pointer loads instead)."""
     return os.environ.get("LOGITLESS_TRITON_TMA", "1").strip() != "0"
+
+def policy_workspace_bytes(default: int) -> int:
+    """LOGITLESS_POLICY_WORKSPACE_BYTES: bytes of the triton policy loss's per-chunk [tokens x vocab] workspace
+    (the e = exp(z - tile max) tile, then the chunk's dlogits); it sets how many tokens a chunk holds."""
+    return _int("LOGITLESS_POLICY_WORKSPACE_BYTES", default)
+
+
+def policy_dw_fp32() -> bool:
+    """LOGITLESS_POLICY_DW_FP32: "1" accumulates the triton policy loss's d_weight over token chunks in a
+    float32 [V, H] buffer (one rounding at the end; 2 x the weight's size in extra memory for bf16) instead
+    of in the gradient buffer itself (one rounding per chunk)."""
+    return os.environ.get("LOGITLESS_POLICY_DW_FP32", "").strip().lower() in _TRUE

@@ -87,3 +87,22 @@ def softcap_tanh(acc, CAP: tl.constexpr):
     t_abs = (1.0 - e) * r
     t = tl.where(acc < 0, -t_abs, t_abs)
     return t, 4.0 * e * r * r
+
+
+@triton.jit
+def tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N: tl.constexpr):
+    """The per-row statistics of a raw logits tile ``acc`` [BLOCK_M, BLOCK_N] (float32) tempered by
+    ``inv_t`` [BLOCK_M] (> 0): (m, e, d2) with m [BLOCK_M] the tile's largest tempered logit,
+    e = exp(z - m) and d2 = log2(e) = (z - m) * log2(e) [BLOCK_M, BLOCK_N]; padded columns (>= n_cols, only
+    in the last vocabulary tile) get e = 0 and d2 = -inf.
+
+    The max is taken of the raw products: as inv_t > 0 and rounding is monotonic, max(acc) * inv_t is
+    exactly the largest tempered logit (so label logit <= m <= lse hold in float32 too). The differences
+    to the max are one fused multiply-add per element in base 2 (exp2 is the hardware's exponential)."""
+    padded = (pid_n + 1) * BLOCK_N > n_cols
+    if padded:
+        acc = tl.where((cols < n_cols)[None, :], acc, float("-inf"))
+    m_acc = tl.max(acc, axis=1)     # finite: every tile has at least one real column
+    scale2 = inv_t * LOG2E
+    d2 = acc * scale2[:, None] - (m_acc * scale2)[:, None]
+    return m_acc * inv_t, tl.exp2(d2), d2

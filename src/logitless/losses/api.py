@@ -1,0 +1,155 @@
+"""The public policy losses: ``fused_policy_loss`` (three GEMMs, gradients formed in the forward) and
+``policy_loss_reference`` (the same loss through ``fused_logprobs`` and autograd: four GEMMs).
+
+Both take the LM head's last hidden states and weight, the labels and a ``PolicyLoss``'s inputs; both
+return a ``PolicyLossOutput``; they agree within the op's tolerances.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import checks
+from ..api import check_head, fused_logprobs, record_backend, vocab_layout
+from ..ops.policy import policy_pass_for
+from ..ops.registry import choose_backend
+from .function import FusedPolicyLossFunction, PassOptions
+from .policy import PolicyLoss
+from .terms import weighted_terms
+from .tokens import ScoredTokens, score_tokens
+
+
+class PolicyLossOutput(NamedTuple):
+    """loss: 0-d float32, differentiable (once) to hidden and weight.
+    logprobs, entropy: float32 in the labels' shape, 0 where ignored; detached metrics.
+    clip_fraction: 0-d float32, share of scored tokens whose clipped surrogate was the larger (verl's
+        pg_clipfrac); detached.
+    kl: 0-d float32, the KL estimate aggregated like the loss (verl's kl_loss), or None without
+        ref_logprobs; detached."""
+    loss: Tensor
+    logprobs: Tensor
+    entropy: Tensor
+    clip_fraction: Tensor
+    kl: Optional[Tensor]
+
+
+def _prepare(hidden, weight, labels, policy, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,
+             seq_first):
+    labels = checks.index_tensor(labels, "labels")
+    if seq_first and labels.dim() != 2:
+        raise ValueError(f"labels must be [b, s] here, got shape {tuple(labels.shape)}")
+    # the rows of hidden are the labels' positions (in [s, b] order when seq_first)
+    hidden, weight, _ = check_head(hidden, weight, labels.t() if seq_first else labels)
+    if not isinstance(policy, PolicyLoss):
+        raise TypeError(f"loss must be a logitless.losses.PolicyLoss, got {type(policy).__name__}")
+    ignore_index = checks.ignore_index(ignore_index)
+    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    mod, _ = choose_backend(hidden, weight, backend)
+    tp, vocab = vocab_layout(weight, tp_group)
+    if tp is not None:
+        tp = tp.with_reduce(reduce_grad_hidden)
+    tokens = score_tokens(labels, policy, temperature=temperature, ignore_index=ignore_index, vocab=vocab,
+                          seq_first=seq_first)
+    return hidden, weight, tokens, mod, tp
+
+
+def _finish(tokens: ScoredTokens, loss, lp, ent, clipped, kl, with_kl: bool, seq_first: bool) -> PolicyLossOutput:
+    def shaped(x):
+        x = x.view(tokens.row_shape)
+        return x.t().contiguous() if seq_first else x
+    clip_fraction = clipped / max(tokens.count, 1)
+    return PolicyLossOutput(loss, shaped(lp), shaped(ent), clip_fraction, kl if with_kl else None)
+
+
+def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tensor, *,
+                temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
+                reduce_grad_hidden: bool = True, backend: str = "auto", fused: bool = True,
+                seq_first: bool = False) -> PolicyLossOutput:
+    """``fused_policy_loss`` (fused=True) or ``policy_loss_reference`` (False) of a ``PolicyLoss``.
+
+    seq_first: hidden is [s, b, H] while labels and the policy's per-token inputs are [b, s] (Megatron's
+    layout; the outputs come back [b, s] and sequences are the rows of labels)."""
+    hidden, weight, tokens, mod, tp = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
+                                               tp_group, reduce_grad_hidden, backend, seq_first)
+    spec = policy.term_spec()
+    if not fused:
+        return _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden,
+                          mod.name, labels, seq_first)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    grad = torch.is_grad_enabled()
+    options = PassOptions(policy_pass=policy_pass_for(mod.name), tp=tp,
+                          need_dh=grad and hidden.requires_grad, need_dw=grad and weight.requires_grad)
+    loss, lp, ent, clipped, kl = FusedPolicyLossFunction.apply(h2, weight, tokens, spec, options)
+    record_backend(mod.name)
+    return _finish(tokens, loss, lp, ent, clipped, kl, spec.has_ref, seq_first)
+
+
+def _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,
+               labels, seq_first):
+    """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd."""
+    labels_rows = labels.t() if seq_first else labels
+    temp = temperature
+    if seq_first and torch.is_tensor(temperature) and temperature.dim() == 2:
+        temp = temperature.t()     # [b, s] or [b, 1] -> the rows' [s, b] layout
+    out = fused_logprobs(hidden, weight, labels_rows, temperature=temp, with_entropy=True,
+                         ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
+                         backend=backend)
+    lp, ent = out.logprobs.reshape(-1), out.entropy.reshape(-1)
+    if tokens.rows is not None:
+        lp, ent = lp.index_select(0, tokens.rows), ent.index_select(0, tokens.rows)
+    loss, clipped, kl = weighted_terms(lp.double(), ent.double(), tokens.inputs, spec)
+    return _finish(tokens, loss.float(), out.logprobs.detach().reshape(-1), out.entropy.detach().reshape(-1),
+                   clipped.float(), None if kl is None else kl.float(), spec.has_ref, seq_first)
+
+
+def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
+                      old_logprobs: Optional[Tensor] = None, *, clip_low: float = 0.2, clip_high: float = 0.28,
+                      dual_clip: Optional[float] = None, ref_logprobs: Optional[Tensor] = None,
+                      kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
+                      loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
+                      temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
+                      reduce_grad_hidden: bool = True, backend: str = "auto") -> PolicyLossOutput:
+    """The PPO / GRPO policy loss straight from the LM head, in three GEMMs, without the logits.
+
+    Args:
+        hidden, weight, labels, temperature, ignore_index, tp_group, reduce_grad_hidden, backend: as in
+            ``logitless.fused_logprobs`` (hidden [..., H], weight [V, H], labels [...]); ``backend``
+            "auto", "reference", "chunked" or "triton" (``logitless.last_backend()`` says which ran).
+        advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
+            entropy_coef, loss_agg, cu_seqlens: see ``logitless.losses.PolicyLoss``; per-token inputs
+            broadcast to the labels (per token, or per sequence [b, 1]).
+
+    Returns:
+        PolicyLossOutput(loss, logprobs, entropy, clip_fraction, kl): ``loss`` is 0-d float32, to be
+        minimised, differentiable once to hidden and weight (only those that require grad); the rest are
+        detached float32 metrics.
+
+    The loss is sum_i w_i f_i over the scored tokens (``terms.py`` for f, ``aggregate.py`` for w). Knowing
+    it, the pass forms each token chunk's gradient as soon as its statistics are known: the logits are
+    never recomputed (three GEMMs, against the four of fused_logprobs plus a loss). Memory beyond the
+    gradient buffers: a per-chunk workspace (LOGITLESS_POLICY_WORKSPACE_BYTES on the triton backend,
+    LOGITLESS_CHUNK_ELEMENTS on the chunked one). The gradient buffers are allocated in the forward.
+    """
+    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
+                       tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend)
+
+
+def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
+                          old_logprobs: Optional[Tensor] = None, *, clip_low: float = 0.2, clip_high: float = 0.28,
+                          dual_clip: Optional[float] = None, ref_logprobs: Optional[Tensor] = None,
+                          kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
+                          loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
+                          temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
+                          reduce_grad_hidden: bool = True, backend: str = "auto") -> PolicyLossOutput:
+    """``fused_policy_loss``'s loss through ``fused_logprobs`` (on ``backend``) and torch autograd: the same
+    definition (``terms.py``), the usual four GEMMs. The baseline the fused loss is measured against."""
+    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
+                       tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend, fused=False)

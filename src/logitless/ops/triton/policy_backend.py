@@ -1,0 +1,107 @@
+"""The triton backend of the fused policy-loss pass (contract: ``logitless.ops.policy``): three GEMMs.
+
+Per chunk of c token rows (c from LOGITLESS_POLICY_WORKSPACE_BYTES, a multiple of the token tile):
+1. ``policy_stats``: one Triton GEMM pass over the vocabulary; its epilogue writes per-(token, tile)
+   statistics, the label's logit, and e = exp(z - tile max) into the [c, V] workspace (never the logits);
+2. ``combine_tiles`` + the caller's ``combine``: lse, entropy, log-prob (exact float32, as fused_logprobs),
+   the per-token loss terms and their gradients (tensor parallelism: one all-gather of three floats per
+   token and rank here);
+3. ``policy_dlogits``: e -> dlogits in place (memory-bound, one read and one write per element);
+4. cuBLAS: dh[chunk] = dlogits @ weight, written once (a token's whole vocabulary is in its chunk), and
+   dw += dlogits.T @ hidden[chunk], accumulated in the gradient buffer (beta = 1: one rounding to its
+   dtype per chunk) or, with LOGITLESS_POLICY_DW_FP32=1, in a float32 buffer rounded once at the end.
+
+Memory besides the gradient buffers: the workspace (1 GiB by default) and the statistics (12 bytes per
+token and vocabulary tile of a chunk).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from ... import knobs
+from ..policy import Combine, accumulate_product, balanced_chunks, product_into
+from .backend import unavailable_reason  # noqa: F401  (the same rule as fused_logprobs' triton backend)
+from .common import choose_tiles
+from .forward_stats import combine_tiles
+from .policy_dlogits import dlogits_in_place
+from .policy_stats import chunk_stats
+
+DEFAULT_WORKSPACE_BYTES = 1 << 30
+ROW_ALIGN = 64        # workspace rows start 128-byte aligned (float16): aligned vector stores, cuBLAS-friendly
+# rows per chunk when no gradient is wanted: only the statistics, 12 bytes per token and tile
+STATS_ONLY_BYTES = 1 << 28
+
+
+def workspace_dtype(dtype: torch.dtype) -> torch.dtype:
+    """e lies in (0, 1]: float16 keeps 3 more bits there than bfloat16; float32 inputs stay float32."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def row_stride(vocab: int) -> int:
+    return -(-vocab // ROW_ALIGN) * ROW_ALIGN
+
+
+def chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, block_m: int, block_n: int, with_grad: bool) -> int:
+    """Token rows per chunk for a vocabulary (shard) of ``plan_vocab`` rows: the workspace budget over
+    the bytes of one workspace row, balanced across chunks, a multiple of the token tile."""
+    if with_grad:
+        per_row = row_stride(plan_vocab) * torch.empty((), dtype=workspace_dtype(dtype)).element_size()
+        budget = knobs.policy_workspace_bytes(DEFAULT_WORKSPACE_BYTES)
+    else:
+        per_row = 12 * triton.cdiv(plan_vocab, block_n)
+        budget = STATS_ONLY_BYTES
+    return balanced_chunks(n, max(block_m, budget // per_row), block_m)
+
+
+def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
+                dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None) -> None:
+    """See ``logitless.ops.policy``. plan_vocab: the largest vocabulary shard of the tensor-parallel group
+    (every rank must cut the same chunks); None: this weight's."""
+    ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
+    with ctx:   # triton launches on the current device
+        _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0])
+
+
+def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab):
+    n = hidden.shape[0]
+    vocab = weight.shape[0]
+    dev = hidden.device
+    tiles = choose_tiles("POLICY", hidden.dtype, dev)
+    with_grad = dh is not None or dw is not None
+    step = chunk_rows(n, plan_vocab, hidden.dtype, tiles.block_m, tiles.block_n, with_grad)
+    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    parts = torch.empty((3, n_tiles * step), dtype=torch.float32, device=dev)
+    zy_buf = torch.empty(step, dtype=torch.float32, device=dev)
+    stride = row_stride(vocab)
+    ws = torch.empty(step * stride, dtype=workspace_dtype(hidden.dtype), device=dev) if with_grad else None
+    # the dlogits, in the inputs' dtype, overwrite e in place (same element size)
+    ws_dl = None if ws is None else (ws if ws.dtype == hidden.dtype else ws.view(hidden.dtype))
+    acc = dw
+    if dw is not None and dw.dtype != torch.float32 and knobs.policy_dw_fp32():
+        acc = torch.empty(dw.shape, dtype=torch.float32, device=dev)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        c = stop - start
+        h, lab, it = hidden[start:stop], labels[start:stop], inv_temp[start:stop]
+        part_m, part_s, part_t = (parts[i, :n_tiles * c].view(n_tiles, c) for i in range(3))
+        zy = zy_buf[:c].zero_()
+        e = None if ws is None else ws[:c * stride].view(c, stride)[:, :vocab]
+        chunk_stats(h, weight, lab, it, part_m, part_s, part_t, zy, e)
+        # combine_tiles may consume its inputs in place; stage 3 still needs the tile maxima
+        lse, ent = combine_tiles(part_m.clone(), part_s, part_t)
+        lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
+        if not with_grad:
+            continue
+        dl = ws_dl[:c * stride].view(c, stride)[:, :vocab]
+        dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, it, lab, tiles.block_n)
+        if dh is not None:
+            product_into(dh[start:stop], dl, weight)
+        if acc is not None:
+            accumulate_product(acc, dl.t(), h, first=start == 0)
+    if acc is not None and acc is not dw:
+        dw.copy_(acc)

@@ -1,0 +1,68 @@
+"""Policy loss, stage 1: one GEMM pass over the vocabulary for a chunk of tokens, whose epilogue writes
+the per-(token, vocab tile) statistics, the label's logit and the tile e = exp(z - tile max).
+
+Each program computes a float32 [BLOCK_M x BLOCK_N] logits tile on the tensor cores (``logits_tile``) and
+writes: m (the tile's max tempered logit), s = sum e and t = sum e * (z - m) into [vocab tiles, c] float32
+workspaces (the same layout as ``forward_stats``, so ``combine_tiles`` gives lse and entropy), the label's
+logit from the tile that holds it, and, with STORE_E, e itself into the chunk's [c, V] workspace (float16
+for half-precision inputs: e lies in (0, 1], where float16 has 8 times bfloat16's precision; float32 for
+float32 inputs). The logits never reach HBM; e is all the gradient stage needs (p = e * exp(m - lse)).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import LN2, choose_tiles, launch_options, tile_operands, tl_dtype
+from .tile import logits_tile, tempered_tile_stats, tile_coords
+
+
+@triton.jit
+def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, e_ptr,
+                         n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en,
+                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+                         SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+    # SOFTCAP / CAP come with launch_options; the policy loss refuses a softcap before any launch
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
+    row_ok = rows < n_rows
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
+    out = pid_n.to(tl.int64) * n_rows + rows
+    tl.store(part_m_ptr + out, m, mask=row_ok)
+    tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+    # the clamp turns padding's 0 * -inf into 0 without a branch
+    tl.store(part_t_ptr + out, tl.sum(e * tl.maximum(d2, -1e30), axis=1) * LN2, mask=row_ok)
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    first = pid_n * BLOCK_N
+    here = row_ok & (label >= first) & (label < first + BLOCK_N)
+    if tl.max(here.to(tl.int32), axis=0) > 0:   # most tiles hold no label: skip the pick
+        zy = tl.sum(tl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
+        tl.store(zy_ptr + rows, zy, mask=here)
+    if STORE_E:
+        ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
+        tl.store(ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
+
+
+def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
+                part_t: Tensor, zy: Tensor, e: Tensor | None) -> None:
+    """Fill the statistics of the tokens ``hidden`` [c, H] over ``weight`` [V, H]: part_m / part_s / part_t
+    float32 [ceil(V / BLOCK_N), c], zy float32 [c] (zeroed by the caller: rows whose label is -1 keep 0),
+    and, when ``e`` is given ([c, V] view with unit column stride, float16 or float32), e = exp(z - m)."""
+    n, k = hidden.shape
+    vocab = weight.shape[0]
+    tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
+    grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
+    h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
+    store = e is not None
+    _policy_stats_kernel[grid](
+        h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e if store else part_m,
+        n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        e.stride(0) if store else 0,
+        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, USE_TMA=use_tma,
+        **launch_options(tiles, hidden, None))

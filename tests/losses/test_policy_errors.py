@@ -1,0 +1,95 @@
+"""Bad input to the policy losses: a TypeError / ValueError naming the argument, before any kernel runs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from logitless.losses import fused_policy_loss, policy_loss, policy_loss_reference
+
+B, S, H, V = 2, 5, 16, 37
+
+
+def inputs():
+    hidden = torch.randn(B, S, H)
+    weight = torch.randn(V, H)
+    labels = torch.randint(0, V, (B, S))
+    labels[0, 0] = -100
+    return hidden, weight, labels, torch.randn(B, S), torch.randn(B, S) - 3.0
+
+
+def nan_at_scored(t):
+    t = t.clone()
+    t[1, 2] = math.nan
+    return t
+
+
+CASES = [
+    # (name, change to the call's keyword arguments, exception, text the message must contain)
+    ("advantages not a tensor", dict(advantages=[1.0]), TypeError, "advantages"),
+    ("advantages None", dict(advantages=None), TypeError, "advantages"),
+    ("advantages bool", dict(advantages=torch.ones(B, S, dtype=torch.bool)), TypeError, "advantages"),
+    ("advantages require grad", dict(advantages=torch.randn(B, S, requires_grad=True)), ValueError, "advantages"),
+    ("advantages shape", dict(advantages=torch.randn(B, S + 1)), ValueError, "advantages"),
+    ("advantages [b] ambiguous", dict(advantages=torch.randn(B)), ValueError, "ambiguous"),
+    ("advantages device", dict(advantages=torch.randn(B, S, device="meta")), ValueError, "advantages"),
+    ("advantages NaN at a scored token", dict(advantages=nan_at_scored(torch.randn(B, S))), ValueError,
+     "advantages must be finite"),
+    ("old_logprobs NaN at a scored token", dict(old_logprobs=nan_at_scored(torch.randn(B, S))), ValueError,
+     "old_logprobs"),
+    ("old_logprobs not a tensor", dict(old_logprobs=0.5), TypeError, "old_logprobs"),
+    ("ref_logprobs shape", dict(ref_logprobs=torch.randn(3, S)), ValueError, "ref_logprobs"),
+    ("clip_low negative", dict(clip_low=-0.1), ValueError, "clip_low"),
+    ("clip_low str", dict(clip_low="0.2"), TypeError, "clip_low"),
+    ("clip_high inf", dict(clip_high=math.inf), ValueError, "clip_high"),
+    ("clip_high bool", dict(clip_high=True), TypeError, "clip_high"),
+    ("dual_clip 1", dict(dual_clip=1.0), ValueError, "dual_clip"),
+    ("dual_clip tensor", dict(dual_clip=torch.tensor(3.0)), TypeError, "dual_clip"),
+    ("kl_coef without ref", dict(kl_coef=0.1), ValueError, "ref_logprobs"),
+    ("kl_coef NaN", dict(kl_coef=math.nan), ValueError, "kl_coef"),
+    ("kl_type unknown", dict(kl_type="full", ref_logprobs=torch.randn(B, S)), ValueError, "kl_type"),
+    ("kl_type int", dict(kl_type=3), TypeError, "kl_type"),
+    ("entropy_coef NaN", dict(entropy_coef=math.nan), ValueError, "entropy_coef"),
+    ("loss_agg GSPO", dict(loss_agg="seq-ratio"), ValueError, "fused_logprobs"),
+    ("loss_agg int", dict(loss_agg=0), TypeError, "loss_agg"),
+    ("cu_seqlens with 2-D labels", dict(cu_seqlens=torch.tensor([0, S, 2 * S])), ValueError, "cu_seqlens"),
+    ("cu_seqlens float", dict(cu_seqlens=torch.tensor([0.0, 10.0])), TypeError, "cu_seqlens"),
+    ("labels out of range", dict(labels=torch.full((B, S), V)), ValueError, "labels"),
+    ("labels float", dict(labels=torch.zeros(B, S)), TypeError, "labels"),
+    ("hidden size", dict(hidden=torch.randn(B, S, H + 1)), ValueError, "H="),
+    ("weight dtype", dict(weight=torch.randn(V, H, dtype=torch.float64)), TypeError, "weight"),
+    ("temperature", dict(temperature=-1.0), ValueError, "temperature"),
+    ("temperature [b] ambiguous", dict(temperature=torch.ones(B)), ValueError, "temperature"),
+    ("ignore_index float", dict(ignore_index=-100.0), TypeError, "ignore_index"),
+    ("backend unknown", dict(backend="cuda"), ValueError, "backend"),
+    ("reduce_grad_hidden int", dict(reduce_grad_hidden=1), TypeError, "reduce_grad_hidden"),
+]
+
+
+@pytest.mark.parametrize("fn", [fused_policy_loss, policy_loss_reference], ids=["fused", "reference"])
+@pytest.mark.parametrize("name,change,exc,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(fn, name, change, exc, match):
+    hidden, weight, labels, adv, old = inputs()
+    kw = dict(hidden=hidden, weight=weight, labels=labels, advantages=adv, old_logprobs=old, backend="chunked")
+    kw.update(change)
+    with pytest.raises(exc, match=match):
+        fn(**kw)
+
+
+def test_packed_labels_need_cu_seqlens_for_sequence_aggregation():
+    hidden, weight, labels, adv, old = inputs()
+    flat = dict(hidden=hidden.reshape(-1, H), weight=weight, labels=labels.reshape(-1),
+                advantages=adv.reshape(-1), backend="chunked")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        fused_policy_loss(**flat, loss_agg="seq-mean-token-mean")
+    for bad in ([0, 4, 3, 10], [1, 10], [0, 9], [[0, 10]]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            fused_policy_loss(**flat, loss_agg="seq-mean-token-mean", cu_seqlens=torch.tensor(bad))
+    fused_policy_loss(**flat, loss_agg="token-mean")   # no sequences needed
+
+
+def test_policy_loss_needs_a_policy_loss():
+    hidden, weight, labels, _, _ = inputs()
+    with pytest.raises(TypeError, match="PolicyLoss"):
+        policy_loss({"advantages": torch.ones(1)}, hidden, weight, labels)
