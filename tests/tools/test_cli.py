@@ -92,6 +92,25 @@ def _run_row(fn, entropy=True):
         torch.set_num_threads(threads)
 
 
+def test_bench_policy_loss_rows(tmp_path):
+    """The fused policy loss and its reference path get rows of their own, checked against
+    policy_loss_reference on the reference backend (float32 tolerances)."""
+    out_json = tmp_path / "bench.json"
+    proc = _run(_logitless() + ["bench", "--device", "cpu", "--shape", "41,48,1031", "--repeats", "1",
+                                "--backends", "policy-loss", "policy-loss-reference", "--json", str(out_json)])
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for name, label in (("policy-loss", "fused policy loss"), ("policy-loss-reference", "policy_loss_reference")):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert label in r["label"] and "[chunked]" in r["label"] and label in proc.stdout
+        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["fwd_bwd_extra_bytes"] is not None
+        assert r["err_logprob"] <= 2e-5 and r["err_entropy"] <= 2e-5, r
+        assert r["err_dh"] <= 1e-4 and r["err_dw"] <= 1e-4, r
+        loss_err = float(r["reason"].split("rel err ")[1].split()[0])
+        assert loss_err <= 1e-5, r
+
+
 def test_error_columns_catch_a_wrong_implementation():
     def bf16_logits(h, w, y, t):      # fp32 inputs, logits rounded through bfloat16
         return peers.naive(h.bfloat16(), w.bfloat16(), y, t)

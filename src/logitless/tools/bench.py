@@ -159,6 +159,7 @@ class Inputs:
     labels: Tensor       # [N] int64, sampled from the tempered softmax
     a: Tensor            # [N] float32 coefficient of logprob in the backward loss
     b: Tensor            # [N] float32 coefficient of entropy
+    policy: Optional[object] = None   # bench_policy.PolicyInputs, made for the first policy-loss row
 
 
 def make_inputs(cfg: BenchConfig) -> Inputs:
@@ -248,6 +249,8 @@ def _short(exc: BaseException) -> str:
 
 def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, meter: PeakMemory) -> Row:
     row = Row(impl.name, impl.label, impl.kind, impl.entropy)
+    if impl.kind == "policy":
+        return _policy_row(impl, row, x, cfg, meter)
     gc.collect()                    # the previous row's leftovers must not count against this one
     device = torch.device(cfg.device)
     try:
@@ -281,6 +284,25 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, met
             torch.cuda.empty_cache()
         return row
     row.fwd_s, row.fwd_bwd_s = min(row.times_fwd), min(row.times_fwd_bwd)
+    return row
+
+
+def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig, meter: PeakMemory) -> Row:
+    """A policy-loss row (tools/bench_policy.py), with the same failure handling as the others."""
+    from . import bench_policy
+    device = torch.device(cfg.device)
+    try:
+        run = impl.build(device)
+        if x.policy is None:
+            x.policy = bench_policy.make_policy_inputs(x, cfg.temperature, cfg.seed)
+        bench_policy.run_policy_row(row, run.fused, run.backend, x, cfg, x.policy, meter, time_call, sync)
+        row.label = f"{row.label} [{run.backend}]"
+    except peers.Unavailable as exc:
+        row.status, row.reason = "unavailable", str(exc)
+    except Exception as exc:  # noqa: BLE001
+        row.status, row.reason = "failed", _short(exc)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return row
 
 
@@ -400,7 +422,7 @@ def format_table(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         note = r["reason"] or ""
-        if r["status"] == "ok" and not r["entropy"] and r["kind"] != "floor":
+        if r["status"] == "ok" and not r["entropy"] and r["kind"] not in ("floor", "policy"):
             note = "log-prob only (no entropy)"
         rows.append([r["label"], cell(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), cell(r["fwd_x_floor"], ".2f"),
                      cell(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), cell(r["fwd_bwd_x_floor"], ".2f"),

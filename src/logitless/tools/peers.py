@@ -30,8 +30,8 @@ class Unavailable(RuntimeError):
 class Impl:
     """One row of the bench.
 
-    name: the key given to ``--backends``; label: what the table shows; kind: "logitless" or
-    "peer"; entropy: whether it computes the entropy too; package: the distribution whose version
+    name: the key given to ``--backends``; label: what the table shows; kind: "logitless", "peer" or
+    "policy" (a policy-loss row: build returns a ``PolicyRun``, see tools/bench_policy.py); entropy: whether it computes the entropy too; package: the distribution whose version
     the bench records (None for torch-only paths); build(device): returns the callable or raises
     ``Unavailable``; triton_kernel: it runs a triton GPU kernel, so on CPU it fails (the bench
     says so next to the error).
@@ -159,6 +159,26 @@ def _cce(impl: str) -> Callable[[torch.device], Fn]:
     return build
 
 
+# --- the fused policy loss ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """What a policy-loss row runs (see tools/bench_policy.py): the fused loss or the reference path."""
+    fused: bool
+    backend: str
+
+
+def _policy(fused: bool) -> Callable[[torch.device], PolicyRun]:
+    def build(device: torch.device) -> PolicyRun:
+        import logitless as api
+        probe = torch.empty(1, 1, device=device)
+        name = api.choose_backend(probe, probe, "auto")[0].name
+        if name == "triton":
+            _needs_gpu_triton(device, "the triton backend")
+        return PolicyRun(fused, name)
+    return build
+
+
 IMPLS: tuple[Impl, ...] = (
     Impl("reference", "logitless reference (fp32 logits)", "logitless", True, None, _logitless("reference")),
     Impl("chunked", "logitless chunked", "logitless", True, None, _logitless("chunked")),
@@ -170,6 +190,9 @@ IMPLS: tuple[Impl, ...] = (
     Impl("cce", "cut-cross-entropy (cce)", "peer", False, "cut-cross-entropy", _cce("cce"), True),
     Impl("cce-compile", "cut-cross-entropy (torch_compile)", "peer", False, "cut-cross-entropy",
          _cce("torch_compile")),
+    Impl("policy-loss", "logitless fused policy loss (3 GEMMs)", "policy", True, None, _policy(True)),
+    Impl("policy-loss-reference", "policy_loss_reference (fused_logprobs + autograd)", "policy", True, None,
+         _policy(False)),
 )
 NAMES = tuple(i.name for i in IMPLS)
 

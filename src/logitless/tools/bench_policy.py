@@ -1,0 +1,99 @@
+"""The policy-loss rows of `logitless bench`: the fused PPO / GRPO loss (``fused_policy_loss``, three
+GEMMs) and the same loss through ``fused_logprobs`` and autograd (``policy_loss_reference``, four), on the
+bench's inputs and against the same GEMM floor.
+
+The loss: clipped ratio (clip 0.2 / 0.28), k3 KL to a reference policy (coefficient 0.01), entropy bonus
+(0.01), token-mean. Advantages are the bench's signed per-token ``a``; old and reference log-probs are the
+current ones plus N(0, 0.1) noise, so the ratio clips on both sides for some tokens.
+
+fwd = the loss without gradients (metrics only); fwd+bwd = the loss and its backward. Errors are against
+``policy_loss_reference`` on the reference backend (fp32 logits) over the first ``check_tokens`` tokens:
+log-prob and entropy max abs, gradients relative; the loss's relative error is in the note.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+SETTINGS = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.01, kl_type="k3", entropy_coef=0.01, loss_agg="token-mean")
+NOISE = 0.1
+
+
+@dataclass
+class PolicyInputs:
+    advantages: Tensor      # [N] float32
+    old_logprobs: Tensor    # [N] float32
+    ref_logprobs: Tensor    # [N] float32
+
+
+def make_policy_inputs(x, temperature: float, seed: int) -> PolicyInputs:
+    """Per-token PPO inputs for the bench inputs ``x`` (hidden, weight, labels, a, b)."""
+    from logitless import fused_logprobs
+    gen = torch.Generator(device=x.hidden.device).manual_seed(seed + 7)
+    with torch.no_grad():
+        lp = fused_logprobs(x.hidden, x.weight, x.labels, temperature=temperature, with_entropy=False).logprobs
+    noise = torch.randn((2,) + tuple(lp.shape), device=lp.device, generator=gen) * NOISE
+    return PolicyInputs(x.a, lp + noise[0], lp + noise[1])
+
+
+def loss_fn(fused: bool, backend: str) -> Callable:
+    """(hidden, weight, labels, temperature, PolicyInputs, slice) -> PolicyLossOutput."""
+    from logitless.losses import fused_policy_loss, policy_loss_reference
+    fn = fused_policy_loss if fused else policy_loss_reference
+
+    def run(h: Tensor, w: Tensor, y: Tensor, t: float, p: PolicyInputs, rows: slice = slice(None)):
+        return fn(h, w, y, p.advantages[rows], p.old_logprobs[rows], ref_logprobs=p.ref_logprobs[rows],
+                  temperature=t, backend=backend, **SETTINGS)
+    return run
+
+
+def _step(run, x, t, p, rows=slice(None), grad=True):
+    def call():
+        h = x.hidden[rows].detach().requires_grad_(grad)
+        w = x.weight.detach().requires_grad_(grad)
+        out = run(h, w, x.labels[rows], t, p, rows)
+        if grad:
+            out.loss.backward()
+        return out, h.grad, w.grad
+    return call
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def run_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, meter, time_call, sync) -> None:
+    """Fill ``row`` (bench.Row): checked warm-up, timed forward (no grad) and forward+backward, peak memory."""
+    device = torch.device(cfg.device)
+    t, s = cfg.temperature, min(cfg.check_tokens, x.hidden.shape[0])
+    run = loss_fn(fused, backend)
+    gc.collect()
+    t0 = time.perf_counter()
+    out, dh, dw = _step(run, x, t, p, slice(0, s))()
+    sync(device)
+    row.warmup_s = time.perf_counter() - t0
+    ref, rdh, rdw = _step(loss_fn(False, "reference"), x, t, p, slice(0, s))()
+    for name, value in (("loss", out.loss), ("d_hidden", dh), ("d_weight", dw)):
+        if value is None or not bool(torch.isfinite(value).all()):
+            raise FloatingPointError(f"{name} is missing or has non-finite values")
+    row.err_logprob = float((out.logprobs - ref.logprobs).abs().max())
+    row.err_entropy = float((out.entropy - ref.entropy).abs().max())
+    row.err_dh, row.err_dw = _rel(dh, rdh), _rel(dw, rdw)
+    loss_rel = abs(float(out.loss) - float(ref.loss)) / max(abs(float(ref.loss)), 1e-30)
+    row.reason = f"PPO loss, rel err {loss_rel:.1e} vs policy_loss_reference"
+    del out, dh, dw, ref, rdh, rdw
+    with torch.no_grad():
+        fwd = _step(run, x, t, p, grad=False)
+        fwd()
+        row.times_fwd = [time_call(fwd, device) for _ in range(cfg.repeats)]
+        row.fwd_extra_bytes = meter.measure(fwd)
+    step = _step(run, x, t, p)
+    row.times_fwd_bwd = [time_call(step, device) for _ in range(cfg.repeats)]
+    row.fwd_bwd_extra_bytes = meter.measure(step)
+    row.fwd_s, row.fwd_bwd_s = min(row.times_fwd), min(row.times_fwd_bwd)
