@@ -31,10 +31,10 @@ class Impl:
     """One row of the bench.
 
     name: the key given to ``--backends``; label: what the table shows; kind: "logitless", "peer" or
-    "policy" (a policy-loss row: build returns a ``PolicyRun``, see tools/bench_policy.py); entropy: whether it computes the entropy too; package: the distribution whose version
-    the bench records (None for torch-only paths); build(device): returns the callable or raises
-    ``Unavailable``; triton_kernel: it runs a triton GPU kernel, so on CPU it fails (the bench
-    says so next to the error).
+    "policy" (a policy-loss row: build returns a ``PolicyRun``, see tools/bench_policy.py); entropy:
+    whether it computes the entropy too; package: the distribution whose version the bench records
+    (None for torch-only paths); build(device): returns the callable or raises ``Unavailable``;
+    triton_kernel: it runs a triton GPU kernel, so on CPU it fails (the bench says so next to the error).
     """
     name: str
     label: str
