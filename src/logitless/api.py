@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .ops.function import FusedLogProbsFunction, OpOptions
+from .ops import function
 from .ops.registry import BACKENDS, choose_backend
 
 if TYPE_CHECKING:
@@ -37,9 +37,11 @@ def record_backend(name: str) -> None:
     _state.backend = name
 
 
-def inv_temperature(temperature, labels: Tensor) -> Tensor:
-    """float32 [N] of 1/temperature, from a positive number or a tensor broadcastable to labels."""
-    t = checks.temperature(temperature, device=labels.device)
+def inv_temperature(temperature, labels: Tensor, check_values: bool = True) -> Tensor:
+    """float32 [N] of 1/temperature, from a positive number or a tensor broadcastable to labels.
+    ``check_values=False`` skips the check that a tensor's values are finite and > 0 (its one host
+    synchronisation); a number is always checked."""
+    t = checks.temperature(temperature, device=labels.device, check_values=check_values)
     if not isinstance(t, Tensor):
         return torch.full((labels.numel(),), 1.0 / t, dtype=torch.float32, device=labels.device)
     if t.dim() == 1 and t.numel() > 1 and labels.dim() >= 2:
@@ -100,10 +102,21 @@ def check_label_range(flat_labels: Tensor, valid: Tensor, vocab: int, ignore_ind
         raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
 
 
+def tp_group_name(tp_group) -> Optional[str]:
+    """The registered name of a process group (what the custom op takes), after the group checks of
+    ``logitless.parallel`` (RuntimeError / TypeError / ValueError); None for None."""
+    if tp_group is None:
+        return None
+    from .parallel import _check_group
+    _check_group(tp_group)
+    return tp_group.group_name
+
+
 def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True,
                    ignore_index: int = -100, tp_group=None, reduce_grad_hidden: bool = True,
-                   backend: str = "auto", softcap: Optional[float] = None) -> TokenLogProbs:
+                   backend: str = "auto", softcap: Optional[float] = None,
+                   check_inputs: bool = True) -> TokenLogProbs:
     """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
     (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
@@ -127,31 +140,39 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         softcap: None, or a positive number c: the logits are capped to (-c, c) by c * tanh(logit / c)
             before the temperature divides them (Gemma 2's ``final_logit_softcapping``). Exact in value
             and gradient; not differentiated itself.
+        check_inputs: True (default): labels outside [0, V) and non-finite / non-positive temperature
+            values raise ValueError, and rows whose label is ignore_index are skipped (they cost nothing,
+            and a non-finite hidden state there stays out of every gradient); this takes host
+            synchronisations (inside the op: ``torch.compile`` sees none). False: none at all, so the
+            call can be captured in a CUDA graph; the values are not checked, and ignored rows are
+            computed with no label and their outputs and gradients set to 0 (a NaN / inf hidden state
+            on an ignored row then reaches d_weight). Under ``tp_group`` the first call per group and
+            shard shape exchanges the shard sizes (a host synchronisation): make it outside capture.
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape``.
 
     Gradients flow to ``hidden`` and ``weight`` (only those that require grad) from any loss on
-    logprobs and/or entropy; nothing of size [tokens x vocab] is kept for backward.
+    logprobs and/or entropy; nothing of size [tokens x vocab] is kept for backward. Any number of
+    tokens: they are processed in chunks of bounded workspace (see ``logitless.ops.token_chunks``).
+
+    The computation is the custom op ``torch.ops.logitless.fused_logprobs`` (``logitless.ops.function``),
+    so a function calling this compiles under ``torch.compile(fullgraph=True)``.
     """
     hidden, weight, labels = check_head(hidden, weight, labels)
     checks.boolean(with_entropy, "with_entropy")
     ignore_index = checks.ignore_index(ignore_index)
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
     softcap = checks.optional_positive_float(softcap, "softcap")
+    checks.boolean(check_inputs, "check_inputs")
 
     mod, _ = choose_backend(hidden, weight, backend)
-    inv_temp = inv_temperature(temperature, labels)
-
-    flat_labels = labels.reshape(-1).long()
-    valid = flat_labels != ignore_index
-    tp, vocab = vocab_layout(weight, tp_group)
-    check_label_range(flat_labels, valid, vocab, ignore_index)
-
-    # reshape outside the Function so autograd links the caller's tensors to ours
+    # the values of a temperature tensor, like the labels' range, are checked inside the op (check_inputs)
+    inv_temp = inv_temperature(temperature, labels, check_values=False)
+    options = function.OpOptions(backend=mod.name, with_entropy=with_entropy, ignore_index=ignore_index,
+                                 softcap=softcap, tp_group=tp_group_name(tp_group),
+                                 reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs)
+    # reshape outside the op so autograd links the caller's tensors to ours
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    options = OpOptions(backend=mod, with_entropy=with_entropy, softcap=softcap,
-                        tp=None if tp is None else tp.with_reduce(reduce_grad_hidden))
-    lp, ent = FusedLogProbsFunction.apply(h2, weight, flat_labels, inv_temp, valid, options)
-    record_backend(mod.name)
+    lp, ent = function.fused_logprobs(h2, weight, labels.reshape(-1).long(), inv_temp, options)
     return TokenLogProbs(lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None)

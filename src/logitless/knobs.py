@@ -59,6 +59,19 @@ def triton_tma() -> bool:
     """LOGITLESS_TRITON_TMA: "0" turns the bulk-copy (TMA) tile loads off (pointer loads instead)."""
     return os.environ.get("LOGITLESS_TRITON_TMA", "1").strip() != "0"
 
+
+def triton_stats_bytes(default: int) -> int:
+    """LOGITLESS_TRITON_STATS_BYTES: bytes of the triton forward's per-tile statistics workspace; more
+    tokens than fit are processed in token chunks that reuse it."""
+    return _int("LOGITLESS_TRITON_STATS_BYTES", default)
+
+
+def triton_dhidden_bytes(default: int) -> int:
+    """LOGITLESS_TRITON_DHIDDEN_BYTES: bytes of the triton backward's float32 d_hidden accumulator; more
+    tokens than fit are processed in token chunks (d_weight then accumulates in float32 across them)."""
+    return _int("LOGITLESS_TRITON_DHIDDEN_BYTES", default)
+
+
 def policy_workspace_bytes(default: int) -> int:
     """LOGITLESS_POLICY_WORKSPACE_BYTES: bytes of the triton policy loss's per-chunk [tokens x vocab] workspace
     (the e = exp(z - tile max) tile, then the chunk's dlogits); it sets how many tokens a chunk holds."""

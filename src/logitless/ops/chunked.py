@@ -1,9 +1,11 @@
 """The chunked backend: pure torch, any device.
 
 The vocabulary is streamed in chunks of rows of ``weight``; each chunk's float32 logits
-[N, chunk] are folded into per-token running statistics (online logsumexp) and dropped.
+[T, chunk] are folded into per-token running statistics (online logsumexp) and dropped.
 Backward recomputes each chunk and produces that chunk's d_weight rows whole, while d_hidden
-is accumulated in float32. Peak extra memory: O(N x chunk + N x H).
+is accumulated in float32. One call takes at most T = LOGITLESS_CHUNK_ELEMENTS / 1024 tokens
+(``token_rows``); ``ops/token_chunks.py`` feeds it larger inputs in chunks of T tokens. Peak extra
+memory per call: one [T, chunk] tile (a few of them in flight) and the float32 d_hidden [T, H].
 """
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ import torch
 from torch import Tensor
 
 from .. import knobs
-from .maths import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
+from .maths import (
+    accumulate_mm,
+    apply_softcap_derivative,
+    dlogits_from_logits,
+    label_logits,
+    logits_from_products,
+    mm_fp32,
+)
 
 name = "chunked"
 
@@ -28,11 +37,24 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
     return None
 
 
+# A tile keeps at least this many vocabulary columns: more tokens than budget / MIN_COLUMNS are taken in
+# token chunks, so the products stay wide enough for the BLAS (an [N, 16] tile at N = 1M would not be).
+MIN_COLUMNS = 1024
+
+
+def _tile_budget(device: torch.device) -> int:
+    return knobs.chunk_elements(DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"])
+
+
 def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
     """Vocabulary rows per chunk, so that one float32 [n_tokens, rows] tile fits the budget."""
-    default = DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
-    budget = knobs.chunk_elements(default)
-    return max(1, min(vocab, budget // max(n_tokens, 1)))
+    return max(1, min(vocab, _tile_budget(device) // max(n_tokens, 1)))
+
+
+def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
+    """Most tokens per call, both stages: the tile budget over MIN_COLUMNS (2^24 / 1024 = 16384 on CUDA,
+    2048 on CPU by default). Depends on the device only, as the backward's chunking must (contract.py)."""
+    return max(1, _tile_budget(hidden.device) // MIN_COLUMNS)
 
 
 def _chunks(vocab: int, step: int):
@@ -70,10 +92,12 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
     return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None, dw_acc=None):
     n, vocab = hidden.shape[0], weight.shape[0]
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
+    dw = None
+    if need_dw and dw_acc is None:
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
     for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
         w = weight[start:stop]
         # with a softcap, t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
@@ -88,4 +112,6 @@ def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need
             dh += mm_fp32(dz, w)
         if dw is not None:
             dw[start:stop] = mm_fp32(dz.t(), hidden)
+        elif need_dw:
+            accumulate_mm(dw_acc[start:stop], dz.t(), hidden)
     return dh, dw

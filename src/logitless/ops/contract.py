@@ -28,7 +28,14 @@ Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global*
   dlogits = dz * inv_temp * (1 - t^2)        (softcap c, t = tanh(raw / c): the chain rule through the cap)
   dh = dlogits @ weight      -> float32 [N, H] (the caller casts and reduces)
   dw = dlogits.T @ hidden    -> weight.dtype [V, H]
-Each is None when not requested.
+Each is None when not requested. With ``dw_acc`` (float32 [V, H]) the backend adds its d_weight into it
+instead and returns None for dw: that is how d_weight accumulates across token chunks.
+
+Token chunks: ``token_rows(stage, hidden, weight, with_entropy)`` is the most tokens one call of ``stats``
+(stage "forward") or ``grads`` ("backward") takes; its workspace is bounded by that. The caller
+(``ops/token_chunks.py``) feeds larger inputs to it in chunks of that many rows. The backward's value must
+depend only on hidden's shape, dtype and device (never on weight's rows): under tensor parallelism every
+rank must walk the same chunks, as each chunk's d_hidden is all-reduced.
 """
 from __future__ import annotations
 
@@ -48,5 +55,7 @@ class Backend(Protocol):
 
     def grads(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
               lse: Tensor, ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
-              need_dh: bool, need_dw: bool, softcap: Optional[float] = None
-              ) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+              need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
+              dw_acc: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+
+    def token_rows(self, stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int: ...

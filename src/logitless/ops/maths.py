@@ -31,6 +31,29 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
+def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc (float32) += a @ b with float32 accumulation, in place. On CUDA, half-precision a and b go
+    straight into cuBLAS with a float32 C (no [acc]-sized temporary); float32 a and b stay IEEE float32
+    even under a global TF32 switch, as in ``mm_fp32``."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        tf32 = a.is_cuda and torch.backends.cuda.matmul.allow_tf32
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            acc.addmm_(a, b)
+        finally:
+            if tf32:
+                torch.backends.cuda.matmul.allow_tf32 = True
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc += mm_fp32(a, b)
+
+
 def logits_from_products(raw: Tensor, inv_temp: Tensor, softcap: Optional[float],
                          keep_tanh: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """The float32 logits z [N, C] of the module docstring from raw = hidden @ weight.T [N, C] (float32,
@@ -76,8 +99,9 @@ def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor
         dz = x
     else:
         dz = p.mul_(-g_lp.unsqueeze(1))
+    # + g_lp at the label, as a scatter of zeros where the row has no label here: no host synchronisation
+    # (a nonzero() would stall the stream and break CUDA-graph capture)
     has = (labels >= 0) & (labels < dz.shape[1])
-    rows = has.nonzero().squeeze(1)
-    if rows.numel():
-        dz[rows, labels[rows]] += g_lp[rows]
+    cols = torch.where(has, labels, torch.zeros_like(labels)).unsqueeze(1)
+    dz.scatter_add_(1, cols, torch.where(has, g_lp, torch.zeros_like(g_lp)).unsqueeze(1))
     return dz.mul_(inv_temp.unsqueeze(1))

@@ -9,7 +9,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .maths import apply_softcap_derivative, dlogits_from_logits, label_logits, logits_from_products, mm_fp32
+from .maths import (
+    accumulate_mm,
+    apply_softcap_derivative,
+    dlogits_from_logits,
+    label_logits,
+    logits_from_products,
+    mm_fp32,
+)
 
 name = "reference"
 
@@ -35,9 +42,18 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
     return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None, dw_acc=None):
     z, t = logits(hidden, weight, inv_temp, softcap, keep_tanh=True)
     dz = apply_softcap_derivative(dlogits_from_logits(z, labels, inv_temp, lse, ent, g_lp, g_ent), t)
     dh = mm_fp32(dz, weight) if need_dh else None
-    dw = mm_fp32(dz.t(), hidden).to(weight.dtype) if need_dw else None
+    dw = None
+    if need_dw and dw_acc is not None:
+        accumulate_mm(dw_acc, dz.t(), hidden)
+    elif need_dw:
+        dw = mm_fp32(dz.t(), hidden).to(weight.dtype)
     return dh, dw
+
+
+def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
+    """Every token at once: the reference materialises [N, V] by design (the naive baseline)."""
+    return max(1, hidden.shape[0])

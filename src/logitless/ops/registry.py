@@ -2,26 +2,31 @@
 so a missing triton only matters to whoever asks for the triton backend."""
 from __future__ import annotations
 
-import importlib
-
 from torch import Tensor
 
 from .contract import Backend
 
 BACKENDS = ("auto", "reference", "chunked", "triton")
-_MODULES = {"reference": "logitless.ops.reference", "chunked": "logitless.ops.chunked",
-            "triton": "logitless.ops.triton.backend"}
 
 
 def load_backend(name: str) -> Backend:
     """The backend module for ``name`` (not "auto"). Raises ValueError for an unknown name and
-    RuntimeError when the backend cannot be imported here (e.g. triton missing)."""
-    if name not in _MODULES:
+    RuntimeError when the backend cannot be imported here (e.g. triton missing).
+
+    Plain import statements, not importlib: torch.compile's tracer runs these (importlib would be a
+    graph break in every compiled caller of ``fused_logprobs``)."""
+    if name not in BACKENDS[1:]:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     try:
-        return importlib.import_module(_MODULES[name])
+        if name == "reference":
+            from . import reference as mod
+        elif name == "chunked":
+            from . import chunked as mod
+        else:
+            from .triton import backend as mod
     except ImportError as exc:
         raise RuntimeError(f"backend {name!r} cannot be imported here: {exc}") from exc
+    return mod
 
 
 def choose_backend(hidden: Tensor, weight: Tensor, backend: str = "auto") -> tuple[Backend, str]:

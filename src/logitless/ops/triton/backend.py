@@ -36,10 +36,20 @@ def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with
 
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
-          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None):
+          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
+          dw_acc: Optional[Tensor] = None):
     """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None); see logitless.ops.contract."""
     with _on(hidden):
-        return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap)
+        return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap,
+                              dw_acc)
+
+
+def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
+    """Most tokens per call: the forward's statistics workspace (LOGITLESS_TRITON_STATS_BYTES) or the
+    backward's float32 d_hidden (LOGITLESS_TRITON_DHIDDEN_BYTES) bounds it."""
+    if stage == "forward":
+        return forward_stats.token_rows(hidden, weight, with_entropy)
+    return backward.token_rows(hidden)
 
 
 def _on(t: Tensor):

@@ -6,7 +6,11 @@ LOGITLESS_TRITON_DLOGITS_ELEMENTS); then
     d_hidden (float32 [N, H]) += dlogits @ weight[chunk]      (accumulated in place)
     d_weight[chunk]            = dlogits.T @ hidden           (written once, weight.dtype)
 The two products run at cuBLAS speed; a fully fused kernel would need float32 atomics on d_hidden
-from every vocabulary tile (see benchmarks/NOTES.md).
+from every vocabulary tile (see benchmarks/DESIGN.md).
+
+One call takes at most ``token_rows`` tokens (LOGITLESS_TRITON_DHIDDEN_BYTES of float32 d_hidden, 2 GiB by
+default: 131072 tokens at H = 4096); ``ops/token_chunks.py`` feeds larger inputs in token chunks, each
+call adding its d_weight into one float32 [V, H] accumulator (``dw_acc``) instead of writing it.
 """
 from __future__ import annotations
 
@@ -18,12 +22,16 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from ..maths import mm_fp32
-from .common import LN2, LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
+from ..maths import accumulate_mm, mm_fp32
+from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, softcap_tanh, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
 DEFAULT_DLOGITS_ELEMENTS = 1 << 26
+# float32 d_hidden of one call: 2 GiB keeps batches up to 131072 tokens (H = 4096) in one call, the path
+# measured at the README shapes; beyond, token chunks bound it (with a float32 [V, H] d_weight accumulator,
+# which is smaller than this float32 d_hidden once N > V + 131072 or so).
+DEFAULT_DHIDDEN_BYTES = 2 << 30
 
 
 @triton.jit
@@ -37,7 +45,7 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     x = z - lse = log p, for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk).
     SOFTCAP: z = tanh(raw / CAP) * CAP * inv_t, and dl is further multiplied by 1 - tanh^2 (compile-time
     branch; without it the kernel is unchanged). A masked pointer store writes the tile (a bulk-copy
-    store measured no gain: benchmarks/NOTES.md)."""
+    store measured no gain: benchmarks/DESIGN.md)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
@@ -99,19 +107,12 @@ def chunk_columns(n_tokens: int, vocab: int, block_n: int) -> int:
     return min(cols, vocab)
 
 
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc (float32) += a @ b with float32 accumulation, in place, without an [acc]-sized temporary
-    where cuBLAS can take a float32 C with low-precision A and B."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-        return
-    if a.is_cuda:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (RuntimeError, TypeError):
-            pass
-    acc += mm_fp32(a, b)
+def token_rows(hidden: Tensor) -> int:
+    """Most tokens one ``grads`` call takes: its float32 d_hidden [T, H] fits LOGITLESS_TRITON_DHIDDEN_BYTES;
+    a multiple of the token tile. Depends on hidden's shape, dtype and device only (contract.py)."""
+    block_m = choose_tiles("BWD", hidden.dtype, hidden.device).block_m
+    rows = knobs.triton_dhidden_bytes(DEFAULT_DHIDDEN_BYTES) // (4 * max(1, hidden.shape[1]))
+    return max(block_m, rows // block_m * block_m)
 
 
 def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
@@ -123,9 +124,11 @@ def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
-          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None):
+          g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
+          dw_acc: Optional[Tensor] = None):
     """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None), chunk by chunk.
     softcap: None or c > 0, see logitless.ops.contract (the cap's derivative is applied in the kernel).
+    dw_acc: None, or a float32 [V, H] accumulator into which d_weight is added (then None is returned).
 
     Workspace: one dlogits buffer [N, C] of hidden.dtype (128 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
@@ -134,16 +137,19 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     vocab = weight.shape[0]
     tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
     step = chunk_columns(n, vocab, tiles.block_n)
+    h_kernel, w_kernel = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
     dh = torch.zeros((n, k), dtype=torch.float32, device=hidden.device) if need_dh else None
-    dw = torch.empty((vocab, k), dtype=weight.dtype, device=weight.device) if need_dw else None
+    dw = torch.empty((vocab, k), dtype=weight.dtype, device=weight.device) if need_dw and dw_acc is None else None
     buf = torch.empty((n, step), dtype=hidden.dtype, device=hidden.device)
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         w_chunk = weight[start:stop]
-        dl = dlogits_chunk(hidden, w_chunk, start, labels, inv_temp, lse, ent, g_lp, g_ent, buf[:, :stop - start],
-                           softcap)
+        dl = dlogits_chunk(h_kernel, w_kernel[start:stop], start, labels, inv_temp, lse, ent, g_lp, g_ent,
+                           buf[:, :stop - start], softcap)
         if dh is not None:
-            _accumulate_mm(dh, dl, w_chunk)
+            accumulate_mm(dh, dl, w_chunk)
         if dw is not None:
             _product_into(dw[start:stop], dl.t(), hidden)
+        elif need_dw:
+            accumulate_mm(dw_acc[start:stop], dl.t(), hidden)
     return dh, dw

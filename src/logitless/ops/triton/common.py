@@ -114,3 +114,12 @@ def launch_options(tiles: Tiles, hidden: torch.Tensor, softcap) -> dict:
                 **dot_flags(hidden.dtype), SOFTCAP=softcap is not None,
                 CAP=1.0 if softcap is None else float(softcap),
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def int32_safe(t: torch.Tensor, block_k: int) -> torch.Tensor:
+    """``t`` itself, or a contiguous copy when the pointer-load path's per-K-step offsets (block_k x the
+    stride along H, computed in int32 by the kernel) would overflow: only a column-major operand with more
+    than 2^31 / block_k rows gets here (the row offsets themselves are int64 in the kernel)."""
+    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) * block_k >= 2 ** 31:
+        return t.contiguous()
+    return t

@@ -6,6 +6,10 @@ sum exp(z - m), sum exp(z - m) * (z - m)) written to a [vocab tiles, N] float32 
 logit is written by the one tile that holds it. Logits never reach HBM. A combine over the tiles then
 gives the global statistics. With a softcap c the tile is first mapped to t = tanh(raw / c) and scaled
 by c / temperature instead of 1 / temperature (a compile-time branch: without it the kernel is unchanged).
+
+Workspace: 4 bytes x (3, or 2 without entropy) x ceil(V / BLOCK_N) per token. ``token_rows`` caps the
+tokens of one call so that it stays under LOGITLESS_TRITON_STATS_BYTES (64 MiB by default: 9344 tokens at
+V = 151936, a whole 8192-token batch at V = 131072); ``ops/token_chunks.py`` feeds larger inputs in chunks.
 """
 from __future__ import annotations
 
@@ -16,8 +20,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LN2, LOG2E, choose_tiles, launch_options, tile_operands
+from ... import knobs
+from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands
 from .tile import logits_tile, softcap_tanh, tile_coords
+
+# The per-tile statistics of one call: 64 MiB, whatever N is.
+DEFAULT_STATS_BYTES = 64 << 20
 
 
 @triton.jit
@@ -72,6 +80,7 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     n, k = hidden.shape
     vocab = weight.shape[0]
     tiles = choose_tiles("FWD", hidden.dtype, hidden.device)
+    hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
     dev = hidden.device
     part_m = torch.empty((n_tiles, n), dtype=torch.float32, device=dev)
@@ -87,25 +96,46 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     return part_m, part_s, part_t if with_entropy else None, zy
 
 
+def token_rows(hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
+    """Most tokens one ``stats`` call takes so that its workspace fits LOGITLESS_TRITON_STATS_BYTES: a
+    multiple of the token tile (at least one tile)."""
+    block_m, block_n = _tile_shape(hidden)
+    n_tiles = triton.cdiv(weight.shape[0], block_n)
+    per_token = 4 * (3 if with_entropy else 2) * n_tiles
+    rows = knobs.triton_stats_bytes(DEFAULT_STATS_BYTES) // per_token
+    return max(block_m, rows // block_m * block_m)
+
+
+def _tile_shape(hidden: Tensor) -> tuple[int, int]:
+    tiles = choose_tiles("FWD", hidden.dtype, hidden.device)
+    return tiles.block_m, tiles.block_n
+
+
 def combine_tiles(part_m: Tensor, part_s: Tensor, part_t: Optional[Tensor]):
     """Global (lse, entropy) float32 [N] from the per-tile (m_i, s_i, t_i), relative to M = max_i m_i:
     S = sum_i s_i e^(m_i - M), T = sum_j e^(z_j - M) (z_j - M) = sum_i e^(m_i - M) (t_i + (m_i - M) s_i),
-    lse = M + log S, entropy = log S - T / S (no large terms cancel, whatever the logits' magnitude)."""
+    lse = M + log S, entropy = log S - T / S (no large terms cancel, whatever the logits' magnitude).
+    Consumes the partial buffers: everything is computed in place in them, so the combine adds no
+    temporary of their size (only [N] vectors)."""
     big = part_m.amax(dim=0)
-    shift = part_m - big
-    w = shift.exp()
-    total = (part_s * w).sum(dim=0)
+    shift = part_m.sub_(big)                       # m_i - M, in place
+    if part_t is not None:
+        part_t.addcmul_(shift, part_s)             # t_i + (m_i - M) s_i
+    w = shift.exp_()                               # e^(m_i - M): shift is no longer needed
+    total = part_s.mul_(w).sum(dim=0)
     # S >= 1 exactly (the max tile's max term is e^0); its float32 sum can land an ulp under 1, which
     # would put lse under the label's logit for a near-certain token: clamp
     log_total = total.log().clamp_min(0.0)
     ent = None
     if part_t is not None:
-        ent = log_total - ((part_t + shift * part_s) * w).sum(dim=0) / total
+        ent = log_total - part_t.mul_(w).sum(dim=0) / total
     return big + log_total, ent
 
 
 def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
           softcap: Optional[float] = None):
+    """(lse, entropy or None, zy) float32 [N] of one token chunk (workspace 4 x 3 x n_tiles bytes per
+    token: callers keep N <= token_rows)."""
     part_m, part_s, part_t, zy = tile_stats(hidden, weight, labels, inv_temp, with_entropy, softcap)
     lse, ent = combine_tiles(part_m, part_s, part_t)
     return lse, ent, zy
