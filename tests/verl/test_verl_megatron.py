@@ -5,17 +5,16 @@ functions) on the same weights and batch: values and every parameter gradient.""
 import pytest
 import torch
 
+import logitless.verl as lv
+from logitless.megatron import last_path
 from required import import_or_skip
-
-import_or_skip("megatron.core", "make setup installs megatron-core")
-import_or_skip("verl.models.mcore.model_forward_fused", "make setup installs verl (--no-deps) and its import deps")
-
-import logitless.verl as lv  # noqa: E402
-from logitless.megatron import last_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def env():
+    # checked here rather than at import, so a run that deselects these tests does not report them as skipped
+    import_or_skip("megatron.core", "make setup installs megatron-core")
+    import_or_skip("verl.models.mcore.model_forward_fused", "make setup installs verl (--no-deps) and its import deps")
     import verl_mcore
 
     import mcore_env
@@ -71,7 +70,7 @@ def test_installed_after_verl_built_the_model(env, seed):
         env.run_gen(model, ids, mask, labels, pos, 1.0, True)
 
 
-def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism():
+def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism(env):
     """TP=2 over two gloo processes: verl's fused forward on logitless against its unfused forward,
     values and every rank's parameter gradients, with and without sequence parallelism (verl gathers
     the hidden states itself under SP; without SP the full d_hidden must reach the decoder)."""
