@@ -1,10 +1,10 @@
 """Large token counts on one CUDA GPU, in one process: bounded workspace, int64 addressing, speed.
 
-    PYTHONPATH=src python3 benchmarks/gpu_large.py [--sections large,huge,readme] [--out DIR] [--small]
+    PYTHONPATH=src python3 benchmarks/gpu_large.py [--sections large,huge,hugebwd,readme] [--out DIR] [--small]
 
 large:  N=131072, H=4096, V=151936 bf16 (N x V = 2.0e10 > 2^31) forward+backward with the triton backend,
-        once as configured by default (one backward call: its float32 d_hidden is 2 GiB) and once with
-        LOGITLESS_TRITON_DHIDDEN_BYTES=256 MiB (8 backward token chunks, d_weight accumulated in float32).
+        in backward token chunks of 16384 (the default: 8 chunks, d_weight accumulated in float32) and in one
+        backward call (LOGITLESS_TRITON_BWD_TOKENS=131072: a float32 d_hidden of 2 GiB).
         The loss has non-zero coefficients on the first and last 1024 tokens only, so d_weight, d_hidden,
         log-probs and entropies of those tokens are compared with the chunked backend and with float64
         (torch autograd on float64 copies) on that 2048-token slice. Time / floor (the 4 GEMMs, measured
@@ -13,6 +13,8 @@ huge:   N=1,048,576 (N x H = 4.3e9 > 2^31): forward only, time / 1-GEMM floor (t
         peak extra memory (target: workspace <= 64 MiB), log-prob / entropy of the first and last 1024
         tokens against the chunked backend; then one forward+backward, its time and peak memory, and the
         d_hidden rows of the last 1024 tokens against the chunked backend.
+hugebwd: N=1,048,576 forward+backward alone (not in the default sections): its peak memory, the d_hidden
+        rows of the last 1024 tokens against the chunked backend, one call timed against the 4 GEMMs.
 readme: the README shapes A (16384, 4096, 151936) and B (8192, 4096, 131072): forward and forward+backward
         over the floor of ``tools.common.GemmFloor`` (one full GEMM), with the default forward workspace
         (64 MiB: A takes two token chunks, B one) and with LOGITLESS_TRITON_STATS_BYTES=2^40 (one chunk, the
@@ -210,9 +212,7 @@ def section_large():
     a_s, b_s = torch.zeros_like(a), torch.zeros_like(b)
     a_s[idx], b_s[idx] = a[idx], b[idx]
     grad_bytes = (hidden.numel() + weight.numel()) * 2
-    variants = {"default": {}, "bwd_token_chunks": {"LOGITLESS_TRITON_DHIDDEN_BYTES": 256 << 20}}
-    if ARGS.small:
-        variants["bwd_token_chunks"] = {"LOGITLESS_TRITON_DHIDDEN_BYTES": 4 * h * 128}
+    variants = {"default": {}, "bwd_one_call": {"LOGITLESS_TRITON_BWD_TOKENS": n}}
     for name, knobs in variants.items():
         with Env(**knobs):
             lp, ent, dh, dw = run_op(hidden, weight, labels, a_s, b_s)
@@ -264,23 +264,43 @@ def section_huge():
     if time.time() - T0 > ARGS.budget_s:
         res["fwdbwd"] = "skipped: out of time"
         return
-    # one forward+backward: time (one call, synchronised) and peak memory; d_hidden rows of the last slice
-    # depend only on their own coefficients, so they can be checked against the chunked backend there
+    huge_backward(res, hidden, weight, labels, a, b, idx[s:], floor=False)
+
+
+def section_hugebwd():
+    """Forward+backward at N = 1M alone: peak memory, then one timed call against the 4 GEMMs in chunks."""
+    n, h, v = SHAPES["huge"]
+    seed = random.randrange(1 << 30)
+    res = RESULTS.setdefault("hugebwd", {"N": n, "H": h, "V": v, "seed": seed, "labels": "uniform random"})
+    log(f"hugebwd: N={n} H={h} V={v} seed={seed}")
+    hidden, weight, labels, a, b = inputs(n, h, v, seed, sampled=False)
+    huge_backward(res, hidden, weight, labels, a, b, torch.arange(n - min(SLICE, n // 4), n, device=DEV))
+
+
+def huge_backward(res, hidden, weight, labels, a, b, last, floor=True):
+    """One forward+backward with peak memory (the first call: it includes allocation and any kernel build),
+    the d_hidden rows ``last`` against the chunked backend (a row's d_hidden depends only on its own
+    coefficients), and with ``floor`` one more call timed with events against the 4 GEMMs in token chunks."""
     torch.cuda.empty_cache() if DEV.type == "cuda" else None
     t = time.perf_counter()
     peak, out = peak_extra(lambda: run_op(hidden, weight, labels, a, b))
     sync()
-    res["fwdbwd_one_call_s_with_peak_tracking"] = time.perf_counter() - t
+    res["fwdbwd_first_call_s_with_peak_tracking"] = time.perf_counter() - t
     grad_bytes = (hidden.numel() + weight.numel()) * 2
     res["fwdbwd_peak_extra_gib"] = peak and peak / GIB
     res["fwdbwd_peak_extra_minus_grads_gib"] = peak and (peak - grad_bytes) / GIB
     dh = out[2]
-    last = idx[s:]
     c = run_op(hidden[last], weight, labels[last], a[last], b[last], "chunked")
     res["fwdbwd_last_rows_dh_rel_vs_chunked"] = rel(dh[last], c[2])
     res["fwdbwd_finite"] = bool(torch.isfinite(dh).all() and torch.isfinite(out[3]).all())
     del out, dh, c
-    log("huge fwd+bwd", {k: v for k, v in res.items() if k.startswith("fwdbwd")})
+    if floor:
+        res["fwdbwd_ms"] = timed(lambda: run_op(hidden, weight, labels, a, b), 1, warmup=0)
+        fn, bufs = chunked_floor(hidden, weight, min(hidden.shape[0], 16384), True)
+        res["floor_fwdbwd_ms"] = timed(fn, 1, warmup=0)
+        del fn, bufs
+        res["fwdbwd_x_floor"] = median(res["fwdbwd_ms"]) / median(res["floor_fwdbwd_ms"])
+    log("huge fwd+bwd", {k: v for k, v in res.items() if k.startswith("fwdbwd") or k.startswith("floor")})
     write()
 
 
@@ -325,7 +345,7 @@ def table() -> str:
     lines = ["| run | fwd x floor | fwd+bwd x floor | fwd peak extra | fwd+bwd peak extra - grads | lp err f64 "
              "| ent err f64 | dh rel f64 | dw rel f64 |", "|---" * 9 + "|"]
     large = RESULTS.get("large", {})
-    for name in ("default", "bwd_token_chunks"):
+    for name in ("default", "bwd_one_call"):
         e = large.get(f"errors_{name}", {}).get("vs_float64", {})
         lines.append(f"| large {name} | {large.get(f'fwd_x_floor_{name}', float('nan')):.3f} "
                      f"| {large.get(f'fwdbwd_x_floor_{name}', float('nan')):.3f} "
@@ -339,6 +359,11 @@ def table() -> str:
                  f"| {huge.get('fwd_peak_extra_mib') or float('nan'):.0f} MiB "
                  f"| {huge.get('fwdbwd_peak_extra_minus_grads_gib') or float('nan'):.2f} GiB "
                  f"| {e.get('lp_err', float('nan')):.1e} | {e.get('ent_err', float('nan')):.1e} | - | - |")
+    hb = RESULTS.get("hugebwd", {})
+    if hb:
+        lines.append(f"| huge fwd+bwd | - | {hb.get('fwdbwd_x_floor', float('nan')):.3f} | - "
+                     f"| {hb.get('fwdbwd_peak_extra_minus_grads_gib') or float('nan'):.2f} GiB | - | - "
+                     f"| dh rel vs chunked {hb.get('fwdbwd_last_rows_dh_rel_vs_chunked', float('nan')):.1e} | - |")
     for tag in ("A", "B"):
         r = RESULTS.get(f"readme_{tag}", {})
         for mode in ("new", "one_chunk"):
@@ -367,7 +392,8 @@ def main():
     log(RESULTS["env"])
     for name in ARGS.sections.split(","):
         try:
-            {"large": section_large, "huge": section_huge, "readme": section_readme}[name]()
+            {"large": section_large, "huge": section_huge, "hugebwd": section_hugebwd,
+             "readme": section_readme}[name]()
         except Exception:  # noqa: BLE001 - record it and go on to the next section
             RESULTS.setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
             log(traceback.format_exc())

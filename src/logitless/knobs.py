@@ -66,10 +66,10 @@ def triton_stats_bytes(default: int) -> int:
     return _int("LOGITLESS_TRITON_STATS_BYTES", default)
 
 
-def triton_dhidden_bytes(default: int) -> int:
-    """LOGITLESS_TRITON_DHIDDEN_BYTES: bytes of the triton backward's float32 d_hidden accumulator; more
-    tokens than fit are processed in token chunks (d_weight then accumulates in float32 across them)."""
-    return _int("LOGITLESS_TRITON_DHIDDEN_BYTES", default)
+def triton_bwd_tokens(default: int) -> int:
+    """LOGITLESS_TRITON_BWD_TOKENS: most tokens one call of the triton backward takes; more are processed in
+    token chunks (d_weight then accumulates in float32 across them)."""
+    return _int("LOGITLESS_TRITON_BWD_TOKENS", default)
 
 
 def policy_workspace_bytes(default: int) -> int:

@@ -27,10 +27,10 @@ def small_chunks(monkeypatch):
     n_tiles = -(-V // INTERPRETER_TILES.block_n)
     if DEVICE == "cpu":
         monkeypatch.setenv("LOGITLESS_TRITON_STATS_BYTES", str(CHUNK * 12 * n_tiles))
-        monkeypatch.setenv("LOGITLESS_TRITON_DHIDDEN_BYTES", str(CHUNK * 4 * H))
+        monkeypatch.setenv("LOGITLESS_TRITON_BWD_TOKENS", str(CHUNK))
     else:   # compiled kernels: the token tile is 128 (64 in float32), so chunks of one tile
         monkeypatch.setenv("LOGITLESS_TRITON_STATS_BYTES", "1")
-        monkeypatch.setenv("LOGITLESS_TRITON_DHIDDEN_BYTES", "1")
+        monkeypatch.setenv("LOGITLESS_TRITON_BWD_TOKENS", "1")
     monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(CHUNK * MIN_COLUMNS))
     monkeypatch.setenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS", str(CHUNK * 128))
 

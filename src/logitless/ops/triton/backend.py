@@ -46,7 +46,7 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
 
 def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
     """Most tokens per call: the forward's statistics workspace (LOGITLESS_TRITON_STATS_BYTES) or the
-    backward's float32 d_hidden (LOGITLESS_TRITON_DHIDDEN_BYTES) bounds it."""
+    backward's LOGITLESS_TRITON_BWD_TOKENS (16384) bounds it."""
     if stage == "forward":
         return forward_stats.token_rows(hidden, weight, with_entropy)
     return backward.token_rows(hidden)

@@ -8,9 +8,9 @@ LOGITLESS_TRITON_DLOGITS_ELEMENTS); then
 The two products run at cuBLAS speed; a fully fused kernel would need float32 atomics on d_hidden
 from every vocabulary tile (see benchmarks/DESIGN.md).
 
-One call takes at most ``token_rows`` tokens (LOGITLESS_TRITON_DHIDDEN_BYTES of float32 d_hidden, 2 GiB by
-default: 131072 tokens at H = 4096); ``ops/token_chunks.py`` feeds larger inputs in token chunks, each
-call adding its d_weight into one float32 [V, H] accumulator (``dw_acc``) instead of writing it.
+One call takes at most ``token_rows`` tokens (LOGITLESS_TRITON_BWD_TOKENS, 16384 by default: a float32
+d_hidden of 256 MiB at H = 4096); ``ops/token_chunks.py`` feeds larger inputs in token chunks, each call
+adding its d_weight into one float32 [V, H] accumulator (``dw_acc``) instead of writing it.
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from .tile import logits_tile, softcap_tanh, tile_coords
 
 # 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
 DEFAULT_DLOGITS_ELEMENTS = 1 << 26
-# float32 d_hidden of one call: 2 GiB keeps batches up to 131072 tokens (H = 4096) in one call, the path
-# measured at the README shapes; beyond, token chunks bound it (with a float32 [V, H] d_weight accumulator,
-# which is smaller than this float32 d_hidden once N > V + 131072 or so).
-DEFAULT_DHIDDEN_BYTES = 2 << 30
+# Tokens of one call. Its float32 d_hidden [T, H] is read and written once per vocabulary chunk, and the
+# chunks narrow as T grows (C = 2^26 / T columns), so that traffic grows like T^2: on the H200, N = 131072
+# in one call ran at 1.29x the 4-GEMM floor, in chunks of 16384 at 1.06x (benchmarks/LAB-LOG.md). 16384
+# keeps the README shapes (N <= 16384) in one call, the path measured there.
+DEFAULT_BWD_TOKENS = 16384
 
 
 @triton.jit
@@ -108,11 +109,10 @@ def chunk_columns(n_tokens: int, vocab: int, block_n: int) -> int:
 
 
 def token_rows(hidden: Tensor) -> int:
-    """Most tokens one ``grads`` call takes: its float32 d_hidden [T, H] fits LOGITLESS_TRITON_DHIDDEN_BYTES;
-    a multiple of the token tile. Depends on hidden's shape, dtype and device only (contract.py)."""
+    """Most tokens one ``grads`` call takes (LOGITLESS_TRITON_BWD_TOKENS), a multiple of the token tile.
+    Depends on hidden's dtype and device only, as contract.py requires."""
     block_m = choose_tiles("BWD", hidden.dtype, hidden.device).block_m
-    rows = knobs.triton_dhidden_bytes(DEFAULT_DHIDDEN_BYTES) // (4 * max(1, hidden.shape[1]))
-    return max(block_m, rows // block_m * block_m)
+    return max(block_m, knobs.triton_bwd_tokens(DEFAULT_BWD_TOKENS) // block_m * block_m)
 
 
 def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
