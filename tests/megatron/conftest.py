@@ -1,5 +1,3 @@
-import os
-import random
 
 import pytest
 
@@ -16,12 +14,3 @@ def megatron_tp1():
     mcore_env.init_cpu_megatron(rank=0, world_size=1, tp=1)
     yield mcore_env
     mcore_env.teardown_cpu_megatron()
-
-
-@pytest.fixture
-def seed():
-    """A fresh seed per test (printed, so a failure can be replayed)."""
-    s = int(os.environ.get("LOGITLESS_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={s}")
-    random.seed(s)
-    return s
