@@ -8,6 +8,7 @@ seed and broadcasts it, so every rank builds the same full tensors; the seed is 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import secrets
@@ -29,13 +30,14 @@ class Skip(Exception):
 
 
 @functools.lru_cache(maxsize=None)
-def run_world(world: int) -> dict:
-    """{case name: [outcome per rank]} of every case registered for ``world`` ranks."""
-    from tp_cases import cases_for, pre_init_cases
-    names = [name for name, _ in pre_init_cases() + cases_for(world)]
+def run_world(world: int, cases_module: str = "tp_cases") -> dict:
+    """{case name: [outcome per rank]} of every case registered for ``world`` ranks in ``cases_module``
+    (a module of this folder with ``configure_process``, ``pre_init_cases`` and ``cases_for(world)``)."""
+    cases = importlib.import_module(cases_module)
+    names = [name for name, _ in cases.pre_init_cases() + cases.cases_for(world)]
     with tempfile.TemporaryDirectory(prefix="logitless-tp-") as tmp:
         seed = secrets.randbits(31)
-        ctx = mp.start_processes(_entry, args=(world, tmp, seed), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, tmp, seed, cases_module), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         crashed = None
@@ -61,7 +63,7 @@ def run_world(world: int) -> dict:
     return outcomes
 
 
-def _entry(rank: int, world: int, tmp: str, seed: int) -> None:
+def _entry(rank: int, world: int, tmp: str, seed: int, cases_module: str = "tp_cases") -> None:
     # where no GPU exists triton must interpret, and must learn it before its first import
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if HERE not in sys.path:
@@ -69,9 +71,11 @@ def _entry(rank: int, world: int, tmp: str, seed: int) -> None:
     sys.path.insert(0, os.path.dirname(HERE))       # tests/, for reference64
     import torch.distributed as dist
 
-    from tp_cases import Ctx, cases_for, configure_process, pre_init_cases
+    from tp_cases import Ctx
+    cases = importlib.import_module(cases_module)
+    cases_for, pre_init_cases = cases.cases_for, cases.pre_init_cases
 
-    configure_process()
+    cases.configure_process()
     results = {}
     path = os.path.join(tmp, f"rank{rank}.json")
 

@@ -3,7 +3,8 @@ logits: per-token log-probability of the label and entropy, from the fused op.
 
 Megatron hands over hidden_states [s, b, h] (after the final norm; sequence-parallel scattered
 when SP is on; the CP-local slice under context parallelism) and labels [b, s]. The processor
-returns ``TokenLogProbs`` in the labels' layout [b, s], float32.
+returns ``TokenLogProbs`` in the labels' layout [b, s], float32; or, when the context carries a
+``PolicyLoss``, the fused policy loss and its metrics (``PolicyLossOutput``, per-token fields [b, s]).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs, last_backend
+from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from .record import in_legacy_call, write_record
 from .temperature import check_temperature, temperature_bs
 
@@ -31,16 +33,24 @@ class FusedOutputProcessorContext:
     with_entropy: also return the entropy (False: ``entropy`` is None and less work is done).
     ignore_index: label value whose positions get logprob 0, entropy 0 and no gradient.
     backend: the fused op's backend ("auto", "chunked", "triton", "reference").
+    loss: None, or a ``logitless.losses.PolicyLoss`` whose per-token inputs (advantages, old / ref
+        log-probs) are in the labels' layout [b, s] (or per sequence [b, 1]): the processor then returns
+        the fused policy loss and its metrics (``PolicyLossOutput``: loss, logprobs, entropy,
+        clip_fraction, kl) instead of the log-probs, with the sequences being the rows of labels.
+        Positions that must not count (prompt, padding) need ``ignore_index`` in labels.
     """
     temperature: Union[float, Tensor] = 1.0
     with_entropy: bool = True
     ignore_index: int = -100
     backend: str = "auto"
+    loss: Optional[PolicyLoss] = None
 
     def __post_init__(self):
         check_temperature(self.temperature)
         checks.boolean(self.with_entropy, "with_entropy")
         checks.ignore_index(self.ignore_index)
+        if self.loss is not None and not isinstance(self.loss, PolicyLoss):
+            raise TypeError(f"loss must be a logitless.losses.PolicyLoss or None, got {type(self.loss).__name__}")
 
 
 def _tp_group_and_size(output_layer, config):
@@ -91,9 +101,10 @@ def _log_payload(config, kwargs, lp: Tensor, ent: Optional[Tensor]) -> None:
 
 def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight: Optional[Tensor],
                            labels: Optional[Tensor], context: Optional[FusedOutputProcessorContext] = None,
-                           config=None, **kwargs) -> TokenLogProbs:
+                           config=None, **kwargs) -> Union[TokenLogProbs, PolicyLossOutput]:
     """Megatron-Core ``output_processor``: returns TokenLogProbs(logprobs, entropy), each float32
-    [b, s] like ``labels``, without building the [s, b, vocab] logits.
+    [b, s] like ``labels``, without building the [s, b, vocab] logits; with ``context.loss`` set, the
+    fused policy loss instead (``PolicyLossOutput``; its loss differentiable to the model's parameters).
 
     hidden_states: [s, b, h] (or [s / tp, b, h] under sequence parallelism), any float dtype.
     output_weight: the shared embedding [V / tp, h] when weights are tied, else None
@@ -142,10 +153,19 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
                          f"[{b}, {s}]")
     c = logit_scale(kwargs.get("scale_logits"))
     temperature = temperature_bs(context.temperature, b, s, labels.device)
-    if isinstance(temperature, Tensor) and temperature.dim() == 2:
-        temperature = temperature.t()  # the [s, b] token order of hidden
     if c != 1.0:
         temperature = temperature / c  # softmax(c * z / T) == softmax(z / (T / c))
+    if context.loss is not None:
+        # the loss takes labels, temperature and per-token inputs in the labels' [b, s] layout and the
+        # hidden states in [s, b] order (seq_first); sequences are the rows of labels
+        out = policy_loss(context.loss, hidden, weight, labels, temperature=temperature,
+                          ignore_index=context.ignore_index, tp_group=group if tp_size > 1 else None,
+                          reduce_grad_hidden=reduce_grad_hidden, backend=context.backend, seq_first=True)
+        write_record("legacy" if in_legacy_call() else "hook", last_backend(), "processor")
+        _log_payload(config, kwargs, out.logprobs, out.entropy)
+        return out
+    if isinstance(temperature, Tensor) and temperature.dim() == 2:
+        temperature = temperature.t()  # the [s, b] token order of hidden
 
     # hidden is [s, b, h]: pair it with labels transposed to [s, b] (no copy of hidden), then
     # hand the results back in the labels' [b, s] layout.

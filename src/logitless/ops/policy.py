@@ -53,9 +53,9 @@ def policy_pass_for(backend_name: str):
 def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out = a @ b, accumulated in float32 and rounded once to out.dtype (which may be float32 for
     half-precision a, b: the tensor-parallel d_hidden, reduced across ranks before its rounding)."""
-    if a.dtype == out.dtype and (a.is_cuda or a.dtype == torch.float32):
+    if a.dtype == b.dtype == out.dtype and (a.is_cuda or a.dtype == torch.float32):
         torch.mm(a, b, out=out)
-    elif a.is_cuda and out.dtype == torch.float32:
+    elif a.is_cuda and a.dtype == b.dtype and out.dtype == torch.float32:
         try:
             torch.mm(a, b, out_dtype=torch.float32, out=out)
         except (RuntimeError, TypeError):

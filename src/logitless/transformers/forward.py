@@ -2,6 +2,8 @@
 states and the output embedding, through ``logitless.fused_logprobs``, never building logits.
 
 - ``fused_forward(model, input_ids, ...)`` runs the backbone and the fused op: TokenLogProbs [b, s].
+- ``fused_policy_loss(model, input_ids, ..., advantages=...)`` runs the backbone and the fused policy
+  loss (``logitless.losses``): the PPO / GRPO loss and its metrics, in three GEMMs, no logits.
 - ``patch_model(model)`` / ``unpatch_model(model)`` replace ``forward`` on this *instance* only,
   so a trainer that calls ``model(input_ids=...)`` gets ``logprobs`` and ``entropy`` instead of
   logits. The class and every other instance are untouched.
@@ -16,6 +18,7 @@ unsharded for the whole forward; a head in a nested unit is refused (see fsdp.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -28,9 +31,16 @@ from transformers import PreTrainedModel
 
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
+from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from .fsdp import check_head_in_root_unit, fsdp_units
 from .heads import plan_head
-from .labels import check_labels, per_token_temperature, targets_from_input_ids, targets_from_unshifted_labels
+from .labels import (
+    check_labels,
+    packed_cu_seqlens,
+    per_token_temperature,
+    targets_from_input_ids,
+    targets_from_unshifted_labels,
+)
 
 _STATE = "_logitless_patch"
 # DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
@@ -45,12 +55,15 @@ class FusedCausalLMOutput(ModelOutput):
     entropy: float32 [b, s] entropy of the temperature-scaled next-token distribution (0 where
         ignored), or None when the model was patched with ``with_entropy=False``.
     cache, hidden_states, attentions: the backbone's, as the unpatched model would return them.
+    policy_loss: the ``PolicyLossOutput`` when the call was given ``policy_loss=`` (see
+        ``fused_policy_loss``), else None.
     """
     logprobs: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
     cache: Any = None
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
+    policy_loss: Any = None
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -100,11 +113,13 @@ def _backbone(core: nn.Module) -> nn.Module:
 
 def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor],
            position_ids: Optional[Tensor], targets: Tensor, temperature, with_entropy: bool,
-           ignore_index: int, backbone_kwargs: dict):
-    """Run the backbone, then the fused op on the positions that have a target.
+           ignore_index: int, backbone_kwargs: dict, policy: Optional[PolicyLoss] = None):
+    """Run the backbone, then the fused op on the positions that have a target (or, with ``policy``,
+    the fused policy loss).
 
     targets: int [b, s], already per position (ignore_index where not scored).
-    Returns (TokenLogProbs of float32 [b, s], the backbone's output)."""
+    Returns (TokenLogProbs of float32 [b, s] or, with ``policy``, a PolicyLossOutput, the backbone's
+    output)."""
     checks.boolean(with_entropy, "with_entropy")
     backbone = _backbone(core)
     check_head_in_root_unit(core)
@@ -112,6 +127,9 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     b, s = targets.shape
     weight = plan.weight
     device = weight.device
+    if policy is not None and plan.softcap is not None:
+        raise ValueError(f"{type(core).__name__} caps its logits (final_logit_softcapping={plan.softcap}); the fused "
+                         "policy loss does not implement the cap: use fused_forward and your own loss")
     # checked before the backbone runs, so a bad temperature costs no forward pass
     temp = per_token_temperature(temperature, (b, s), position_ids, device)
     temp = temp / plan.logit_scale  # softmax(scale * z / T) == softmax(z / (T / scale))
@@ -137,6 +155,9 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
         h, weight = h.to(dtype), weight.to(dtype)
     elif h.dtype != weight.dtype:
         h = h.to(weight.dtype)
+
+    if policy is not None:
+        return _policy_loss(policy, h, weight, targets, temp, position_ids, ignore_index, dev_type), out
 
     flat = targets.reshape(-1)
     keep = flat != ignore_index
@@ -164,6 +185,31 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     return TokenLogProbs(full(res.logprobs), full(res.entropy)), out
 
 
+def _policy_loss(policy: PolicyLoss, h: Tensor, weight: Tensor, targets: Tensor, temperature, position_ids,
+                 ignore_index: int, dev_type: str) -> PolicyLossOutput:
+    """The fused policy loss of the rows h [b * s, H] against targets [b, s]. Sequences are the rows, or,
+    in one padding-free packed row, the packed sequences (from position_ids, unless the policy has its
+    own cu_seqlens); the per-token inputs are in the [b, s] layout either way."""
+    b, s = targets.shape
+    cu = packed_cu_seqlens(position_ids, (b, s)) if policy.cu_seqlens is None else None
+    if cu is not None:
+        def flat(t, name):
+            return None if t is None else checks.per_token_tensor(t, name, targets).reshape(-1)
+        policy = dataclasses.replace(policy, advantages=flat(policy.advantages, "advantages"),
+                                     old_logprobs=flat(policy.old_logprobs, "old_logprobs"),
+                                     ref_logprobs=flat(policy.ref_logprobs, "ref_logprobs"), cu_seqlens=cu)
+        labels, rows = targets.reshape(-1), h
+        if isinstance(temperature, Tensor):
+            temperature = temperature.reshape(-1)
+    else:
+        labels, rows = targets, h.view(b, s, h.shape[-1])
+    with torch.autocast(dev_type, enabled=False):
+        out = policy_loss(policy, rows, weight, labels, temperature=temperature, ignore_index=ignore_index)
+    if cu is not None:
+        out = out._replace(logprobs=out.logprobs.view(b, s), entropy=out.entropy.view(b, s))
+    return out
+
+
 def _batch_shape(input_ids, labels, name: str):
     if isinstance(input_ids, Tensor):
         return tuple(input_ids.shape)
@@ -177,7 +223,7 @@ def _batch_shape(input_ids, labels, name: str):
 
 def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, *,
                      shift_labels=None, temperature=None, with_entropy=None, ignore_index=None,
-                     logits_to_keep=0, return_dict=None, **kwargs):
+                     logits_to_keep=0, return_dict=None, policy_loss=None, **kwargs):
     """Replaces ``forward`` on a patched causal LM instance (see ``patch_model``)."""
     state = self.__dict__[_STATE]
     temperature = state["temperature"] if temperature is None else temperature
@@ -202,11 +248,14 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
     else:
         _batch_shape(input_ids, None, "labels")
         targets = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
+    if policy_loss is not None and not isinstance(policy_loss, PolicyLoss):
+        raise TypeError(f"policy_loss must be a logitless.losses.PolicyLoss, got {type(policy_loss).__name__}")
     res, out = _score(self, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
-                      ignore_index, kwargs)
+                      ignore_index, kwargs, policy=policy_loss)
     return FusedCausalLMOutput(logprobs=res.logprobs, entropy=res.entropy, cache=getattr(out, "cache", None),
                                hidden_states=getattr(out, "hidden_states", None),
-                               attentions=getattr(out, "attentions", None))
+                               attentions=getattr(out, "attentions", None),
+                               policy_loss=res if policy_loss is not None else None)
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -322,3 +371,46 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
                     shift_labels=labels, temperature=temperature, with_entropy=with_entropy,
                     ignore_index=ignore_index, **model_kwargs)
     return TokenLogProbs(out.logprobs, out.entropy)
+
+
+def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor] = None,
+                      position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
+                      advantages: Tensor, old_logprobs: Optional[Tensor] = None, clip_low: float = 0.2,
+                      clip_high: float = 0.28, dual_clip: Optional[float] = None,
+                      ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_type: str = "k3",
+                      entropy_coef: float = 0.0, loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
+                      temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100,
+                      **model_kwargs) -> PolicyLossOutput:
+    """The PPO / GRPO policy loss of a transformers causal LM (``logitless.losses.fused_policy_loss``
+    from its final hidden states and output embedding): no logits, three GEMMs.
+
+    Positions, targets, padding, packing, temperature and wrappers as in ``fused_forward`` (position t is
+    scored against input_ids[t + 1] unless ``labels`` are given, already shifted). The per-token inputs
+    (advantages, old_logprobs, ref_logprobs) are in that same [b, s] layout: position t holds the values of
+    the token it is scored against (per sequence: [b, 1]). Sequences for ``loss_agg`` are the rows, or, in
+    one padding-free packed row, the packed sequences found from ``position_ids``. The other arguments are
+    ``logitless.losses.PolicyLoss``'s. Heads with final_logit_softcapping (Gemma 2 / 3) are refused.
+
+    Returns a PolicyLossOutput (loss 0-d, differentiable once to every parameter that produced the
+    hidden states and the head; logprobs / entropy [b, s]; clip_fraction; kl).
+    """
+    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    core = unwrap_model(model)
+    _check_settings(temperature, True, ignore_index)
+    shape = _batch_shape(input_ids, labels, "labels")
+    if labels is not None:
+        labels = check_labels(labels, shape)
+    model_kwargs.setdefault("use_cache", False)
+    if labels is None:
+        labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
+    if core is model:
+        res, _ = _score(core, input_ids, attention_mask, position_ids, labels, temperature, True, ignore_index,
+                        model_kwargs, policy=policy)
+        return res
+    with _patched_for_call(model, core):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    shift_labels=labels, temperature=temperature, ignore_index=ignore_index, policy_loss=policy,
+                    **model_kwargs)
+    return out.policy_loss

@@ -100,3 +100,17 @@ def per_token_temperature(temperature: Union[float, Tensor], shape, position_ids
             raise ValueError(f"temperature of shape {list(temperature.shape)} fits neither a scalar, [batch]="
                              f"[{b}], [batch, 1] nor [batch, seq]=[{b}, {s}]")
     return t
+
+
+def packed_cu_seqlens(position_ids: Optional[Tensor], shape) -> Optional[Tensor]:
+    """int64 [k + 1] boundaries of the packed sequences of one padding-free row ([1, s] with
+    ``position_ids`` restarting per sequence), or None when the batch is not such a row (then each row
+    is one sequence)."""
+    if position_ids is None or shape[0] != 1 or shape[1] < 2:
+        return None
+    step_ok = continues(position_ids, shape)[0]
+    starts = (~step_ok).nonzero().squeeze(1) + 1
+    if starts.numel() == 0:
+        return None
+    edges = [starts.new_zeros(1), starts, starts.new_full((1,), shape[1])]
+    return torch.cat(edges).long()
