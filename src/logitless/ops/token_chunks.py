@@ -97,6 +97,7 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
             out_dh.index_copy_(0, rows[start:stop], dh.to(hidden.dtype))
         else:
             out_dh[start:stop] = dh
+        del dh   # before the next chunk allocates its own: one float32 [T, H] alive at a time
     if dw_acc is not None:
         dw = dw_acc if weight.dtype == torch.float32 else dw_acc.to(weight.dtype)
     return out_dh, dw
