@@ -96,7 +96,8 @@ class GemmFloor:
         self.hidden, self.weight = hidden, weight
         self.step = max(1, min(n, max_elements // v))
         self.z = torch.full((self.step, v), 0.5, device=hidden.device, dtype=hidden.dtype)
-        self.dz = torch.randn(self.step, v, device=hidden.device).to(hidden.dtype)      # stands for d_logits
+        # stands for d_logits; drawn in the input dtype (a float32 draw would double the buffer)
+        self.dz = torch.randn(self.step, v, device=hidden.device, dtype=hidden.dtype)
         self.dh = torch.full_like(hidden, 0.5)
         self.dw = torch.full_like(weight, 0.5)
 
