@@ -2,10 +2,25 @@
 logits, the label's logit and the backward formula of ``contract.py`` applied to a logits tile."""
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
+
+
+@contextlib.contextmanager
+def ieee_fp32(t: Tensor) -> Iterator[None]:
+    """Float32 products on ``t``'s device in IEEE float32 inside the block: a trainer's global TF32 switch
+    would cost ~3e-4 relative error. Restores the switch after."""
+    tf32 = t.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -15,14 +30,8 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     ``torch.mm(..., out_dtype=float32)`` keeps the fast tensor-core path, elsewhere we upcast.
     """
     if a.dtype == torch.float32 and b.dtype == torch.float32:
-        if a.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-            # a trainer's global TF32 switch would cost ~3e-4 relative here: keep IEEE float32
-            torch.backends.cuda.matmul.allow_tf32 = False
-            try:
-                return a @ b
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = True
-        return a @ b
+        with ieee_fp32(a):
+            return a @ b
     if a.is_cuda:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
@@ -36,14 +45,8 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     straight into cuBLAS with a float32 C (no [acc]-sized temporary); float32 a and b stay IEEE float32
     even under a global TF32 switch, as in ``mm_fp32``."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
-        tf32 = a.is_cuda and torch.backends.cuda.matmul.allow_tf32
-        if tf32:
-            torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+        with ieee_fp32(a):
             acc.addmm_(a, b)
-        finally:
-            if tf32:
-                torch.backends.cuda.matmul.allow_tf32 = True
         return
     if a.is_cuda:
         try:

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from ..maths import accumulate_mm, mm_fp32
+from ..maths import accumulate_mm, ieee_fp32, mm_fp32
 from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, softcap_tanh, tile_coords
 
@@ -116,9 +116,11 @@ def token_rows(hidden: Tensor) -> int:
 
 
 def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b, float32 accumulation, rounded once to out.dtype."""
+    """out = a @ b, float32 accumulation (IEEE float32 for float32 operands, whatever the global TF32
+    switch says), rounded once to out.dtype."""
     if a.is_cuda or a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
+        with ieee_fp32(a):
+            torch.mm(a, b, out=out)
     else:
         out.copy_(mm_fp32(a, b))
 
