@@ -236,3 +236,16 @@ def test_compiled_kernels_on_cuda(dtype, monkeypatch):
     hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype, logit_std=CAPPED_STD)
     labels[::7] = -100
     check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5, softcap=SOFTCAP)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="TF32 exists on CUDA only")
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_float32_stays_ieee_under_a_global_tf32_switch(backend, monkeypatch):
+    """A trainer's torch.backends.cuda.matmul.allow_tf32 = True must not turn the op's float32 products
+    (forward, d_hidden, d_weight) into TF32 (~3e-4 relative): the float32 tolerances still hold, and the
+    switch is left as the caller set it."""
+    monkeypatch.delenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS", raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003)
+    check_op(hidden, weight, labels, backend, elementwise=backend == "triton", temperature=0.8)
+    assert torch.backends.cuda.matmul.allow_tf32
