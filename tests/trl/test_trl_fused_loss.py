@@ -16,7 +16,6 @@ try:                                    # part of logitless itself, not an optio
 except ImportError as exc:
     pytest.skip(f"logitless.losses is not in this build ({exc})", allow_module_level=True)
 
-import logitless.transformers as lt_transformers  # noqa: E402
 import logitless.trl as lt  # noqa: E402
 from logitless.trl.loss import policy_inputs  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
@@ -107,8 +106,6 @@ def test_mapped_loss_equals_trl(folder, tmp_path, seed, config):
         assert float((g[name] - gt).norm() / gt.norm().clamp_min(1e-30)) <= GRAD_TOL, name
 
 
-@pytest.mark.skipif(not hasattr(lt_transformers, "fused_policy_loss"),
-                    reason="logitless.transformers.fused_policy_loss is not in this build")
 def test_enable_fused_loss_trains_and_matches_trl(folder, tmp_path, seed):
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, beta=0.04, num_iterations=2,
@@ -126,11 +123,3 @@ def test_enable_fused_loss_trains_and_matches_trl(folder, tmp_path, seed):
         assert all(abs(h[key]) < 1e3 for key in ("loss", "entropy", "kl", "clip_ratio/region_mean")), h
     lt.disable(trainer)
     assert "_compute_loss" not in trainer.__dict__
-
-
-@pytest.mark.skipif(hasattr(lt_transformers, "fused_policy_loss"), reason="fused_policy_loss is available")
-def test_fused_loss_without_the_transformers_entry_point_is_refused(folder, tmp_path):
-    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path))
-    with pytest.raises(NotImplementedError, match="fused_policy_loss"):
-        lt.enable(trainer, fused_loss=True)
-    assert not lt.is_enabled(trainer)

@@ -111,13 +111,8 @@ def enable(trainer, *, fused_loss: bool = False):
     checks.boolean(fused_loss, "fused_loss")
     _check_supported(trainer)
     if fused_loss:
-        from .. import transformers as lt_transformers
         from .loss import check_mappable
         check_mappable(trainer)
-        if not hasattr(lt_transformers, "fused_policy_loss"):
-            raise NotImplementedError("fused_loss=True needs logitless.transformers.fused_policy_loss, which this "
-                                      "logitless build does not have; use enable(trainer) (fused log-probs, TRL's "
-                                      "loss)")
     state = trainer.__dict__.get(_STATE)
     if state is None:
         state = {"previous": {name: trainer.__dict__[name] for name in (_METHOD, "_compute_loss")
