@@ -11,7 +11,7 @@ Per chunk of c token rows (c from LOGITLESS_POLICY_WORKSPACE_BYTES, a multiple o
    dw += dlogits.T @ hidden[chunk], accumulated in the gradient buffer (beta = 1: one rounding to its
    dtype per chunk) or, with LOGITLESS_POLICY_DW_FP32=1, in a float32 buffer rounded once at the end.
 
-Memory besides the gradient buffers: the workspace (1 GiB by default) and the statistics (12 bytes per
+Memory besides the gradient buffers: the workspace (1.25 GiB by default) and the statistics (12 bytes per
 token and vocabulary tile of a chunk).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ from .forward_stats import combine_tiles
 from .policy_dlogits import dlogits_in_place
 from .policy_stats import chunk_stats
 
-DEFAULT_WORKSPACE_BYTES = 1 << 30
+# 1.25 GiB: 4096-token chunks at V = 131072 to 151936 (one group of 32 token tiles; fewer, larger GEMMs)
+DEFAULT_WORKSPACE_BYTES = 5 << 28
 ROW_ALIGN = 64        # workspace rows start 128-byte aligned (float16): aligned vector stores, cuBLAS-friendly
 # rows per chunk when no gradient is wanted: only the statistics, 12 bytes per token and tile
 STATS_ONLY_BYTES = 1 << 28

@@ -22,8 +22,10 @@ from torch import Tensor
 
 from .common import INTERPRETING, LN2, LOG2E, tl_dtype
 
-# [rows x columns] per program; the columns are one statistics tile (its m is one value per row)
-ROWS_PER_PROGRAM = 16 if INTERPRETING else 32
+# [rows x columns] per program (the columns are one statistics tile: its m is one value per row), and warps.
+# H200 sweep (benchmarks/LAB-LOG.md, 2026-12-03): 8 x 256 with 4 warps moved 3.0 TB/s, 32 x 256 with 8 warps 2.2
+ROWS_PER_PROGRAM = 16 if INTERPRETING else 8
+WARPS = 4
 
 
 @triton.jit
@@ -74,5 +76,5 @@ def dlogits_in_place(e: Tensor, dl: Tensor, part_m: Tensor, lse: Tensor, ent: Te
     _policy_dlogits_kernel[grid](
         e, dl, part_m, lse, ent, g_lp, g_ent if with_entropy else g_lp, inv_temp, labels, n, vocab,
         e.stride(0), dl.stride(0), WITH_ENTROPY=with_entropy, OUT_DTYPE=tl_dtype(dl.dtype),
-        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=tile_cols, num_warps=8 if not INTERPRETING else 4)
+        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=tile_cols, num_warps=WARPS)
     return dl
