@@ -1,0 +1,566 @@
+"""Check and time the fused policy loss on one CUDA GPU, in one process.
+
+    PYTHONPATH=src python3 benchmarks/gpu_policy_loss.py [--shapes A,B] [--variants A] [--out DIR]
+
+1. Correctness against float64 (tests/policy64.py, verl's definitions written out) on small odd
+   shapes (fp32, bf16; per-token temperature, ignored rows holding NaN, several token chunks), and at
+   H=4096, V=151936 on 640 tokens cut into 5 chunks (the number of d_weight accumulations of shape A),
+   with d_weight accumulated in the bf16 gradient buffer (default) and in float32 (LOGITLESS_POLICY_DW_FP32).
+2. For each shape (bf16, logit std about 4, labels sampled from the softmax, per-token advantages,
+   old / ref log-probs = true log-probs + N(0, 0.3^2), PPO clip 0.2 / 0.28, dual clip 3, k3 KL 0.01,
+   entropy bonus 0.01, token-mean): the cuBLAS floor (1 and 4 GEMMs) in the same process, before and after;
+   fused_policy_loss forward and forward+backward (triton); policy_loss_reference on triton (fused_logprobs
+   + autograd); peak memory beyond the gradient buffers and its split; the fused loss against the reference
+   path (loss, log-probs, gradients) and its log-probs / entropies of 256 tokens against float64; one
+   chunk's stages timed alone.
+3. --variants: d_weight in float32, workspace 1 / 0.5 GiB, statistics-kernel tiles with 16 token blocks per
+   group. --sweep: statistics-kernel tiles and e -> dlogits blocks on one chunk, and a profile of one step.
+Writes DIR/gpu_policy_loss.json and prints a short table last. --dry-run runs every step on tiny shapes on
+the CPU (triton's interpreter, wall-clock timing, no memory figures): a check of the script, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import time  # noqa: E402
+
+import triton  # noqa: E402
+
+from logitless import fused_logprobs, last_backend  # noqa: E402
+from logitless.losses import fused_policy_loss, policy_loss_reference  # noqa: E402
+from logitless.tools.common import GemmFloor, random_head, sample_labels  # noqa: E402
+from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
+from logitless.tools.machine import machine, versions  # noqa: E402
+
+SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072)}
+LOSS = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.01, kl_type="k3", entropy_coef=0.01,
+            loss_agg="token-mean")
+GIB = 1 << 30
+RESULTS: dict = {"checks": [], "shapes": {}}
+DEV = "cuda"
+FULL_WIDTH = (4096, 151936)
+
+
+def time_cuda(fn, warmup=2, reps=7):
+    """(median, min, max) ms: CUDA events on the GPU, the wall clock in a dry run."""
+    if DEV == "cuda":
+        return _time_cuda(fn, warmup, reps)
+    fn()
+    times = []
+    for _ in range(min(reps, 2)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2], times[0], times[-1]
+KNOBS = ("LOGITLESS_POLICY_WORKSPACE_BYTES", "LOGITLESS_POLICY_DW_FP32", "LOGITLESS_TRITON_POLICY")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class knob:
+    """Set LOGITLESS_* variables for a block (the knobs are read at call time)."""
+
+    def __init__(self, **values):
+        self.values = {k: str(v) for k, v in values.items()}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def empty_cache():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# ---------------------------------------------------------------- float64 checks
+def check_case(name, lead, h, v, dtype, **kw):
+    """One fused call against float64; ``runs``: [(name suffix, knob values)] (float64 computed once)."""
+    from policy64 import loss64, policy_inputs
+    hidden, weight, labels, adv, old, ref = policy_inputs(lead, h, v, dtype, device=DEV, old_noise=0.5)
+    temperature = kw.pop("temperature", 1.0)
+    if temperature == "per-token":
+        temperature = torch.rand(lead, device=DEV) + 0.5
+    runs = kw.pop("runs", [("", {})])
+    spec = dict(LOSS, **kw)
+    loss_agg = spec.pop("loss_agg")
+    truth = loss64(hidden, weight, labels, adv, old, temperature=temperature, loss_agg=loss_agg, ref=ref, **spec)
+    for suffix, values in runs:
+        with knob(**values):
+            hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = fused_policy_loss(hh, ww, labels, adv, old, ref_logprobs=ref, temperature=temperature,
+                                    loss_agg=loss_agg, backend="triton", **spec)
+            assert last_backend() == "triton"
+            out.loss.backward()
+        record_check(name + suffix, dtype, lead, h, v, labels, out, hh.grad, ww.grad, truth)
+        del out, hh, ww
+
+
+def record_check(name, dtype, lead, h, v, labels, out, gh, gw, truth):
+    loss, lp, ent, clip_fraction, kl, dh, dw = truth
+    valid = labels != -100
+    # the loss's own float scale: the same aggregation of |term| (the loss itself may nearly cancel)
+    r = {"case": name, "dtype": str(dtype), "lead": list(lead), "H": h, "V": v,
+         "loss": out.loss.item(), "loss64": loss.item(),
+         "loss_rel": abs(out.loss.item() - loss.item()) / abs(loss.item()),
+         "lp_err": (out.logprobs - lp).abs().max().item(), "ent_err": (out.entropy - ent).abs().max().item(),
+         "clip_fraction": out.clip_fraction.item(), "clip_fraction64": clip_fraction.item(),
+         "kl_err": abs(out.kl.item() - kl.item()),
+         "dh_rel": rel(gh[valid], dh[valid]), "dw_rel": rel(gw, dw),
+         "ignored_rows_zero": bool((gh[~valid] == 0).all()),
+         "finite": bool(torch.isfinite(gh).all() and torch.isfinite(gw).all())}
+    tol = (1e-4, 2e-5, 2e-5, 1e-4) if dtype == torch.float32 else (1e-4, 1e-3, 2e-3, 1e-2)
+    r["ok"] = (r["loss_rel"] <= tol[0] and r["lp_err"] <= tol[1] and r["ent_err"] <= tol[2] and r["dh_rel"] <= tol[3]
+               and r["dw_rel"] <= tol[3] and r["ignored_rows_zero"] and r["finite"]
+               and abs(r["clip_fraction"] - r["clip_fraction64"]) <= 1e-6)
+    RESULTS["checks"].append(r)
+    log("check", r)
+
+
+def small_checks():
+    cases = [("fp32 odd", (333,), 200, 5003, torch.float32, {"temperature": "per-token"}),
+             ("bf16 odd, per-token T", (9, 37), 200, 5003, torch.bfloat16,
+              {"temperature": "per-token", "loss_agg": "seq-mean-token-mean"}),
+             ("bf16 odd, chunks of 128 tokens", (3, 111), 200, 5003, torch.bfloat16,
+              {"loss_agg": "seq-mean-token-sum-norm", "kl_type": "k2", "kl_coef": 0.3, "entropy_coef": 0.5})]
+    if DEV == "cpu":
+        cases = [(n, tuple(max(1, x // 8) for x in lead), 40, 503, dt, kw) for n, lead, _, _, dt, kw in cases]
+    for name, lead, h, v, dtype, kw in cases:
+        try:
+            # "chunks of 128": one token tile per chunk (128 rows on the H200, 16 in the interpreter)
+            budget = 1 if "chunks of" in name else 1 << 30
+            with knob(LOGITLESS_POLICY_WORKSPACE_BYTES=budget):
+                check_case(name, lead, h, v, dtype, **kw)
+        except Exception as exc:  # noqa: BLE001 - record it, go on to the timings
+            RESULTS["checks"].append({"case": name, "ok": False, "error": traceback.format_exc()[-1500:]})
+            log("check FAILED", name, repr(exc)[:500])
+
+
+def full_width_checks():
+    """640 tokens at H=4096, V=151936 in 5 chunks of one token tile (128 rows): shape A's number of d_weight
+    accumulations; d_weight accumulated in the bf16 buffer and in float32 (float64 computed once)."""
+    h, v = FULL_WIDTH
+    name = f"bf16 H{h} V{v}, 5 chunks"
+    runs = [(", dW in bf16 buffer", {"LOGITLESS_POLICY_WORKSPACE_BYTES": 1}),
+            (", dW fp32 accumulator", {"LOGITLESS_POLICY_WORKSPACE_BYTES": 1, "LOGITLESS_POLICY_DW_FP32": 1}),
+            (", one chunk", {})]
+    tile = 128 if DEV == "cuda" else 16
+    try:
+        check_case(name, (5, tile), h, v, torch.bfloat16, loss_agg="seq-mean-token-mean", runs=runs)
+    except Exception as exc:  # noqa: BLE001
+        RESULTS["checks"].append({"case": name, "ok": False, "error": traceback.format_exc()[-1500:]})
+        log("check FAILED", name, repr(exc)[:500])
+    empty_cache()
+
+
+# ---------------------------------------------------------------- benchmark shapes
+def make_inputs(n, h, v, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    hidden, weight = random_head(n, h, v, torch.bfloat16, DEV, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    with torch.no_grad():
+        lp = fused_logprobs(hidden, weight, labels, with_entropy=False, backend="triton").logprobs
+    adv = torch.randn(n, device=DEV, generator=g)
+    old = lp + 0.3 * torch.randn(n, device=DEV, generator=g)
+    ref = lp + 0.3 * torch.randn(n, device=DEV, generator=g)
+    return hidden, weight, labels, adv, old, ref
+
+
+def floors(hidden, weight):
+    gemms = GemmFloor(hidden, weight)
+    res = {"gemm1_ms": time_cuda(gemms.forward, reps=15)[0], "gemm4_ms": time_cuda(gemms.forward_backward, reps=7)[0]}
+    gemms.close()
+    del gemms
+    empty_cache()
+    return res
+
+
+class Step:
+    """One forward (+ backward) of a loss on fresh leaf tensors sharing the inputs' storage."""
+
+    def __init__(self, fn, inputs, backward=True, **kw):
+        self.fn, self.kw, self.backward = fn, kw, backward
+        hidden, weight, self.labels, self.adv, self.old, self.ref = inputs
+        self.h = hidden.detach().requires_grad_(backward)
+        self.w = weight.detach().requires_grad_(backward)
+
+    def __call__(self):
+        self.h.grad = self.w.grad = None
+        out = self.fn(self.h, self.w, self.labels, self.adv, self.old, ref_logprobs=self.ref, **dict(LOSS, **self.kw))
+        if self.backward:
+            out.loss.backward()
+        return out
+
+
+def peak_extra(step, grad_bytes):
+    """(peak GiB above the memory before the call, that minus the gradient buffers' GiB)."""
+    step.h.grad = step.w.grad = None
+    if DEV != "cuda":
+        return float("nan"), float("nan")
+    torch.cuda.synchronize()
+    empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    step.h.grad = step.w.grad = None
+    return peak / GIB, (peak - grad_bytes) / GIB
+
+
+def planned_split(n, v, h):
+    """The fused pass's own buffers at this shape, from its chunk plan (what the peak should hold)."""
+    from logitless.ops.triton.common import choose_tiles
+    from logitless.ops.triton.policy_backend import chunk_rows, row_stride
+    tiles = choose_tiles("POLICY", torch.bfloat16, torch.device(DEV))
+    step = chunk_rows(n, v, torch.bfloat16, tiles.block_m, tiles.block_n, True)
+    n_tiles = triton.cdiv(v, tiles.block_n)
+    dw_fp32 = os.environ.get("LOGITLESS_POLICY_DW_FP32", "") == "1"
+    return {"chunk_rows": step, "chunks": -(-n // step), "workspace_gib": step * row_stride(v) * 2 / GIB,
+            "stats_gib": (3 * n_tiles * step * 4 + step * 4) / GIB, "dw_accumulator_gib": v * h * 4 / GIB if dw_fp32
+            else 0.0}
+
+
+def stage_times(inputs, res):
+    """One chunk's stages alone: statistics GEMM with and without the e store, e -> dlogits, the two cuBLAS
+    products. Their sum times the chunk count is what the pass costs besides the small combine."""
+    from logitless.ops.triton.common import choose_tiles
+    from logitless.ops.triton.forward_stats import combine_tiles
+    from logitless.ops.triton.policy_backend import chunk_rows, row_stride
+    from logitless.ops.triton.policy_dlogits import dlogits_in_place
+    from logitless.ops.triton.policy_stats import chunk_stats
+    hidden, weight, labels = inputs[:3]
+    n, k = hidden.shape
+    v = weight.shape[0]
+    tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
+    c = min(n, chunk_rows(n, v, hidden.dtype, tiles.block_m, tiles.block_n, True))
+    h, lab = hidden[:c], labels[:c]
+    it = torch.ones(c, device=DEV)
+    t = triton.cdiv(v, tiles.block_n)
+    pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
+    zy = torch.zeros(c, device=DEV)
+    stride = row_stride(v)
+    ws = torch.empty(c * stride, dtype=torch.float16, device=DEV)
+    e = ws.view(c, stride)[:, :v]
+    dl = ws.view(torch.bfloat16).view(c, stride)[:, :v]
+    chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
+    lse, ent = combine_tiles(pm.clone(), ps.clone(), pt.clone())
+    g = torch.randn(c, device=DEV) * 1e-4
+    dh = torch.empty(c, k, dtype=hidden.dtype, device=DEV)
+    dw = torch.empty_like(weight)
+    out = {"rows": c}
+    out["stats_store_ms"] = time_cuda(lambda: chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e), reps=5)[0]
+    out["stats_nostore_ms"] = time_cuda(lambda: chunk_stats(h, weight, lab, it, pm, ps, pt, zy, None), reps=5)[0]
+    chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
+    out["dlogits_ms"] = time_cuda(lambda: dlogits_in_place(e, e, pm, lse, ent, g, g, it, lab, tiles.block_n),
+                                  reps=5)[0]
+    out["dlogits_noent_ms"] = time_cuda(lambda: dlogits_in_place(e, e, pm, lse, ent, g, None, it, lab,
+                                                                 tiles.block_n), reps=5)[0]
+    dl.copy_(torch.randn(c, v, device=DEV).to(torch.bfloat16) * 1e-3)
+    out["dx_mm_ms"] = time_cuda(lambda: torch.mm(dl, weight, out=dh), reps=5)[0]
+    out["dw_mm_ms"] = time_cuda(lambda: torch.mm(dl.t(), h, out=dw), reps=5)[0]
+    out["dw_addmm_ms"] = time_cuda(lambda: dw.addmm_(dl.t(), h), reps=5)[0]
+    # host time: the scored-token preparation of a call (its syncs included) and the per-chunk term
+    # gradients (launches only): a pass whose host work outlasts its GPU work leaves the GPU idle
+    from logitless.losses import PolicyLoss
+    from logitless.losses.terms import TermTotals, chunk_gradients
+    from logitless.losses.tokens import score_tokens
+    adv, old, ref = inputs[3:6]
+
+    def prep():
+        policy = PolicyLoss(advantages=adv, old_logprobs=old, ref_logprobs=ref, **{k: LOSS[k] for k in LOSS})
+        return policy, score_tokens(labels, policy, temperature=1.0, ignore_index=-100, vocab=v)
+    for _ in range(2):
+        policy, tokens = prep()
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        prep()
+    out["host_prep_ms"] = (time.perf_counter() - t0) / 5 * 1e3
+    totals = TermTotals.zeros(DEV, True)
+    lp_c, ent_c = -torch.rand(c, device=DEV), torch.rand(c, device=DEV)
+    chunk_gradients(lp_c, ent_c, tokens.inputs.rows(0, c), policy.term_spec(), totals)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        chunk_gradients(lp_c, ent_c, tokens.inputs.rows(0, c), policy.term_spec(), totals)
+    out["host_chunk_gradients_ms"] = (time.perf_counter() - t0) / 5 * 1e3
+    sync()
+    gemm_chunk = res["gemm1_ms"] * c / n
+    out["gemm1_chunk_ms"] = gemm_chunk
+    out["bytes_per_dlogits_gbps"] = c * v * 4 / (out["dlogits_ms"] * 1e-3) / 1e9
+    res["stages"] = out
+    log("stages", out)
+
+
+STATS_TILES = [(128, 256, 64, 16, 8, 4), (128, 256, 64, 8, 8, 4), (128, 256, 64, 32, 8, 4), (128, 256, 64, 16, 8, 3),
+               (128, 256, 64, 32, 8, 3), (256, 128, 64, 16, 8, 3)]
+DLOGITS_BLOCKS = [(32, 8), (16, 4), (64, 8), (8, 4), (64, 4)]
+
+
+def sweep(inputs, res):
+    """Stage variants on one chunk (statistics-kernel tiles, e -> dlogits block), and a profile of one
+    fused forward+backward (GPU kernel time by kernel, against the wall clock)."""
+    from logitless.ops.triton import policy_dlogits
+    from logitless.ops.triton.common import choose_tiles
+    from logitless.ops.triton.forward_stats import combine_tiles
+    from logitless.ops.triton.policy_backend import row_stride
+    from logitless.ops.triton.policy_stats import chunk_stats
+    hidden, weight, labels = inputs[:3]
+    v = weight.shape[0]
+    c = res.get("stages", {}).get("rows", 3328)
+    h, lab = hidden[:c], labels[:c]
+    it = torch.ones(c, device=DEV)
+    stride = row_stride(v)
+    ws = torch.empty(c * stride, dtype=torch.float16, device=DEV)
+    e = ws.view(c, stride)[:, :v]
+    rows = []
+    for cfg in STATS_TILES:
+        row = {"stage": "stats", "tiles": cfg}
+        try:
+            with knob(LOGITLESS_TRITON_POLICY=",".join(map(str, cfg))):
+                # the tiles the kernel will use (the interpreter ignores the knob): size the statistics by them
+                t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
+                pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
+                zy = torch.zeros(c, device=DEV)
+                bufs = (pm, ps, pt, zy, e)
+                row["ms"] = time_cuda(lambda bufs=bufs: chunk_stats(h, weight, lab, it, *bufs), reps=7)[0]
+                row["x_gemm_share"] = row["ms"] / (res["gemm1_ms"] * c / hidden.shape[0])
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:300]
+        rows.append(row)
+        log("sweep", row)
+    tile_cols = choose_tiles("POLICY", hidden.dtype, hidden.device).block_n
+    t = triton.cdiv(v, tile_cols)
+    pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
+    zy = torch.zeros(c, device=DEV)
+    chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
+    lse, ent = combine_tiles(pm.clone(), ps.clone(), pt.clone())
+    g = torch.randn(c, device=DEV) * 1e-4
+    saved = policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS
+    for block, warps in DLOGITS_BLOCKS:
+        policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS = block, warps
+        row = {"stage": "dlogits", "rows": block, "warps": warps}
+        try:
+            chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
+            args = (e, e, pm, lse, ent, g, g, it, lab, tile_cols)
+            row["ms"] = time_cuda(lambda args=args: policy_dlogits.dlogits_in_place(*args), reps=7)[0]
+            row["gbps"] = c * v * 4 / (row["ms"] * 1e-3) / 1e9
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:300]
+        rows.append(row)
+        log("sweep", row)
+    policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS = saved
+    res["sweep"] = rows
+    ws = e = None
+    empty_cache()
+    step = Step(fused_policy_loss, inputs, backend="triton")
+    step()
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    sync()
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev_us and ev.key and not ev.key.startswith(("aten::", "cuda", "autograd", "Fused", "ProfilerStep")):
+            kernels[ev.key[:90]] = (dev_us / 1e3, ev.count)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]
+    res["profile"] = {"wall_ms": wall, "kernel_ms_total": sum(ms for ms, _ in kernels.values()),
+                      "top": [[k, ms, n] for k, (ms, n) in top]}
+    log("profile", json.dumps(res["profile"], indent=0))
+
+
+def shape_run(tag, variants):
+    n, h, v = SHAPES[tag]
+    log(f"== shape {tag}: N={n} H={h} V={v}")
+    res = {"N": n, "H": h, "V": v}
+    RESULTS["shapes"][tag] = res
+    inputs = make_inputs(n, h, v)
+    res.update(floors(inputs[0], inputs[1]))
+    log(tag, "floor", res)
+    grad_bytes = (n * h + v * h) * 2
+    res["grad_buffers_gib"] = grad_bytes / GIB
+
+    def timed(name, step, reps=5):
+        try:
+            ms = time_cuda(step, reps=reps)
+            res[name], res[name + "_spread"] = ms[0], [ms[1], ms[2]]
+            log(tag, name, "%.2f ms" % ms[0], "(min %.2f max %.2f)" % (ms[1], ms[2]))
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            res[name], res[name + "_error"] = None, traceback.format_exc()[-1500:]
+            log(tag, name, "FAILED", repr(exc)[:300])
+        empty_cache()
+
+    fused = Step(fused_policy_loss, inputs, backend="triton")
+    reference = Step(policy_loss_reference, inputs, backend="triton")
+    timed("fused_fwd_ms", Step(fused_policy_loss, inputs, backward=False, backend="triton"), reps=7)
+    timed("fused_fwdbwd_ms", fused, reps=7)
+    timed("reference_fwdbwd_ms", reference, reps=5)
+    timed("fused_fwdbwd_ms_2", fused, reps=7)       # again: the spread between two timings of one thing
+    res["fused_peak_gib"], res["fused_extra_gib"] = peak_extra(fused, grad_bytes)
+    res["reference_peak_gib"], res["reference_extra_gib"] = peak_extra(reference, grad_bytes)
+    res["planned"] = planned_split(n, v, h)
+    log(tag, "memory", res["fused_peak_gib"], res["fused_extra_gib"], res["planned"], "reference",
+        res["reference_extra_gib"])
+
+    # fused against the reference path, and 256 tokens' log-probs / entropies against float64
+    a = fused()
+    ga = (fused.h.grad.clone(), fused.w.grad.clone())
+    b = reference()
+    res["vs_reference"] = {"loss": a.loss.item(), "loss_ref": b.loss.item(),
+                           "loss_rel": abs(a.loss.item() - b.loss.item()) / abs(b.loss.item()),
+                           "lp_max_diff": (a.logprobs - b.logprobs).abs().max().item(),
+                           "ent_max_diff": (a.entropy - b.entropy).abs().max().item(),
+                           "dh_rel": rel(ga[0], reference.h.grad), "dw_rel": rel(ga[1], reference.w.grad),
+                           "clip_fraction": a.clip_fraction.item(), "clip_fraction_ref": b.clip_fraction.item(),
+                           "kl": a.kl.item(), "kl_ref": b.kl.item()}
+    from reference64 import logprobs_entropy64
+    with torch.no_grad():
+        lp64, ent64 = logprobs_entropy64(inputs[0][:256], inputs[1], inputs[2][:256])
+    res["vs_float64_256"] = {"lp_err": (a.logprobs[:256] - lp64).abs().max().item(),
+                             "ent_err": (a.entropy[:256] - ent64).abs().max().item(),
+                             "ref_path_lp_err": (b.logprobs[:256] - lp64).abs().max().item()}
+    del a, b, ga, lp64, ent64
+    fused.h.grad = fused.w.grad = reference.h.grad = reference.w.grad = None
+    empty_cache()
+    log(tag, "vs reference", res["vs_reference"], res["vs_float64_256"])
+    write()
+    try:
+        stage_times(inputs, res)
+    except Exception:  # noqa: BLE001
+        res["stages_error"] = traceback.format_exc()[-1500:]
+        log(res["stages_error"])
+    empty_cache()
+    if tag in ARGS.sweep.split(","):
+        try:
+            sweep(inputs, res)
+        except Exception:  # noqa: BLE001
+            res["sweep_error"] = traceback.format_exc()[-1500:]
+            log(res["sweep_error"])
+        write()
+    if variants:
+        for name, values in (("dw_fp32", {"LOGITLESS_POLICY_DW_FP32": 1}),
+                             ("ws_1GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB}),
+                             ("ws_0.5GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB // 2}),
+                             ("stats_group16", {"LOGITLESS_TRITON_POLICY": "128,256,64,16,8,4"})):
+            with knob(**values):
+                timed(f"variant_{name}_ms", fused, reps=5)
+                res[f"variant_{name}_extra_gib"] = peak_extra(fused, grad_bytes)[1]
+        write()
+    again = floors(inputs[0], inputs[1])
+    res["gemm1_ms_before"], res["gemm4_ms_before"] = res["gemm1_ms"], res["gemm4_ms"]
+    res["gemm1_ms_after"], res["gemm4_ms_after"] = again["gemm1_ms"], again["gemm4_ms"]
+    res["gemm1_ms"] = (res["gemm1_ms_before"] + again["gemm1_ms"]) / 2
+    res["gemm4_ms"] = (res["gemm4_ms_before"] + again["gemm4_ms"]) / 2
+    log(tag, "floor after", again)
+    write()
+
+
+def write():
+    with open(os.path.join(ARGS.out, "gpu_policy_loss.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def table():
+    lines = ["| shape | 4-GEMM ms | fused fwd+bwd ms | x 4-GEMM | x reference (triton) | fwd x 1-GEMM "
+             "| extra GiB over grads (planned ws + stats) | vs ref: loss rel, dh, dw | lp / ent err (256 tok, fp64) |",
+             "|---" * 9 + "|"]
+    for tag, r in RESULTS["shapes"].items():
+        if "fused_fwdbwd_ms" not in r or r.get("fused_fwdbwd_ms") is None:
+            lines.append(f"| {tag} | {r.get('error', 'failed')[:200]} |")
+            continue
+        p, vr, vf = r.get("planned", {}), r.get("vs_reference", {}), r.get("vs_float64_256", {})
+        lines.append(
+            f"| {tag} | {r['gemm4_ms']:.2f} | {r['fused_fwdbwd_ms']:.2f} | {r['fused_fwdbwd_ms'] / r['gemm4_ms']:.3f} "
+            f"| {r['fused_fwdbwd_ms'] / r['reference_fwdbwd_ms']:.3f} | {r['fused_fwd_ms'] / r['gemm1_ms']:.3f} "
+            f"| {r['fused_extra_gib']:.3f} ({p.get('workspace_gib', 0):.3f} + {p.get('stats_gib', 0):.3f}) "
+            f"| {vr.get('loss_rel', float('nan')):.1e}, {vr.get('dh_rel', float('nan')):.1e}, "
+            f"{vr.get('dw_rel', float('nan')):.1e} | {vf.get('lp_err', float('nan')):.1e} / "
+            f"{vf.get('ent_err', float('nan')):.1e} |")
+    lines.append("")
+    lines.append("| check | loss rel | lp err | ent err | dh rel | dw rel | ok |")
+    lines.append("|---" * 7 + "|")
+    for c in RESULTS["checks"]:
+        if "error" in c:
+            lines.append(f"| {c['case']} | error | | | | | False |")
+            continue
+        lines.append(f"| {c['case']} ({c['dtype']}) | {c['loss_rel']:.1e} | {c['lp_err']:.1e} | {c['ent_err']:.1e} "
+                     f"| {c['dh_rel']:.1e} | {c['dw_rel']:.1e} | {c['ok']} |")
+    return "\n".join(lines)
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="A,B")
+    p.add_argument("--variants", default="A", help="shapes to time variants on")
+    p.add_argument("--sweep", default="", help="shapes to sweep stage variants and profile on, e.g. A")
+    p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    ARGS = p.parse_args()
+    os.makedirs(ARGS.out, exist_ok=True)
+    if ARGS.dry_run:
+        global DEV, FULL_WIDTH
+        DEV, FULL_WIDTH = "cpu", (64, 1031)
+        SHAPES.update(A=(300, 64, 1031), B=(200, 32, 517))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    RESULTS["env"] = {"versions": versions(), "machine": machine(), "argv": sys.argv,
+                      "knobs": {k: v for k, v in os.environ.items() if k.startswith("LOGITLESS_")}}
+    log(RESULTS["env"])
+    if not ARGS.no_checks:
+        small_checks()
+        write()
+    for tag in [s for s in ARGS.shapes.split(",") if s]:
+        try:
+            shape_run(tag, tag in ARGS.variants.split(","))
+        except Exception:  # noqa: BLE001
+            RESULTS["shapes"].setdefault(tag, {})["error"] = traceback.format_exc()[-2000:]
+            log(traceback.format_exc())
+        empty_cache()
+        write()
+    if not ARGS.no_checks:
+        full_width_checks()
+    write()
+    text = table()
+    with open(os.path.join(ARGS.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    log("\nchecks ok:", all(c.get("ok") for c in RESULTS["checks"]), len(RESULTS["checks"]))
+    log(text)
+
+
+if __name__ == "__main__":
+    main()
