@@ -4,7 +4,7 @@ A loss that is a fixed weighted sum of per-token terms f(logprob, entropy) lets 
 of tokens be formed in the same pass that computes their statistics: no logits are recomputed, so the
 pass costs three GEMMs where fused_logprobs' forward + backward costs four.
 
-    policy_pass(hidden [n, H], weight [V, H], labels [n], inv_temp [n], combine, dh, dw)
+    policy_pass(hidden [n, H], weight [V, H], labels [n], inv_temp [n], combine, dh, dw, plan_vocab=None)
 
 hidden, weight, labels (local rows, -1 where this weight does not hold the label) and inv_temp as in
 ``contract.py``; only scored tokens are passed. For each chunk of token rows [start, stop) the backend
@@ -23,6 +23,10 @@ does not depend on the entropy). From them, with x = z - lse and p = exp(x) (``c
 dh ([n, H], hidden.dtype, or float32 under tensor parallelism) and dw ([V, H], weight.dtype, contiguous)
 are the caller's buffers, or None when that gradient is not wanted (then neither is touched). With
 neither, only the statistics are computed. The backend writes every element of dh and of dw.
+
+plan_vocab: the vocabulary size the chunk plan is made for (None: this weight's rows). Under tensor
+parallelism every rank passes the largest shard, so every rank cuts the same token chunks and calls
+``combine`` (a collective) the same number of times with the same rows.
 """
 from __future__ import annotations
 
