@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
-from logitless.tools.common import GemmFloor, random_head, sample_labels  # noqa: E402
+from logitless.tools.common import GemmFloor, env_set, peak_extra_bytes, random_head, sample_labels, time_calls  # noqa: E402
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
@@ -66,23 +66,7 @@ def sync():
 
 def timed(fn, reps: int, warmup: int = 1) -> list:
     """Milliseconds of ``reps`` calls of fn (CUDA events on a GPU), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    out = []
-    for _ in range(reps):
-        if DEV.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
+    return time_calls(fn, DEV, reps, warmup)
 
 
 def median(xs):
@@ -92,33 +76,7 @@ def median(xs):
 
 def peak_extra(fn):
     """(peak bytes allocated during fn above what was allocated before, fn's result); None off CUDA."""
-    if DEV.type != "cuda":
-        return None, fn()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    res = fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, res
-
-
-class Env:
-    """Set LOGITLESS_* knobs for a block, restoring them after."""
-
-    def __init__(self, **kv):
-        self.kv = {k: str(v) for k, v in kv.items()}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.kv}
-        os.environ.update(self.kv)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return peak_extra_bytes(fn, DEV)
 
 
 def run_op(hidden, weight, labels, a, b, backend="triton", backward=True):
@@ -214,7 +172,7 @@ def section_large():
     grad_bytes = (hidden.numel() + weight.numel()) * 2
     variants = {"default": {}, "bwd_one_call": {"LOGITLESS_TRITON_BWD_TOKENS": n}}
     for name, knobs in variants.items():
-        with Env(**knobs):
+        with env_set(**knobs):
             lp, ent, dh, dw = run_op(hidden, weight, labels, a_s, b_s)
             compare_slice(f"errors_{name}", res, hidden, weight, labels, a_s, b_s, idx, lp, ent, dh, dw)
             del lp, ent, dh, dw
@@ -325,11 +283,11 @@ def readme_shape(tag):
         res[f"fwd_ms_{mode}"], res[f"fwdbwd_ms_{mode}"] = [], []
     for _ in range(3):   # interleaved, so that drift hits both alike
         for mode, knobs in modes.items():
-            with Env(**knobs):
+            with env_set(**knobs):
                 res[f"fwd_ms_{mode}"] += timed(lambda: run_op(hidden, weight, labels, a, b, backward=False), 3)
                 res[f"fwdbwd_ms_{mode}"] += timed(lambda: run_op(hidden, weight, labels, a, b), 1)
     for mode, knobs in modes.items():
-        with Env(**knobs):
+        with env_set(**knobs):
             peak, out = peak_extra(lambda: run_op(hidden, weight, labels, a, b, backward=False))
             res[f"fwd_peak_extra_mib_{mode}"] = peak and peak / MIB
             del out

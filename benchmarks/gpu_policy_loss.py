@@ -39,7 +39,7 @@ import triton  # noqa: E402
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
 from logitless.losses import fused_policy_loss, policy_loss_reference  # noqa: E402
-from logitless.tools.common import GemmFloor, random_head, sample_labels  # noqa: E402
+from logitless.tools.common import GemmFloor, env_set, peak_extra_bytes, random_head, sample_labels  # noqa: E402
 from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -53,40 +53,15 @@ FULL_WIDTH = (4096, 151936)
 
 
 def time_cuda(fn, warmup=2, reps=7):
-    """(median, min, max) ms: CUDA events on the GPU, the wall clock in a dry run."""
-    if DEV == "cuda":
-        return _time_cuda(fn, warmup, reps)
-    fn()
-    times = []
-    for _ in range(min(reps, 2)):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2], times[0], times[-1]
+    """(median, min, max) ms: CUDA events on the GPU, the wall clock in a dry run (two calls)."""
+    return _time_cuda(fn, warmup if DEV == "cuda" else 1, reps if DEV == "cuda" else min(reps, 2), device=DEV)
+
+
 KNOBS = ("LOGITLESS_POLICY_WORKSPACE_BYTES", "LOGITLESS_POLICY_DW_FP32", "LOGITLESS_TRITON_POLICY")
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-class knob:
-    """Set LOGITLESS_* variables for a block (the knobs are read at call time)."""
-
-    def __init__(self, **values):
-        self.values = {k: str(v) for k, v in values.items()}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.values}
-        os.environ.update(self.values)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def empty_cache():
@@ -112,7 +87,7 @@ def check_case(name, lead, h, v, dtype, **kw):
     loss_agg = spec.pop("loss_agg")
     truth = loss64(hidden, weight, labels, adv, old, temperature=temperature, loss_agg=loss_agg, ref=ref, **spec)
     for suffix, values in runs:
-        with knob(**values):
+        with env_set(**values):
             hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
             out = fused_policy_loss(hh, ww, labels, adv, old, ref_logprobs=ref, temperature=temperature,
                                     loss_agg=loss_agg, backend="triton", **spec)
@@ -155,7 +130,7 @@ def small_checks():
         try:
             # "chunks of 128": one token tile per chunk (128 rows on the H200, 16 in the interpreter)
             budget = 1 if "chunks of" in name else 1 << 30
-            with knob(LOGITLESS_POLICY_WORKSPACE_BYTES=budget):
+            with env_set(LOGITLESS_POLICY_WORKSPACE_BYTES=budget):
                 check_case(name, lead, h, v, dtype, **kw)
         except Exception as exc:  # noqa: BLE001 - record it, go on to the timings
             RESULTS["checks"].append({"case": name, "ok": False, "error": traceback.format_exc()[-1500:]})
@@ -221,16 +196,10 @@ class Step:
 def peak_extra(step, grad_bytes):
     """(peak GiB above the memory before the call, that minus the gradient buffers' GiB)."""
     step.h.grad = step.w.grad = None
-    if DEV != "cuda":
-        return float("nan"), float("nan")
-    torch.cuda.synchronize()
-    empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak, _ = peak_extra_bytes(step, DEV)
     step.h.grad = step.w.grad = None
+    if peak is None:
+        return float("nan"), float("nan")
     return peak / GIB, (peak - grad_bytes) / GIB
 
 
@@ -345,7 +314,7 @@ def sweep(inputs, res):
     for cfg in STATS_TILES:
         row = {"stage": "stats", "tiles": cfg}
         try:
-            with knob(LOGITLESS_TRITON_POLICY=",".join(map(str, cfg))):
+            with env_set(LOGITLESS_TRITON_POLICY=",".join(map(str, cfg))):
                 # the tiles the kernel will use (the interpreter ignores the knob): size the statistics by them
                 t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
                 pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
@@ -476,7 +445,7 @@ def shape_run(tag, variants):
                              ("ws_1GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB}),
                              ("ws_0.5GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB // 2}),
                              ("stats_group16", {"LOGITLESS_TRITON_POLICY": "128,256,64,16,8,4"})):
-            with knob(**values):
+            with env_set(**values):
                 timed(f"variant_{name}_ms", fused, reps=5)
                 res[f"variant_{name}_extra_gib"] = peak_extra(fused, grad_bytes)[1]
         write()

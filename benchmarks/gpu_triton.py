@@ -31,7 +31,7 @@ import triton  # noqa: E402
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
 from logitless.ops.triton import backward as tri_bwd  # noqa: E402
-from logitless.tools.common import GemmFloor, random_head, sample_labels, time_cuda  # noqa: E402
+from logitless.tools.common import GemmFloor, peak_extra_bytes, random_head, sample_labels, time_cuda  # noqa: E402
 
 SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072), "C": (1024, 4096, 151936)}
 GIB = 1 << 30
@@ -153,13 +153,7 @@ def floors(hidden, weight):
 
 
 def peak_extra(fn, grad_bytes):
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak, _ = peak_extra_bytes(fn, "cuda")
     return peak / GIB, (peak - grad_bytes) / GIB
 
 

@@ -6,9 +6,11 @@ all measure the same work against the same floor.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -37,22 +39,61 @@ def time_call(fn: Callable[[], object], device: torch.device) -> float:
     return seconds
 
 
-def time_cuda(fn: Callable[[], object], warmup: int = 2, reps: int = 7) -> tuple[float, float, float]:
-    """(median, min, max) milliseconds of ``fn()`` over ``reps`` calls, timed with CUDA events after
-    ``warmup`` calls."""
+def time_calls(fn: Callable[[], object], device, reps: int = 7, warmup: int = 2) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn`` after ``warmup`` calls: CUDA events on a CUDA
+    ``device``, the wall clock (synchronised) elsewhere (the GPU scripts' CPU dry runs)."""
+    device = torch.device(device)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            times.append(time_call(fn, device) * 1e3)
+    return times
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 2, reps: int = 7, device="cuda") -> tuple[float, float, float]:
+    """(median, min, max) of :func:`time_calls` on ``device`` (CUDA events on a GPU)."""
+    times = sorted(time_calls(fn, device, reps, warmup))
     return times[len(times) // 2], times[0], times[-1]
+
+
+def peak_extra_bytes(fn: Callable[[], object], device) -> tuple[Optional[int], object]:
+    """(peak bytes allocated during ``fn()`` above what was allocated before, fn's result); the bytes are
+    None off CUDA (torch's allocator statistics are CUDA's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, fn()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base, out
+
+
+@contextlib.contextmanager
+def env_set(**values) -> Iterator[None]:
+    """Environment variables (LOGITLESS_* knobs, read at call time) set for the block, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def random_head(n: int, h: int, v: int, dtype: torch.dtype, device, generator: torch.Generator,
