@@ -21,8 +21,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands
-from .tile import logits_tile, softcap_tanh, tile_coords
+from .common import choose_tiles, int32_safe, launch_options, tile_operands
+from .tile import logits_tile, softcap_tanh, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
 # The per-tile statistics of one call: 64 MiB, whatever N is.
 DEFAULT_STATS_BYTES = 64 << 20
@@ -46,30 +46,10 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
         # (> 0, so the max argument that follows holds unchanged)
         acc, _ = softcap_tanh(acc, CAP)
         inv_t = inv_t * CAP
-    padded = (pid_n + 1) * BLOCK_N > n_cols          # only the last vocabulary tile has padding
-    if padded:
-        # padded columns carry no probability mass
-        acc = tl.where((cols < n_cols)[None, :], acc, float("-inf"))
-    # max of the raw products: as 1/T > 0 and rounding is monotonic, max(acc) * inv_t is exactly the
-    # largest tempered logit, so zy <= m <= lse hold in float32 too (log-probs never round above 0)
-    m_acc = tl.max(acc, axis=1)                 # finite: every tile has at least one real column
-    scale2 = inv_t * LOG2E
-    # base-2 differences to the max, one fused multiply-add per element; exp2 is the hardware's exp
-    d2 = acc * scale2[:, None] - (m_acc * scale2)[:, None]      # <= ~0, -inf on padding
-    e = tl.exp2(d2)
-    out = pid_n.to(tl.int64) * n_rows + rows
-    tl.store(part_m_ptr + out, m_acc * inv_t, mask=row_ok)
-    tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
-    if WITH_ENTROPY:
-        # sum e * (z - m), relative to the tile max so large logits do not cancel. The clamp turns
-        # padding's 0 * -inf into 0 * -1e30 = 0 without a branch (a branch here cost 11% on the H200)
-        tl.store(part_t_ptr + out, tl.sum(e * tl.maximum(d2, -1e30), axis=1) * LN2, mask=row_ok)
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-    first = pid_n * BLOCK_N
-    here = row_ok & (label >= first) & (label < first + BLOCK_N)
-    if tl.max(here.to(tl.int32), axis=0) > 0:   # most tiles hold no label: skip the pick
-        zy = tl.sum(tl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
-        tl.store(zy_ptr + rows, zy, mask=here)
+    # padded columns of the last vocabulary tile carry no probability mass (e = 0 there)
+    m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
+    store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, WITH_ENTROPY)
+    store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N)
 
 
 def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,

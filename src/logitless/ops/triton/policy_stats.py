@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import LN2, choose_tiles, launch_options, tile_operands, tl_dtype
-from .tile import logits_tile, tempered_tile_stats, tile_coords
+from .common import choose_tiles, launch_options, tile_operands, tl_dtype
+from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
 
 @triton.jit
@@ -33,17 +33,8 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
-    out = pid_n.to(tl.int64) * n_rows + rows
-    tl.store(part_m_ptr + out, m, mask=row_ok)
-    tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
-    # the clamp turns padding's 0 * -inf into 0 without a branch
-    tl.store(part_t_ptr + out, tl.sum(e * tl.maximum(d2, -1e30), axis=1) * LN2, mask=row_ok)
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-    first = pid_n * BLOCK_N
-    here = row_ok & (label >= first) & (label < first + BLOCK_N)
-    if tl.max(here.to(tl.int32), axis=0) > 0:   # most tiles hold no label: skip the pick
-        zy = tl.sum(tl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
-        tl.store(zy_ptr + rows, zy, mask=here)
+    store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, True)
+    store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N)
     if STORE_E:
         ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
         tl.store(ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])

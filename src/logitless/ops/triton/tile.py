@@ -1,10 +1,11 @@
-"""The one building block of both kernels: a float32 tile of hidden @ weight.T, kept in registers."""
+"""The building blocks of the kernels: a float32 tile of hidden @ weight.T kept in registers, its tempered
+per-row statistics, and the epilogue stores they share."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E
+from .common import LN2, LOG2E
 
 
 @triton.jit
@@ -106,3 +107,28 @@ def tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N: tl.constexpr):
     scale2 = inv_t * LOG2E
     d2 = acc * scale2[:, None] - (m_acc * scale2)[:, None]
     return m_acc * inv_t, tl.exp2(d2), d2
+
+
+@triton.jit
+def store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n,
+                    WITH_T: tl.constexpr):
+    """Write one tile's per-row statistics to the [vocab tiles, n_rows] float32 workspaces: m, s = sum e
+    and (WITH_T) t = sum e * (z - m), relative to the tile max so large logits do not cancel. The clamp
+    turns padding's 0 * -inf into 0 * -1e30 = 0 without a branch (a branch there cost 11% on the H200)."""
+    out = pid_n.to(tl.int64) * n_rows + rows
+    tl.store(part_m_ptr + out, m, mask=row_ok)
+    tl.store(part_s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+    if WITH_T:
+        tl.store(part_t_ptr + out, tl.sum(e * tl.maximum(d2, -1e30), axis=1) * LN2, mask=row_ok)
+
+
+@triton.jit
+def store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N: tl.constexpr):
+    """zy[row] = acc[row, label] * inv_t[row] from the one tile that holds the row's label (labels of -1:
+    none). Most tiles hold no label: they skip the pick."""
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    first = pid_n * BLOCK_N
+    here = row_ok & (label >= first) & (label < first + BLOCK_N)
+    if tl.max(here.to(tl.int32), axis=0) > 0:
+        zy = tl.sum(tl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
+        tl.store(zy_ptr + rows, zy, mask=here)
