@@ -40,18 +40,14 @@ from .maths import mm_fp32
 Combine = Callable[[int, int, Tensor, Optional[Tensor], Tensor],
                    tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]
 
-_MODULES = {"reference": "logitless.ops.policy_chunked", "chunked": "logitless.ops.policy_chunked",
-            "triton": "logitless.ops.triton.policy_backend"}
-
-
 def policy_pass_for(backend_name: str):
     """The ``policy_pass`` function of the backend called ``backend_name`` (as resolved by
-    ``registry.choose_backend``)."""
-    import importlib
-    mod = importlib.import_module(_MODULES[backend_name])
-    if backend_name == "reference":
-        return mod.policy_pass_whole
-    return mod.policy_pass
+    ``registry.choose_backend``). Import statements, not importlib: torch.compile traces them."""
+    if backend_name == "triton":
+        from .triton import policy_backend
+        return policy_backend.policy_pass
+    from . import policy_chunked
+    return policy_chunked.policy_pass_whole if backend_name == "reference" else policy_chunked.policy_pass
 
 
 def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
