@@ -27,13 +27,6 @@ TOL = 1e-5
 GRAD_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"model seed={seed}")
-    return trl_tiny.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")), seed)
-
-
 UNMAPPABLE = [("loss_type", "cispo"), ("loss_type", "sapo"), ("loss_type", "vespo"), ("loss_type", "luspo"),
               ("importance_sampling_level", "sequence"), ("top_entropy_quantile", 0.2),
               ("off_policy_mask_threshold", 0.5), ("use_adaptive_entropy", True)]

@@ -25,13 +25,6 @@ TOL = 1e-5
 GRAD_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"model seed={seed}")
-    return trl_tiny.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")), seed)
-
-
 def _count_trl_fused_head(model, counter):
     """Count calls of TRL's own fused LM head (its instance forward with fused_lm_head=True)."""
     trl_forward = model.__dict__["forward"]
