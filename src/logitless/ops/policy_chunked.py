@@ -3,7 +3,8 @@
 Per chunk of c token rows: the float32 logits [c, V] of the whole (local) vocabulary, their statistics,
 the loss gradients from ``combine``, the dlogits in place of the logits, then dh and dw from them; see
 ``policy.py``. "chunked" sizes c so that [c, V] holds LOGITLESS_CHUNK_ELEMENTS float32 logits (the
-fused_logprobs chunked backend's budget); "reference" takes every token at once.
+fused_logprobs chunked backend's knob; by default at least MIN_ROWS tokens); "reference" takes every token
+at once.
 
 d_weight of half-precision weights is accumulated in a float32 [V, H] buffer and rounded once at the end
 (CPU chunks are small, so a rounding per chunk would add up); this backend is the portable path, the
@@ -22,17 +23,30 @@ from .maths import dlogits_from_logits, label_logits, logits_from_products, mm_f
 from .policy import Combine, accumulate_product, product_into
 
 
+# Fewest token rows per chunk by default (an explicit LOGITLESS_CHUNK_ELEMENTS is obeyed): the three
+# products of a chunk have c as a dimension, and thin ones run far below the BLAS's rate (CPU, N1024 H512
+# V32000: the 65-row chunks of the 8 MiB budget; benchmarks/LAB-LOG.md). 256 rows of V = 151936 are
+# 156 MiB of float32 logits.
+MIN_ROWS = 256
+
+
 def _chunk_rows(n: int, vocab: int, device: torch.device) -> int:
-    default = DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
+    default = max(DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"], MIN_ROWS * vocab)
     return max(1, min(n, knobs.chunk_elements(default) // vocab))
 
 
-def _statistics(z: Tensor) -> tuple[Tensor, Tensor]:
-    """lse and entropy [c] of the float32 logits z [c, V] (z is kept: the gradient needs it)."""
-    lse = torch.logsumexp(z, dim=1)
-    x = z - lse.unsqueeze(1)
-    ent = -(x.exp() * x).sum(dim=1)
-    return lse, ent
+def _shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max).
+
+    One exponential per element: with e = exp(x), s = sum e and t = sum e * x, lse = m + log s and
+    entropy = log s - t / s (the gradient stage takes its own exp of z - lse)."""
+    m = z.amax(dim=1)
+    x = z.sub_(m.unsqueeze(1))
+    e = x.exp()
+    s = e.sum(dim=1)
+    t = e.mul_(x).sum(dim=1)
+    log_s = s.log()
+    return m, m + log_s, log_s - t / s
 
 
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
@@ -51,11 +65,12 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         h = hidden[start:stop]
         it = inv_temp[start:stop]
         z, _ = logits_from_products(mm_fp32(h, weight.t()), it, None)
-        lse, ent = _statistics(z)
-        lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, label_logits(z, labels[start:stop]))
+        zy = label_logits(z, labels[start:stop])
+        m, lse, ent = _shifted_statistics(z)          # z now holds z - m
+        lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
         if dh is None and dw is None:
             continue
-        dz = dlogits_from_logits(z, labels[start:stop], it, lse, ent, g_lp, g_ent)
+        dz = dlogits_from_logits(z, labels[start:stop], it, lse - m, ent, g_lp, g_ent)
         if half_gemms:
             # tensor-core GEMMs in the inputs' dtype, as the chunked fused_logprobs backward does
             dz = dz.to(hidden.dtype)

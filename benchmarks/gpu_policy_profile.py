@@ -1,0 +1,193 @@
+"""Where one fused policy-loss step spends its GPU time: the kernel timeline, its idle gaps, and what the
+host was doing in each gap (a synchronisation, an allocation, a slow launch).
+
+    PYTHONPATH=src python3 benchmarks/gpu_policy_profile.py [--shape A] [--tiles 128,256,64,16,8,4;...] [--out DIR]
+
+1. Times the step (fused_policy_loss forward + backward, triton, the loss settings of gpu_policy_loss.py)
+   with CUDA events, without a profiler.
+2. Profiles two steps (torch.profiler, CPU + CUDA, Python stacks), writes the trace, and for every gap
+   of more than 20 us between two GPU operations prints its length, the kernels on either side, how late
+   the host launched the next one, the long CUDA runtime calls (syncs, allocations) the host made while
+   the GPU waited, and the innermost logitless Python frames at the late launch.
+3. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY) timed on one chunk against cuBLAS's
+   product of the same shape, and the whole step with each.
+Writes DIR/gpu_policy_profile.json (and trace.json.gz); prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from gpu_policy_loss import SHAPES, Step, make_inputs  # noqa: E402
+
+from logitless.losses import fused_policy_loss  # noqa: E402
+from logitless.tools.common import env_set, time_cuda  # noqa: E402
+from logitless.tools.machine import machine, versions  # noqa: E402
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+OUT: dict = {}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def frames_at(py, t):
+    """The logitless / benchmark Python frames enclosing host time ``t``, innermost first."""
+    hits = [e for e in py if e["ts"] <= t <= e["ts"] + e["dur"]]
+    hits.sort(key=lambda e: -e["ts"])
+    names = [e["name"] for e in hits if "logitless" in e["name"] or "benchmarks" in e["name"]]
+    return names[:6]
+
+
+def analyse(trace_path, min_gap_us=20.0):
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e for e in xs if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    runtime = [e for e in xs if e.get("cat") == "cuda_runtime"]
+    by_corr = {e["args"].get("correlation"): e for e in runtime if "args" in e}
+    py = [e for e in xs if e.get("cat") == "python_function"]
+    steps = sorted((e for e in xs if e.get("cat") == "user_annotation" and e["name"].startswith("step")),
+                   key=lambda e: e["ts"])
+    report = []
+    for step in steps:
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        ks = [e for e in gpu if lo <= by_corr.get(e.get("args", {}).get("correlation"), {"ts": lo})["ts"] <= hi]
+        if not ks:
+            continue
+        busy = sum(e["dur"] for e in ks)
+        gaps = []
+        for a, b in zip(ks, ks[1:]):
+            gap = b["ts"] - (a["ts"] + a["dur"])
+            if gap < min_gap_us:
+                continue
+            launch = by_corr.get(b.get("args", {}).get("correlation"))
+            start = a["ts"] + a["dur"]
+            row = {"gap_us": round(gap, 1), "after": a["name"][:60], "before": b["name"][:60]}
+            if launch is not None:
+                row["launch_late_us"] = round(launch["ts"] + launch["dur"] - start, 1)
+                row["launch_call"] = launch["name"]
+                row["host_calls"] = [(r["name"], round(r["dur"], 1)) for r in runtime
+                                     if r["dur"] > 50 and r["ts"] < launch["ts"] and r["ts"] + r["dur"] > start][:6]
+                row["frames"] = frames_at(py, launch["ts"])
+            gaps.append(row)
+        first, last = ks[0]["ts"], ks[-1]["ts"] + ks[-1]["dur"]
+        top = {}
+        for e in ks:
+            top.setdefault(e["name"][:70], [0.0, 0])
+            top[e["name"][:70]][0] += e["dur"] / 1e3
+            top[e["name"][:70]][1] += 1
+        report.append({"host_step_ms": step["dur"] / 1e3, "gpu_span_ms": (last - first) / 1e3,
+                       "gpu_busy_ms": busy / 1e3, "lead_ms": (first - lo) / 1e3, "gap_ms": sum(g["gap_us"] for g in gaps) / 1e3,
+                       "n_kernels": len(ks), "gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:25],
+                       "kernels": sorted(([k, round(ms, 3), n] for k, (ms, n) in top.items()), key=lambda r: -r[1])[:12]})
+    return report
+
+
+def profile_steps(step, out_dir):
+    from torch.profiler import ProfilerActivity, profile, record_function
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for i in range(2):
+            with record_function(f"step{i}"):
+                step()
+            torch.cuda.synchronize()
+    path = os.path.join("/tmp", "policy_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f, gzip.open(os.path.join(out_dir, "trace.json.gz"), "wb") as g:
+        g.write(f.read())
+    return analyse(path)
+
+
+def chunk_tiles(inputs, configs, rows):
+    """Each statistics-kernel tile config on one chunk of ``rows`` tokens, against cuBLAS's [rows, V] product."""
+    import triton
+
+    from logitless.ops.triton.common import choose_tiles
+    from logitless.ops.triton.policy_backend import row_stride
+    from logitless.ops.triton.policy_stats import chunk_stats
+    hidden, weight, labels = inputs[:3]
+    v = weight.shape[0]
+    h, lab = hidden[:rows], labels[:rows]
+    it = torch.ones(rows, device="cuda")
+    stride = row_stride(v)
+    ws = torch.empty(rows * stride, dtype=torch.float16, device="cuda")
+    e = ws.view(rows, stride)[:, :v]
+    logits = torch.empty(rows, v, dtype=hidden.dtype, device="cuda")
+    out = [{"tiles": "cuBLAS mm", "ms": time_cuda(lambda: torch.mm(h, weight.t(), out=logits), reps=9)[0]}]
+    del logits
+    for cfg in configs:
+        row = {"tiles": cfg}
+        try:
+            with env_set(LOGITLESS_TRITON_POLICY=cfg):
+                t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
+                bufs = [torch.empty(t, rows, device="cuda") for _ in range(3)] + [torch.zeros(rows, device="cuda"), e]
+                row["ms"] = time_cuda(lambda bufs=bufs: chunk_stats(h, weight, lab, it, *bufs), reps=9)[0]
+        except Exception as exc:  # noqa: BLE001 - a config that does not build is a result too
+            row["error"] = repr(exc)[:300]
+        row["x_cublas"] = row.get("ms", float("nan")) / out[0]["ms"]
+        out.append(row)
+        log("chunk", row)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="A")
+    p.add_argument("--tiles", default="", help="';'-separated LOGITLESS_TRITON_POLICY values")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    OUT["env"] = {"versions": versions(), "machine": machine(), "argv": sys.argv}
+    n, hdim, v = SHAPES[args.shape]
+    inputs = make_inputs(n, hdim, v)
+    step = Step(fused_policy_loss, inputs, backend="triton")
+    OUT["step_ms"] = time_cuda(step, reps=7)
+    log("step ms (median, min, max)", OUT["step_ms"])
+    t0 = time.perf_counter()
+    OUT["profile"] = profile_steps(step, args.out)
+    log("profile took %.1f s" % (time.perf_counter() - t0))
+    for r in OUT["profile"]:
+        log(json.dumps({k: r[k] for k in ("host_step_ms", "gpu_span_ms", "gpu_busy_ms", "lead_ms", "gap_ms",
+                                          "n_kernels")}))
+        for g in r["gaps"][:12]:
+            log("  gap", json.dumps(g))
+        for k in r["kernels"]:
+            log("  kernel", k)
+    configs = [c for c in args.tiles.split(";") if c]
+    if configs:
+        OUT["chunk_tiles"] = chunk_tiles(inputs, configs, 4096)
+        OUT["step_tiles"] = []
+        for cfg in configs:
+            with env_set(LOGITLESS_TRITON_POLICY=cfg):
+                try:
+                    ms = time_cuda(step, reps=5)
+                except Exception as exc:  # noqa: BLE001
+                    ms = repr(exc)[:200]
+            OUT["step_tiles"].append({"tiles": cfg, "step_ms": ms})
+            log("step", cfg, ms)
+    with open(os.path.join(args.out, "gpu_policy_profile.json"), "w") as f:
+        json.dump(OUT, f, indent=1, default=str)
+    log("\n| what | ms |\n|---|---|")
+    log(f"| step (events, median) | {OUT['step_ms'][0]:.2f} |")
+    for r in OUT["profile"]:
+        log(f"| profiled step: host {r['host_step_ms']:.2f}, GPU span {r['gpu_span_ms']:.2f}, busy {r['gpu_busy_ms']:.2f}, "
+            f"lead {r['lead_ms']:.2f}, gaps {r['gap_ms']:.2f} | |")
+    for row in OUT.get("chunk_tiles", []):
+        log(f"| chunk {row['tiles']} | {row.get('ms', float('nan')):.3f} ({row.get('x_cublas', float('nan')):.3f}x) |")
+    for row in OUT.get("step_tiles", []):
+        log(f"| step {row['tiles']} | {row['step_ms']} |")
+
+
+if __name__ == "__main__":
+    main()
