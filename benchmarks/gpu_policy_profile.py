@@ -9,13 +9,15 @@ host was doing in each gap (a synchronisation, an allocation, a slow launch).
    of more than 20 us between two GPU operations prints its length, the kernels on either side, how late
    the host launched the next one, the long CUDA runtime calls (syncs, allocations) the host made while
    the GPU waited, and the innermost logitless Python frames at the late launch.
-3. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY) timed on one chunk against cuBLAS's
-   product of the same shape, and the whole step with each.
+3. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY; "@P" after one: P persistent programs per
+   multiprocessor) timed on one chunk against cuBLAS's product of the same shape, with the chunk's lse,
+   entropy and label logits compared to the default kernel's, and the whole step with each.
 Writes DIR/gpu_policy_profile.json (and trace.json.gz); prints a short table last.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -66,7 +68,7 @@ def analyse(trace_path, min_gap_us=20.0):
             continue
         busy = sum(e["dur"] for e in ks)
         gaps = []
-        for a, b in zip(ks, ks[1:]):
+        for a, b in zip(ks, ks[1:], strict=False):
             gap = b["ts"] - (a["ts"] + a["dur"])
             if gap < min_gap_us:
                 continue
@@ -86,10 +88,11 @@ def analyse(trace_path, min_gap_us=20.0):
             top.setdefault(e["name"][:70], [0.0, 0])
             top[e["name"][:70]][0] += e["dur"] / 1e3
             top[e["name"][:70]][1] += 1
+        kernels = sorted(([k, round(ms, 3), n] for k, (ms, n) in top.items()), key=lambda r: -r[1])[:12]
         report.append({"host_step_ms": step["dur"] / 1e3, "gpu_span_ms": (last - first) / 1e3,
-                       "gpu_busy_ms": busy / 1e3, "lead_ms": (first - lo) / 1e3, "gap_ms": sum(g["gap_us"] for g in gaps) / 1e3,
-                       "n_kernels": len(ks), "gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:25],
-                       "kernels": sorted(([k, round(ms, 3), n] for k, (ms, n) in top.items()), key=lambda r: -r[1])[:12]})
+                       "gpu_busy_ms": busy / 1e3, "lead_ms": (first - lo) / 1e3,
+                       "gap_ms": sum(g["gap_us"] for g in gaps) / 1e3, "n_kernels": len(ks),
+                       "gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:25], "kernels": kernels})
     return report
 
 
@@ -109,11 +112,27 @@ def profile_steps(step, out_dir):
     return analyse(path)
 
 
+@contextlib.contextmanager
+def stats_variant(cfg):
+    """LOGITLESS_TRITON_POLICY = the tiles before "@", PERSISTENT_PER_SM = the number after it (0 if none)."""
+    from logitless.ops.triton import policy_stats
+    tiles, _, per_sm = cfg.partition("@")
+    saved = policy_stats.PERSISTENT_PER_SM
+    policy_stats.PERSISTENT_PER_SM = int(per_sm or 0)
+    try:
+        with env_set(LOGITLESS_TRITON_POLICY=tiles):
+            yield
+    finally:
+        policy_stats.PERSISTENT_PER_SM = saved
+
+
 def chunk_tiles(inputs, configs, rows):
-    """Each statistics-kernel tile config on one chunk of ``rows`` tokens, against cuBLAS's [rows, V] product."""
+    """Each statistics-kernel variant on one chunk of ``rows`` tokens, against cuBLAS's [rows, V] product;
+    its lse / entropy / label logits against the default kernel's (max abs difference)."""
     import triton
 
     from logitless.ops.triton.common import choose_tiles
+    from logitless.ops.triton.forward_stats import combine_tiles
     from logitless.ops.triton.policy_backend import row_stride
     from logitless.ops.triton.policy_stats import chunk_stats
     hidden, weight, labels = inputs[:3]
@@ -123,15 +142,21 @@ def chunk_tiles(inputs, configs, rows):
     stride = row_stride(v)
     ws = torch.empty(rows * stride, dtype=torch.float16, device="cuda")
     e = ws.view(rows, stride)[:, :v]
-    logits = torch.empty(rows, v, dtype=hidden.dtype, device="cuda")
-    out = [{"tiles": "cuBLAS mm", "ms": time_cuda(lambda: torch.mm(h, weight.t(), out=logits), reps=9)[0]}]
-    del logits
-    for cfg in configs:
-        row = {"tiles": cfg}
+    logits = [torch.empty(rows, v, dtype=hidden.dtype, device="cuda")]
+    out = [{"tiles": "cuBLAS mm", "ms": time_cuda(lambda: torch.mm(h, weight.t(), out=logits[0]), reps=9)[0]}]
+    logits.clear()
+    truth = None
+    for cfg in [""] + configs:
+        row = {"tiles": cfg or "default"}
         try:
-            with env_set(LOGITLESS_TRITON_POLICY=cfg):
+            with stats_variant(cfg):
                 t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
                 bufs = [torch.empty(t, rows, device="cuda") for _ in range(3)] + [torch.zeros(rows, device="cuda"), e]
+                chunk_stats(h, weight, lab, it, *bufs)
+                lse, ent = combine_tiles(bufs[0].clone(), bufs[1].clone(), bufs[2].clone())
+                got = (lse, ent, bufs[3].clone())
+                truth = truth or got
+                row["max_diff_lse_ent_zy"] = [float((a - b).abs().max()) for a, b in zip(got, truth, strict=True)]
                 row["ms"] = time_cuda(lambda bufs=bufs: chunk_stats(h, weight, lab, it, *bufs), reps=9)[0]
         except Exception as exc:  # noqa: BLE001 - a config that does not build is a result too
             row["error"] = repr(exc)[:300]
@@ -169,7 +194,7 @@ def main():
         OUT["chunk_tiles"] = chunk_tiles(inputs, configs, 4096)
         OUT["step_tiles"] = []
         for cfg in configs:
-            with env_set(LOGITLESS_TRITON_POLICY=cfg):
+            with stats_variant(cfg):
                 try:
                     ms = time_cuda(step, reps=5)
                 except Exception as exc:  # noqa: BLE001
@@ -181,8 +206,8 @@ def main():
     log("\n| what | ms |\n|---|---|")
     log(f"| step (events, median) | {OUT['step_ms'][0]:.2f} |")
     for r in OUT["profile"]:
-        log(f"| profiled step: host {r['host_step_ms']:.2f}, GPU span {r['gpu_span_ms']:.2f}, busy {r['gpu_busy_ms']:.2f}, "
-            f"lead {r['lead_ms']:.2f}, gaps {r['gap_ms']:.2f} | |")
+        log(f"| profiled step: host {r['host_step_ms']:.2f}, GPU span {r['gpu_span_ms']:.2f}, "
+            f"busy {r['gpu_busy_ms']:.2f}, lead {r['lead_ms']:.2f}, gaps {r['gap_ms']:.2f} | |")
     for row in OUT.get("chunk_tiles", []):
         log(f"| chunk {row['tiles']} | {row.get('ms', float('nan')):.3f} ({row.get('x_cublas', float('nan')):.3f}x) |")
     for row in OUT.get("step_tiles", []):
