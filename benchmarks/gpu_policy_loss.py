@@ -444,7 +444,7 @@ def shape_run(tag, variants):
         for name, values in (("dw_fp32", {"LOGITLESS_POLICY_DW_FP32": 1}),
                              ("ws_1GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB}),
                              ("ws_0.5GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB // 2}),
-                             ("stats_group16", {"LOGITLESS_TRITON_POLICY": "128,256,64,16,8,4"})):
+                             ("stats_256x128", {"LOGITLESS_TRITON_POLICY": "256,128,64,16,8,3"})):
             with env_set(**values):
                 timed(f"variant_{name}_ms", fused, reps=5)
                 res[f"variant_{name}_extra_gib"] = peak_extra(fused, grad_bytes)[1]

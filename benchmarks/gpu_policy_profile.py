@@ -9,15 +9,14 @@ host was doing in each gap (a synchronisation, an allocation, a slow launch).
    of more than 20 us between two GPU operations prints its length, the kernels on either side, how late
    the host launched the next one, the long CUDA runtime calls (syncs, allocations) the host made while
    the GPU waited, and the innermost logitless Python frames at the late launch.
-3. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY; "@P" after one: P persistent programs per
-   multiprocessor) timed on one chunk against cuBLAS's product of the same shape, with the chunk's lse,
-   entropy and label logits compared to the default kernel's, and the whole step with each.
+3. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY) timed on one chunk against cuBLAS's product
+   of the same shape, with the chunk's lse, entropy and label logits compared to the default kernel's, and
+   the whole step with each, alternating with the default.
 Writes DIR/gpu_policy_profile.json (and trace.json.gz); prints a short table last.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
@@ -112,18 +111,9 @@ def profile_steps(step, out_dir):
     return analyse(path)
 
 
-@contextlib.contextmanager
 def stats_variant(cfg):
-    """LOGITLESS_TRITON_POLICY = the tiles before "@", PERSISTENT_PER_SM = the number after it (0 if none)."""
-    from logitless.ops.triton import policy_stats
-    tiles, _, per_sm = cfg.partition("@")
-    saved = policy_stats.PERSISTENT_PER_SM
-    policy_stats.PERSISTENT_PER_SM = int(per_sm or 0)
-    try:
-        with env_set(LOGITLESS_TRITON_POLICY=tiles):
-            yield
-    finally:
-        policy_stats.PERSISTENT_PER_SM = saved
+    """LOGITLESS_TRITON_POLICY = cfg for the block ("" = the default tiles)."""
+    return env_set(LOGITLESS_TRITON_POLICY=cfg)
 
 
 def chunk_tiles(inputs, configs, rows):
@@ -192,15 +182,21 @@ def main():
     configs = [c for c in args.tiles.split(";") if c]
     if configs:
         OUT["chunk_tiles"] = chunk_tiles(inputs, configs, 4096)
+        # whole steps, each variant right after the default (the H200 runs at its power cap here, so
+        # steps drift with its temperature): rounds of (default, variant) pairs
         OUT["step_tiles"] = []
         for cfg in configs:
-            with stats_variant(cfg):
-                try:
-                    ms = time_cuda(step, reps=5)
-                except Exception as exc:  # noqa: BLE001
-                    ms = repr(exc)[:200]
-            OUT["step_tiles"].append({"tiles": cfg, "step_ms": ms})
-            log("step", cfg, ms)
+            pair = {"tiles": cfg, "default_ms": [], "variant_ms": []}
+            try:
+                for _ in range(3):
+                    pair["default_ms"].append(time_cuda(step, reps=3)[0])
+                    with stats_variant(cfg):
+                        pair["variant_ms"].append(time_cuda(step, reps=3)[0])
+                pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
+            except Exception as exc:  # noqa: BLE001
+                pair["error"] = repr(exc)[:200]
+            OUT["step_tiles"].append(pair)
+            log("step", json.dumps(pair))
     with open(os.path.join(args.out, "gpu_policy_profile.json"), "w") as f:
         json.dump(OUT, f, indent=1, default=str)
     log("\n| what | ms |\n|---|---|")
@@ -211,7 +207,7 @@ def main():
     for row in OUT.get("chunk_tiles", []):
         log(f"| chunk {row['tiles']} | {row.get('ms', float('nan')):.3f} ({row.get('x_cublas', float('nan')):.3f}x) |")
     for row in OUT.get("step_tiles", []):
-        log(f"| step {row['tiles']} | {row['step_ms']} |")
+        log(f"| step {row['tiles']} / default | {row.get('ratio', row.get('error'))} |")
 
 
 if __name__ == "__main__":

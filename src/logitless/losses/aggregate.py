@@ -44,8 +44,10 @@ def check_loss_agg(loss_agg) -> str:
     return loss_agg
 
 
-def check_cu_seqlens(cu_seqlens, labels: Tensor) -> Tensor:
-    """int64 [k + 1] sequence boundaries of packed 1-D labels, checked (one host synchronisation)."""
+def check_cu_seqlens(cu_seqlens, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(int64 [k + 1] sequence boundaries of packed 1-D labels, a 0-d bool tensor: their values are
+    valid). The layout is checked here; the values are the caller's to check, in its one host
+    synchronisation (``cu_seqlens_error`` gives the message)."""
     cu = checks.index_tensor(cu_seqlens, "cu_seqlens")
     if labels.dim() != 1:
         raise ValueError(f"cu_seqlens is for packed 1-D labels; labels have shape {tuple(labels.shape)}, whose "
@@ -56,10 +58,22 @@ def check_cu_seqlens(cu_seqlens, labels: Tensor) -> Tensor:
         raise ValueError(f"cu_seqlens is on {cu.device}, labels on {labels.device}")
     cu = cu.long()
     ok = (cu[0] == 0) & (cu[-1] == labels.numel()) & (cu[1:] >= cu[:-1]).all()
-    if not bool(ok):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at len(labels) = {labels.numel()}, "
-                         f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
-    return cu
+    return cu, ok
+
+
+def cu_seqlens_error(cu: Tensor, n: int) -> ValueError:
+    return ValueError(f"cu_seqlens must start at 0, never decrease and end at len(labels) = {n}, "
+                      f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+
+
+def check_agg_layout(labels: Tensor, loss_agg: str, cu_seqlens: Optional[Tensor]) -> None:
+    """ValueError when ``loss_agg`` needs sequences that labels (and cu_seqlens) do not delimit."""
+    if loss_agg in SEQUENCE_AGGS:
+        if labels.dim() == 0:
+            raise ValueError(f"loss_agg={loss_agg!r} needs sequences; labels are a single token")
+        if labels.dim() == 1 and cu_seqlens is None:
+            raise ValueError(f"loss_agg={loss_agg!r} needs sequences: give labels [b, s] (a sequence per row) or "
+                             "cu_seqlens for packed 1-D labels")
 
 
 def token_weights(valid: Tensor, loss_agg: str, cu_seqlens: Optional[Tensor] = None) -> Tensor:
@@ -72,11 +86,7 @@ def token_weights(valid: Tensor, loss_agg: str, cu_seqlens: Optional[Tensor] = N
         return v
     if loss_agg == "token-mean":
         return v / v.sum().clamp_min(1.0)
-    if valid.dim() == 1 and cu_seqlens is None:
-        raise ValueError(f"loss_agg={loss_agg!r} needs sequences: give labels [b, s] (a sequence per row) or "
-                         "cu_seqlens for packed 1-D labels")
-    if valid.dim() == 0:
-        raise ValueError(f"loss_agg={loss_agg!r} needs sequences; labels are a single token")
+    check_agg_layout(valid, loss_agg, cu_seqlens)
     if cu_seqlens is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         seq_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=valid.device), lengths)

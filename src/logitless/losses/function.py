@@ -65,9 +65,11 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         tp = options.tp
         dev = hidden.device
         h = hidden if tokens.rows is None else hidden.index_select(0, tokens.rows)
-        offset = tp.vocab_offset if tp is not None else 0
-        local = tokens.labels - offset
-        local = torch.where((local >= 0) & (local < weight.shape[0]), local, torch.full_like(local, -1))
+        # the labels were checked to lie in the vocabulary; a shard's own ids, -1 for the others' tokens
+        local = tokens.labels
+        if tp is not None:
+            local = local - tp.vocab_offset
+            local = torch.where((local >= 0) & (local < weight.shape[0]), local, torch.full_like(local, -1))
 
         n, k = h.shape
         dh = None

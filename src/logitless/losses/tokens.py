@@ -3,18 +3,26 @@ aggregation weights, and everything flattened in the row order of the hidden sta
 
 Only scored tokens (label != ignore_index) reach a backend; their per-token inputs must be finite
 (padding may hold anything, NaN included: it is never read).
+
+Every value check of a call (label range, finite inputs, temperature, cu_seqlens) and the number of
+scored tokens come back to the host together, in one synchronisation, before any GEMM: when it
+returns the GPU has nothing queued, so what the host does between it and the first GEMM is idle GPU
+time. The per-token loss inputs (float64 casts, aggregation weights) are therefore built on first
+use (``ScoredTokens.inputs``): the fused pass asks for them after its first statistics kernel is
+queued, while that kernel runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from functools import cached_property
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_label_range, inv_temperature
-from .aggregate import check_cu_seqlens, token_weights
+from ..api import inv_temperature
+from .aggregate import check_agg_layout, check_cu_seqlens, cu_seqlens_error, token_weights
 from .policy import PolicyLoss
 from .terms import TokenInputs
 
@@ -24,15 +32,20 @@ class ScoredTokens:
     """The scored tokens of a call, in the row order of ``hidden.reshape(-1, H)``.
 
     rows: int64 [n] indices of the scored rows among all ``total`` rows (None: every row is scored).
-    labels: int64 [n] global token ids. inv_temp: float32 [n]. inputs: float64 per-token inputs [n].
+    labels: int64 [n] global token ids, each in [0, vocab). inv_temp: float32 [n].
+    inputs: float64 per-token inputs [n], built on first use from ``make_inputs``.
     row_shape: the shape of the rows before flattening (the outputs are returned in it).
     """
     rows: Optional[Tensor]
     total: int
     labels: Tensor
     inv_temp: Tensor
-    inputs: TokenInputs
+    make_inputs: Callable[[], TokenInputs]
     row_shape: tuple
+
+    @cached_property
+    def inputs(self) -> TokenInputs:
+        return self.make_inputs()
 
     @property
     def count(self) -> int:
@@ -45,49 +58,68 @@ class ScoredTokens:
         return values.new_zeros(self.total).index_copy_(0, self.rows, values)
 
 
+def _any(mask: Tensor) -> Tensor:
+    return mask.any() if mask.numel() else torch.zeros((), dtype=torch.bool, device=mask.device)
+
+
 def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_index: int, vocab: int,
                  seq_first: bool = False) -> ScoredTokens:
     """Check and flatten the per-token inputs of ``policy`` for ``labels`` [...] (checked by the caller).
+    One host synchronisation (see the module's docstring).
 
     seq_first: the hidden states are [s, b, H] while labels (and every per-token input, and the
     sequences of the aggregation) are [b, s] (Megatron's layout); rows are then taken in [s, b] order.
     """
+    if seq_first and labels.dim() != 2:
+        raise ValueError(f"labels must be [b, s] here, got shape {tuple(labels.shape)}")
     valid = labels != ignore_index
-    adv = checks.per_token_tensor(policy.advantages, "advantages", labels)
-    old = None if policy.old_logprobs is None else checks.per_token_tensor(policy.old_logprobs, "old_logprobs",
-                                                                            labels)
-    ref = None if policy.ref_logprobs is None else checks.per_token_tensor(policy.ref_logprobs, "ref_logprobs",
-                                                                            labels)
-    cu = None if policy.cu_seqlens is None else check_cu_seqlens(policy.cu_seqlens, labels)
-    weights = token_weights(valid, policy.loss_agg, cu)
-    inv_t = inv_temperature(temperature, labels).view(labels.shape)
+    named = [(name, checks.per_token_tensor(value, name, labels))
+             for name, value in (("advantages", policy.advantages), ("old_logprobs", policy.old_logprobs),
+                                 ("ref_logprobs", policy.ref_logprobs)) if value is not None]
+    cu, cu_ok = (None, None) if policy.cu_seqlens is None else check_cu_seqlens(policy.cu_seqlens, labels)
+    check_agg_layout(labels, policy.loss_agg, cu)
+    temp_is_tensor = isinstance(temperature, Tensor)
+    inv_t = inv_temperature(temperature, labels, check_values=False).view(labels.shape)
 
-    per_token = [labels, valid, inv_t, adv, old, ref, weights]
-    if seq_first:
-        if labels.dim() != 2:
-            raise ValueError(f"labels must be [b, s] here, got shape {tuple(labels.shape)}")
-        per_token = [None if t is None else t.t() for t in per_token]
-    row_shape = tuple(per_token[0].shape)
-    flat = [None if t is None else t.reshape(-1) for t in per_token]
-    flat_labels, flat_valid = flat[0].long(), flat[1]
-    check_label_range(flat_labels, flat_valid, vocab, ignore_index)
+    def rows_order(t: Tensor) -> Tensor:
+        return (t.t() if seq_first else t).reshape(-1)
+    flat_labels, flat_valid = rows_order(labels).long(), rows_order(valid)
+    flat_inputs = {name: rows_order(t) for name, t in named}
 
-    every = flat_labels.numel() == 0 or bool(flat_valid.all())
-    rows = None if every else flat_valid.nonzero().squeeze(1)
+    # the call's checks and the scored-token count, fetched together
+    flags = [flat_valid.sum(),
+             _any(flat_valid & ((flat_labels < 0) | (flat_labels >= vocab))),
+             _any(~(torch.isfinite(inv_t) & (inv_t > 0))) if temp_is_tensor else None,
+             None if cu_ok is None else ~cu_ok]
+    flags += [_any(flat_valid & ~torch.isfinite(t)) for t in flat_inputs.values()]
+    present = [f for f in flags if f is not None]
+    values = iter(torch.stack([f.long() for f in present]).tolist())
+    n, bad_label, bad_temp, bad_cu, *bad_inputs = (None if f is None else next(values) for f in flags)
 
-    def pick(t, dtype):
-        if t is None:
-            return None
+    if bad_cu:
+        raise cu_seqlens_error(cu, labels.numel())
+    if bad_temp:
+        raise ValueError("temperature must be finite and > 0 everywhere (and 1 / temperature finite)")
+    if bad_label:
+        first = int(flat_labels[flat_valid & ((flat_labels < 0) | (flat_labels >= vocab))][0])
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
+    bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index)")
+
+    total = flat_labels.numel()
+    # nonzero_static: the count is known, so the indices need no second synchronisation
+    rows = None if n == total else torch.nonzero_static(flat_valid, size=n).squeeze(1)
+
+    def pick(t: Tensor, dtype) -> Tensor:
         t = t if rows is None else t.index_select(0, rows)
         return t.to(dtype)
-    adv_s, old_s, ref_s = (pick(t, torch.float64) for t in flat[3:6])
-    present = [(n, t) for n, t in (("advantages", adv_s), ("old_logprobs", old_s), ("ref_logprobs", ref_s))
-               if t is not None]
-    if present and present[0][1].numel():
-        finite = torch.stack([torch.isfinite(t).all() for _, t in present])
-        if not bool(finite.all()):
-            bad = [n for (n, _), ok in zip(present, finite.tolist(), strict=True) if not ok]
-            raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index)")
-    inputs = TokenInputs(adv_s, old_s, ref_s, pick(flat[6], torch.float64))
-    return ScoredTokens(rows=rows, total=flat_labels.numel(), labels=pick(flat_labels, torch.long),
-                        inv_temp=pick(flat[2], torch.float32), inputs=inputs, row_shape=row_shape)
+
+    def make_inputs() -> TokenInputs:
+        weights = rows_order(token_weights(valid, policy.loss_agg, cu))
+        given = {name: pick(t, torch.float64) for name, t in flat_inputs.items()}
+        return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"),
+                           pick(weights, torch.float64))
+    return ScoredTokens(rows=rows, total=total, labels=pick(flat_labels, torch.long),
+                        inv_temp=pick(rows_order(inv_t), torch.float32), make_inputs=make_inputs,
+                        row_shape=tuple(labels.t().shape if seq_first else labels.shape))

@@ -1,6 +1,7 @@
 """What the Triton kernels share: the interpreter switch, dtypes and block-size choice."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,13 @@ def _hopper_or_newer(device: torch.device) -> bool:
     """NVIDIA compute capability >= 9.0: the bulk copy engine, and 228 KiB of shared memory per SM."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    # asked before every launch: a device's capability does not change, the query's host time adds up
+    return torch.cuda.get_device_capability(index)[0]
 
 
 # Before Hopper (A100: 164 KiB shared memory, consumer parts ~100 KiB) the H200 tiles do not fit:

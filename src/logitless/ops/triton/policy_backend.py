@@ -51,7 +51,7 @@ def chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, block_m: int, block_
     """Token rows per chunk for a vocabulary (shard) of ``plan_vocab`` rows: the workspace budget over
     the bytes of one workspace row, balanced across chunks, a multiple of the token tile."""
     if with_grad:
-        per_row = row_stride(plan_vocab) * torch.empty((), dtype=workspace_dtype(dtype)).element_size()
+        per_row = row_stride(plan_vocab) * workspace_dtype(dtype).itemsize
         budget = knobs.policy_workspace_bytes(DEFAULT_WORKSPACE_BYTES)
     else:
         per_row = 12 * triton.cdiv(plan_vocab, block_n)

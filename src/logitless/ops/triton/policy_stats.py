@@ -10,7 +10,6 @@ float32 inputs). The logits never reach HBM; e is all the gradient stage needs (
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -40,29 +39,13 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                         SOFTCAP: tl.constexpr, CAP: tl.constexpr, PROGRAMS: tl.constexpr):
+                         SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     # SOFTCAP / CAP come with launch_options; the policy loss refuses a softcap before any launch.
-    # PROGRAMS = 0: one program per tile. PROGRAMS > 0: that many persistent programs walk the tiles, with
-    # the K loop and the tile loop flattened, so the next tile's loads are in flight during an epilogue.
-    if PROGRAMS == 0:
-        pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-        acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
-        _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                        zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
-    else:
-        n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), n_tiles, PROGRAMS, flatten=True):
-            pid_m, pid_n = tile_coords(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-            acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                          BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
-            _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                            zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
-
-
-# Persistent programs per multiprocessor (0: one program per tile, the measured default). A module
-# constant that benchmarks patch: the persistent form is under measurement (benchmarks/LAB-LOG.md).
-PERSISTENT_PER_SM = 0
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
+    _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                    zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
 
 
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
@@ -73,17 +56,12 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     n, k = hidden.shape
     vocab = weight.shape[0]
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
-    n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
-    programs = 0
-    if PERSISTENT_PER_SM and hidden.is_cuda:   # the interpreter cannot loop to a run-time bound (numpy >= 2.4)
-        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-        programs = min(n_tiles, PERSISTENT_PER_SM * sms)
-    grid = (programs or n_tiles,)
+    grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     store = e is not None
     _policy_stats_kernel[grid](
         h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e if store else part_m,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         e.stride(0) if store else 0,
-        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, USE_TMA=use_tma, PROGRAMS=programs,
+        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, USE_TMA=use_tma,
         **launch_options(tiles, hidden, None))
