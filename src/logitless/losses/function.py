@@ -41,9 +41,8 @@ class _Chunks:
 
     def __init__(self, tokens: ScoredTokens, spec: TermSpec, tp, device):
         self.tokens, self.spec, self.tp = tokens, spec, tp
-        n = tokens.count
-        self.lp = torch.zeros(n, dtype=torch.float32, device=device)
-        self.ent = torch.zeros(n, dtype=torch.float32, device=device)
+        # the chunks cover all n rows and each writes its own: no fill
+        self.lp, self.ent = torch.empty((2, tokens.count), dtype=torch.float32, device=device)
         self.totals = TermTotals.zeros(device, with_kl=spec.has_ref)
 
     def __call__(self, start: int, stop: int, lse: Tensor, ent: Tensor, zy: Tensor):

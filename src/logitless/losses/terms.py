@@ -113,8 +113,8 @@ class TermTotals:
 
     @classmethod
     def zeros(cls, device, with_kl: bool) -> "TermTotals":
-        z = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(z.clone(), z.clone(), z.clone() if with_kl else None)
+        z = torch.zeros(3, dtype=torch.float64, device=device)    # one fill: views summed into in place
+        return cls(z[0], z[1], z[2] if with_kl else None)
 
 
 def weighted_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec):

@@ -58,10 +58,6 @@ class ScoredTokens:
         return values.new_zeros(self.total).index_copy_(0, self.rows, values)
 
 
-def _any(mask: Tensor) -> Tensor:
-    return mask.any() if mask.numel() else torch.zeros((), dtype=torch.bool, device=mask.device)
-
-
 def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_index: int, vocab: int,
                  seq_first: bool = False) -> ScoredTokens:
     """Check and flatten the per-token inputs of ``policy`` for ``labels`` [...] (checked by the caller).
@@ -87,21 +83,24 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     flat_inputs = {name: rows_order(t) for name, t in named}
 
     # the call's checks and the scored-token count, fetched together
-    flags = [flat_valid.sum(),
-             _any(flat_valid & ((flat_labels < 0) | (flat_labels >= vocab))),
-             _any(~(torch.isfinite(inv_t) & (inv_t > 0))) if temp_is_tensor else None,
-             None if cu_ok is None else ~cu_ok]
-    flags += [_any(flat_valid & ~torch.isfinite(t)) for t in flat_inputs.values()]
-    present = [f for f in flags if f is not None]
-    values = iter(torch.stack([f.long() for f in present]).tolist())
-    n, bad_label, bad_temp, bad_cu, *bad_inputs = (None if f is None else next(values) for f in flags)
+    out_of_range = flat_valid & ((flat_labels < 0) | (flat_labels >= vocab))
+    flags = [flat_valid.sum(), out_of_range.sum(),
+             (~(torch.isfinite(inv_t) & (inv_t > 0))).sum() if temp_is_tensor else None,
+             None if cu_ok is None else (~cu_ok).long()]
+    if flat_inputs:   # [k, total]: one finiteness test for all the per-token inputs
+        stacked = torch.stack(list(flat_inputs.values()))
+        flags.append((flat_valid & ~torch.isfinite(stacked)).sum(dim=1))
+    present = [f.reshape(-1) for f in flags if f is not None]
+    values = iter(torch.cat(present).tolist())
+    n, bad_label, bad_temp, bad_cu = (None if f is None else next(values) for f in flags[:4])
+    bad_inputs = list(values)
 
     if bad_cu:
         raise cu_seqlens_error(cu, labels.numel())
     if bad_temp:
         raise ValueError("temperature must be finite and > 0 everywhere (and 1 / temperature finite)")
     if bad_label:
-        first = int(flat_labels[flat_valid & ((flat_labels < 0) | (flat_labels >= vocab))][0])
+        first = int(flat_labels[out_of_range][0])
         raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
     bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]
     if bad:
