@@ -160,6 +160,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="A")
     p.add_argument("--tiles", default="", help="';'-separated LOGITLESS_TRITON_POLICY values")
+    p.add_argument("--rounds", type=int, default=3, help="(default, variant) step pairs per variant")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -188,7 +189,7 @@ def main():
         for cfg in configs:
             pair = {"tiles": cfg, "default_ms": [], "variant_ms": []}
             try:
-                for _ in range(3):
+                for _ in range(args.rounds):
                     pair["default_ms"].append(time_cuda(step, reps=3)[0])
                     with stats_variant(cfg):
                         pair["variant_ms"].append(time_cuda(step, reps=3)[0])

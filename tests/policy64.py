@@ -78,8 +78,10 @@ def aggregate64(values, valid, loss_agg, cu_seqlens=None):
 
 
 def loss64(hidden, weight, labels, adv, old, *, temperature=1.0, ignore_index=-100, loss_agg="token-mean",
-           cu_seqlens=None, ref=None, **spec):
-    """(loss, logprobs, entropy, clip_fraction, kl_aggregated or None, d_hidden, d_weight), all float64."""
+           cu_seqlens=None, ref=None, with_scale=False, **spec):
+    """(loss, logprobs, entropy, clip_fraction, kl_aggregated or None, d_hidden, d_weight), all float64;
+    with_scale: and, last, the loss's float scale, the same aggregation of |term| (a loss of terms that
+    nearly cancel is small against the rounding of its terms; its error is measured against this)."""
     valid = labels != ignore_index
     # ignored rows may hold NaN: they must get no gradient and leak nothing, so the truth never sees them
     h = torch.where(valid.unsqueeze(-1), hidden.detach().double(), 0.0).requires_grad_(True)
@@ -100,7 +102,8 @@ def loss64(hidden, weight, labels, adv, old, *, temperature=1.0, ignore_index=-1
     n = int(valid.sum())
     clip_fraction = (clipped & valid).sum().double() / max(n, 1)
     kl_agg = None if kl is None else aggregate64(kl.detach(), valid, loss_agg, cu_seqlens)
-    return loss.detach(), lp.detach(), ent.detach(), clip_fraction, kl_agg, h.grad, w.grad
+    out = (loss.detach(), lp.detach(), ent.detach(), clip_fraction, kl_agg, h.grad, w.grad)
+    return out + (aggregate64(f.detach().abs(), valid, loss_agg, cu_seqlens),) if with_scale else out
 
 
 def policy_inputs(lead, h, v, dtype=torch.float32, *, ignored=0.25, logit_std=4.0, old_noise=0.4, device="cpu"):
