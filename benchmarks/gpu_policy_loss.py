@@ -39,7 +39,7 @@ import triton  # noqa: E402
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
 from logitless.losses import fused_policy_loss, policy_loss_reference  # noqa: E402
-from logitless.tools.common import GemmFloor, env_set, peak_extra_bytes, random_head, sample_labels  # noqa: E402
+from logitless.tools.common import GemmFloor, env_set, peak_extra_bytes, random_head, run_each, sample_labels  # noqa: E402
 from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -516,14 +516,11 @@ def main():
     if not ARGS.no_checks:
         small_checks()
         write()
-    for tag in [s for s in ARGS.shapes.split(",") if s]:
-        try:
-            shape_run(tag, tag in ARGS.variants.split(","))
-        except Exception:  # noqa: BLE001
-            RESULTS["shapes"].setdefault(tag, {})["error"] = traceback.format_exc()[-2000:]
-            log(traceback.format_exc())
+    def after():
         empty_cache()
         write()
+    run_each([s for s in ARGS.shapes.split(",") if s], lambda tag: shape_run(tag, tag in ARGS.variants.split(",")),
+             RESULTS["shapes"], after)
     if not ARGS.no_checks:
         full_width_checks()
     write()

@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-import traceback
 
 import torch
 
@@ -31,7 +30,7 @@ import triton  # noqa: E402
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
 from logitless.ops.triton import backward as tri_bwd  # noqa: E402
-from logitless.tools.common import GemmFloor, peak_extra_bytes, random_head, sample_labels, time_cuda  # noqa: E402
+from logitless.tools.common import GemmFloor, peak_extra_bytes, random_head, run_each, sample_labels, time_cuda  # noqa: E402
 
 SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072), "C": (1024, 4096, 151936)}
 GIB = 1 << 30
@@ -373,13 +372,8 @@ def main():
     if not ARGS.no_checks:
         small_checks()
         write()
-    for tag in [s for s in ARGS.shapes.split(",") if s]:
-        try:
-            shape_run(tag, tag in ARGS.sweep.split(","))
-        except Exception:  # noqa: BLE001
-            RESULTS["shapes"].setdefault(tag, {})["error"] = traceback.format_exc()[-2000:]
-            log(traceback.format_exc())
-        write()
+    run_each([s for s in ARGS.shapes.split(",") if s], lambda tag: shape_run(tag, tag in ARGS.sweep.split(",")),
+             RESULTS["shapes"], write)
     write()
     log("\nchecks ok:", all(c["ok"] for c in RESULTS["checks"]), len(RESULTS["checks"]))
     for row in RESULTS["sweep"]:

@@ -180,3 +180,18 @@ def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def run_each(tags: list[str], run: Callable[[str], object], results: dict,
+             after: Callable[[], object] = lambda: None) -> None:
+    """``run(tag)`` for each tag; one that raises leaves the tail of its traceback in
+    ``results.setdefault(tag, {})["error"]`` (and on stdout), and the next tag still runs; ``after()``
+    follows every tag (the GPU scripts save their results there)."""
+    import traceback
+    for tag in tags:
+        try:
+            run(tag)
+        except Exception:  # noqa: BLE001 - a shape that fails is a result too
+            results.setdefault(tag, {})["error"] = traceback.format_exc()[-2000:]
+            print(traceback.format_exc(), flush=True)
+        after()
