@@ -76,6 +76,9 @@ def test_mapped_loss_equals_trl(folder, tmp_path, seed, config):
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **CONFIGS[config])
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    # signed advantages whatever the rewards drew: a group whose completions all score the same has
+    # advantages 0 and a loss of 0, which would compare nothing
+    inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=gen)
     _perturb(trainer.model, gen)                   # ratios away from 1, some clipped
     model = trainer.model
 
@@ -104,6 +107,7 @@ def test_enable_fused_loss_trains_and_matches_trl(folder, tmp_path, seed):
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, beta=0.04, num_iterations=2,
                                     use_bias_correction_kl=False)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=gen)    # never all 0
     _perturb(trainer.model, gen)
     loss_trl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
     lt.enable(trainer, fused_loss=True)
