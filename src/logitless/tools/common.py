@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import time
+import traceback
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -187,7 +188,6 @@ def run_each(tags: list[str], run: Callable[[str], object], results: dict,
     """``run(tag)`` for each tag; one that raises leaves the tail of its traceback in
     ``results.setdefault(tag, {})["error"]`` (and on stdout), and the next tag still runs; ``after()``
     follows every tag (the GPU scripts save their results there)."""
-    import traceback
     for tag in tags:
         try:
             run(tag)
