@@ -94,9 +94,14 @@ def vocab_layout(weight: Tensor, tp_group) -> tuple[Optional["VocabParallel"], i
     return tp, tp.vocab_size
 
 
+def labels_out_of_range(labels: Tensor, valid: Tensor, vocab: int) -> Tensor:
+    """bool mask of the scored labels (``valid``) that lie outside [0, vocab)."""
+    return valid & ((labels < 0) | (labels >= vocab))
+
+
 def check_label_range(flat_labels: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> None:
     """ValueError when a label that is not ignore_index lies outside [0, vocab) (one host sync)."""
-    bad = valid & ((flat_labels < 0) | (flat_labels >= vocab))
+    bad = labels_out_of_range(flat_labels, valid, vocab)
     if flat_labels.numel() and bool(bad.any()):
         first = int(flat_labels[bad][0])
         raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")

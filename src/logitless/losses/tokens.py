@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import inv_temperature
+from ..api import check_label_range, inv_temperature, labels_out_of_range
 from .aggregate import check_agg_layout, check_cu_seqlens, cu_seqlens_error, token_weights
 from .policy import PolicyLoss
 from .terms import TokenInputs
@@ -83,8 +83,7 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     flat_inputs = {name: rows_order(t) for name, t in named}
 
     # the call's checks and the scored-token count, fetched together
-    out_of_range = flat_valid & ((flat_labels < 0) | (flat_labels >= vocab))
-    flags = [flat_valid.sum(), out_of_range.sum(),
+    flags = [flat_valid.sum(), labels_out_of_range(flat_labels, flat_valid, vocab).sum(),
              (~(torch.isfinite(inv_t) & (inv_t > 0))).sum() if temp_is_tensor else None,
              None if cu_ok is None else (~cu_ok).long()]
     if flat_inputs:   # [k, total]: one finiteness test for all the per-token inputs
@@ -98,10 +97,9 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     if bad_cu:
         raise cu_seqlens_error(cu, labels.numel())
     if bad_temp:
-        raise ValueError("temperature must be finite and > 0 everywhere (and 1 / temperature finite)")
+        raise ValueError("temperature must be finite and > 0 everywhere")   # as fused_logprobs says it
     if bad_label:
-        first = int(flat_labels[out_of_range][0])
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
+        check_label_range(flat_labels, flat_valid, vocab, ignore_index)
     bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]
     if bad:
         raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index)")

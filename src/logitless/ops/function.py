@@ -85,10 +85,10 @@ def _layout(tp_group: Optional[str], weight: Tensor, reduce: bool) -> Optional["
 def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int) -> bool:
     """Raise ValueError for a label outside [0, vocab) that is not ignore_index, or a temperature that is
     not finite and > 0; return whether every row is kept. One host synchronisation for all three."""
-    from ..api import check_label_range
+    from ..api import check_label_range, labels_out_of_range
     if labels.numel() == 0:
         return True
-    bad_label = (valid & ((labels < 0) | (labels >= vocab))).any()
+    bad_label = labels_out_of_range(labels, valid, vocab).any()
     bad_temp = ~(torch.isfinite(inv_temp) & (inv_temp > 0)).all()   # 1 / T: T finite and > 0
     bad_label, bad_temp, every = torch.stack([bad_label, bad_temp, valid.all()]).tolist()
     if bad_label:
