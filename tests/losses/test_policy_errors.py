@@ -61,6 +61,16 @@ CASES = [
     ("weight dtype", dict(weight=torch.randn(V, H, dtype=torch.float64)), TypeError, "weight"),
     ("temperature", dict(temperature=-1.0), ValueError, "temperature"),
     ("temperature [b] ambiguous", dict(temperature=torch.ones(B)), ValueError, "temperature"),
+    ("temperature tensor with a 0", dict(temperature=nan_at_scored(torch.ones(B, S)).nan_to_num(0.0)), ValueError,
+     "temperature must be finite and > 0"),
+    ("temperature tensor NaN", dict(temperature=nan_at_scored(torch.ones(B, S))), ValueError,
+     "temperature must be finite and > 0"),
+    ("temperature tensor negative", dict(temperature=-torch.ones(B, 1)), ValueError,
+     "temperature must be finite and > 0"),
+    ("ref_logprobs NaN at a scored token", dict(ref_logprobs=nan_at_scored(torch.randn(B, S))), ValueError,
+     "ref_logprobs must be finite"),
+    ("labels negative, not ignore_index", dict(labels=torch.full((B, S), -2)), ValueError,
+     r"labels must lie in \[0, 37\) or equal ignore_index=-100; got -2"),
     ("ignore_index float", dict(ignore_index=-100.0), TypeError, "ignore_index"),
     ("backend unknown", dict(backend="cuda"), ValueError, "backend"),
     ("reduce_grad_hidden int", dict(reduce_grad_hidden=1), TypeError, "reduce_grad_hidden"),
@@ -93,3 +103,19 @@ def test_policy_loss_needs_a_policy_loss():
     hidden, weight, labels, _, _ = inputs()
     with pytest.raises(TypeError, match="PolicyLoss"):
         policy_loss({"advantages": torch.ones(1)}, hidden, weight, labels)
+
+
+@pytest.mark.parametrize("fn", [fused_policy_loss, policy_loss_reference], ids=["fused", "reference"])
+def test_every_non_finite_input_is_named_and_padding_may_hold_nan(fn):
+    """The call's checks come back together: all the inputs that are not finite at a scored token are
+    named in one error; NaN where the label is ignore_index is accepted."""
+    hidden, weight, labels, adv, old = inputs()
+    bad = dict(advantages=nan_at_scored(adv), old_logprobs=old, ref_logprobs=nan_at_scored(torch.randn(B, S)))
+    with pytest.raises(ValueError, match="advantages, ref_logprobs must be finite at every scored token"):
+        fn(hidden, weight, labels, backend="chunked", **bad)
+    padded = [t.clone() for t in (adv, old)]
+    for t in padded:
+        t[0, 0] = math.nan                               # labels[0, 0] is ignore_index
+    out = fn(hidden, weight, labels, padded[0], padded[1], ref_logprobs=torch.randn(B, S), kl_coef=0.1,
+             backend="chunked")
+    assert torch.isfinite(out.loss) and out.logprobs[0, 0] == 0
