@@ -222,8 +222,8 @@ def planned_split(n, v, h):
 def stage_times(inputs, res):
     """One chunk's stages alone: statistics GEMM with and without the e store, e -> dlogits, the two cuBLAS
     products. Their sum times the chunk count is what the pass costs besides the small combine."""
+    from logitless.ops.triton.combine import combine_tiles
     from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.forward_stats import combine_tiles
     from logitless.ops.triton.policy_backend import chunk_rows, row_stride
     from logitless.ops.triton.policy_dlogits import dlogits_in_place
     from logitless.ops.triton.policy_stats import chunk_stats
@@ -242,7 +242,7 @@ def stage_times(inputs, res):
     e = ws.view(c, stride)[:, :v]
     dl = ws.view(torch.bfloat16).view(c, stride)[:, :v]
     chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
-    lse, ent = combine_tiles(pm.clone(), ps.clone(), pt.clone())
+    lse, ent = combine_tiles(pm, ps, pt)
     g = torch.randn(c, device=DEV) * 1e-4
     dh = torch.empty(c, k, dtype=hidden.dtype, device=DEV)
     dw = torch.empty_like(weight)
@@ -301,8 +301,8 @@ def sweep(inputs, res):
     """Stage variants on one chunk (statistics-kernel tiles, e -> dlogits block), and a profile of one
     fused forward+backward (GPU kernel time by kernel, against the wall clock)."""
     from logitless.ops.triton import policy_dlogits
+    from logitless.ops.triton.combine import combine_tiles
     from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.forward_stats import combine_tiles
     from logitless.ops.triton.policy_backend import row_stride
     from logitless.ops.triton.policy_stats import chunk_stats
     hidden, weight, labels = inputs[:3]
@@ -334,7 +334,7 @@ def sweep(inputs, res):
     pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
     zy = torch.zeros(c, device=DEV)
     chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
-    lse, ent = combine_tiles(pm.clone(), ps.clone(), pt.clone())
+    lse, ent = combine_tiles(pm, ps, pt)
     g = torch.randn(c, device=DEV) * 1e-4
     saved = policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS
     for block, warps in DLOGITS_BLOCKS:

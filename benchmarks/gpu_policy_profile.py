@@ -121,8 +121,8 @@ def chunk_tiles(inputs, configs, rows):
     its lse / entropy / label logits against the default kernel's (max abs difference)."""
     import triton
 
+    from logitless.ops.triton.combine import combine_tiles
     from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.forward_stats import combine_tiles
     from logitless.ops.triton.policy_backend import row_stride
     from logitless.ops.triton.policy_stats import chunk_stats
     hidden, weight, labels = inputs[:3]
@@ -143,7 +143,7 @@ def chunk_tiles(inputs, configs, rows):
                 t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
                 bufs = [torch.empty(t, rows, device="cuda") for _ in range(3)] + [torch.zeros(rows, device="cuda"), e]
                 chunk_stats(h, weight, lab, it, *bufs)
-                lse, ent = combine_tiles(bufs[0].clone(), bufs[1].clone(), bufs[2].clone())
+                lse, ent = combine_tiles(bufs[0], bufs[1], bufs[2])
                 got = (lse, ent, bufs[3].clone())
                 truth = truth or got
                 row["max_diff_lse_ent_zy"] = [float((a - b).abs().max()) for a, b in zip(got, truth, strict=True)]

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import checks
 from ..api import check_head, fused_logprobs, record_backend, vocab_layout
-from ..ops.policy import policy_pass_for
+from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.registry import choose_backend
 from .function import FusedPolicyLossFunction, PassOptions
 from .policy import PolicyLoss
@@ -79,7 +79,7 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
                           mod.name, labels, seq_first)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     grad = torch.is_grad_enabled()
-    options = PassOptions(policy_pass=policy_pass_for(mod.name), tp=tp,
+    options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name), tp=tp,
                           need_dh=grad and hidden.requires_grad, need_dw=grad and weight.requires_grad)
     loss, lp, ent, clipped, kl = FusedPolicyLossFunction.apply(h2, weight, tokens, spec, options)
     record_backend(mod.name)

@@ -11,6 +11,7 @@ its own buffers and autograd adds them into ``.grad``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PassOptions:
-    """How the pass runs: the backend's ``policy_pass``, the vocab-parallel layout (None: whole
-    vocabulary here), and which gradients to form (decided by the caller from requires_grad and the grad
-    mode: inside a Function's forward both are hidden)."""
+    """How the pass runs: the backend's ``policy_pass`` and its kernel for the per-token terms (None: torch
+    autograd over ``terms.py``), the vocab-parallel layout (None: whole vocabulary here), and which
+    gradients to form (decided by the caller from requires_grad and the grad mode: inside a Function's
+    forward both are hidden)."""
     policy_pass: Callable
+    terms: Optional[ModuleType]
     tp: Optional["VocabParallel"]
     need_dh: bool
     need_dw: bool
@@ -39,11 +42,16 @@ class _Chunks:
     """The ``combine`` callback of the pass: per chunk, the global statistics, the log-probs and the loss
     gradients of its tokens; it keeps the per-token outputs and the running sums."""
 
-    def __init__(self, tokens: ScoredTokens, spec: TermSpec, tp, device):
-        self.tokens, self.spec, self.tp = tokens, spec, tp
+    def __init__(self, tokens: ScoredTokens, spec: TermSpec, options: PassOptions, device):
+        self.tokens, self.spec, self.tp, self.terms = tokens, spec, options.tp, options.terms
         # the chunks cover all n rows and each writes its own: no fill
         self.lp, self.ent = torch.empty((2, tokens.count), dtype=torch.float32, device=device)
         self.totals = TermTotals.zeros(device, with_kl=spec.has_ref)
+        if self.terms is not None:
+            self.settings = self.terms.TermSettings.make(
+                device, has_old=spec.has_old, has_ref=spec.has_ref, clip_low=spec.clip_low,
+                clip_high=spec.clip_high, dual_clip=spec.dual_clip, kl_coef=spec.kl_coef, kl_type=spec.kl_type,
+                entropy_coef=spec.entropy_coef)
 
     def __call__(self, start: int, stop: int, lse: Tensor, ent: Tensor, zy: Tensor):
         if self.tp is not None:
@@ -51,7 +59,13 @@ class _Chunks:
         lp = zy - lse
         self.lp[start:stop] = lp
         self.ent[start:stop] = ent
-        g_lp, g_ent = chunk_gradients(lp, ent, self.tokens.inputs.rows(start, stop), self.spec, self.totals)
+        inputs = self.tokens.inputs.rows(start, stop)
+        if self.terms is None:
+            g_lp, g_ent = chunk_gradients(lp, ent, inputs, self.spec, self.totals)
+        else:
+            g_lp, g_ent = self.terms.chunk_terms(
+                lp, ent, inputs.advantages, inputs.old_logprobs if self.spec.has_old else None,
+                inputs.ref_logprobs if self.spec.has_ref else None, inputs.weights, self.settings, self.totals.sums)
         return lse, ent, g_lp, g_ent
 
 
@@ -76,7 +90,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
             # under tensor parallelism d_hidden is a partial sum: keep it float32 until it is reduced
             dh = torch.empty((n, k), dtype=torch.float32 if tp is not None else hidden.dtype, device=dev)
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if options.need_dw else None
-        chunks = _Chunks(tokens, spec, tp, dev)
+        chunks = _Chunks(tokens, spec, options, dev)
         if n:
             plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
             options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab)

@@ -110,11 +110,12 @@ class TermTotals:
     loss: Tensor
     clipped: Tensor
     kl: Optional[Tensor]
+    sums: Tensor          # float64 [3]: the three above are its views (kl's slot stays 0 without it)
 
     @classmethod
     def zeros(cls, device, with_kl: bool) -> "TermTotals":
         z = torch.zeros(3, dtype=torch.float64, device=device)    # one fill: views summed into in place
-        return cls(z[0], z[1], z[2] if with_kl else None)
+        return cls(z[0], z[1], z[2] if with_kl else None, z)
 
 
 def weighted_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec):

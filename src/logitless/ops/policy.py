@@ -50,6 +50,16 @@ def policy_pass_for(backend_name: str):
     return policy_chunked.policy_pass_whole if backend_name == "reference" else policy_chunked.policy_pass
 
 
+def policy_terms_for(backend_name: str):
+    """The backend's own kernel for the per-token loss terms and their derivatives (a module with
+    ``TermSettings`` and ``chunk_terms``, held to ``losses/terms.py`` by the tests), or None: the fused pass
+    then takes the derivatives of ``losses/terms.py`` with torch.autograd."""
+    if backend_name == "triton":
+        from .triton import policy_terms
+        return policy_terms
+    return None
+
+
 def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out = a @ b, accumulated in float32 and rounded once to out.dtype (which may be float32 for
     half-precision a, b: the tensor-parallel d_hidden, reduced across ranks before its rounding)."""

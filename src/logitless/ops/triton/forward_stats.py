@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
+from .combine import combine_tiles
 from .common import choose_tiles, int32_safe, launch_options, tile_operands
 from .tile import logits_tile, softcap_tanh, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
@@ -89,27 +90,6 @@ def token_rows(hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
 def _tile_shape(hidden: Tensor) -> tuple[int, int]:
     tiles = choose_tiles("FWD", hidden.dtype, hidden.device)
     return tiles.block_m, tiles.block_n
-
-
-def combine_tiles(part_m: Tensor, part_s: Tensor, part_t: Optional[Tensor]):
-    """Global (lse, entropy) float32 [N] from the per-tile (m_i, s_i, t_i), relative to M = max_i m_i:
-    S = sum_i s_i e^(m_i - M), T = sum_j e^(z_j - M) (z_j - M) = sum_i e^(m_i - M) (t_i + (m_i - M) s_i),
-    lse = M + log S, entropy = log S - T / S (no large terms cancel, whatever the logits' magnitude).
-    Consumes the partial buffers: everything is computed in place in them, so the combine adds no
-    temporary of their size (only [N] vectors)."""
-    big = part_m.amax(dim=0)
-    shift = part_m.sub_(big)                       # m_i - M, in place
-    if part_t is not None:
-        part_t.addcmul_(shift, part_s)             # t_i + (m_i - M) s_i
-    w = shift.exp_()                               # e^(m_i - M): shift is no longer needed
-    total = part_s.mul_(w).sum(dim=0)
-    # S >= 1 exactly (the max tile's max term is e^0); its float32 sum can land an ulp under 1, which
-    # would put lse under the label's logit for a near-certain token: clamp
-    log_total = total.log().clamp_min(0.0)
-    ent = None
-    if part_t is not None:
-        ent = log_total - part_t.mul_(w).sum(dim=0) / total
-    return big + log_total, ent
 
 
 def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,

@@ -26,8 +26,8 @@ from torch import Tensor
 from ... import knobs
 from ..policy import Combine, accumulate_product, balanced_chunks, product_into
 from .backend import unavailable_reason  # noqa: F401  (the same rule as fused_logprobs' triton backend)
+from .combine import combine_tiles
 from .common import choose_tiles
-from .forward_stats import combine_tiles
 from .policy_dlogits import dlogits_in_place
 from .policy_stats import chunk_stats
 
@@ -93,8 +93,7 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab):
         zy = zy_buf[:c].zero_()
         e = None if ws is None else ws[:c * stride].view(c, stride)[:, :vocab]
         chunk_stats(h, weight, lab, it, part_m, part_s, part_t, zy, e)
-        # combine_tiles may consume its inputs in place; stage 3 still needs the tile maxima
-        lse, ent = combine_tiles(part_m.clone(), part_s, part_t)
+        lse, ent = combine_tiles(part_m, part_s, part_t)     # leaves part_m: stage 3 needs the tile maxima
         lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
         if not with_grad:
             continue

@@ -22,9 +22,10 @@ from torch import Tensor
 
 from .common import INTERPRETING, LN2, LOG2E, tl_dtype
 
-# [rows x columns] per program (the columns are one statistics tile: its m is one value per row), and warps.
-# H200 sweep (benchmarks/LAB-LOG.md, 2026-12-03): 8 x 256 with 4 warps moved 3.0 TB/s, 32 x 256 with 8 warps 2.2
+# rows x (TILES statistics tiles) per program, and warps. H200 sweep (benchmarks/LAB-LOG.md, 2026-12-03): 8 rows x
+# one 256-column tile with 4 warps moved 3.0 TB/s, 32 x 256 with 8 warps 2.2
 ROWS_PER_PROGRAM = 16 if INTERPRETING else 8
+TILES_PER_PROGRAM = 2 if INTERPRETING else 1
 WARPS = 4
 
 
@@ -32,37 +33,41 @@ WARPS = 4
 def _policy_dlogits_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, inv_temp_ptr,
                            labels_ptr, n_rows, n_cols, s_en, s_dn,
                            WITH_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)     # = the statistics tile: BLOCK_N is its width
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
-    ok = row_ok[:, None] & (cols < n_cols)[None, :]
-    m = tl.load(part_m_ptr + pid_n.to(tl.int64) * n_rows + rows, mask=row_ok, other=0.0)
+    rows64 = rows.to(tl.int64)
+    # the per-row factors, once for all of the program's tiles
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
-    rows64 = rows.to(tl.int64)
-    e = tl.load(e_ptr + rows64[:, None] * s_en + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    shift = m - lse                                  # <= 0: log of the tile's share of the mass
-    scale = -inv_t * tl.exp2(shift * LOG2E)         # -inv_t * exp(m - lse)
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     if WITH_ENTROPY:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-        a = scale * (g_lp + g_ent * (shift + ent))
-        b = scale * g_ent * LN2
-        # log2 of an underflowed e would be -inf and 0 * -inf NaN: floor e at 1e-30 inside the log (an e that
-        # small contributes at most 1e-30 * |b| * 100 either way)
-        dl = e * (a[:, None] + b[:, None] * tl.log2(tl.maximum(e, 1e-30)))
-    else:
-        dl = e * (scale * g_lp)[:, None]
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-    first = pid_n * BLOCK_N
-    here = row_ok & (label >= first) & (label < first + BLOCK_N)
-    if tl.max(here.to(tl.int32), axis=0) > 0:
-        dl += tl.where(cols[None, :] == label[:, None], (g_lp * inv_t)[:, None], 0.0)
-    tl.store(dl_ptr + rows64[:, None] * s_dn + cols[None, :], dl.to(OUT_DTYPE), mask=ok)
+    n_tiles = tl.cdiv(n_cols, BLOCK_N)
+    for j in range(TILES):
+        tile = tl.program_id(1) * TILES + j      # = the statistics tile: BLOCK_N is its width
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = row_ok[:, None] & (cols < n_cols)[None, :]
+        m = tl.load(part_m_ptr + tile.to(tl.int64) * n_rows + rows, mask=row_ok & (tile < n_tiles), other=0.0)
+        e = tl.load(e_ptr + rows64[:, None] * s_en + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        shift = m - lse                                  # <= 0: log of the tile's share of the mass
+        scale = -inv_t * tl.exp2(shift * LOG2E)         # -inv_t * exp(m - lse)
+        if WITH_ENTROPY:
+            a = scale * (g_lp + g_ent * (shift + ent))
+            b = scale * g_ent * LN2
+            # log2 of an underflowed e would be -inf and 0 * -inf NaN: floor e at 1e-30 inside the log (an e
+            # that small contributes at most 1e-30 * |b| * 100 either way)
+            dl = e * (a[:, None] + b[:, None] * tl.log2(tl.maximum(e, 1e-30)))
+        else:
+            dl = e * (scale * g_lp)[:, None]
+        first = tile * BLOCK_N
+        here = row_ok & (label >= first) & (label < first + BLOCK_N)
+        if tl.max(here.to(tl.int32), axis=0) > 0:
+            dl += tl.where(cols[None, :] == label[:, None], (g_lp * inv_t)[:, None], 0.0)
+        tl.store(dl_ptr + rows64[:, None] * s_dn + cols[None, :], dl.to(OUT_DTYPE), mask=ok)
 
 
 def dlogits_in_place(e: Tensor, dl: Tensor, part_m: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
@@ -71,10 +76,10 @@ def dlogits_in_place(e: Tensor, dl: Tensor, part_m: Tensor, lse: Tensor, ent: Te
     or float32; ``dl`` may be the same memory viewed in another dtype of the same size). part_m: float32
     [ceil(V / tile_cols), c] from stage 1, whose statistics tiles are ``tile_cols`` wide. Returns dl."""
     n, vocab = e.shape
-    grid = (triton.cdiv(n, ROWS_PER_PROGRAM), triton.cdiv(vocab, tile_cols))
+    grid = (triton.cdiv(n, ROWS_PER_PROGRAM), triton.cdiv(triton.cdiv(vocab, tile_cols), TILES_PER_PROGRAM))
     with_entropy = g_ent is not None
     _policy_dlogits_kernel[grid](
         e, dl, part_m, lse, ent, g_lp, g_ent if with_entropy else g_lp, inv_temp, labels, n, vocab,
         e.stride(0), dl.stride(0), WITH_ENTROPY=with_entropy, OUT_DTYPE=tl_dtype(dl.dtype),
-        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=tile_cols, num_warps=WARPS)
+        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=tile_cols, TILES=TILES_PER_PROGRAM, num_warps=WARPS)
     return dl

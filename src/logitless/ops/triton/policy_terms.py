@@ -1,0 +1,171 @@
+"""Policy loss, stage 2b: the per-token terms of one chunk and their derivatives, in one kernel.
+
+The same formulas as ``logitless/losses/terms.py`` (which defines them, and which the tests hold this kernel
+to: values, clip counts and gradients, every setting), with the derivatives written out instead of taken by
+torch.autograd: there, a chunk's float64 terms and their autograd backward were about 100 kernels of a few
+microseconds each, 0.3 ms per chunk on the H200 during which the GPU did nothing else.
+
+Per token, in float64, with d = lp - old (0 on-policy):
+    ratio = exp(clamp(d, -20, 20)),                   dratio = ratio where -20 <= d <= 20, else 0
+    pg1 = -A ratio,  pg2 = -A clamp(ratio, lo, hi),   clipped = pg2 > pg1
+    pg  = max(pg1, pg2)                                (a tie passes half the gradient each way, as torch does)
+    dual clip (A < 0): pg = min(pg, -A c)              (again half the gradient on a tie)
+    f   = pg + kl_coef kl - entropy_coef H,   g_lp = w df/dlp,   g_ent = -w entropy_coef
+and a clamp passes the gradient where its input lies inside its bounds, ends included (torch.clamp).
+Each program writes its block's sums (w f, clipped count, w kl) to one row of ``partial``; the caller adds
+the rows up in a fixed order (deterministic, no atomics).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import INTERPRETING
+
+BLOCK = 64 if INTERPRETING else 1024
+RATIO_LOG_CLAMP = tl.constexpr(20.0)
+K3_CLAMP = tl.constexpr(10.0)
+KL_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
+
+
+@triton.jit
+def _inside(x, lo, hi):
+    return (x >= lo) & (x <= hi)
+
+
+@triton.jit
+def _tie_split(a, b, da, db, TAKE_MAX: tl.constexpr):
+    """d max(a, b) (TAKE_MAX) or d min(a, b) from da, db: the winner's, or half of each on a tie."""
+    if TAKE_MAX:
+        a_wins = a > b
+        b_wins = b > a
+    else:
+        a_wins = a < b
+        b_wins = b < a
+    return tl.where(a_wins, da, tl.where(b_wins, db, 0.5 * da + 0.5 * db))
+
+
+@triton.jit
+def _kl(lp, ref, KL_TYPE: tl.constexpr, STRAIGHT: tl.constexpr):
+    """(kl, dkl/dlp) of the estimator KL_TYPE (0 k1, 1 abs, 2 k2, 3 k3); STRAIGHT: k2's gradient."""
+    x = lp - ref
+    if KL_TYPE == 0:
+        kl = x
+        dkl = tl.full(x.shape, 1.0, tl.float64)
+    elif KL_TYPE == 1:
+        kl = tl.abs(x)
+        dkl = tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0)).to(tl.float64)
+    elif KL_TYPE == 2:
+        kl = 0.5 * (x * x)
+        dkl = x
+    else:
+        r = tl.minimum(tl.maximum(ref - lp, -RATIO_LOG_CLAMP), RATIO_LOG_CLAMP)
+        er = tl.exp(r)
+        v = er - r - 1.0
+        kl = tl.minimum(tl.maximum(v, -K3_CLAMP), K3_CLAMP)
+        # d r / d lp = -1 inside r's clamp; outside it |r| = 20 puts v >= 19 beyond K3_CLAMP, whose own
+        # clamp then passes no gradient either
+        dkl = tl.where(_inside(v, -K3_CLAMP, K3_CLAMP), 1.0 - er, 0.0)
+    if STRAIGHT:
+        dkl = x
+    return kl, dkl
+
+
+@triton.jit
+def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, params_ptr, g_lp_ptr, g_ent_ptr, partial_ptr,
+                  n, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr, STRAIGHT: tl.constexpr,
+                  USE_KL: tl.constexpr, DUAL: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    lo = tl.load(params_ptr)                # float64 settings: 1 - clip_low, 1 + clip_high, dual_clip,
+    hi = tl.load(params_ptr + 1)            # kl_coef, entropy_coef (as the torch terms see them)
+    lp = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float64)
+    adv = tl.load(adv_ptr + offs, mask=ok, other=0.0)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    if HAS_OLD:
+        d = lp - tl.load(old_ptr + offs, mask=ok, other=0.0)
+        ratio = tl.exp(tl.minimum(tl.maximum(d, -RATIO_LOG_CLAMP), RATIO_LOG_CLAMP))
+        dratio = tl.where(_inside(d, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP), ratio, 0.0)
+    else:                                   # old = lp, detached: ratio 1, d ratio / d lp = 1
+        ratio = tl.full((BLOCK,), 1.0, tl.float64)
+        dratio = ratio
+    neg_adv = -adv
+    pg1 = neg_adv * ratio
+    pg2 = neg_adv * tl.minimum(tl.maximum(ratio, lo), hi)
+    dpg1 = neg_adv * dratio
+    dpg2 = neg_adv * tl.where(_inside(ratio, lo, hi), dratio, 0.0)
+    clipped = (pg2 > pg1) & ok
+    f = tl.maximum(pg1, pg2)
+    df = _tie_split(pg1, pg2, dpg1, dpg2, True)
+    if DUAL:
+        cap = neg_adv * tl.load(params_ptr + 2)
+        zero = tl.zeros_like(df)
+        f_dual = tl.minimum(f, cap)
+        df_dual = _tie_split(f, cap, df, zero, False)
+        f = tl.where(adv < 0, f_dual, f)
+        df = tl.where(adv < 0, df_dual, df)
+    kl_sum = 0.0
+    if HAS_REF:
+        kl, dkl = _kl(lp, tl.load(ref_ptr + offs, mask=ok, other=0.0), KL_TYPE, STRAIGHT)
+        if USE_KL:
+            kl_coef = tl.load(params_ptr + 3)
+            f = f + kl_coef * kl
+            df = df + kl_coef * dkl
+        kl_sum = tl.sum(tl.where(ok, w * kl, 0.0), axis=0)
+    if WITH_ENT:
+        ent_coef = tl.load(params_ptr + 4)
+        f = f - ent_coef * tl.load(ent_ptr + offs, mask=ok, other=0.0).to(tl.float64)
+        tl.store(g_ent_ptr + offs, (-(w * ent_coef)).to(tl.float32), mask=ok)
+    tl.store(g_lp_ptr + offs, (w * df).to(tl.float32), mask=ok)
+    row = partial_ptr + pid * 3
+    tl.store(row, tl.sum(tl.where(ok, w * f, 0.0), axis=0))
+    tl.store(row + 1, tl.sum(clipped.to(tl.float64), axis=0))
+    tl.store(row + 2, kl_sum)
+
+
+@dataclass(frozen=True)
+class TermSettings:
+    """The scalar settings of the terms, once per loss call: the float64 values on the device (read by the
+    kernel: no float32 rounding of 1 - clip_low and the rest) and the compile-time switches."""
+    params: Tensor
+    switches: dict
+
+    @classmethod
+    def make(cls, device, *, has_old: bool, has_ref: bool, clip_low: float, clip_high: float,
+             dual_clip: Optional[float], kl_coef: float, kl_type: str, entropy_coef: float) -> "TermSettings":
+        """kl_type: a canonical name of ``losses/terms.py`` (k1, abs, k2, k3, with or without "+")."""
+        values = [1.0 - clip_low, 1.0 + clip_high, dual_clip or 0.0, kl_coef, entropy_coef]
+        params = torch.tensor(values, dtype=torch.float64).to(device)
+        switches = dict(HAS_OLD=has_old, HAS_REF=has_ref, KL_TYPE=KL_CODES[kl_type.rstrip("+")],
+                        STRAIGHT=kl_type.endswith("+"), USE_KL=has_ref and kl_coef != 0.0,
+                        DUAL=dual_clip is not None, WITH_ENT=entropy_coef != 0.0)
+        return cls(params, switches)
+
+
+def chunk_terms(lp: Tensor, ent: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor],
+                ref_logprobs: Optional[Tensor], weights: Tensor, settings: TermSettings, sums: Tensor
+                ) -> tuple[Tensor, Optional[Tensor]]:
+    """(g_lp, g_ent or None) float32 [n] of the tokens' terms (lp, ent float32 [n]; the per-token inputs
+    float64 [n], old / ref None when not given), and adds (sum w f, clipped count, sum w kl) into ``sums``
+    (float64 [3], in place; kl 0 without ref)."""
+    n = lp.shape[0]
+    dev = lp.device
+    sw = settings.switches
+    g_lp = torch.empty(n, dtype=torch.float32, device=dev)
+    g_ent = torch.empty(n, dtype=torch.float32, device=dev) if sw["WITH_ENT"] else None
+    if n == 0:
+        return g_lp, g_ent
+    grid = triton.cdiv(n, BLOCK)
+    partial = torch.empty((grid, 3), dtype=torch.float64, device=dev)
+    _terms_kernel[(grid,)](
+        lp, ent, advantages, old_logprobs if sw["HAS_OLD"] else advantages,
+        ref_logprobs if sw["HAS_REF"] else advantages, weights, settings.params, g_lp,
+        g_ent if g_ent is not None else g_lp, partial, n, **sw, BLOCK=BLOCK, num_warps=4)
+    sums += partial.sum(dim=0)
+    return g_lp, g_ent

@@ -1,0 +1,175 @@
+"""The fused policy loss's small Triton kernels on their own, against their definitions, and the variants of its
+two big ones that benchmarks choose between (they must all write the same numbers).
+
+- combine_tiles (lse and entropy from per-tile statistics) against the float64 formula;
+- chunk_terms (the per-token terms and their derivatives, written out) against torch.autograd over
+  ``losses/terms.py``, for every setting, with ratio ties, active clamps and a binding dual clip;
+- the statistics kernel's three ways of storing e, and the dlogits kernel's tiles per program.
+
+Without a GPU these run in triton's interpreter (tests/conftest.py), on the GPU the compiled kernels.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+
+from logitless.losses.terms import TermSpec, TermTotals, TokenInputs, chunk_gradients
+from logitless.ops.triton import policy_dlogits, policy_stats, policy_terms
+from logitless.ops.triton.combine import TILE_ROWS, combine_tiles
+from logitless.ops.triton.common import INTERPRETING, choose_tiles
+from logitless.ops.triton.policy_backend import row_stride, workspace_dtype
+
+DEVICE = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
+
+
+def valid_partials(n_tiles, n, offset=0.0):
+    """Per-tile statistics as a statistics kernel writes them: any tile max m, s >= 1 (the max's own term),
+    t <= 0 (every z - m <= 0)."""
+    m = torch.randn(n_tiles, n, device=DEVICE) * 6 + offset
+    s = 1 + torch.rand(n_tiles, n, device=DEVICE) * 40
+    t = -torch.rand(n_tiles, n, device=DEVICE) * 30
+    return m, s, t
+
+
+@pytest.mark.parametrize("n_tiles, n", [(7, 37), (1, 5), (TILE_ROWS + 3, 70), (2 * TILE_ROWS, 1)])
+@pytest.mark.parametrize("offset", [0.0, 3e3])
+def test_combine_matches_float64(n_tiles, n, offset):
+    m, s, t = valid_partials(n_tiles, n, offset)
+    before = [x.clone() for x in (m, s, t)]
+    lse, ent = combine_tiles(m, s, t)
+    lse_only, none = combine_tiles(m, s, None)
+    assert none is None and torch.equal(lse_only, lse)
+    for x, y in zip((m, s, t), before, strict=True):
+        assert torch.equal(x, y)          # the inputs are only read
+    m64, s64, t64 = m.double(), s.double(), t.double()
+    big = m64.amax(0)
+    w = (m64 - big).exp()
+    total = (s64 * w).sum(0)
+    lse64 = big + total.log()
+    ent64 = total.log() - (w * (t64 + (m64 - big) * s64)).sum(0) / total
+    assert torch.isfinite(lse).all() and torch.isfinite(ent).all()   # every element written
+    assert (lse.double() - lse64).abs().max() <= 2e-7 * lse64.abs().max() + 1e-6
+    assert (ent.double() - ent64).abs().max() <= 1e-5 * ent64.abs().max()
+
+
+def term_inputs(n, has_old, has_ref):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lp = -torch.rand(n, generator=g) * 3
+    ent = torch.rand(n, generator=g) * 2
+    f64 = dict(dtype=torch.float64)
+    old = lp.double() + 0.4 * torch.randn(n, generator=g, **f64)
+    ref = lp.double() + 0.5 * torch.randn(n, generator=g, **f64)
+    adv = torch.randn(n, generator=g, **f64)
+    old[:5] = lp[:5].double()                  # ratio exactly 1: pg1 = pg2, the max's tie
+    old[5:8] = lp[5:8].double() - 25           # |lp - old| > 20: the ratio's clamp is active
+    old[8:11] = lp[8:11].double() + 1.5        # ratio e^-1.5 < 1 - clip_low ...
+    adv[8:11] = -adv[8:11].abs()               # ... with A < 0: clipped; e^1.5 > dual clip below
+    old[11:14] = lp[11:14].double() - 1.5
+    adv[11:14] = -adv[11:14].abs()
+    ref[14:16] = lp[14:16].double() + 30       # k3's clamps active
+    ref[16:18] = lp[16:18].double()            # k1 / abs at 0
+    w = torch.rand(n, generator=g, **f64)
+    inputs = TokenInputs(adv, old if has_old else None, ref if has_ref else None, w)
+    return [x.to(DEVICE) for x in (lp, ent)], TokenInputs(*(None if x is None else x.to(DEVICE) for x in (
+        inputs.advantages, inputs.old_logprobs, inputs.ref_logprobs, inputs.weights)))
+
+
+SETTINGS = [(has_old, has_ref, kl, dual, kc, ec)
+            for has_old, has_ref, kl, dual, kc, ec in itertools.product(
+                [True, False], [True, False], ["k1", "abs", "k2", "k3", "k1+", "k3+"], [None, 3.0], [0.0, 0.3],
+                [0.0, 0.05])
+            if has_ref or (kl == "k3" and kc == 0.0)]
+
+
+@pytest.mark.parametrize("has_old, has_ref, kl_type, dual_clip, kl_coef, entropy_coef", SETTINGS)
+def test_terms_kernel_matches_autograd(has_old, has_ref, kl_type, dual_clip, kl_coef, entropy_coef):
+    n = 150 if INTERPRETING else 3000     # several programs either way
+    (lp, ent), inputs = term_inputs(n, has_old, has_ref)
+    spec = TermSpec(0.2, 0.28, dual_clip, kl_coef, kl_type, entropy_coef, has_old, has_ref)
+    want = TermTotals.zeros(DEVICE, has_ref)
+    g_lp, g_ent = chunk_gradients(lp, ent, inputs, spec, want)
+    settings = policy_terms.TermSettings.make(
+        DEVICE, has_old=has_old, has_ref=has_ref, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip,
+        kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef)
+    got = TermTotals.zeros(DEVICE, has_ref)
+    got.sums += 1.0           # the kernel adds to the running sums
+    k_lp, k_ent = policy_terms.chunk_terms(lp, ent, inputs.advantages, inputs.old_logprobs, inputs.ref_logprobs,
+                                           inputs.weights, settings, got.sums)
+    assert (k_lp - g_lp).abs().max() <= 1e-6 * g_lp.abs().max()
+    assert (g_ent is None) == (k_ent is None)
+    if g_ent is not None:
+        assert torch.equal(k_ent, g_ent)
+    sums = got.sums - 1.0
+    assert (sums - want.sums).abs().max() <= 1e-12 * want.sums.abs().max()
+    assert sums[1] == want.clipped
+    assert (want.clipped > 0) == has_old      # on-policy: ratio 1, never clipped
+
+
+def test_terms_kernel_no_tokens():
+    settings = policy_terms.TermSettings.make(DEVICE, has_old=True, has_ref=False, clip_low=0.2, clip_high=0.2,
+                                              dual_clip=None, kl_coef=0.0, kl_type="k3", entropy_coef=0.1)
+    sums = torch.zeros(3, dtype=torch.float64, device=DEVICE)
+    empty = torch.empty(0, device=DEVICE)
+    e64 = empty.double()
+    g_lp, g_ent = policy_terms.chunk_terms(empty, empty, e64, e64, None, e64, settings, sums)
+    assert g_lp.shape == g_ent.shape == (0,) and not sums.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_e_store_variants_write_the_same(dtype, monkeypatch):
+    c, h, v = 37, 96, 4099
+    hidden = torch.randn(c, h, device=DEVICE).to(dtype)
+    weight = (torch.randn(v, h, device=DEVICE) * 0.3).to(dtype)
+    labels = torch.randint(0, v, (c,), device=DEVICE)
+    inv_t = torch.rand(c, device=DEVICE) + 0.5
+    n_tiles = triton.cdiv(v, choose_tiles("POLICY", dtype, hidden.device).block_n)
+    stride = row_stride(v)
+    results = []
+    for mode in (0, 1, 2):
+        monkeypatch.setattr(policy_stats, "E_STORE", mode)
+        ws = torch.full((c, stride), float("nan"), dtype=workspace_dtype(dtype), device=DEVICE)
+        parts = [torch.full((n_tiles, c), float("nan"), device=DEVICE) for _ in range(3)]
+        zy = torch.zeros(c, device=DEVICE)
+        policy_stats.chunk_stats(hidden, weight, labels, inv_t, *parts, zy, ws[:, :v])
+        assert not ws[:, :v].isnan().any()             # every element of e written ...
+        assert ws[:, v:].isnan().all()                 # ... and nothing past the vocabulary
+        results.append((ws, *parts, zy))
+    for other in results[1:]:
+        for x, y in zip(results[0], other, strict=True):
+            assert torch.equal(x.nan_to_num(), y.nan_to_num())
+
+
+@pytest.mark.parametrize("tiles_per_program", [1, 2, 3])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_dlogits_tiles_per_program_agree(tiles_per_program, with_entropy, monkeypatch):
+    c, v = 19, 1031
+    tile_cols = 64
+    n_tiles = triton.cdiv(v, tile_cols)
+    e = torch.rand(c, v, device=DEVICE) * 0.99 + 0.01
+    part_m = torch.randn(n_tiles, c, device=DEVICE)
+    lse = part_m.amax(0) + 3
+    ent, g_lp, g_ent = (torch.randn(c, device=DEVICE) for _ in range(3))
+    inv_t = torch.rand(c, device=DEVICE) + 0.5
+    labels = torch.randint(0, v, (c,), device=DEVICE)
+    labels[3] = -1
+    args = (part_m, lse, ent, g_lp, g_ent if with_entropy else None, inv_t, labels, tile_cols)
+    want = policy_dlogits.dlogits_in_place(e, torch.full_like(e, float("nan")), *args)
+    monkeypatch.setattr(policy_dlogits, "TILES_PER_PROGRAM", tiles_per_program)
+    got = policy_dlogits.dlogits_in_place(e, torch.full_like(e, float("nan")), *args)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+    # against the formula of ops/policy.py, in float64
+    m = part_m.double().t().repeat_interleave(tile_cols, dim=1)[:, :v]
+    x = e.double().log() + m - lse.double()[:, None]
+    p = x.exp()
+    onehot = torch.zeros_like(p)
+    rows = labels >= 0
+    onehot[rows.nonzero()[:, 0], labels[rows]] = 1.0
+    grad = g_lp.double()[:, None] * (onehot - p)
+    if with_entropy:
+        grad -= g_ent.double()[:, None] * p * (x + ent.double()[:, None])
+    grad *= inv_t.double()[:, None]
+    assert (got.double() - grad).abs().max() <= 1e-5 * grad.abs().max()
