@@ -13,14 +13,15 @@
    + autograd); peak memory beyond the gradient buffers and its split; the fused loss against the reference
    path (loss, log-probs, gradients) and its log-probs / entropies of 256 tokens against float64; one
    chunk's stages timed alone.
-3. --variants: d_weight in float32, workspace 1 / 0.5 GiB, statistics-kernel tiles with 16 token blocks per
-   group. --sweep: statistics-kernel tiles and e -> dlogits blocks on one chunk, and a profile of one step.
+3. --variants: whole steps alternating with the default: the former dlogits block (8 rows x 1 tile) and the
+   sweep's fastest. --sweep: dlogits blocks on one chunk, and a profile of one step.
 Writes DIR/gpu_policy_loss.json and prints a short table last. --dry-run runs every step on tiny shapes on
 the CPU (triton's interpreter, wall-clock timing, no memory figures): a check of the script, not a measurement.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -285,6 +286,17 @@ def stage_times(inputs, res):
         chunk_gradients(lp_c, ent_c, tokens.inputs.rows(0, c), policy.term_spec(), totals)
     out["host_chunk_gradients_ms"] = (time.perf_counter() - t0) / 5 * 1e3
     sync()
+    # GPU time of stage 2 per chunk: the tile combine, the terms by autograd (CPU backends) and by the kernel
+    from logitless.ops.triton import policy_terms
+    spec = policy.term_spec()
+    settings = policy_terms.TermSettings.make(
+        DEV, has_old=spec.has_old, has_ref=spec.has_ref, clip_low=spec.clip_low, clip_high=spec.clip_high,
+        dual_clip=spec.dual_clip, kl_coef=spec.kl_coef, kl_type=spec.kl_type, entropy_coef=spec.entropy_coef)
+    ti = tokens.inputs.rows(0, c)
+    out["combine_ms"] = time_cuda(lambda: combine_tiles(pm, ps, pt), reps=5)[0]
+    out["terms_autograd_ms"] = time_cuda(lambda: chunk_gradients(lp_c, ent_c, ti, spec, totals), reps=5)[0]
+    out["terms_kernel_ms"] = time_cuda(lambda: policy_terms.chunk_terms(
+        lp_c, ent_c, ti.advantages, ti.old_logprobs, ti.ref_logprobs, ti.weights, settings, totals.sums), reps=5)[0]
     gemm_chunk = res["gemm1_ms"] * c / n
     out["gemm1_chunk_ms"] = gemm_chunk
     out["bytes_per_dlogits_gbps"] = c * v * 4 / (out["dlogits_ms"] * 1e-3) / 1e9
@@ -292,9 +304,25 @@ def stage_times(inputs, res):
     log("stages", out)
 
 
-STATS_TILES = [(128, 256, 64, 16, 8, 4), (128, 256, 64, 8, 8, 4), (128, 256, 64, 32, 8, 4), (128, 256, 64, 16, 8, 3),
-               (128, 256, 64, 32, 8, 3), (256, 128, 64, 16, 8, 3)]
-DLOGITS_BLOCKS = [(32, 8), (16, 4), (64, 8), (8, 4), (64, 4)]
+DLOGITS_BLOCKS = [(8, 4, 1), (8, 4, 2), (8, 4, 4), (16, 4, 1), (16, 4, 2), (4, 4, 4), (8, 2, 2), (16, 8, 2),
+                  (32, 8, 1), (4, 2, 2)]     # rows per program, warps, statistics tiles per program
+
+
+@contextlib.contextmanager
+def attrs_set(module, **values):
+    """Module constants (a kernel's launch shape) set for the block, restored after."""
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+def dlogits_attrs(block):
+    return dict(ROWS_PER_PROGRAM=block[0], WARPS=block[1], TILES_PER_PROGRAM=block[2])
 
 
 def sweep(inputs, res):
@@ -314,21 +342,6 @@ def sweep(inputs, res):
     ws = torch.empty(c * stride, dtype=torch.float16, device=DEV)
     e = ws.view(c, stride)[:, :v]
     rows = []
-    for cfg in STATS_TILES:
-        row = {"stage": "stats", "tiles": cfg}
-        try:
-            with env_set(LOGITLESS_TRITON_POLICY=",".join(map(str, cfg))):
-                # the tiles the kernel will use (the interpreter ignores the knob): size the statistics by them
-                t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
-                pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
-                zy = torch.zeros(c, device=DEV)
-                bufs = (pm, ps, pt, zy, e)
-                row["ms"] = time_cuda(lambda bufs=bufs: chunk_stats(h, weight, lab, it, *bufs), reps=7)[0]
-                row["x_gemm_share"] = row["ms"] / (res["gemm1_ms"] * c / hidden.shape[0])
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = repr(exc)[:300]
-        rows.append(row)
-        log("sweep", row)
     tile_cols = choose_tiles("POLICY", hidden.dtype, hidden.device).block_n
     t = triton.cdiv(v, tile_cols)
     pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
@@ -336,20 +349,18 @@ def sweep(inputs, res):
     chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
     lse, ent = combine_tiles(pm, ps, pt)
     g = torch.randn(c, device=DEV) * 1e-4
-    saved = policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS
-    for block, warps in DLOGITS_BLOCKS:
-        policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS = block, warps
-        row = {"stage": "dlogits", "rows": block, "warps": warps}
+    for block in DLOGITS_BLOCKS:
+        row = {"stage": "dlogits", "block": block}
         try:
             chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
             args = (e, e, pm, lse, ent, g, g, it, lab, tile_cols)
-            row["ms"] = time_cuda(lambda args=args: policy_dlogits.dlogits_in_place(*args), reps=7)[0]
+            with attrs_set(policy_dlogits, **dlogits_attrs(block)):
+                row["ms"] = time_cuda(lambda args=args: policy_dlogits.dlogits_in_place(*args), reps=7)[0]
             row["gbps"] = c * v * 4 / (row["ms"] * 1e-3) / 1e9
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:300]
         rows.append(row)
         log("sweep", row)
-    policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS = saved
     res["sweep"] = rows
     ws = e = None
     empty_cache()
@@ -444,13 +455,17 @@ def shape_run(tag, variants):
             log(res["sweep_error"])
         write()
     if variants:
-        for name, values in (("dw_fp32", {"LOGITLESS_POLICY_DW_FP32": 1}),
-                             ("ws_1GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB}),
-                             ("ws_0.5GiB", {"LOGITLESS_POLICY_WORKSPACE_BYTES": GIB // 2}),
-                             ("stats_256x128", {"LOGITLESS_TRITON_POLICY": "256,128,64,16,8,3"})):
-            with env_set(**values):
-                timed(f"variant_{name}_ms", fused, reps=5)
-                res[f"variant_{name}_extra_gib"] = peak_extra(fused, grad_bytes)[1]
+        from logitless.ops.triton import policy_dlogits
+        default = (policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS, policy_dlogits.TILES_PER_PROGRAM)
+        blocks = {best_dlogits(res), (8, 4, 1)} - {default}     # the sweep's best, the former default
+        for block in sorted(blocks):
+            name, module, values = "dlogits_" + "x".join(map(str, block)), policy_dlogits, dlogits_attrs(block)
+            try:
+                alternate(res, name, fused, lambda module=module, values=values: attrs_set(module, **values))
+            except Exception:  # noqa: BLE001
+                res[f"variant_{name}_error"] = traceback.format_exc()[-1500:]
+                log(res[f"variant_{name}_error"])
+            empty_cache()
         write()
     again = floors(inputs[0], inputs[1])
     res["gemm1_ms_before"], res["gemm4_ms_before"] = res["gemm1_ms"], res["gemm4_ms"]
@@ -459,6 +474,25 @@ def shape_run(tag, variants):
     res["gemm4_ms"] = (res["gemm4_ms_before"] + again["gemm4_ms"]) / 2
     log(tag, "floor after", again)
     write()
+
+
+def best_dlogits(res):
+    """The fastest dlogits block of the sweep (rows, warps, tiles per program); (8, 4, 1) without one."""
+    timed = [r for r in res.get("sweep", []) if r.get("stage") == "dlogits" and r.get("ms")]
+    return tuple(min(timed, key=lambda r: r["ms"])["block"]) if timed else (8, 4, 1)
+
+
+def alternate(res, name, step, setting, rounds=3, reps=3):
+    """Whole steps with a variant against the default, alternating in this process (the card's clock moves
+    1-2% within a run): the sums of each, and their ratio."""
+    base = var = 0.0
+    for _ in range(rounds):
+        base += time_cuda(step, reps=reps)[0]
+        with setting():
+            var += time_cuda(step, reps=reps)[0]
+    res[f"variant_{name}_ms"], res[f"variant_{name}_default_ms"] = var / rounds, base / rounds
+    res[f"variant_{name}_ratio"] = var / base
+    log(name, "%.2f ms vs default %.2f: ratio %.4f" % (var / rounds, base / rounds, var / base))
 
 
 def write():

@@ -1,5 +1,7 @@
-"""The per-token policy-loss term, written once in torch: both the fused pass and the reference path
-evaluate it, and the fused pass takes its derivatives from it with torch.autograd.
+"""The per-token policy-loss term, defined here in torch: the reference path evaluates it, and so does the
+fused pass on the CPU backends, taking its derivatives with torch.autograd. The triton backend evaluates the
+same formulas, derivatives written out, in one kernel per chunk (``ops/triton/policy_terms.py``), which the
+tests hold to this module for every setting.
 
 For one scored token with log-prob lp and entropy H of the current policy, advantage A, behaviour
 log-prob old and reference log-prob ref (verl's ``compute_policy_loss_vanilla`` and ``kl_penalty``):

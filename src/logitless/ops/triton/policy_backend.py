@@ -3,9 +3,9 @@
 Per chunk of c token rows (c from LOGITLESS_POLICY_WORKSPACE_BYTES, a multiple of the token tile):
 1. ``policy_stats``: one Triton GEMM pass over the vocabulary; its epilogue writes per-(token, tile)
    statistics, the label's logit, and e = exp(z - tile max) into the [c, V] workspace (never the logits);
-2. ``combine_tiles`` + the caller's ``combine``: lse, entropy, log-prob (exact float32, as fused_logprobs),
-   the per-token loss terms and their gradients (tensor parallelism: one all-gather of three floats per
-   token and rank here);
+2. ``combine_tiles`` (one kernel) + the caller's ``combine``: lse, entropy, log-prob (exact float32, as
+   fused_logprobs), the per-token loss terms and their gradients (one more kernel, ``policy_terms``; tensor
+   parallelism: one all-gather of three floats per token and rank here);
 3. ``policy_dlogits``: e -> dlogits in place (memory-bound, one read and one write per element);
 4. cuBLAS: dh[chunk] = dlogits @ weight, written once (a token's whole vocabulary is in its chunk), and
    dw += dlogits.T @ hidden[chunk], accumulated in the gradient buffer (beta = 1: one rounding to its

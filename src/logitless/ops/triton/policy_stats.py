@@ -13,42 +13,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import choose_tiles, launch_options, tile_operands, tl_dtype, tma_layout_ok
+from .common import choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
-
-# How e reaches its workspace: 0 pointer stores from the registers; 1 one bulk-copy (TMA) store of the tile;
-# 2 two of half a tile each (the bulk copies need the tensor-descriptor loads, i.e. Hopper or newer).
-E_STORE = 0
 
 
 @triton.jit
-def _stats_epilogue(acc, rows, cols, pid_m, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                    zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
-                    E_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr,
+                    e_ptr, n_rows, n_cols, s_en, STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
     store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, True)
     store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N)
     if STORE_E:
-        if E_TMA == 1:      # e_ptr: a descriptor of [BLOCK_M, BLOCK_N] blocks; out-of-range rows / columns dropped
-            e_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], e.to(E_DTYPE))
-        elif E_TMA == 2:    # two [BLOCK_M, BLOCK_N / 2] halves: half the staging buffer
-            halves = tl.permute(tl.reshape(e.to(E_DTYPE), (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            e0, e1 = tl.split(halves)
-            e_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], e0)
-            e_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], e1)
-        else:
-            ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
-            tl.store(ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
+        # bulk-copy (TMA) stores of e (whole or half tiles) measured no gain on the H200 (LAB-LOG 2026-12-03)
+        ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
+        tl.store(ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
 
 
 @triton.jit
 def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, e_ptr,
                          n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en,
-                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr, E_TMA: tl.constexpr,
+                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -57,8 +45,8 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
-    _stats_epilogue(acc, rows, cols, pid_m, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                    zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, E_TMA, BLOCK_M, BLOCK_N)
+    _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                    zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
 
 
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
@@ -72,14 +60,9 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     store = e is not None
-    e_op, e_tma = (e, 0) if store else (part_m, 0)
-    if store and E_STORE and use_tma and tma_layout_ok(e):
-        e_op = TensorDescriptor(e, list(e.shape), list(e.stride()),
-                                [tiles.block_m, tiles.block_n // E_STORE])
-        e_tma = E_STORE
     _policy_stats_kernel[grid](
-        h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e_op,
+        h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e if store else part_m,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         e.stride(0) if store else 0,
-        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, E_TMA=e_tma, USE_TMA=use_tma,
+        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, USE_TMA=use_tma,
         **launch_options(tiles, hidden, None))
