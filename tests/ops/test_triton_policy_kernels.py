@@ -135,7 +135,8 @@ def test_dlogits_tiles_per_program_agree(tiles_per_program, with_entropy, monkey
     monkeypatch.setattr(policy_dlogits, "TILES_PER_PROGRAM", tiles_per_program)
     got = policy_dlogits.dlogits_in_place(e, torch.full_like(e, float("nan")), *args)
     assert not got.isnan().any()
-    assert torch.equal(got, want)
+    # the same formula; compiled launch shapes may contract a multiply-add differently (1 ulp)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-30)
     # against the formula of ops/policy.py, in float64
     m = part_m.double().t().repeat_interleave(tile_cols, dim=1)[:, :v]
     x = e.double().log() + m - lse.double()[:, None]
