@@ -304,6 +304,10 @@ def stage_times(inputs, res):
     log("stages", out)
 
 
+# statistics kernel: (policy_stats.LOOP, LOGITLESS_TRITON_POLICY tiles); see policy_stats.LOOP
+STATS_LOOPS = [(0, "128,256,64,16,8,4"), (1, "128,256,64,16,8,3"), (2, "128,256,64,16,8,3"),
+               (2, "128,256,64,16,8,4"), (3, "128,256,64,16,8,3"), (2, "128,128,64,16,4,4"),
+               (2, "128,256,64,16,4,3")]
 DLOGITS_BLOCKS = [(8, 4, 1), (8, 4, 2), (8, 4, 4), (16, 4, 1), (16, 4, 2), (4, 4, 4), (8, 2, 2), (16, 8, 2),
                   (32, 8, 1), (4, 2, 2)]     # rows per program, warps, statistics tiles per program
 
@@ -346,6 +350,33 @@ def sweep(inputs, res):
     t = triton.cdiv(v, tile_cols)
     pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
     zy = torch.zeros(c, device=DEV)
+    from logitless.ops.triton import policy_stats
+    want = None
+    for loop, tiles in STATS_LOOPS:
+        row = {"stage": "stats", "loop": loop, "tiles": tiles}
+        try:
+            with attrs_set(policy_stats, LOOP=loop), env_set(LOGITLESS_TRITON_POLICY=tiles):
+                tc = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
+                bufs = [torch.full((tc, c), float("nan"), device=DEV) for _ in range(3)]
+                zyv = torch.zeros(c, device=DEV)
+                e.fill_(float("nan"))
+                chunk_stats(h, weight, lab, it, *bufs, zyv, e)
+                got = (bufs[0], bufs[1], bufs[2], zyv, e.float())
+                if want is None:
+                    want = tuple(x.clone() for x in got)
+                elif tc == want[0].shape[0]:
+                    row["max_diff"] = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+                else:
+                    row["max_diff_lse"] = (combine_tiles(*bufs)[0] - combine_tiles(*want[:3])[0]).abs().max().item()
+                row["nan"] = any(x.isnan().any().item() for x in got)
+                row["ms"] = time_cuda(lambda bufs=bufs, zyv=zyv: chunk_stats(h, weight, lab, it, *bufs, zyv, e),
+                                      reps=7)[0]
+                row["x_gemm_share"] = row["ms"] / (res["gemm1_ms"] * c / hidden.shape[0])
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        rows.append(row)
+        log("sweep", row)
+    want = None
     chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
     lse, ent = combine_tiles(pm, ps, pt)
     g = torch.randn(c, device=DEV) * 1e-4
@@ -458,10 +489,17 @@ def shape_run(tag, variants):
         from logitless.ops.triton import policy_dlogits
         default = (policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS, policy_dlogits.TILES_PER_PROGRAM)
         blocks = {best_dlogits(res), (8, 4, 1)} - {default}     # the sweep's best, the former default
-        for block in sorted(blocks):
-            name, module, values = "dlogits_" + "x".join(map(str, block)), policy_dlogits, dlogits_attrs(block)
+        settings = [("dlogits_" + "x".join(map(str, block)),
+                     lambda block=block: attrs_set(policy_dlogits, **dlogits_attrs(block))) for block in sorted(blocks)]
+        loop = best_stats_loop(res)
+        if loop is not None:
+            from logitless.ops.triton import policy_stats
+            settings.append((f"stats_loop{loop[0]}_{loop[1].replace(',', 'x')}",
+                             lambda loop=loop: stacked(attrs_set(policy_stats, LOOP=loop[0]),
+                                                       env_set(LOGITLESS_TRITON_POLICY=loop[1]))))
+        for name, setting in settings:
             try:
-                alternate(res, name, fused, lambda module=module, values=values: attrs_set(module, **values))
+                alternate(res, name, fused, setting)
             except Exception:  # noqa: BLE001
                 res[f"variant_{name}_error"] = traceback.format_exc()[-1500:]
                 log(res[f"variant_{name}_error"])
@@ -480,6 +518,21 @@ def best_dlogits(res):
     """The fastest dlogits block of the sweep (rows, warps, tiles per program); (8, 4, 1) without one."""
     timed = [r for r in res.get("sweep", []) if r.get("stage") == "dlogits" and r.get("ms")]
     return tuple(min(timed, key=lambda r: r["ms"])["block"]) if timed else (8, 4, 1)
+
+
+def best_stats_loop(res):
+    """The fastest statistics-kernel form of the sweep that is not the default and agrees with it, or None."""
+    ok = [r for r in res.get("sweep", []) if r.get("stage") == "stats" and r.get("ms") and not r.get("nan")
+          and r.get("loop") and max(r.get("max_diff", 0), r.get("max_diff_lse", 0)) < 1e-3]
+    return None if not ok else (lambda r: (r["loop"], r["tiles"]))(min(ok, key=lambda r: r["ms"]))
+
+
+@contextlib.contextmanager
+def stacked(*managers):
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
 
 
 def alternate(res, name, step, setting, rounds=3, reps=3):

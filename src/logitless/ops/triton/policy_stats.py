@@ -10,11 +10,14 @@ float32 inputs). The logits never reach HBM; e is all the gradient stage needs (
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import choose_tiles, launch_options, tile_operands, tl_dtype
+from .common import INTERPRETING, choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
 
@@ -34,19 +37,56 @@ def _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr
 
 
 @triton.jit
+def _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, e_ptr,
+                n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en,
+                STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
+    pid_m, pid_n = tile_coords(tile_id, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
+    _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                    zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
+
+
+@triton.jit
 def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, e_ptr,
                          n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en,
-                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
+                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr, LOOP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
                          SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     # SOFTCAP / CAP come with launch_options; the policy loss refuses a softcap before any launch.
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
-    _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                    zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
+    if LOOP == 0:       # one program per tile
+        _stats_tile(tl.program_id(0), h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                    zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
+    else:               # persistent programs (GPU only: the interpreter cannot loop to a run-time bound)
+        n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
+        if LOOP == 1:
+            for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+                _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                            zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
+        elif LOOP == 2:
+            for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), warp_specialize=True):
+                _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                            zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
+        else:
+            for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True,
+                                    warp_specialize=True):
+                _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                            zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
+
+
+# How the programs walk the tiles: 0 one program per tile; 1 persistent (one program per multiprocessor, the
+# loops flattened); 2 persistent with Triton's automatic warp specialization (producer, MMA and epilogue
+# partitions: the epilogue of one tile can overlap the next tile's main loop); 3 both. Benchmarking switch.
+LOOP = 0
 
 
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
@@ -57,12 +97,23 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     n, k = hidden.shape
     vocab = weight.shape[0]
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
-    grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
+    n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
+    loop = 0 if INTERPRETING or not use_tma else LOOP
+    grid = (n_tiles if loop == 0 else min(n_tiles, _multiprocessors(hidden.device)),)
     store = e is not None
     _policy_stats_kernel[grid](
         h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e if store else part_m,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         e.stride(0) if store else 0,
-        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, USE_TMA=use_tma,
+        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, LOOP=loop, USE_TMA=use_tma,
         **launch_options(tiles, hidden, None))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
