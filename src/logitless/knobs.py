@@ -83,3 +83,14 @@ def policy_dw_fp32() -> bool:
     float32 [V, H] buffer (one rounding at the end; 2 x the weight's size in extra memory for bf16) instead
     of in the gradient buffer itself (one rounding per chunk)."""
     return os.environ.get("LOGITLESS_POLICY_DW_FP32", "").strip().lower() in _TRUE
+
+
+def triton_policy_loop(default: int) -> int:
+    """LOGITLESS_TRITON_POLICY_LOOP: how the policy loss's statistics kernel walks its tiles (benchmarking):
+    0 one program per tile, 1 persistent, 2 persistent with automatic warp specialization, 3 both 1 and 2."""
+    raw = os.environ.get("LOGITLESS_TRITON_POLICY_LOOP", "").strip()
+    if not raw:
+        return default
+    if raw not in ("0", "1", "2", "3"):
+        raise ValueError(f"LOGITLESS_TRITON_POLICY_LOOP={raw!r} must be 0, 1, 2 or 3")
+    return int(raw)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ... import knobs
 from .common import INTERPRETING, choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
@@ -85,7 +86,8 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
 
 # How the programs walk the tiles: 0 one program per tile; 1 persistent (one program per multiprocessor, the
 # loops flattened); 2 persistent with Triton's automatic warp specialization (producer, MMA and epilogue
-# partitions: the epilogue of one tile can overlap the next tile's main loop); 3 both. Benchmarking switch.
+# partitions: the epilogue of one tile can overlap the next tile's main loop); 3 both.
+# LOGITLESS_TRITON_POLICY_LOOP overrides it (benchmarking).
 LOOP = 0
 
 
@@ -99,7 +101,7 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
     n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
-    loop = 0 if INTERPRETING or not use_tma else LOOP
+    loop = 0 if INTERPRETING or not use_tma else knobs.triton_policy_loop(LOOP)
     grid = (n_tiles if loop == 0 else min(n_tiles, _multiprocessors(hidden.device)),)
     store = e is not None
     _policy_stats_kernel[grid](
