@@ -86,11 +86,11 @@ def policy_dw_fp32() -> bool:
 
 
 def triton_policy_loop(default: int) -> int:
-    """LOGITLESS_TRITON_POLICY_LOOP: how the policy loss's statistics kernel walks its tiles (benchmarking):
-    0 one program per tile, 1 persistent, 2 persistent with automatic warp specialization, 3 both 1 and 2."""
+    """LOGITLESS_TRITON_POLICY_LOOP: how the policy loss's statistics kernel walks its tiles on Hopper with
+    half-precision inputs (benchmarking): 0 one program per tile, 1 persistent and warp-specialized."""
     raw = os.environ.get("LOGITLESS_TRITON_POLICY_LOOP", "").strip()
     if not raw:
         return default
-    if raw not in ("0", "1", "2", "3"):
-        raise ValueError(f"LOGITLESS_TRITON_POLICY_LOOP={raw!r} must be 0, 1, 2 or 3")
+    if raw not in ("0", "1"):
+        raise ValueError(f"LOGITLESS_TRITON_POLICY_LOOP={raw!r} must be 0 or 1")
     return int(raw)

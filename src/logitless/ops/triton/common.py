@@ -55,11 +55,11 @@ def _hopper_or_newer(device: torch.device) -> bool:
     """NVIDIA compute capability >= 9.0: the bulk copy engine, and 228 KiB of shared memory per SM."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
+def capability_major(index: int) -> int:
     # asked before every launch: a device's capability does not change, the query's host time adds up
     return torch.cuda.get_device_capability(index)[0]
 
@@ -74,9 +74,10 @@ FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
 # H200 sweep (benchmarks/DESIGN.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
 # 4 backward
 HOPPER_TILES = {"FWD": Tiles(128, 256, 64, 16, 8, 3), "BWD": Tiles(128, 256, 64, 16, 8, 4),
-                # the policy-loss statistics kernel stores a tile, like BWD. H200 (benchmarks/LAB-LOG.md, 2026-12-03):
-                # 32 token blocks per group measured 0.6% slower at A and 9% slower at B; 3 stages no better
-                "POLICY": Tiles(128, 256, 64, 16, 8, 4)}
+                # the policy-loss statistics kernel, persistent and warp-specialized on Hopper (policy_stats.LOOP):
+                # 3 stages 7.59 ms a chunk against 8.08 with 4 (H200, benchmarks/LAB-LOG.md, 2026-12-03, fourth
+                # session; one program per tile it was 4 stages, 3 no better there)
+                "POLICY": Tiles(128, 256, 64, 16, 8, 3)}
 
 
 def choose_tiles(stage: str, dtype: torch.dtype, device: torch.device) -> Tiles:

@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import INTERPRETING, choose_tiles, launch_options, tile_operands, tl_dtype
+from .common import INTERPRETING, capability_major, choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
 
@@ -64,31 +64,23 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
         _stats_tile(tl.program_id(0), h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
                     zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
                     BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
-    else:               # persistent programs (GPU only: the interpreter cannot loop to a run-time bound)
+    else:
+        # one program per multiprocessor walking the tiles, warp-specialized by the compiler (a producer
+        # partition issues the bulk copies, so the next tile's operands arrive during this tile's epilogue).
+        # GPU only: the interpreter cannot loop to a run-time bound; there LOOP is 0.
         n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
-        if LOOP == 1:
-            for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-                _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                            zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
-        elif LOOP == 2:
-            for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), warp_specialize=True):
-                _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                            zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
-        else:
-            for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True,
-                                    warp_specialize=True):
-                _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                            zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
+        for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), warp_specialize=True):
+            _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                        zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
+                        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
 
 
-# How the programs walk the tiles: 0 one program per tile; 1 persistent (one program per multiprocessor, the
-# loops flattened); 2 persistent with Triton's automatic warp specialization (producer, MMA and epilogue
-# partitions: the epilogue of one tile can overlap the next tile's main loop); 3 both.
-# LOGITLESS_TRITON_POLICY_LOOP overrides it (benchmarking).
-LOOP = 0
+# How the programs walk the tiles on a Hopper GPU with half-precision inputs: 0 one program per tile; 1 one
+# persistent program per multiprocessor with Triton's automatic warp specialization. H200, one 4096-token chunk
+# at V = 151936 (benchmarks/LAB-LOG.md, 2026-12-03, fourth session): 1 with 3 stages 7.59 ms (1.04x cuBLAS), 0 with
+# 4 stages 8.50 ms; persistent without warp specialization 9.03, with it and flattened loops 9.50.
+# LOGITLESS_TRITON_POLICY_LOOP overrides it (benchmarking). Elsewhere (interpreter, float32, other GPUs) 0.
+LOOP = 1
 
 
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
@@ -101,7 +93,9 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
     n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
-    loop = 0 if INTERPRETING or not use_tma else knobs.triton_policy_loop(LOOP)
+    warp_specialized = (not INTERPRETING and use_tma and hidden.dtype in (torch.bfloat16, torch.float16)
+                        and _capability_major(hidden.device) == 9)
+    loop = knobs.triton_policy_loop(LOOP) if warp_specialized else 0
     grid = (n_tiles if loop == 0 else min(n_tiles, _multiprocessors(hidden.device)),)
     store = e is not None
     _policy_stats_kernel[grid](
@@ -117,5 +111,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _multiprocessors(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
+
+
+def _capability_major(device: torch.device) -> int:
+    return capability_major(_index(device))
