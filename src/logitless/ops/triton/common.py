@@ -74,10 +74,10 @@ FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
 # H200 sweep (benchmarks/DESIGN.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
 # 4 backward
 HOPPER_TILES = {"FWD": Tiles(128, 256, 64, 16, 8, 3), "BWD": Tiles(128, 256, 64, 16, 8, 4),
-                # the policy-loss statistics kernel, persistent and warp-specialized on Hopper (policy_stats.LOOP):
-                # 3 stages 7.59 ms a chunk against 8.08 with 4 (H200, benchmarks/LAB-LOG.md, 2026-12-03, fourth
-                # session; one program per tile it was 4 stages, 3 no better there)
-                "POLICY": Tiles(128, 256, 64, 16, 8, 3)}
+                # the policy-loss statistics kernel stores a tile, like BWD. H200 (benchmarks/LAB-LOG.md, 2026-12-03):
+                # 32 token blocks per group measured 0.6% slower at A and 9% slower at B; 3 stages no better (the
+                # warp-specialized form, policy_stats.LOOP = 1, measured best with 3: LOGITLESS_TRITON_POLICY)
+                "POLICY": Tiles(128, 256, 64, 16, 8, 4)}
 
 
 def choose_tiles(stage: str, dtype: torch.dtype, device: torch.device) -> Tiles:
