@@ -11,10 +11,16 @@ import torch
 
 from logitless import last_backend
 from logitless.losses import LOSS_AGGS, PolicyLoss, fused_policy_loss, policy_loss, policy_loss_reference
+from logitless.ops.triton.common import INTERPRETING
 from policy64 import aggregate64, loss64, policy_inputs
 from reference64 import close_everywhere
 
-BACKENDS = ["chunked", "reference", "triton"]
+# These tests build CPU tensors, which the triton backend runs only through its interpreter (conftest sets
+# TRITON_INTERPRET=1 where there is no GPU; on a GPU machine run them with TRITON_INTERPRET=1). There the compiled
+# kernels are tested by tests/ops/test_triton_policy_kernels.py and benchmarks/gpu_policy_loss.py's checks.
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRETING, reason="CPU tensors: the triton backend needs its interpreter (TRITON_INTERPRET=1)"))
+BACKENDS = ["chunked", "reference", TRITON]
 V, H = 1031, 48           # prime vocabulary: a ragged last tile
 LEAD = (3, 7)
 # loss (times the aggregation's total weight), logprob and entropy max abs, gradient relative
@@ -120,7 +126,7 @@ def test_dual_clip_and_per_sequence_advantages(backend, small_chunks):
     assert abs(plain.item() - truth[0].item()) > 1e-3     # the dual clip changed the loss
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_packed_sequences(backend, loss_agg, small_chunks):
     """1-D packed labels with cu_seqlens, one packed sequence empty and one with no scored token."""
@@ -131,7 +137,7 @@ def test_packed_sequences(backend, loss_agg, small_chunks):
                   entropy_coef=0.02, clip_high=0.4)
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
 def test_bfloat16(backend, small_chunks):
     inputs = policy_inputs((4, 9), 64, V, dtype=torch.bfloat16, old_noise=0.5)
     run_and_check(backend, inputs, dtype=torch.bfloat16, loss_agg="seq-mean-token-mean", entropy_coef=0.05,
@@ -175,7 +181,7 @@ def test_no_scored_token(backend):
     assert empty.loss.item() == 0.0 and empty.logprobs.shape == (0, 7)
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
 def test_micro_batches_accumulate_and_upstream_scale(backend, small_chunks):
     """Two micro-batches into the same .grad, the second loss scaled by 2.5: the float64 sum of both."""
     first, second = policy_inputs(LEAD, H, V), policy_inputs(LEAD, H, V)
@@ -193,7 +199,7 @@ def test_micro_batches_accumulate_and_upstream_scale(backend, small_chunks):
     close_everywhere(h2.grad[valid], 2.5 * t2[5][valid], 1e-4)
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
 def test_second_backward_is_refused(backend):
     hidden, weight, labels, adv, old, _ = policy_inputs(LEAD, H, 131)
     w = weight.clone().requires_grad_()
@@ -203,7 +209,7 @@ def test_second_backward_is_refused(backend):
         out.loss.backward()
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
 def test_fused_equals_reference_path(backend, small_chunks):
     """fused_policy_loss and policy_loss_reference (fused_logprobs + autograd, same backend) agree."""
     hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, dtype=torch.bfloat16, old_noise=0.5)
