@@ -85,7 +85,8 @@ def run_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, mete
     row.err_logprob = float((out.logprobs - ref.logprobs).abs().max())
     row.err_entropy = float((out.entropy - ref.entropy).abs().max())
     row.err_dh, row.err_dw = _rel(dh, rdh), _rel(dw, rdw)
-    loss_rel = abs(float(out.loss) - float(ref.loss)) / max(abs(float(ref.loss)), 1e-30)
+    loss, ref_loss = out.loss.item(), ref.loss.item()
+    loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     row.reason = f"PPO loss, rel err {loss_rel:.1e} vs policy_loss_reference"
     del out, dh, dw, ref, rdh, rdw
     with torch.no_grad():
