@@ -289,14 +289,12 @@ def stage_times(inputs, res):
     # GPU time of stage 2 per chunk: the tile combine, the terms by autograd (CPU backends) and by the kernel
     from logitless.ops.triton import policy_terms
     spec = policy.term_spec()
-    settings = policy_terms.TermSettings.make(
-        DEV, has_old=spec.has_old, has_ref=spec.has_ref, clip_low=spec.clip_low, clip_high=spec.clip_high,
-        dual_clip=spec.dual_clip, kl_coef=spec.kl_coef, kl_type=spec.kl_type, entropy_coef=spec.entropy_coef)
+    settings = policy_terms.TermSettings.make(spec, DEV)
     ti = tokens.inputs.rows(0, c)
     out["combine_ms"] = time_cuda(lambda: combine_tiles(pm, ps, pt), reps=5)[0]
     out["terms_autograd_ms"] = time_cuda(lambda: chunk_gradients(lp_c, ent_c, ti, spec, totals), reps=5)[0]
-    out["terms_kernel_ms"] = time_cuda(lambda: policy_terms.chunk_terms(
-        lp_c, ent_c, ti.advantages, ti.old_logprobs, ti.ref_logprobs, ti.weights, settings, totals.sums), reps=5)[0]
+    out["terms_kernel_ms"] = time_cuda(lambda: policy_terms.chunk_terms(lp_c, ent_c, ti, settings, totals.sums),
+                                       reps=5)[0]
     gemm_chunk = res["gemm1_ms"] * c / n
     out["gemm1_chunk_ms"] = gemm_chunk
     out["bytes_per_dlogits_gbps"] = c * v * 4 / (out["dlogits_ms"] * 1e-3) / 1e9

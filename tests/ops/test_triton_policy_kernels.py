@@ -90,13 +90,10 @@ def test_terms_kernel_matches_autograd(has_old, has_ref, kl_type, dual_clip, kl_
     spec = TermSpec(0.2, 0.28, dual_clip, kl_coef, kl_type, entropy_coef, has_old, has_ref)
     want = TermTotals.zeros(DEVICE, has_ref)
     g_lp, g_ent = chunk_gradients(lp, ent, inputs, spec, want)
-    settings = policy_terms.TermSettings.make(
-        DEVICE, has_old=has_old, has_ref=has_ref, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip,
-        kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef)
+    settings = policy_terms.TermSettings.make(spec, DEVICE)
     got = TermTotals.zeros(DEVICE, has_ref)
     got.sums += 1.0           # the kernel adds to the running sums
-    k_lp, k_ent = policy_terms.chunk_terms(lp, ent, inputs.advantages, inputs.old_logprobs, inputs.ref_logprobs,
-                                           inputs.weights, settings, got.sums)
+    k_lp, k_ent = policy_terms.chunk_terms(lp, ent, inputs, settings, got.sums)
     assert (k_lp - g_lp).abs().max() <= 1e-6 * g_lp.abs().max()
     assert (g_ent is None) == (k_ent is None)
     if g_ent is not None:
@@ -108,12 +105,12 @@ def test_terms_kernel_matches_autograd(has_old, has_ref, kl_type, dual_clip, kl_
 
 
 def test_terms_kernel_no_tokens():
-    settings = policy_terms.TermSettings.make(DEVICE, has_old=True, has_ref=False, clip_low=0.2, clip_high=0.2,
-                                              dual_clip=None, kl_coef=0.0, kl_type="k3", entropy_coef=0.1)
+    spec = TermSpec(0.2, 0.2, None, 0.0, "k3", 0.1, True, False)
+    settings = policy_terms.TermSettings.make(spec, DEVICE)
     sums = torch.zeros(3, dtype=torch.float64, device=DEVICE)
     empty = torch.empty(0, device=DEVICE)
     e64 = empty.double()
-    g_lp, g_ent = policy_terms.chunk_terms(empty, empty, e64, e64, None, e64, settings, sums)
+    g_lp, g_ent = policy_terms.chunk_terms(empty, empty, TokenInputs(e64, e64, None, e64), settings, sums)
     assert g_lp.shape == g_ent.shape == (0,) and not sums.any()
 
 

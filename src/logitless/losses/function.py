@@ -48,10 +48,7 @@ class _Chunks:
         self.lp, self.ent = torch.empty((2, tokens.count), dtype=torch.float32, device=device)
         self.totals = TermTotals.zeros(device, with_kl=spec.has_ref)
         if self.terms is not None:
-            self.settings = self.terms.TermSettings.make(
-                device, has_old=spec.has_old, has_ref=spec.has_ref, clip_low=spec.clip_low,
-                clip_high=spec.clip_high, dual_clip=spec.dual_clip, kl_coef=spec.kl_coef, kl_type=spec.kl_type,
-                entropy_coef=spec.entropy_coef)
+            self.settings = self.terms.TermSettings.make(spec, device)
 
     def __call__(self, start: int, stop: int, lse: Tensor, ent: Tensor, zy: Tensor):
         if self.tp is not None:
@@ -63,9 +60,7 @@ class _Chunks:
         if self.terms is None:
             g_lp, g_ent = chunk_gradients(lp, ent, inputs, self.spec, self.totals)
         else:
-            g_lp, g_ent = self.terms.chunk_terms(
-                lp, ent, inputs.advantages, inputs.old_logprobs if self.spec.has_old else None,
-                inputs.ref_logprobs if self.spec.has_ref else None, inputs.weights, self.settings, self.totals.sums)
+            g_lp, g_ent = self.terms.chunk_terms(lp, ent, inputs, self.settings, self.totals.sums)
         return lse, ent, g_lp, g_ent
 
 

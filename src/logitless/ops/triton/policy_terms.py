@@ -25,12 +25,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...losses import terms
 from .common import INTERPRETING
 
 BLOCK = 64 if INTERPRETING else 1024
-RATIO_LOG_CLAMP = tl.constexpr(20.0)
-K3_CLAMP = tl.constexpr(10.0)
-KL_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
+# the clamps of the definition, as compile-time constants of the kernel
+RATIO_LOG_CLAMP = tl.constexpr(terms.RATIO_LOG_CLAMP)
+K3_CLAMP = tl.constexpr(terms.K3_CLAMP)
+KL_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}     # the canonical KL names of terms.KL_TYPES, "+" stripped
 
 
 @triton.jit
@@ -137,23 +139,20 @@ class TermSettings:
     switches: dict
 
     @classmethod
-    def make(cls, device, *, has_old: bool, has_ref: bool, clip_low: float, clip_high: float,
-             dual_clip: Optional[float], kl_coef: float, kl_type: str, entropy_coef: float) -> "TermSettings":
-        """kl_type: a canonical name of ``losses/terms.py`` (k1, abs, k2, k3, with or without "+")."""
-        values = [1.0 - clip_low, 1.0 + clip_high, dual_clip or 0.0, kl_coef, entropy_coef]
+    def make(cls, spec: terms.TermSpec, device) -> "TermSettings":
+        values = [1.0 - spec.clip_low, 1.0 + spec.clip_high, spec.dual_clip or 0.0, spec.kl_coef, spec.entropy_coef]
         params = torch.tensor(values, dtype=torch.float64).to(device)
-        switches = dict(HAS_OLD=has_old, HAS_REF=has_ref, KL_TYPE=KL_CODES[kl_type.rstrip("+")],
-                        STRAIGHT=kl_type.endswith("+"), USE_KL=has_ref and kl_coef != 0.0,
-                        DUAL=dual_clip is not None, WITH_ENT=entropy_coef != 0.0)
+        switches = dict(HAS_OLD=spec.has_old, HAS_REF=spec.has_ref, KL_TYPE=KL_CODES[spec.kl_type.rstrip("+")],
+                        STRAIGHT=spec.kl_type.endswith("+"), USE_KL=spec.has_ref and spec.kl_coef != 0.0,
+                        DUAL=spec.dual_clip is not None, WITH_ENT=spec.entropy_coef != 0.0)
         return cls(params, switches)
 
 
-def chunk_terms(lp: Tensor, ent: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor],
-                ref_logprobs: Optional[Tensor], weights: Tensor, settings: TermSettings, sums: Tensor
+def chunk_terms(lp: Tensor, ent: Tensor, tokens: terms.TokenInputs, settings: TermSettings, sums: Tensor
                 ) -> tuple[Tensor, Optional[Tensor]]:
-    """(g_lp, g_ent or None) float32 [n] of the tokens' terms (lp, ent float32 [n]; the per-token inputs
-    float64 [n], old / ref None when not given), and adds (sum w f, clipped count, sum w kl) into ``sums``
-    (float64 [3], in place; kl 0 without ref)."""
+    """What ``terms.chunk_gradients`` returns, from this kernel: (g_lp, g_ent or None) float32 [n] of the
+    tokens' terms (lp, ent float32 [n]; ``tokens`` the same n tokens' float64 inputs), and adds (sum w f,
+    clipped count, sum w kl) into ``sums`` (float64 [3], in place; kl 0 without ref)."""
     n = lp.shape[0]
     dev = lp.device
     sw = settings.switches
@@ -163,9 +162,10 @@ def chunk_terms(lp: Tensor, ent: Tensor, advantages: Tensor, old_logprobs: Optio
         return g_lp, g_ent
     grid = triton.cdiv(n, BLOCK)
     partial = torch.empty((grid, 3), dtype=torch.float64, device=dev)
+    adv = tokens.advantages
     _terms_kernel[(grid,)](
-        lp, ent, advantages, old_logprobs if sw["HAS_OLD"] else advantages,
-        ref_logprobs if sw["HAS_REF"] else advantages, weights, settings.params, g_lp,
-        g_ent if g_ent is not None else g_lp, partial, n, **sw, BLOCK=BLOCK, num_warps=4)
+        lp, ent, adv, tokens.old_logprobs if sw["HAS_OLD"] else adv, tokens.ref_logprobs if sw["HAS_REF"] else adv,
+        tokens.weights, settings.params, g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw,
+        BLOCK=BLOCK, num_warps=4)
     sums += partial.sum(dim=0)
     return g_lp, g_ent
