@@ -55,13 +55,32 @@ def _hopper_or_newer(device: torch.device) -> bool:
     """NVIDIA compute capability >= 9.0: the bulk copy engine, and 228 KiB of shared memory per SM."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return capability_major(device) >= 9
+
+
+def capability_major(device: torch.device) -> int:
+    """The CUDA device's compute capability major (9: Hopper)."""
+    return _capability_major(_index(device))
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's number of streaming multiprocessors (a persistent kernel's programs)."""
+    return _sm_count(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# asked before every launch: a device's properties do not change, the query's host time adds up
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @functools.lru_cache(maxsize=None)
-def capability_major(index: int) -> int:
-    # asked before every launch: a device's capability does not change, the query's host time adds up
-    return torch.cuda.get_device_capability(index)[0]
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Before Hopper (A100: 164 KiB shared memory, consumer parts ~100 KiB) the H200 tiles do not fit:

@@ -10,15 +10,21 @@ float32 inputs). The logits never reach HBM; e is all the gradient stage needs (
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import INTERPRETING, capability_major, choose_tiles, launch_options, tile_operands, tl_dtype
+from .common import (
+    INTERPRETING,
+    capability_major,
+    choose_tiles,
+    launch_options,
+    multiprocessors,
+    tile_operands,
+    tl_dtype,
+)
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
 
@@ -98,9 +104,9 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     warp_specialized = (not INTERPRETING and use_tma and hidden.dtype in (torch.bfloat16, torch.float16)
-                        and _capability_major(hidden.device) == 9)
+                        and capability_major(hidden.device) == 9)
     loop = knobs.triton_policy_loop(LOOP) if warp_specialized else 0
-    grid = (n_tiles if loop == 0 else min(n_tiles, _multiprocessors(hidden.device)),)
+    grid = (n_tiles if loop == 0 else min(n_tiles, multiprocessors(hidden.device)),)
     store = e is not None
     _policy_stats_kernel[grid](
         h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e if store else part_m,
@@ -108,20 +114,3 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         e.stride(0) if store else 0,
         STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, LOOP=loop, USE_TMA=use_tma,
         **launch_options(tiles, hidden, None))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _multiprocessors(device: torch.device) -> int:
-    return _sm_count(_index(device))
-
-
-def _capability_major(device: torch.device) -> int:
-    return capability_major(_index(device))
