@@ -10,7 +10,8 @@ With M = max_i m_i (an exact float32 value: no rounding enters the shift),
 every term relative to M, so no large terms cancel whatever the logits' magnitude. One program per block of
 tokens walks the tiles twice (the max, then the sums); the inputs are only read (the policy loss still needs
 the tile maxima afterwards). Replaces a dozen torch reductions and elementwise kernels over [tiles, N]
-whose launch latency, not their bytes, was their cost (about 60 us per 4096-token chunk on the H200).
+whose launch latency, not their bytes, was their cost (H200, 9344 tokens at V = 151936: 96 us against 152 us,
+benchmarks/results/gpu-policy-loss-2026-12-03.md, runs 7-9).
 """
 from __future__ import annotations
 
@@ -32,25 +33,28 @@ WARPS = 8
 
 
 @triton.jit
+def _tile_block(step, n, n_tiles, cols, col_ok, TILE_ROWS: tl.constexpr):
+    """(mask, offsets) of the [TILE_ROWS tiles, TOKENS] block of step ``step`` in a [n_tiles, n] workspace."""
+    tiles = step * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    ok = (tiles < n_tiles)[:, None] & col_ok[None, :]
+    return ok, tiles.to(tl.int64)[:, None] * n + cols[None, :]
+
+
+@triton.jit
 def _combine_kernel(part_m_ptr, part_s_ptr, part_t_ptr, lse_ptr, ent_ptr, n, n_tiles,
                     WITH_T: tl.constexpr, STEPS: tl.constexpr, TOKENS: tl.constexpr, TILE_ROWS: tl.constexpr):
     cols = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     col_ok = cols < n
-    r = tl.arange(0, TILE_ROWS)
     big = tl.full((TOKENS,), float("-inf"), tl.float32)
     for step in range(STEPS):
-        tiles = step * TILE_ROWS + r
-        ok = (tiles < n_tiles)[:, None] & col_ok[None, :]
-        offs = tiles.to(tl.int64)[:, None] * n + cols[None, :]
+        ok, offs = _tile_block(step, n, n_tiles, cols, col_ok, TILE_ROWS)
         m = tl.load(part_m_ptr + offs, mask=ok, other=float("-inf"))
         big = tl.maximum(big, tl.max(m, axis=0))
     big = tl.where(col_ok, big, 0.0)     # padding columns: finite, never stored
     total = tl.zeros((TOKENS,), tl.float32)
     t_sum = tl.zeros((TOKENS,), tl.float32)
     for step in range(STEPS):
-        tiles = step * TILE_ROWS + r
-        ok = (tiles < n_tiles)[:, None] & col_ok[None, :]
-        offs = tiles.to(tl.int64)[:, None] * n + cols[None, :]
+        ok, offs = _tile_block(step, n, n_tiles, cols, col_ok, TILE_ROWS)
         shift = tl.load(part_m_ptr + offs, mask=ok, other=float("-inf")) - big[None, :]   # m_i - M <= 0
         w = tl.exp2(shift * LOG2E)                                                        # 0 where masked
         s = tl.load(part_s_ptr + offs, mask=ok, other=0.0)
