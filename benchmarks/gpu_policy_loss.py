@@ -13,8 +13,10 @@
    + autograd); peak memory beyond the gradient buffers and its split; the fused loss against the reference
    path (loss, log-probs, gradients) and its log-probs / entropies of 256 tokens against float64; one
    chunk's stages timed alone.
-3. --variants: whole steps alternating with the default: the former dlogits block (8 rows x 1 tile) and the
-   sweep's fastest. --sweep: dlogits blocks on one chunk, and a profile of one step.
+3. --variants: whole steps alternating with the default: the former dlogits block (8 rows x 1 tile), the
+   sweep's fastest dlogits block and statistics-kernel form. --sweep: the statistics kernel's forms
+   (LOGITLESS_TRITON_POLICY_LOOP and tiles, outputs checked against the default's) and dlogits blocks on one
+   chunk, and a profile of one step.
 Writes DIR/gpu_policy_loss.json and prints a short table last. --dry-run runs every step on tiny shapes on
 the CPU (triton's interpreter, wall-clock timing, no memory figures): a check of the script, not a measurement.
 """
@@ -302,7 +304,7 @@ def stage_times(inputs, res):
     log("stages", out)
 
 
-# statistics kernel: (policy_stats.LOOP, LOGITLESS_TRITON_POLICY tiles); see policy_stats.LOOP
+# statistics kernel: (LOGITLESS_TRITON_POLICY_LOOP, LOGITLESS_TRITON_POLICY tiles); see policy_stats.LOOP
 STATS_LOOPS = [(0, "128,256,64,16,8,4"), (1, "128,256,64,16,8,3"), (1, "128,256,64,16,8,4"),
                (0, "128,256,64,16,8,4")]     # the default again at the end: the card's clock drifts within a sweep
 # rows per program, warps, statistics tiles per program (run 7 swept ten; these are its best and the former default)
@@ -347,12 +349,11 @@ def sweep(inputs, res):
     t = triton.cdiv(v, tile_cols)
     pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
     zy = torch.zeros(c, device=DEV)
-    from logitless.ops.triton import policy_stats
     want = None
     for loop, tiles in STATS_LOOPS:
         row = {"stage": "stats", "loop": loop, "tiles": tiles}
         try:
-            with attrs_set(policy_stats, LOOP=loop), env_set(LOGITLESS_TRITON_POLICY=tiles):
+            with env_set(LOGITLESS_TRITON_POLICY_LOOP=loop, LOGITLESS_TRITON_POLICY=tiles):
                 tc = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
                 bufs = [torch.full((tc, c), float("nan"), device=DEV) for _ in range(3)]
                 zyv = torch.zeros(c, device=DEV)
@@ -490,10 +491,9 @@ def shape_run(tag, variants):
                      lambda block=block: attrs_set(policy_dlogits, **dlogits_attrs(block))) for block in sorted(blocks)]
         loop = best_stats_loop(res)
         if loop is not None:
-            from logitless.ops.triton import policy_stats
             settings.append((f"stats_loop{loop[0]}_{loop[1].replace(',', 'x')}",
-                             lambda loop=loop: stacked(attrs_set(policy_stats, LOOP=loop[0]),
-                                                       env_set(LOGITLESS_TRITON_POLICY=loop[1]))))
+                             lambda loop=loop: env_set(LOGITLESS_TRITON_POLICY_LOOP=loop[0],
+                                                       LOGITLESS_TRITON_POLICY=loop[1])))
         for name, setting in settings:
             try:
                 alternate(res, name, fused, setting)
@@ -524,14 +524,6 @@ def best_stats_loop(res):
           and ("max_diff" in r or "max_diff_lse" in r)
           and max(r.get("max_diff", 0), r.get("max_diff_lse", 0)) < 1e-3]
     return None if not ok else (lambda r: (r["loop"], r["tiles"]))(min(ok, key=lambda r: r["ms"]))
-
-
-@contextlib.contextmanager
-def stacked(*managers):
-    with contextlib.ExitStack() as stack:
-        for m in managers:
-            stack.enter_context(m)
-        yield
 
 
 def alternate(res, name, step, setting, rounds=3, reps=3):
