@@ -10,8 +10,8 @@ With M = max_i m_i (an exact float32 value: no rounding enters the shift),
 every term relative to M, so no large terms cancel whatever the logits' magnitude. One program per block of
 tokens walks the tiles twice (the max, then the sums); the inputs are only read (the policy loss still needs
 the tile maxima afterwards). Replaces a dozen torch reductions and elementwise kernels over [tiles, N]
-whose launch latency, not their bytes, was their cost (H200, 9344 tokens at V = 151936: 96 us against 152 us,
-benchmarks/results/gpu-policy-loss-2026-12-03.md, runs 7-9).
+whose launch latency, not their bytes, was their cost (H200, 9344 tokens at V = 151936: 96 us against 152 us;
+benchmarks/results/gpu-policy-loss-2026-12-03.md).
 """
 from __future__ import annotations
 
