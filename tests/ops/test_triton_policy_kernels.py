@@ -4,7 +4,8 @@ of its dlogits kernel.
 - combine_tiles (lse and entropy from per-tile statistics) against the float64 formula;
 - chunk_terms (the per-token terms and their derivatives, written out) against torch.autograd over
   ``losses/terms.py``, for every setting, with ratio ties, active clamps and a binding dual clip;
-- the dlogits kernel's tiles per program (benchmarks choose between them; all must write the same numbers).
+- the dlogits kernel's tiles per program (benchmarks choose between them; all must write the same numbers);
+- the backward's in-place scaling by the upstream gradient (read on the device) against ``mul_``.
 
 Without a GPU these run in triton's interpreter (tests/conftest.py), on the GPU the compiled kernels.
 """
@@ -17,7 +18,7 @@ import torch
 import triton
 
 from logitless.losses.terms import TermSpec, TermTotals, TokenInputs, chunk_gradients
-from logitless.ops.triton import policy_dlogits, policy_terms
+from logitless.ops.triton import policy_dlogits, policy_terms, scale
 from logitless.ops.triton.combine import MAX_TILE_ROWS, combine_tiles
 from logitless.ops.triton.common import INTERPRETING
 
@@ -174,3 +175,29 @@ def test_warp_specialized_statistics_equal_one_program_per_tile(monkeypatch):
         results.append((ws[:, :v], *parts, zy))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 4099, 3 * scale.BLOCK * scale.UNROLL + 7])
+def test_scale_in_place_matches_mul(dtype, numel):
+    """Every element scaled as ``mul_`` scales it, several programs with a ragged last block; a factor of
+    1 leaves the buffer bit-identical. The interpreter rounds float32 to bfloat16 towards zero (the GPU to
+    nearest): there bfloat16 may differ by one unit in the last place."""
+    x = torch.randn(numel, device=DEVICE).to(dtype)
+    before = x.clone()
+    ulp = 2.0 ** -7 if INTERPRETING and dtype == torch.bfloat16 else 0.0
+    for g in (0.37, -2.5, 1.0):
+        y = before.clone()
+        scale.scale_in_place(y, torch.tensor(g, device=DEVICE))
+        torch.testing.assert_close(y, before.float().mul(g).to(dtype), rtol=ulp, atol=0.0, msg=str(g))
+        assert (y != before).sum() >= (numel // 2 if g != 1.0 else 0) and (g != 1.0 or torch.equal(y, before))
+    scale.scale_in_place(x, torch.tensor(1.0, device=DEVICE))
+    assert torch.equal(x, before)
+
+
+def test_scale_in_place_refuses_what_it_cannot_scale():
+    x = torch.randn(6, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        scale.scale_in_place(x.t(), torch.tensor(2.0, device=DEVICE))
+    with pytest.raises(ValueError, match="one-element"):
+        scale.scale_in_place(x, torch.ones(2, device=DEVICE))

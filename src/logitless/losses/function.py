@@ -3,9 +3,10 @@
 forward: one fused pass (``logitless.ops.policy``) over the scored tokens computes their log-probs and
 entropies, the loss sum_i w_i f_i, its metrics, and d_hidden / d_weight of the loss (into buffers
 allocated here, only for the inputs that need a gradient).
-backward: scales those buffers in place by the upstream gradient of the loss (a number: the loss is
-0-d) and returns them. They exist once: a second backward through the same loss raises RuntimeError
-(call the loss again instead). Gradient accumulation over micro-batches works as usual: every call has
+backward: scales those buffers in place by the upstream gradient of the loss (the loss is 0-d; on
+CUDA the factor is read by a kernel, so the backward does not wait for the GPU) and returns them.
+They exist once: a second backward through the same loss raises RuntimeError (call the loss again
+instead). Gradient accumulation over micro-batches works as usual: every call has
 its own buffers and autograd adds them into ``.grad``.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..ops.policy import scale_by_upstream
 from .terms import TermSpec, TermTotals, chunk_gradients
 from .tokens import ScoredTokens
 
@@ -43,12 +45,24 @@ class _Chunks:
     gradients of its tokens; it keeps the per-token outputs and the running sums."""
 
     def __init__(self, tokens: ScoredTokens, spec: TermSpec, options: PassOptions, device):
-        self.tokens, self.spec, self.tp, self.terms = tokens, spec, options.tp, options.terms
+        self.tokens, self.spec, self.tp, self.terms, self.device = tokens, spec, options.tp, options.terms, device
         # the chunks cover all n rows and each writes its own: no fill
         self.lp, self.ent = torch.empty((2, tokens.count), dtype=torch.float32, device=device)
-        self.totals = TermTotals.zeros(device, with_kl=spec.has_ref)
-        if self.terms is not None:
-            self.settings = self.terms.TermSettings.make(spec, device)
+        self._totals = self._settings = None
+
+    # The sums and the terms kernel's settings (a fill and a copy to the device) are made on first use:
+    # in the first chunk's callback, once its statistics kernel is queued, not before it while the GPU waits.
+    @property
+    def totals(self) -> TermTotals:
+        if self._totals is None:
+            self._totals = TermTotals.zeros(self.device, with_kl=self.spec.has_ref)
+        return self._totals
+
+    @property
+    def settings(self):
+        if self._settings is None:
+            self._settings = self.terms.TermSettings.make(self.spec, self.device)
+        return self._settings
 
     def __call__(self, start: int, stop: int, lse: Tensor, ent: Tensor, zy: Tensor):
         if self.tp is not None:
@@ -119,10 +133,11 @@ class FusedPolicyLossFunction(torch.autograd.Function):
                                "formed in the forward and handed out once; call fused_policy_loss again")
         ctx.grads = None
         dh, dw = grads
-        scale = 0.0 if g_loss is None else float(g_loss)
-        if scale != 1.0:
-            # one host synchronisation; in place, so no second gradient-sized buffer
-            for g in (dh, dw):
-                if g is not None:
-                    g.mul_(scale)
+        for g in (dh, dw):     # in place: no second gradient-sized buffer
+            if g is None:
+                continue
+            if g_loss is None:
+                g.zero_()
+            else:
+                scale_by_upstream(g, g_loss)
         return dh, dw, None, None, None

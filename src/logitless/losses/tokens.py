@@ -13,6 +13,7 @@ queued, while that kernel runs.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Optional
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_label_range, inv_temperature, labels_out_of_range
+from ..api import check_label_range, inv_temperature
 from .aggregate import check_agg_layout, check_cu_seqlens, cu_seqlens_error, token_weights
 from .policy import PolicyLoss
 from .terms import TokenInputs
@@ -82,17 +83,35 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     flat_labels, flat_valid = rows_order(labels).long(), rows_order(valid)
     flat_inputs = {name: rows_order(t) for name, t in named}
 
-    # the call's checks and the scored-token count, fetched together
-    flags = [flat_valid.sum(), labels_out_of_range(flat_labels, flat_valid, vocab).sum(),
-             (~(torch.isfinite(inv_t) & (inv_t > 0))).sum() if temp_is_tensor else None,
-             None if cu_ok is None else (~cu_ok).long()]
-    if flat_inputs:   # [k, total]: one finiteness test for all the per-token inputs
-        stacked = torch.stack(list(flat_inputs.values()))
-        flags.append((flat_valid & ~torch.isfinite(stacked)).sum(dim=1))
-    present = [f.reshape(-1) for f in flags if f is not None]
-    values = iter(torch.cat(present).tolist())
-    n, bad_label, bad_temp, bad_cu = (None if f is None else next(values) for f in flags[:4])
-    bad_inputs = list(values)
+    # The call's checks and its scored-token count, fetched together as float64 (few kernels: each is host
+    # time while the GPU waits): the count; the smallest and largest scored label (ignored ones read as 0);
+    # per per-token input its smallest and largest value at scored tokens (NaN or inf there make them
+    # non-finite); the smallest and largest inverse temperature; whether cu_seqlens holds.
+    total = flat_labels.numel()
+    fetch = [flat_valid.sum(dtype=torch.float64)]
+    if total:
+        fetch += torch.aminmax(torch.where(flat_valid, flat_labels, 0))
+        if flat_inputs:
+            stacked = torch.stack(list(flat_inputs.values()))     # [k, total]
+            fetch += torch.aminmax(torch.where(flat_valid, stacked, 0), dim=1)
+        if temp_is_tensor:
+            fetch += torch.aminmax(inv_t)
+    if cu_ok is not None:
+        fetch.append(cu_ok)
+    values = iter(torch.cat([f.reshape(-1) for f in fetch]).tolist())
+    n = int(next(values))
+    bad_label = bad_temp = False
+    bad_inputs = [False] * len(flat_inputs)
+    if total:
+        lowest, highest = next(values), next(values)
+        bad_label = lowest < 0 or highest >= vocab
+        if flat_inputs:
+            lows, highs = [next(values) for _ in flat_inputs], [next(values) for _ in flat_inputs]
+            bad_inputs = [not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in zip(lows, highs, strict=True)]
+        if temp_is_tensor:
+            lowest, highest = next(values), next(values)
+            bad_temp = not (lowest > 0 and math.isfinite(highest))    # NaN fails both
+    bad_cu = cu_ok is not None and not next(values)
 
     if bad_cu:
         raise cu_seqlens_error(cu, labels.numel())
@@ -104,7 +123,6 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     if bad:
         raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index)")
 
-    total = flat_labels.numel()
     # nonzero_static: the count is known, so the indices need no second synchronisation
     rows = None if n == total else torch.nonzero_static(flat_valid, size=n).squeeze(1)
 

@@ -60,6 +60,23 @@ def policy_terms_for(backend_name: str):
     return None
 
 
+def scale_by_upstream(grad: Tensor, g: Tensor) -> None:
+    """grad *= g in place, for the upstream gradient g (0-d) of a loss whose gradients were formed in its
+    forward. On CUDA the factor is read by a kernel, not the host: a backward must not wait for the GPU
+    (when g == 1 the kernel's programs return at once). Elsewhere a host read costs nothing."""
+    if grad.is_cuda and grad.is_contiguous():
+        try:
+            from .triton.scale import scale_in_place
+        except ImportError:     # a CUDA build without triton: one synchronisation
+            pass
+        else:
+            scale_in_place(grad, g.to(grad.device, torch.float32))
+            return
+    factor = float(g)
+    if factor != 1.0:
+        grad.mul_(factor)
+
+
 def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out = a @ b, accumulated in float32 and rounded once to out.dtype (which may be float32 for
     half-precision a, b: the tensor-parallel d_hidden, reduced across ranks before its rounding)."""
