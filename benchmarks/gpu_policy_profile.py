@@ -1,17 +1,23 @@
-"""Where one fused policy-loss step spends its GPU time: the kernel timeline, its idle gaps, and what the
-host was doing in each gap (a synchronisation, an allocation, a slow launch).
+"""Where one fused policy-loss step spends its GPU time: the stages of an unprofiled step, the kernel
+timeline and its idle gaps, and what the host was doing in each gap (a synchronisation, an allocation, a
+slow launch).
 
-    PYTHONPATH=src python3 benchmarks/gpu_policy_profile.py [--shape A] [--tiles 128,256,64,16,8,4;...] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/gpu_policy_profile.py [--shape A,B] [--tiles 128,256,64,16,8,4;...]
+        [--env "KEY=VALUE KEY=VALUE;..."] [--rounds 3] [--no-profile] [--out DIR]
 
+Per shape:
 1. Times the step (fused_policy_loss forward + backward, triton, the loss settings of gpu_policy_loss.py)
    with CUDA events, without a profiler.
-2. Profiles two steps (torch.profiler, CPU + CUDA, Python stacks), writes the trace, and for every gap
-   of more than 20 us between two GPU operations prints its length, the kernels on either side, how late
-   the host launched the next one, the long CUDA runtime calls (syncs, allocations) the host made while
-   the GPU waited, and the innermost logitless Python frames at the late launch.
-3. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY) timed on one chunk against cuBLAS's product
-   of the same shape, with the chunk's lse, entropy and label logits compared to the default kernel's, and
-   the whole step with each, alternating with the default.
+2. Events around each stage of the pass (no profiler): the GPU time from the call to the first statistics
+   kernel (lead) and the host's time to launch it, each stage's GPU time, the time between stages (the
+   combine callback's kernels and idle) and after the last one (tail); for the default and each --env.
+3. Unless --no-profile: profiles two steps (torch.profiler, CPU + CUDA, Python stacks), writes the trace,
+   and for every gap of more than 20 us between two GPU operations prints its length, the kernels on
+   either side, how late the host launched the next one, the long CUDA runtime calls (syncs, allocations)
+   the host made while the GPU waited, and the innermost logitless Python frames at the late launch.
+4. --tiles: statistics-kernel tiles (LOGITLESS_TRITON_POLICY) timed on one chunk against cuBLAS's product
+   of the same shape, with the chunk's lse, entropy and label logits compared to the default kernel's.
+5. Each --tiles value and each --env variant: whole steps alternating with the default, --rounds pairs.
 Writes DIR/gpu_policy_profile.json (and trace.json.gz); prints a short table last.
 """
 from __future__ import annotations
@@ -156,59 +162,173 @@ def chunk_tiles(inputs, configs, rows):
     return out
 
 
+class StageEvents:
+    """CUDA events around each stage launch of the triton policy pass, and host clock marks on entering
+    and leaving the call's preparation (patched into their modules for the block): where the time of an
+    unprofiled step goes."""
+    STAGES = ("chunk_stats", "combine_tiles", "dlogits_in_place", "product_into", "accumulate_product")
+    HOST = (("logitless.losses.api", "score_tokens"), ("logitless.ops.triton.policy_backend", "policy_pass"))
+
+    def __init__(self):
+        self.saved, self.marks, self.host = {}, [], {}
+
+    def _wrap(self, name, fn):
+        def inner(*a, **k):
+            self.host.setdefault("first_stage", time.perf_counter())
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            out = fn(*a, **k)
+            end.record()
+            self.marks.append((name, begin, end))
+            return out
+        return inner
+
+    def _clock(self, name, fn):
+        def inner(*a, **k):
+            self.host.setdefault(f"{name}_in", time.perf_counter())
+            out = fn(*a, **k)
+            self.host.setdefault(f"{name}_out", time.perf_counter())
+            return out
+        return inner
+
+    def __enter__(self):
+        import importlib
+
+        from logitless.ops.triton import policy_backend
+        for name in self.STAGES:
+            self._patch(policy_backend, name, self._wrap)
+        for module, name in self.HOST:
+            self._patch(importlib.import_module(module), name, self._clock)
+        return self
+
+    def _patch(self, module, name, wrapper):
+        fn = getattr(module, name)
+        self.saved[(module, name)] = fn
+        setattr(module, name, wrapper(name, fn))
+
+    def __exit__(self, *exc):
+        for (module, name), fn in self.saved.items():
+            setattr(module, name, fn)
+
+    def step(self, step):
+        """One timed step: {total, lead (call -> first statistics kernel, GPU ms), host_* (host ms from the
+        call to entering / leaving score_tokens and policy_pass, and to the first stage's launch), per-stage
+        GPU ms, between (GPU ms between stages: the combine callback's kernels and idle), tail (last stage
+        -> end of the call)}."""
+        self.marks, self.host = [], {}
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        row = {"total": start.elapsed_time(end), "lead": start.elapsed_time(self.marks[0][1]),
+               "tail": self.marks[-1][2].elapsed_time(end)}
+        row.update({f"host_{k}": (t - t0) * 1e3 for k, t in self.host.items()})
+        for name, b, e in self.marks:
+            row[name] = row.get(name, 0.0) + b.elapsed_time(e)
+        row["between"] = row["total"] - row["lead"] - row["tail"] - sum(row.get(n, 0.0) for n in self.STAGES)
+        return row
+
+
+def event_timeline(step, reps=5):
+    """Median over ``reps`` steps of each StageEvents figure."""
+    with StageEvents() as ev:
+        step()
+        rows = [ev.step(step) for _ in range(reps)]
+    return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+
+
+def env_variant(spec):
+    """"KEY=VALUE KEY=VALUE" -> the environment set for the block."""
+    return env_set(**dict(kv.split("=", 1) for kv in spec.split()))
+
+
+def alternate(step, variant, rounds):
+    """Whole steps, each variant right after the default (the H200 runs at its power cap here, so steps
+    drift with its temperature): ``rounds`` (default, variant) pairs of 3-step medians; variant(): the
+    context manager that sets it."""
+    pair = {"default_ms": [], "variant_ms": []}
+    try:
+        for _ in range(rounds):
+            pair["default_ms"].append(time_cuda(step, reps=3)[0])
+            with variant():
+                pair["variant_ms"].append(time_cuda(step, reps=3)[0])
+        pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
+        wins = sum(v < d for v, d in zip(pair["variant_ms"], pair["default_ms"], strict=True))
+        pair["variant_faster_in"] = f"{wins}/{rounds}"
+    except Exception as exc:  # noqa: BLE001 - a variant that fails is a result too
+        pair["error"] = repr(exc)[:200]
+    return pair
+
+
+def shape_report(tag, args):
+    res = {}
+    n, hdim, v = SHAPES[tag]
+    inputs = make_inputs(n, hdim, v)
+    step = Step(fused_policy_loss, inputs, backend="triton")
+    res["step_ms"] = time_cuda(step, reps=7)
+    log(tag, "step ms (median, min, max)", res["step_ms"])
+    envs = [e.strip() for e in args.env.split(";") if e.strip()]
+    res["events"] = {"default": event_timeline(step)}
+    for spec in envs:
+        with env_variant(spec):
+            res["events"][spec] = event_timeline(step)
+    for name, row in res["events"].items():
+        log(tag, "events", name, json.dumps({k: round(x, 3) for k, x in row.items()}))
+    if args.profile:
+        t0 = time.perf_counter()
+        res["profile"] = profile_steps(step, args.out)
+        log("profile took %.1f s" % (time.perf_counter() - t0))
+        for r in res["profile"]:
+            log(json.dumps({k: r[k] for k in ("host_step_ms", "gpu_span_ms", "gpu_busy_ms", "lead_ms", "gap_ms",
+                                              "n_kernels")}))
+            for g in r["gaps"][:12]:
+                log("  gap", json.dumps(g))
+            for k in r["kernels"]:
+                log("  kernel", k)
+    configs = [c for c in args.tiles.split(";") if c]
+    if configs:
+        res["chunk_tiles"] = chunk_tiles(inputs, configs, 4096)
+    res["step_variants"] = []
+    for name, variant in ([(f"LOGITLESS_TRITON_POLICY={c}", lambda c=c: stats_variant(c)) for c in configs]
+                          + [(spec, lambda spec=spec: env_variant(spec)) for spec in envs]):
+        pair = dict(variant=name, **alternate(step, variant, args.rounds))
+        res["step_variants"].append(pair)
+        log(tag, "step", json.dumps(pair))
+    return res
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="A")
+    p.add_argument("--shape", default="A", help="shapes, comma-separated (A, B)")
     p.add_argument("--tiles", default="", help="';'-separated LOGITLESS_TRITON_POLICY values")
+    p.add_argument("--env", default="", help="';'-separated variants, each 'KEY=VALUE KEY=VALUE' (knobs)")
     p.add_argument("--rounds", type=int, default=3, help="(default, variant) step pairs per variant")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler steps")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     OUT["env"] = {"versions": versions(), "machine": machine(), "argv": sys.argv}
-    n, hdim, v = SHAPES[args.shape]
-    inputs = make_inputs(n, hdim, v)
-    step = Step(fused_policy_loss, inputs, backend="triton")
-    OUT["step_ms"] = time_cuda(step, reps=7)
-    log("step ms (median, min, max)", OUT["step_ms"])
-    t0 = time.perf_counter()
-    OUT["profile"] = profile_steps(step, args.out)
-    log("profile took %.1f s" % (time.perf_counter() - t0))
-    for r in OUT["profile"]:
-        log(json.dumps({k: r[k] for k in ("host_step_ms", "gpu_span_ms", "gpu_busy_ms", "lead_ms", "gap_ms",
-                                          "n_kernels")}))
-        for g in r["gaps"][:12]:
-            log("  gap", json.dumps(g))
-        for k in r["kernels"]:
-            log("  kernel", k)
-    configs = [c for c in args.tiles.split(";") if c]
-    if configs:
-        OUT["chunk_tiles"] = chunk_tiles(inputs, configs, 4096)
-        # whole steps, each variant right after the default (the H200 runs at its power cap here, so
-        # steps drift with its temperature): rounds of (default, variant) pairs
-        OUT["step_tiles"] = []
-        for cfg in configs:
-            pair = {"tiles": cfg, "default_ms": [], "variant_ms": []}
-            try:
-                for _ in range(args.rounds):
-                    pair["default_ms"].append(time_cuda(step, reps=3)[0])
-                    with stats_variant(cfg):
-                        pair["variant_ms"].append(time_cuda(step, reps=3)[0])
-                pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
-            except Exception as exc:  # noqa: BLE001
-                pair["error"] = repr(exc)[:200]
-            OUT["step_tiles"].append(pair)
-            log("step", json.dumps(pair))
+    OUT["shapes"] = {tag: shape_report(tag, args) for tag in args.shape.split(",")}
     with open(os.path.join(args.out, "gpu_policy_profile.json"), "w") as f:
         json.dump(OUT, f, indent=1, default=str)
-    log("\n| what | ms |\n|---|---|")
-    log(f"| step (events, median) | {OUT['step_ms'][0]:.2f} |")
-    for r in OUT["profile"]:
-        log(f"| profiled step: host {r['host_step_ms']:.2f}, GPU span {r['gpu_span_ms']:.2f}, "
-            f"busy {r['gpu_busy_ms']:.2f}, lead {r['lead_ms']:.2f}, gaps {r['gap_ms']:.2f} | |")
-    for row in OUT.get("chunk_tiles", []):
-        log(f"| chunk {row['tiles']} | {row.get('ms', float('nan')):.3f} ({row.get('x_cublas', float('nan')):.3f}x) |")
-    for row in OUT.get("step_tiles", []):
-        log(f"| step {row['tiles']} / default | {row.get('ratio', row.get('error'))} |")
+    log("\n| shape | what | ms |\n|---|---|---|")
+    for tag, res in OUT["shapes"].items():
+        log(f"| {tag} | step (events, median) | {res['step_ms'][0]:.2f} |")
+        for name, row in res["events"].items():
+            stages = ", ".join(f"{k} {x:.2f}" for k, x in row.items() if k != "total")
+            log(f"| {tag} | events {name}: {stages} | {row['total']:.2f} |")
+        for r in res.get("profile", []):
+            log(f"| {tag} | profiled step: host {r['host_step_ms']:.2f}, GPU span {r['gpu_span_ms']:.2f}, "
+                f"busy {r['gpu_busy_ms']:.2f}, lead {r['lead_ms']:.2f}, gaps {r['gap_ms']:.2f} | |")
+        for row in res.get("chunk_tiles", []):
+            log(f"| {tag} | chunk {row['tiles']} | {row.get('ms', float('nan')):.3f} "
+                f"({row.get('x_cublas', float('nan')):.3f}x) |")
+        for row in res["step_variants"]:
+            log(f"| {tag} | step {row['variant']} / default ({row.get('variant_faster_in')}) | "
+                f"{row.get('ratio', row.get('error'))} |")
 
 
 if __name__ == "__main__":
