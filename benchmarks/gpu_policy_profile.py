@@ -11,7 +11,8 @@ Per shape:
 2. Events around each stage of the pass (no profiler): the GPU time from the call to the first statistics
    kernel (lead) and the host's time to launch it, each stage's GPU time, the time between stages (the
    combine callback's kernels and idle) and after the last one (tail); for the default and each --env.
-3. Unless --no-profile: profiles two steps (torch.profiler, CPU + CUDA, Python stacks), writes the trace,
+3. --host-profile K: cProfile of K steps (host time by function) into DIR/host_profile_<shape>.txt.
+   Unless --no-profile: profiles two steps (torch.profiler, CPU + CUDA, Python stacks), writes the trace,
    and for every gap of more than 20 us between two GPU operations prints its length, the kernels on
    either side, how late the host launched the next one, the long CUDA runtime calls (syncs, allocations)
    the host made while the GPU waited, and the innermost logitless Python frames at the late launch.
@@ -240,6 +241,28 @@ def event_timeline(step, reps=5):
     return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
 
 
+def host_profile(step, steps, out_dir, tag):
+    """cProfile of ``steps`` steps (each synchronised): where the host's time goes (the GPU is idle at each
+    call's start, so the host time before the first statistics kernel is the step's lead)."""
+    import cProfile
+    import io
+    import pstats
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        step()
+        prof.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    with open(os.path.join(out_dir, f"host_profile_{tag}.txt"), "w") as f:
+        f.write(f"{steps} steps\n" + text.getvalue())
+
+
 def env_variant(spec):
     """"KEY=VALUE KEY=VALUE" -> the environment set for the block."""
     return env_set(**dict(kv.split("=", 1) for kv in spec.split()))
@@ -277,6 +300,8 @@ def shape_report(tag, args):
             res["events"][spec] = event_timeline(step)
     for name, row in res["events"].items():
         log(tag, "events", name, json.dumps({k: round(x, 3) for k, x in row.items()}))
+    if args.host_profile:
+        host_profile(step, args.host_profile, args.out, tag)
     if args.profile:
         t0 = time.perf_counter()
         res["profile"] = profile_steps(step, args.out)
@@ -306,6 +331,7 @@ def main():
     p.add_argument("--tiles", default="", help="';'-separated LOGITLESS_TRITON_POLICY values")
     p.add_argument("--env", default="", help="';'-separated variants, each 'KEY=VALUE KEY=VALUE' (knobs)")
     p.add_argument("--rounds", type=int, default=3, help="(default, variant) step pairs per variant")
+    p.add_argument("--host-profile", type=int, default=0, help="cProfile this many steps per shape")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler steps")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()

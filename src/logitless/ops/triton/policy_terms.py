@@ -141,7 +141,13 @@ class TermSettings:
     @classmethod
     def make(cls, spec: terms.TermSpec, device) -> "TermSettings":
         values = [1.0 - spec.clip_low, 1.0 + spec.clip_high, spec.dual_clip or 0.0, spec.kl_coef, spec.entropy_coef]
-        params = torch.tensor(values, dtype=torch.float64).to(device)
+        params = torch.tensor(values, dtype=torch.float64)
+        if torch.device(device).type == "cuda":
+            # from pinned memory without waiting: a copy from pageable memory would hold the host until the
+            # GPU has run everything queued before it (the fused pass makes these during its first chunk)
+            params = params.pin_memory().to(device, non_blocking=True)
+        else:
+            params = params.to(device)
         switches = dict(HAS_OLD=spec.has_old, HAS_REF=spec.has_ref, KL_TYPE=KL_CODES[spec.kl_type.rstrip("+")],
                         STRAIGHT=spec.kl_type.endswith("+"), USE_KL=spec.has_ref and spec.kl_coef != 0.0,
                         DUAL=spec.dual_clip is not None, WITH_ENT=spec.entropy_coef != 0.0)
