@@ -15,7 +15,7 @@
    chunk's stages timed alone.
 3. --variants: whole steps alternating with the default: the sweep's fastest dlogits block and
    statistics-kernel form. --sweep: the statistics kernel's forms (LOGITLESS_TRITON_POLICY_LOOP and tiles,
-   outputs checked against the default's) and dlogits blocks (a loop over tiles or one block) on one
+   outputs checked against the default's) and dlogits blocks on one
    chunk, and a profile of one step.
 Writes DIR/gpu_policy_loss.json and prints a short table last. --dry-run runs every step on tiny shapes on
 the CPU (triton's interpreter, wall-clock timing, no memory figures): a check of the script, not a measurement.
@@ -307,10 +307,8 @@ def stage_times(inputs, res):
 # statistics kernel: (LOGITLESS_TRITON_POLICY_LOOP, LOGITLESS_TRITON_POLICY tiles); see policy_stats.LOOP
 STATS_LOOPS = [(0, "128,256,64,16,8,4"), (1, "128,256,64,16,8,3"),
                (0, "128,256,64,16,8,4")]     # the default again at the end: the card's clock drifts within a sweep
-# rows per program, warps, statistics tiles per program, one block (True) or a loop over the tiles (False); the
-# loop's best of run 7 and the former default, then block shapes; the loop's best again at the end
-DLOGITS_BLOCKS = [(4, 4, 4, False), (8, 4, 1, False), (4, 4, 4, True), (2, 4, 8, True), (4, 8, 8, True),
-                  (8, 8, 4, True), (1, 4, 16, True), (2, 4, 4, True), (8, 4, 2, True), (4, 4, 4, False)]
+# rows per program, warps, statistics tiles per program (run 7 swept ten; these are its best and the former default)
+DLOGITS_BLOCKS = [(4, 4, 4), (8, 4, 1), (4, 2, 2), (4, 4, 4)]    # the default again: the card's clock drifts
 
 
 @contextlib.contextmanager
@@ -327,7 +325,7 @@ def attrs_set(module, **values):
 
 
 def dlogits_attrs(block):
-    return dict(ROWS_PER_PROGRAM=block[0], WARPS=block[1], TILES_PER_PROGRAM=block[2], BLOCK_FORM=block[3])
+    return dict(ROWS_PER_PROGRAM=block[0], WARPS=block[1], TILES_PER_PROGRAM=block[2])
 
 
 def sweep(inputs, res):
@@ -487,8 +485,7 @@ def shape_run(tag, variants):
         write()
     if variants:
         from logitless.ops.triton import policy_dlogits
-        default = (policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS, policy_dlogits.TILES_PER_PROGRAM,
-                   policy_dlogits.BLOCK_FORM)
+        default = (policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS, policy_dlogits.TILES_PER_PROGRAM)
         blocks = {best_dlogits(res)} - {default}     # the sweep's best
         settings = [("dlogits_" + "x".join(map(str, block)),
                      lambda block=block: attrs_set(policy_dlogits, **dlogits_attrs(block))) for block in blocks]
@@ -515,10 +512,10 @@ def shape_run(tag, variants):
 
 
 def best_dlogits(res):
-    """The fastest dlogits block of the sweep (rows, warps, tiles per program, block form); the former
-    default without one."""
+    """The fastest dlogits block of the sweep (rows, warps, tiles per program); the former default
+    without one."""
     timed = [r for r in res.get("sweep", []) if r.get("stage") == "dlogits" and r.get("ms")]
-    return tuple(min(timed, key=lambda r: r["ms"])["block"]) if timed else (8, 4, 1, False)
+    return tuple(min(timed, key=lambda r: r["ms"])["block"]) if timed else (8, 4, 1)
 
 
 def best_stats_loop(res):

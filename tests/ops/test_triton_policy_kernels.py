@@ -201,3 +201,24 @@ def test_scale_in_place_refuses_what_it_cannot_scale():
         scale.scale_in_place(x.t(), torch.tensor(2.0, device=DEVICE))
     with pytest.raises(ValueError, match="one-element"):
         scale.scale_in_place(x, torch.ones(2, device=DEVICE))
+
+
+def test_statistics_kernel_writes_every_label_logit():
+    """zy needs no clearing: the label's tempered logit for rows whose label this vocabulary holds, 0 for
+    rows whose label is -1 (a token of another shard), over a NaN-filled buffer."""
+    from logitless.ops.triton.common import choose_tiles
+    from logitless.ops.triton.policy_stats import chunk_stats
+    n, h, v = 37, 96, 1031
+    hidden = torch.randn(n, h, device=DEVICE).to(torch.bfloat16)
+    weight = torch.randn(v, h, device=DEVICE).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), device=DEVICE)
+    labels[::3] = -1
+    inv_t = torch.rand(n, device=DEVICE) + 0.5
+    tiles = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
+    parts = [torch.empty(tiles, n, device=DEVICE) for _ in range(3)]
+    zy = torch.full((n,), float("nan"), device=DEVICE)
+    chunk_stats(hidden, weight, labels, inv_t, *parts, zy, None)
+    logits = hidden.double() @ weight.double().t() * inv_t.double()[:, None]
+    want = torch.where(labels >= 0, logits.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(zy.double(), want, rtol=1e-5, atol=1e-4)
+    assert (zy[labels < 0] == 0).all() and torch.isfinite(zy).all()

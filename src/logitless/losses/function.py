@@ -46,12 +46,19 @@ class _Chunks:
 
     def __init__(self, tokens: ScoredTokens, spec: TermSpec, options: PassOptions, device):
         self.tokens, self.spec, self.tp, self.terms, self.device = tokens, spec, options.tp, options.terms, device
-        # the chunks cover all n rows and each writes its own: no fill
-        self.lp, self.ent = torch.empty((2, tokens.count), dtype=torch.float32, device=device)
-        self._totals = self._settings = None
+        self._out = self._totals = self._settings = None
 
-    # The sums and the terms kernel's settings (a fill and a copy to the device) are made on first use:
-    # in the first chunk's callback, once its statistics kernel is queued, not before it while the GPU waits.
+    # The outputs, the sums and the terms kernel's settings (an allocation, a fill and a copy to the device)
+    # are made on first use: in the first chunk's callback, once its statistics kernel is queued, not before
+    # it while the GPU waits.
+    @property
+    def out(self) -> Tensor:
+        """float32 [2, n]: the log-probs and entropies (the chunks cover all n rows and each writes its
+        own: no fill)."""
+        if self._out is None:
+            self._out = torch.empty((2, self.tokens.count), dtype=torch.float32, device=self.device)
+        return self._out
+
     @property
     def totals(self) -> TermTotals:
         if self._totals is None:
@@ -68,8 +75,8 @@ class _Chunks:
         if self.tp is not None:
             lse, ent, zy = self.tp.combine_stats(lse, ent, zy)
         lp = zy - lse
-        self.lp[start:stop] = lp
-        self.ent[start:stop] = ent
+        self.out[0, start:stop] = lp
+        self.out[1, start:stop] = ent
         inputs = self.tokens.inputs.rows(start, stop)
         if self.terms is None:
             g_lp, g_ent = chunk_gradients(lp, ent, inputs, self.spec, self.totals)
@@ -118,7 +125,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
 
         totals = chunks.totals
         loss = totals.loss.float()
-        logprobs, entropy = tokens.scatter(chunks.lp), tokens.scatter(chunks.ent)
+        logprobs, entropy = tokens.scatter(chunks.out[0]), tokens.scatter(chunks.out[1])
         clipped = totals.clipped.float()
         kl = totals.kl.float() if totals.kl is not None else torch.zeros((), device=dev)
         ctx.mark_non_differentiable(logprobs, entropy, clipped, kl)

@@ -83,17 +83,17 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     flat_labels, flat_valid = rows_order(labels).long(), rows_order(valid)
     flat_inputs = {name: rows_order(t) for name, t in named}
 
-    # The call's checks and its scored-token count, fetched together as float64 (few kernels: each is host
-    # time while the GPU waits): the count; the smallest and largest scored label (ignored ones read as 0);
-    # per per-token input its smallest and largest value at scored tokens (NaN or inf there make them
-    # non-finite); the smallest and largest inverse temperature; whether cu_seqlens holds.
+    # The call's checks and its scored-token count, fetched together as float64 (few kernels: on a GPU each
+    # is host time while the GPU waits): the count; the smallest and largest scored label and value of each
+    # per-token input (ignored tokens read as 0; NaN or inf at a scored token make an input's non-finite);
+    # the smallest and largest inverse temperature; whether cu_seqlens holds. The labels join the inputs as
+    # floats: rounding is monotonic and the vocabulary's size exact, so a label outside [0, vocab) stays out.
     total = flat_labels.numel()
     fetch = [flat_valid.sum(dtype=torch.float64)]
     if total:
-        fetch += torch.aminmax(torch.where(flat_valid, flat_labels, 0))
-        if flat_inputs:
-            stacked = torch.stack(list(flat_inputs.values()))     # [k, total]
-            fetch += torch.aminmax(torch.where(flat_valid, stacked, 0), dim=1)
+        as_float = torch.float32 if vocab <= 2 ** 24 else torch.float64
+        stacked = torch.stack([t.to(as_float) for t in (flat_labels, *flat_inputs.values())])   # [1 + k, total]
+        fetch += torch.aminmax(torch.where(flat_valid, stacked, 0), dim=1)
         if temp_is_tensor:
             fetch += torch.aminmax(inv_t)
     if cu_ok is not None:
@@ -103,11 +103,10 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     bad_label = bad_temp = False
     bad_inputs = [False] * len(flat_inputs)
     if total:
-        lowest, highest = next(values), next(values)
-        bad_label = lowest < 0 or highest >= vocab
-        if flat_inputs:
-            lows, highs = [next(values) for _ in flat_inputs], [next(values) for _ in flat_inputs]
-            bad_inputs = [not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in zip(lows, highs, strict=True)]
+        rows_checked = 1 + len(flat_inputs)
+        lows, highs = [next(values) for _ in range(rows_checked)], [next(values) for _ in range(rows_checked)]
+        bad_label = lows[0] < 0 or highs[0] >= vocab
+        bad_inputs = [not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in zip(lows[1:], highs[1:], strict=True)]
         if temp_is_tensor:
             lowest, highest = next(values), next(values)
             bad_temp = not (lowest > 0 and math.isfinite(highest))    # NaN fails both

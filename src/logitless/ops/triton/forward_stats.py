@@ -50,7 +50,7 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
     # padded columns of the last vocabulary tile carry no probability mass (e = 0 there)
     m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
     store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, WITH_ENTROPY)
-    store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N)
+    store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, n_cols, BLOCK_N)
 
 
 def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
@@ -67,7 +67,7 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     part_m = torch.empty((n_tiles, n), dtype=torch.float32, device=dev)
     part_s = torch.empty_like(part_m)
     part_t = torch.empty_like(part_m) if with_entropy else part_m   # unused pointer when False
-    zy = torch.zeros(n, dtype=torch.float32, device=dev)
+    zy = torch.empty(n, dtype=torch.float32, device=dev)      # the kernel writes every row
     grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     _tile_stats_kernel[grid](

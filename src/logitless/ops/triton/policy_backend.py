@@ -76,8 +76,9 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab):
     with_grad = dh is not None or dw is not None
     step = chunk_rows(n, plan_vocab, hidden.dtype, tiles.block_m, tiles.block_n, with_grad)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
-    parts = torch.empty((3, n_tiles * step), dtype=torch.float32, device=dev)
-    zy_buf = torch.empty(step, dtype=torch.float32, device=dev)
+    # the three per-tile statistics and the label logits of a chunk, in one allocation
+    stats = torch.empty(3 * n_tiles * step + step, dtype=torch.float32, device=dev)
+    parts, zy_buf = stats[:3 * n_tiles * step].view(3, -1), stats[3 * n_tiles * step:]
     stride = row_stride(vocab)
     ws = torch.empty(step * stride, dtype=workspace_dtype(hidden.dtype), device=dev) if with_grad else None
     # the dlogits, in the inputs' dtype, overwrite e in place (same element size)
@@ -90,7 +91,7 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab):
         c = stop - start
         h, lab, it = hidden[start:stop], labels[start:stop], inv_temp[start:stop]
         part_m, part_s, part_t = (parts[i, :n_tiles * c].view(n_tiles, c) for i in range(3))
-        zy = zy_buf[:c].zero_()
+        zy = zy_buf[:c]      # written whole by the statistics kernel
         e = None if ws is None else ws[:c * stride].view(c, stride)[:, :vocab]
         chunk_stats(h, weight, lab, it, part_m, part_s, part_t, zy, e)
         lse, ent = combine_tiles(part_m, part_s, part_t)     # leaves part_m: stage 3 needs the tile maxima

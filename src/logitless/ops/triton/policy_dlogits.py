@@ -24,7 +24,9 @@ from .common import INTERPRETING, LN2, LOG2E, tl_dtype
 
 # rows x (TILES statistics tiles) per program, and warps. H200 sweep on one 4096-token chunk at V = 151936
 # (benchmarks/LAB-LOG.md, 2026-12-03, fourth entry): 4 rows x 4 tiles of 256 columns, 4 warps 0.80 ms (3.1 TB/s);
-# 8 x 4 tiles 0.84, 8 x 1 tile (the former default) 0.97, 32 x 1 tile with 8 warps 0.92
+# 8 x 4 tiles 0.84, 8 x 1 tile (the former default) 0.97, 32 x 1 tile with 8 warps 0.92. One [rows, tiles, columns]
+# block a program (a single load and store instead of a loop over the tiles; 2026-12-03, fifth entry): 0.82-0.91
+# over seven shapes, against 0.82-0.99 for this loop in the same sweep as the card's clock drifted: no gain, removed
 ROWS_PER_PROGRAM = 16 if INTERPRETING else 4
 TILES_PER_PROGRAM = 2 if INTERPRETING else 4
 WARPS = 4
@@ -71,49 +73,6 @@ def _policy_dlogits_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr
         tl.store(dl_ptr + rows64[:, None] * s_dn + cols[None, :], dl.to(OUT_DTYPE), mask=ok)
 
 
-@triton.jit
-def _policy_dlogits_block_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, inv_temp_ptr,
-                                 labels_ptr, n_rows, n_cols, s_en, s_dn,
-                                 WITH_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
-    # one [rows, tiles, tile columns] block per program: a single load and store of all of it (more bytes
-    # in flight than a loop over the tiles), the per-(row, tile) factors broadcast along the columns
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
-    g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-    tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)          # the statistics tiles: BLOCK_N wide
-    tile_ok = tiles < tl.cdiv(n_cols, BLOCK_N)
-    m = tl.load(part_m_ptr + tiles.to(tl.int64)[None, :] * n_rows + rows[:, None],
-                mask=row_ok[:, None] & tile_ok[None, :], other=0.0)                    # [M, T]
-    shift = m - lse[:, None]                             # <= 0: log of the tile's share of the mass
-    scale = -inv_t[:, None] * tl.exp2(shift * LOG2E)     # -inv_t * exp(m - lse)
-    cols = tiles[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]                  # [T, N]
-    ok = row_ok[:, None, None] & (cols < n_cols)[None, :, :]
-    e = tl.load(e_ptr + rows64[:, None, None] * s_en + cols[None, :, :], mask=ok, other=0.0).to(tl.float32)
-    if WITH_ENTROPY:
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-        a = scale * (g_lp[:, None] + g_ent[:, None] * (shift + ent[:, None]))
-        b = scale * (g_ent * LN2)[:, None]
-        # log2 of an underflowed e would be -inf and 0 * -inf NaN: see the loop kernel
-        dl = e * (a[:, :, None] + b[:, :, None] * tl.log2(tl.maximum(e, 1e-30)))
-    else:
-        dl = e * (scale * g_lp[:, None])[:, :, None]
-    first = tl.program_id(1) * TILES * BLOCK_N
-    here = row_ok & (label >= first) & (label < first + TILES * BLOCK_N)
-    if tl.max(here.to(tl.int32), axis=0) > 0:
-        dl += tl.where(cols[None, :, :] == label[:, None, None], (g_lp * inv_t)[:, None, None], 0.0)
-    tl.store(dl_ptr + rows64[:, None, None] * s_dn + cols[None, :, :], dl.to(OUT_DTYPE), mask=ok)
-
-
-# benchmark switch while the two forms are compared (benchmarks/gpu_policy_loss.py --sweep)
-BLOCK_FORM = False
-
-
 def dlogits_in_place(e: Tensor, dl: Tensor, part_m: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
                      g_ent: Optional[Tensor], inv_temp: Tensor, labels: Tensor, tile_cols: int) -> Tensor:
     """Write the dlogits of the chunk into ``dl`` ([c, V], the inputs' dtype), reading e ([c, V], float16
@@ -122,8 +81,7 @@ def dlogits_in_place(e: Tensor, dl: Tensor, part_m: Tensor, lse: Tensor, ent: Te
     n, vocab = e.shape
     grid = (triton.cdiv(n, ROWS_PER_PROGRAM), triton.cdiv(triton.cdiv(vocab, tile_cols), TILES_PER_PROGRAM))
     with_entropy = g_ent is not None
-    kernel = _policy_dlogits_block_kernel if BLOCK_FORM else _policy_dlogits_kernel
-    kernel[grid](
+    _policy_dlogits_kernel[grid](
         e, dl, part_m, lse, ent, g_lp, g_ent if with_entropy else g_lp, inv_temp, labels, n, vocab,
         e.stride(0), dl.stride(0), WITH_ENTROPY=with_entropy, OUT_DTYPE=tl_dtype(dl.dtype),
         BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=tile_cols, TILES=TILES_PER_PROGRAM, num_warps=WARPS)

@@ -36,7 +36,7 @@ def _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
     store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, True)
-    store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N)
+    store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, n_cols, BLOCK_N)
     if STORE_E:
         # bulk-copy (TMA) stores of e (whole or half tiles) measured no gain on the H200 (LAB-LOG 2026-12-03)
         ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
@@ -96,7 +96,7 @@ LOOP = 0
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
                 part_t: Tensor, zy: Tensor, e: Tensor | None) -> None:
     """Fill the statistics of the tokens ``hidden`` [c, H] over ``weight`` [V, H]: part_m / part_s / part_t
-    float32 [ceil(V / BLOCK_N), c], zy float32 [c] (zeroed by the caller: rows whose label is -1 keep 0),
+    float32 [ceil(V / BLOCK_N), c], zy float32 [c] (0 for rows whose label is -1; every row written),
     and, when ``e`` is given ([c, V] view with unit column stride, float16 or float32), e = exp(z - m)."""
     n, k = hidden.shape
     vocab = weight.shape[0]

@@ -123,12 +123,16 @@ def store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, 
 
 
 @triton.jit
-def store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, BLOCK_N: tl.constexpr):
-    """zy[row] = acc[row, label] * inv_t[row] from the one tile that holds the row's label (labels of -1:
-    none). Most tiles hold no label: they skip the pick."""
+def store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, n_cols, BLOCK_N: tl.constexpr):
+    """zy[row] = acc[row, label] * inv_t[row] from the one tile that holds the row's label; the first
+    vocabulary tile writes 0 for rows whose label no tile holds (-1: not in this vocabulary shard), so
+    every row of zy is written and the caller need not clear it. Most tiles hold no label: they skip the
+    pick."""
     label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     first = pid_n * BLOCK_N
     here = row_ok & (label >= first) & (label < first + BLOCK_N)
     if tl.max(here.to(tl.int32), axis=0) > 0:
         zy = tl.sum(tl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
         tl.store(zy_ptr + rows, zy, mask=here)
+    if pid_n == 0:
+        tl.store(zy_ptr + rows, tl.zeros_like(inv_t), mask=row_ok & ((label < 0) | (label >= n_cols)))
