@@ -87,7 +87,8 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
 # (1.04x cuBLAS), 0 with 4 stages 8.50 ms in the same sweep, but 7.64 ms for 0 minutes earlier in the same process;
 # whole steps alternating 0.975 of the default in one call, and a call with 1 as the default no better than calls
 # without. Twelve rounds of alternating whole steps (fifth entry): A 1.029, B 1.004. No gain, and Triton calls this
-# compiler path experimental on Hopper: 0 stays the default. Persistent without warp specialization 9.03 ms, flattened loops 9.50: removed.
+# compiler path experimental on Hopper: 0 stays the default. Persistent without warp specialization 9.03 ms,
+# flattened loops 9.50: removed.
 # LOGITLESS_TRITON_POLICY_LOOP=1 (with LOGITLESS_TRITON_POLICY=128,256,64,16,8,3) selects it; elsewhere
 # (interpreter, float32, other GPUs) it is always 0.
 LOOP = 0
