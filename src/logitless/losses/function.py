@@ -6,8 +6,8 @@ allocated here, only for the inputs that need a gradient).
 backward: scales those buffers in place by the upstream gradient of the loss (the loss is 0-d; on
 CUDA the factor is read by a kernel, so the backward does not wait for the GPU) and returns them.
 They exist once: a second backward through the same loss raises RuntimeError (call the loss again
-instead). Gradient accumulation over micro-batches works as usual: every call has
-its own buffers and autograd adds them into ``.grad``.
+instead). Gradient accumulation over micro-batches works as usual: every call has its own buffers and
+autograd adds them into ``.grad``.
 """
 from __future__ import annotations
 

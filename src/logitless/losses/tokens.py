@@ -85,9 +85,10 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
 
     # The call's checks and its scored-token count, fetched together as float64 (few kernels: on a GPU each
     # is host time while the GPU waits): the count; the smallest and largest scored label and value of each
-    # per-token input (ignored tokens read as 0; NaN or inf at a scored token make an input's non-finite);
-    # the smallest and largest inverse temperature; whether cu_seqlens holds. The labels join the inputs as
-    # floats: rounding is monotonic and the vocabulary's size exact, so a label outside [0, vocab) stays out.
+    # per-token input (ignored tokens read as 0; a NaN or inf at a scored token makes that input's minimum or
+    # maximum non-finite); the smallest and largest inverse temperature; whether cu_seqlens holds. The labels
+    # join the inputs as floats: rounding is monotonic and the vocabulary's size exact in that float type, so
+    # a label outside [0, vocab) stays outside.
     total = flat_labels.numel()
     fetch = [flat_valid.sum(dtype=torch.float64)]
     if total:
