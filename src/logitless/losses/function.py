@@ -12,6 +12,7 @@ autograd adds them into ``.grad``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -46,30 +47,23 @@ class _Chunks:
 
     def __init__(self, tokens: ScoredTokens, spec: TermSpec, options: PassOptions, device):
         self.tokens, self.spec, self.tp, self.terms, self.device = tokens, spec, options.tp, options.terms, device
-        self._out = self._totals = self._settings = None
 
     # The outputs, the sums and the terms kernel's settings (an allocation, a fill and a copy to the device)
     # are made on first use: in the first chunk's callback, once its statistics kernel is queued, not before
     # it while the GPU waits.
-    @property
+    @cached_property
     def out(self) -> Tensor:
         """float32 [2, n]: the log-probs and entropies (the chunks cover all n rows and each writes its
         own: no fill)."""
-        if self._out is None:
-            self._out = torch.empty((2, self.tokens.count), dtype=torch.float32, device=self.device)
-        return self._out
+        return torch.empty((2, self.tokens.count), dtype=torch.float32, device=self.device)
 
-    @property
+    @cached_property
     def totals(self) -> TermTotals:
-        if self._totals is None:
-            self._totals = TermTotals.zeros(self.device, with_kl=self.spec.has_ref)
-        return self._totals
+        return TermTotals.zeros(self.device, with_kl=self.spec.has_ref)
 
-    @property
+    @cached_property
     def settings(self):
-        if self._settings is None:
-            self._settings = self.terms.TermSettings.make(self.spec, self.device)
-        return self._settings
+        return self.terms.TermSettings.make(self.spec, self.device)
 
     def __call__(self, start: int, stop: int, lse: Tensor, ent: Tensor, zy: Tensor):
         if self.tp is not None:
