@@ -519,25 +519,37 @@ def best_dlogits(res):
 
 
 def best_stats_loop(res):
-    """The fastest statistics-kernel form of the sweep other than the first (the default) that agrees with it,
-    or None."""
+    """The fastest statistics-kernel form of the sweep other than the default (the first, timed again last)
+    that agrees with it, or None."""
+    default = STATS_LOOPS[0]
     ok = [r for r in res.get("sweep", []) if r.get("stage") == "stats" and r.get("ms") and not r.get("nan")
-          and ("max_diff" in r or "max_diff_lse" in r)
+          and (r["loop"], r["tiles"]) != default and ("max_diff" in r or "max_diff_lse" in r)
           and max(r.get("max_diff", 0), r.get("max_diff_lse", 0)) < 1e-3]
     return None if not ok else (lambda r: (r["loop"], r["tiles"]))(min(ok, key=lambda r: r["ms"]))
 
 
-def alternate(res, name, step, setting, rounds=3, reps=3):
+def alternate_pairs(step, setting, rounds=3, reps=3) -> dict:
     """Whole steps with a variant against the default, alternating in this process (the card's clock moves
-    1-2% within a run): the sums of each, and their ratio."""
-    base = var = 0.0
+    1-4% within a run): ``rounds`` (default, variant) pairs of ``reps``-step medians; setting(): the context
+    manager that sets the variant. {default_ms, variant_ms (lists), ratio (of the sums), variant_faster_in}."""
+    pair = {"default_ms": [], "variant_ms": []}
     for _ in range(rounds):
-        base += time_cuda(step, reps=reps)[0]
+        pair["default_ms"].append(time_cuda(step, reps=reps)[0])
         with setting():
-            var += time_cuda(step, reps=reps)[0]
-    res[f"variant_{name}_ms"], res[f"variant_{name}_default_ms"] = var / rounds, base / rounds
-    res[f"variant_{name}_ratio"] = var / base
-    log(name, "%.2f ms vs default %.2f: ratio %.4f" % (var / rounds, base / rounds, var / base))
+            pair["variant_ms"].append(time_cuda(step, reps=reps)[0])
+    pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
+    wins = sum(v < d for v, d in zip(pair["variant_ms"], pair["default_ms"], strict=True))
+    pair["variant_faster_in"] = f"{wins}/{rounds}"
+    return pair
+
+
+def alternate(res, name, step, setting, rounds=3, reps=3):
+    """``alternate_pairs`` into ``res``: the mean of each side and their ratio."""
+    pair = alternate_pairs(step, setting, rounds, reps)
+    var, base = sum(pair["variant_ms"]) / rounds, sum(pair["default_ms"]) / rounds
+    res[f"variant_{name}_ms"], res[f"variant_{name}_default_ms"] = var, base
+    res[f"variant_{name}_ratio"] = pair["ratio"]
+    log(name, "%.2f ms vs default %.2f: ratio %.4f" % (var, base, pair["ratio"]))
 
 
 def write():

@@ -34,7 +34,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_policy_loss import SHAPES, Step, make_inputs  # noqa: E402
+from gpu_policy_loss import SHAPES, Step, alternate_pairs, make_inputs  # noqa: E402
 
 from logitless.losses import fused_policy_loss  # noqa: E402
 from logitless.tools.common import env_set, time_cuda  # noqa: E402
@@ -269,21 +269,11 @@ def env_variant(spec):
 
 
 def alternate(step, variant, rounds):
-    """Whole steps, each variant right after the default (the H200 runs at its power cap here, so steps
-    drift with its temperature): ``rounds`` (default, variant) pairs of 3-step medians; variant(): the
-    context manager that sets it."""
-    pair = {"default_ms": [], "variant_ms": []}
+    """``gpu_policy_loss.alternate_pairs`` of 3-step medians, or the error of a variant that fails."""
     try:
-        for _ in range(rounds):
-            pair["default_ms"].append(time_cuda(step, reps=3)[0])
-            with variant():
-                pair["variant_ms"].append(time_cuda(step, reps=3)[0])
-        pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
-        wins = sum(v < d for v, d in zip(pair["variant_ms"], pair["default_ms"], strict=True))
-        pair["variant_faster_in"] = f"{wins}/{rounds}"
+        return alternate_pairs(step, variant, rounds)
     except Exception as exc:  # noqa: BLE001 - a variant that fails is a result too
-        pair["error"] = repr(exc)[:200]
-    return pair
+        return {"error": repr(exc)[:200]}
 
 
 def shape_report(tag, args):
