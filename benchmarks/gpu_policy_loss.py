@@ -14,8 +14,8 @@
    path (loss, log-probs, gradients) and its log-probs / entropies of 256 tokens against float64; one
    chunk's stages timed alone.
 3. --variants: whole steps alternating with the default: the sweep's fastest dlogits block and
-   statistics-kernel form. --sweep: the statistics kernel's forms (LOGITLESS_TRITON_POLICY_LOOP and tiles,
-   outputs checked against the default's) and dlogits blocks on one
+   statistics-kernel form. --sweep: the statistics kernel's forms (the default, Gluon on Hopper, and the Triton
+   kernel: LOGITLESS_POLICY_STATS_KERNEL; outputs checked against the default's) and dlogits blocks on one
    chunk, and a profile of one step.
 Writes DIR/gpu_policy_loss.json and prints a short table last. --dry-run runs every step on tiny shapes on
 the CPU (triton's interpreter, wall-clock timing, no memory figures): a check of the script, not a measurement.
@@ -304,9 +304,9 @@ def stage_times(inputs, res):
     log("stages", out)
 
 
-# statistics kernel: (LOGITLESS_TRITON_POLICY_LOOP, LOGITLESS_TRITON_POLICY tiles); see policy_stats.LOOP
-STATS_LOOPS = [(0, "128,256,64,16,8,4"), (1, "128,256,64,16,8,3"),
-               (0, "128,256,64,16,8,4")]     # the default again at the end: the card's clock drifts within a sweep
+# statistics kernel: name -> environment (policy_stats.chunk_stats: the Gluon kernel on Hopper by default)
+STATS_FORMS = [("default", {}), ("triton", {"LOGITLESS_POLICY_STATS_KERNEL": "triton"}),
+               ("default", {})]     # the default again at the end: the card's clock drifts within a sweep
 # rows per program, warps, statistics tiles per program (run 7 swept ten; these are its best and the former default)
 DLOGITS_BLOCKS = [(4, 4, 4), (8, 4, 1), (4, 2, 2), (4, 4, 4)]    # the default again: the card's clock drifts
 
@@ -350,10 +350,10 @@ def sweep(inputs, res):
     pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
     zy = torch.zeros(c, device=DEV)
     want = None
-    for loop, tiles in STATS_LOOPS:
-        row = {"stage": "stats", "loop": loop, "tiles": tiles}
+    for form, env in STATS_FORMS:
+        row = {"stage": "stats", "form": form}
         try:
-            with env_set(LOGITLESS_TRITON_POLICY_LOOP=loop, LOGITLESS_TRITON_POLICY=tiles):
+            with env_set(**env):
                 tc = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
                 bufs = [torch.full((tc, c), float("nan"), device=DEV) for _ in range(3)]
                 zyv = torch.zeros(c, device=DEV)
@@ -489,11 +489,9 @@ def shape_run(tag, variants):
         blocks = {best_dlogits(res)} - {default}     # the sweep's best
         settings = [("dlogits_" + "x".join(map(str, block)),
                      lambda block=block: attrs_set(policy_dlogits, **dlogits_attrs(block))) for block in blocks]
-        loop = best_stats_loop(res)
-        if loop is not None:
-            settings.append((f"stats_loop{loop[0]}_{loop[1].replace(',', 'x')}",
-                             lambda loop=loop: env_set(LOGITLESS_TRITON_POLICY_LOOP=loop[0],
-                                                       LOGITLESS_TRITON_POLICY=loop[1])))
+        form = best_stats_form(res)
+        if form is not None:
+            settings.append((f"stats_{form}", lambda form=form: env_set(**dict(STATS_FORMS)[form])))
         for name, setting in settings:
             try:
                 alternate(res, name, fused, setting)
@@ -518,25 +516,32 @@ def best_dlogits(res):
     return tuple(min(timed, key=lambda r: r["ms"])["block"]) if timed else (8, 4, 1)
 
 
-def best_stats_loop(res):
+def best_stats_form(res):
     """The fastest statistics-kernel form of the sweep other than the default (the first, timed again last)
     that agrees with it, or None."""
-    default = STATS_LOOPS[0]
     ok = [r for r in res.get("sweep", []) if r.get("stage") == "stats" and r.get("ms") and not r.get("nan")
-          and (r["loop"], r["tiles"]) != default and ("max_diff" in r or "max_diff_lse" in r)
+          and r["form"] != STATS_FORMS[0][0] and ("max_diff" in r or "max_diff_lse" in r)
           and max(r.get("max_diff", 0), r.get("max_diff_lse", 0)) < 1e-3]
-    return None if not ok else (lambda r: (r["loop"], r["tiles"]))(min(ok, key=lambda r: r["ms"]))
+    return None if not ok else min(ok, key=lambda r: r["ms"])["form"]
 
 
 def alternate_pairs(step, setting, rounds=3, reps=3) -> dict:
     """Whole steps with a variant against the default, alternating in this process (the card's clock moves
-    1-4% within a run): ``rounds`` (default, variant) pairs of ``reps``-step medians; setting(): the context
+    1-4% within a run): ``rounds`` pairs of ``reps``-step medians, the default first in even rounds and the
+    variant first in odd ones (a clock that drifts through a run then favours neither); setting(): the context
     manager that sets the variant. {default_ms, variant_ms (lists), ratio (of the sums), variant_faster_in}."""
     pair = {"default_ms": [], "variant_ms": []}
-    for _ in range(rounds):
+
+    def default():
         pair["default_ms"].append(time_cuda(step, reps=reps)[0])
+
+    def variant():
         with setting():
             pair["variant_ms"].append(time_cuda(step, reps=reps)[0])
+
+    for i in range(rounds):
+        for side in ((default, variant) if i % 2 == 0 else (variant, default)):
+            side()
     pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
     wins = sum(v < d for v, d in zip(pair["variant_ms"], pair["default_ms"], strict=True))
     pair["variant_faster_in"] = f"{wins}/{rounds}"

@@ -85,12 +85,10 @@ def policy_dw_fp32() -> bool:
     return os.environ.get("LOGITLESS_POLICY_DW_FP32", "").strip().lower() in _TRUE
 
 
-def triton_policy_loop(default: int) -> int:
-    """LOGITLESS_TRITON_POLICY_LOOP: how the policy loss's statistics kernel walks its tiles on Hopper with
-    half-precision inputs (benchmarking): 0 one program per tile, 1 persistent and warp-specialized."""
-    raw = os.environ.get("LOGITLESS_TRITON_POLICY_LOOP", "").strip()
-    if not raw:
-        return default
-    if raw not in ("0", "1"):
-        raise ValueError(f"LOGITLESS_TRITON_POLICY_LOOP={raw!r} must be 0 or 1")
-    return int(raw)
+def policy_stats_kernel() -> str:
+    """LOGITLESS_POLICY_STATS_KERNEL: which kernel fills the policy loss's statistics on Hopper: "auto" (the
+    default) the Gluon kernel wherever it runs, "triton" the Triton kernel everywhere (benchmarking)."""
+    raw = os.environ.get("LOGITLESS_POLICY_STATS_KERNEL", "").strip().lower() or "auto"
+    if raw not in ("auto", "triton"):
+        raise ValueError(f"LOGITLESS_POLICY_STATS_KERNEL={raw!r} must be auto or triton")
+    return raw

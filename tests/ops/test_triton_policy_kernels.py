@@ -149,34 +149,6 @@ def test_dlogits_tiles_per_program_agree(tiles_per_program, with_entropy, monkey
     assert (got.double() - grad).abs().max() <= 1e-5 * grad.abs().max()
 
 
-@pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available()
-                    or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the persistent warp-specialized form runs on Hopper GPUs only (the interpreter cannot "
-                           "loop to a run-time bound)")
-def test_warp_specialized_statistics_equal_one_program_per_tile(monkeypatch):
-    from logitless.ops.triton import policy_stats
-    from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.policy_backend import row_stride
-    c, h, v = 300, 256, 4099
-    hidden = torch.randn(c, h, device=DEVICE).to(torch.bfloat16)
-    weight = (torch.randn(v, h, device=DEVICE) * 0.3).to(torch.bfloat16)
-    labels = torch.randint(0, v, (c,), device=DEVICE)
-    inv_t = torch.rand(c, device=DEVICE) + 0.5
-    n_tiles = triton.cdiv(v, choose_tiles("POLICY", torch.bfloat16, hidden.device).block_n)
-    results = []
-    for loop in ("0", "1"):
-        monkeypatch.setenv("LOGITLESS_TRITON_POLICY_LOOP", loop)
-        ws = torch.full((c, row_stride(v)), float("nan"), dtype=torch.float16, device=DEVICE)
-        parts = [torch.full((n_tiles, c), float("nan"), device=DEVICE) for _ in range(3)]
-        zy = torch.zeros(c, device=DEVICE)
-        policy_stats.chunk_stats(hidden, weight, labels, inv_t, *parts, zy, ws[:, :v])
-        assert not ws[:, :v].isnan().any() and ws[:, v:].isnan().all()
-        assert not any(p.isnan().any() for p in parts)
-        results.append((ws[:, :v], *parts, zy))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", [1, 4099, 3 * scale.BLOCK * scale.UNROLL + 7])
 def test_scale_in_place_matches_mul(dtype, numel):

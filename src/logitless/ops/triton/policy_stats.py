@@ -10,22 +10,23 @@ float32 inputs). The logits never reach HBM; e is all the gradient stage needs (
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import (
-    INTERPRETING,
-    capability_major,
-    choose_tiles,
-    launch_options,
-    multiprocessors,
-    tile_operands,
-    tl_dtype,
-)
+from .common import INTERPRETING, choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
+
+# On Hopper the same outputs come from a hand-scheduled Gluon kernel (policy_stats_gluon: 1.05-1.08x cuBLAS
+# against this kernel's 1.21-1.23x on the H200). Gluon is experimental in triton: where it does not import (a
+# triton without it, or the interpreter, which does not run it) this kernel is the only path.
+gluon_stats = None
+if not INTERPRETING:
+    try:
+        from . import policy_stats_gluon as gluon_stats
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
+        gluon_stats = None
 
 
 @triton.jit
@@ -60,58 +61,38 @@ def _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
 @triton.jit
 def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, e_ptr,
                          n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en,
-                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr, LOOP: tl.constexpr,
+                         STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
                          SOFTCAP: tl.constexpr, CAP: tl.constexpr):
-    # SOFTCAP / CAP come with launch_options; the policy loss refuses a softcap before any launch.
-    if LOOP == 0:       # one program per tile
-        _stats_tile(tl.program_id(0), h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                    zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
-    else:
-        # one program per multiprocessor walking the tiles, warp-specialized by the compiler (a producer
-        # partition issues the bulk copies, so the next tile's operands arrive during this tile's epilogue).
-        # GPU only: the interpreter cannot loop to a run-time bound; there LOOP is 0.
-        n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
-        for tile_id in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), warp_specialize=True):
-            _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
-                        zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
-                        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
-
-
-# How the programs walk the tiles on a Hopper GPU with half-precision inputs: 0 one program per tile; 1 one
-# persistent program per multiprocessor with Triton's automatic warp specialization (identical outputs). H200, one
-# 4096-token chunk at V = 151936 (benchmarks/LAB-LOG.md, 2026-12-03, fourth session): 1 with 3 stages 7.59 ms
-# (1.04x cuBLAS), 0 with 4 stages 8.50 ms in the same sweep, but 7.64 ms for 0 minutes earlier in the same process;
-# whole steps alternating 0.975 of the default in one call, and a call with 1 as the default no better than calls
-# without. Twelve rounds of alternating whole steps (fifth entry): A 1.029, B 1.004. No gain, and Triton calls this
-# compiler path experimental on Hopper: 0 stays the default. Persistent without warp specialization 9.03 ms,
-# flattened loops 9.50: removed.
-# LOGITLESS_TRITON_POLICY_LOOP=1 (with LOGITLESS_TRITON_POLICY=128,256,64,16,8,3) selects it; elsewhere
-# (interpreter, float32, other GPUs) it is always 0.
-LOOP = 0
+    # one program per tile. SOFTCAP / CAP come with launch_options; the policy loss refuses a softcap before
+    # any launch.
+    _stats_tile(tl.program_id(0), h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
+                BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA)
 
 
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
                 part_t: Tensor, zy: Tensor, e: Tensor | None) -> None:
     """Fill the statistics of the tokens ``hidden`` [c, H] over ``weight`` [V, H]: part_m / part_s / part_t
     float32 [ceil(V / BLOCK_N), c], zy float32 [c] (0 for rows whose label is -1; every row written),
-    and, when ``e`` is given ([c, V] view with unit column stride, float16 or float32), e = exp(z - m)."""
+    and, when ``e`` is given ([c, V] view with unit column stride, float16 or float32), e = exp(z - m).
+    On Hopper with half-precision operands and e float16, the Gluon kernel (``policy_stats_gluon``) writes
+    them, bit for bit the same; LOGITLESS_POLICY_STATS_KERNEL=triton keeps this kernel there too."""
     n, k = hidden.shape
     vocab = weight.shape[0]
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
+    if gluon_stats is not None and knobs.policy_stats_kernel() == "auto" and gluon_stats.usable(
+            hidden, weight, e, tiles.block_n):
+        gluon_stats.chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e)
+        return
     n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
-    warp_specialized = (not INTERPRETING and use_tma and hidden.dtype in (torch.bfloat16, torch.float16)
-                        and capability_major(hidden.device) == 9)
-    loop = knobs.triton_policy_loop(LOOP) if warp_specialized else 0
-    grid = (n_tiles if loop == 0 else min(n_tiles, multiprocessors(hidden.device)),)
     store = e is not None
-    _policy_stats_kernel[grid](
+    _policy_stats_kernel[(n_tiles,)](
         h_op, w_op, labels, inv_temp, part_m, part_s, part_t, zy, e if store else part_m,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         e.stride(0) if store else 0,
-        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, LOOP=loop, USE_TMA=use_tma,
+        STORE_E=store, E_DTYPE=tl_dtype(e.dtype) if store else tl.float32, USE_TMA=use_tma,
         **launch_options(tiles, hidden, None))

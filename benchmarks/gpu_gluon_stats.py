@@ -1,0 +1,126 @@
+"""Check and time the policy loss's statistics kernel on one Hopper GPU, in one process: the Gluon kernel
+(ops/triton/policy_stats_gluon.py, the default there) against the Triton kernel and cuBLAS.
+
+    PYTHONPATH=src python3 benchmarks/gpu_gluon_stats.py [--check-only] [--out DIR]
+
+1. Outputs of the Gluon kernel against the Triton kernel's (max abs difference of m, s, t, zy and e; they
+   agree bit for bit) on an odd shape (300 tokens, H=96, V=1031, labels with -1, per-token temperature) and a
+   full-width chunk (4096 tokens, H=4096, V=151936).
+2. One 4096-token chunk at shapes A and B's vocabularies, in rounds (the card's clock drifts; compare within a
+   round): cuBLAS's [c, V] product, the Triton kernel, the Gluon kernel and its variants (VARIANTS: ring depth,
+   token blocks per group).
+Writes DIR/gpu_gluon_stats.json and prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from gpu_policy_loss import attrs_set  # noqa: E402
+
+from logitless.ops.triton import policy_stats_gluon  # noqa: E402
+from logitless.ops.triton.common import choose_tiles  # noqa: E402
+from logitless.ops.triton.policy_backend import row_stride  # noqa: E402
+from logitless.ops.triton.policy_stats import chunk_stats  # noqa: E402
+from logitless.tools.common import env_set, time_cuda  # noqa: E402
+
+# name -> module constants of policy_stats_gluon (the default first)
+VARIANTS = {"gluon": {}, "gluon_stages3": {"STAGES": 3}, "gluon_group8": {"GROUP_M": 8},
+            "gluon_group32": {"GROUP_M": 32}}
+
+
+def buffers(c, v):
+    t = triton.cdiv(v, choose_tiles("POLICY", torch.bfloat16, torch.device("cuda")).block_n)
+    parts = [torch.full((t, c), float("nan"), device="cuda") for _ in range(3)]
+    zy = torch.full((c,), float("nan"), device="cuda")
+    e = torch.full((c * row_stride(v),), float("nan"), dtype=torch.float16, device="cuda").view(c, row_stride(v))
+    return parts, zy, e[:, :v]
+
+
+def triton_kernel():
+    return env_set(LOGITLESS_POLICY_STATS_KERNEL="triton")
+
+
+def compare(c, h, v):
+    hidden = torch.randn(c, h, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda") * (4 / h ** 0.5)).to(torch.bfloat16)
+    labels = torch.randint(0, v, (c,), device="cuda")
+    labels[::7] = -1
+    inv_t = torch.rand(c, device="cuda") + 0.5
+    out = []
+    for gluon in (True, False):
+        parts, zy, e = buffers(c, v)
+        assert policy_stats_gluon.usable(hidden, weight, e, 256)
+        if gluon:
+            k = policy_stats_gluon.chunk_stats_gluon(hidden, weight, labels, inv_t, *parts, zy, e)
+            print(f"compiled: {k.n_regs} registers, {k.n_spills} spills", flush=True)
+        else:
+            with triton_kernel():
+                chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
+        torch.cuda.synchronize()
+        out.append((*parts, zy, e.float()))
+    row = {"shape": [c, h, v]}
+    for name, a, b in zip(("m", "s", "t", "zy", "e"), out[1], out[0], strict=True):
+        row[name] = {"max_abs": (a - b).abs().max().item(), "nan": b.isnan().any().item()}
+    return row
+
+
+def timing(v, rounds=4):
+    c, h = 4096, 4096
+    hidden = torch.randn(c, h, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda") * (4 / h ** 0.5)).to(torch.bfloat16)
+    labels = torch.randint(0, v, (c,), device="cuda")
+    inv_t = torch.ones(c, device="cuda")
+    parts, zy, e = buffers(c, v)
+    z = torch.empty(c, v, dtype=torch.bfloat16, device="cuda")
+    res = {"cublas": [], "triton": [], **{name: [] for name in VARIANTS}}
+
+    def stats():
+        chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
+
+    for _ in range(rounds):
+        res["cublas"].append(time_cuda(lambda: torch.mm(hidden, weight.t(), out=z), reps=5)[0])
+        with triton_kernel():
+            res["triton"].append(time_cuda(stats, reps=5)[0])
+        for name, consts in VARIANTS.items():
+            with attrs_set(policy_stats_gluon, **consts):
+                res[name].append(time_cuda(stats, reps=5)[0])
+    return {"V": v, **res}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--check-only", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    result = {"checks": [], "timing": []}
+    for shape in ((300, 96, 1031), (4096, 4096, 151936)):
+        result["checks"].append(compare(*shape))
+        print(result["checks"][-1], flush=True)
+    if not args.check_only:
+        for v in (151936, 131072):
+            result["timing"].append(timing(v))
+            print(result["timing"][-1], flush=True)
+    with open(os.path.join(args.out, "gpu_gluon_stats.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    kinds = ("triton",) + tuple(VARIANTS)
+    print("\n| V | cuBLAS ms | " + " | ".join(f"{k} ms (x cuBLAS)" for k in kinds) + " |\n"
+          + "|---" * (2 + len(kinds)) + "|")
+    for r in result["timing"]:
+        mean = {k: sum(r[k]) / len(r[k]) for k in ("cublas",) + kinds}
+        print(f"| {r['V']} | {mean['cublas']:.3f} | "
+              + " | ".join(f"{mean[k]:.3f} ({mean[k] / mean['cublas']:.3f})" for k in kinds) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Policy loss, stage 1 on Hopper: the statistics kernel of ``policy_stats`` written in Gluon (Triton's
+lower-level language, shipped with triton 3.6), scheduled by hand so that one tile's epilogue runs while the
+tensor cores compute the next tile.
+
+The same outputs as ``policy_stats`` bit for bit (per-(token, vocabulary tile) m, s, t, the label logits zy and
+e = exp(z - tile max) as float16; benchmarks/gpu_gluon_stats.py and tests/ops/test_policy_stats_gluon.py):
+
+- one persistent program per multiprocessor walks the (64-row token block, 256-column vocabulary tile) grid in
+  grouped order (``_tile_coords``, as ``tile.tile_coords``);
+- a 1-warp load partition streams the h [64, 64] and W [256, 64] operand tiles into a STAGES-deep ring by TMA;
+- two 4-warp consumer partitions take alternate tiles (ping-pong): while one runs its 64 x 256 wgmma main
+  loop, the other runs its epilogue (max, exp2, s, t, label pick) and hands e to a TMA store it waits for only
+  at its next epilogue. Two ``turn`` barriers make them take the ring in turns.
+
+Why: the Triton kernel (one 128 x 256 tile per program) leaves the tensor cores idle during each epilogue and
+runs at 1.21-1.23x cuBLAS's product of the same shape; this one at 1.05-1.08x (H200, one 4096-token chunk,
+V = 131072 / 151936; benchmarks/NOTES.md). A cooperative form (both consumers on halves of a 128-row tile,
+half the L2 reads of W) ran at 1.10-1.18x and was removed.
+
+Used by ``policy_stats.chunk_stats`` where ``usable`` says so (Hopper, half-precision operands laid out for
+TMA, e float16); the Triton kernel stays the path everywhere else and in the interpreter.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import capability_major, multiprocessors, tma_layout_ok
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+BLOCK_M = 64        # token rows per tile: one consumer warpgroup (a 64 x 256 float32 accumulator, 128 registers)
+BLOCK_N = 256       # vocabulary columns per tile: the statistics tiles of policy_stats (its BLOCK_N)
+BLOCK_K = 64
+STAGES = 4          # 4 x 40 KiB of operand ring + 2 x 32 KiB of e staging: 224 KiB of the 227 a block may use
+GROUP_M = 16
+CONSUMER_REGS = gl.constexpr(240)   # setmaxnreg per partition: 240 + 240 for the consumers, 24 for the loader
+LOADER_REGS = gl.constexpr(24)
+# The kernel's own register limit: its 12 warps (the loader's warp rounded up to a warpgroup) start with an
+# equal share of the 64K registers, 65536 / 384 rounded down to 8, then trade them (setmaxnreg). A launch with
+# maxnreg 240 is refused: 384 threads x 240 registers do not fit.
+KERNEL_REGS = 65536 // (12 * 32) // 8 * 8
+
+
+@gluon.jit
+def _tile_coords(tile_id, n_rows, n_cols, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr):
+    num_m = gl.cdiv(n_rows, BM)
+    num_n = gl.cdiv(n_cols, BN)
+    per_group = GROUP * num_n
+    first_m = (tile_id // per_group) * GROUP
+    size_m = gl.minimum(num_m - first_m, GROUP)
+    pid_m = first_m + (tile_id % per_group) % size_m
+    pid_n = (tile_id % per_group) // size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _load_partition(args):
+    """The loader warp: for each of this program's tiles, its K_TILES operand pairs into the ring."""
+    (h_desc, w_desc, e_desc, ring_h, ring_w, e_bufs, ready, empty, turn, labels_ptr, inv_temp_ptr,
+     part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, n_rows, n_cols, K_TILES, STAGES_, GROUP) = args
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BK: gl.constexpr = h_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    n_tiles = gl.cdiv(n_rows, BM) * gl.cdiv(n_cols, BN)
+    it = 0
+    for tile_id in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile_id, n_rows, n_cols, BM, BN, GROUP)
+        for k in range(K_TILES):
+            s = it % STAGES_
+            phase = (it // STAGES_) & 1
+            # a slot starts empty: the first wait on its barrier passes (a fresh barrier's "previous phase"
+            # counts as complete)
+            mbarrier.wait(empty.index(s), phase ^ 1)
+            mbarrier.expect(ready.index(s), h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            # rows past n_rows and columns past n_cols come in as zeros (TMA bounds)
+            tma.async_copy_global_to_shared(h_desc, [pid_m * BM, k * BK], ready.index(s), ring_h.index(s))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, k * BK], ready.index(s), ring_w.index(s))
+            it += 1
+
+
+@gluon.jit
+def _tile(args, tile_id, local, WHICH: gl.constexpr):
+    """Consumer WHICH's tile (this program's local-th): the wgmma main loop over the ring, then the epilogue."""
+    (h_desc, w_desc, e_desc, ring_h, ring_w, e_bufs, ready, empty, turn, labels_ptr, inv_temp_ptr,
+     part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, n_rows, n_cols, K_TILES, STAGES_, GROUP) = args
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    e_smem = e_bufs.index(WHICH)
+    pid_m, pid_n = _tile_coords(tile_id, n_rows, n_cols, BM, BN, GROUP)
+    base = local * K_TILES      # ring position of this tile's first operand pair
+    # This consumer's m-th tile (m = local // 2) takes the ring once the other consumer has finished reading its
+    # previous tile from it: phase m - 1 of turn[0] for consumer 0 (its first tile goes at once), phase m of
+    # turn[1] for consumer 1. Without the turns, a consumer would wait on a slot's ready barrier a whole ring
+    # ahead of the loader, which an mbarrier's one-bit phase cannot tell apart.
+    m = local // 2
+    if WHICH == 0:
+        mbarrier.wait(turn.index(0), (m - 1) & 1, pred=m > 0)
+    else:
+        mbarrier.wait(turn.index(1), m & 1)
+    acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma)
+    for k in range(K_TILES):
+        s = (base + k) % STAGES_
+        mbarrier.wait(ready.index(s), ((base + k) // STAGES_) & 1)
+        acc = warpgroup_mma(ring_h.index(s), ring_w.index(s).permute((1, 0)), acc, is_async=True)
+        # at most one wgmma in flight: the previous one has read its slot, which goes back to the loader
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((base + k + STAGES_ - 1) % STAGES_), count=1, pred=k > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((base + K_TILES - 1) % STAGES_), count=1)
+    mbarrier.arrive(turn.index(1 - WHICH), count=1)     # the other consumer's turn on the ring
+
+    # the epilogue of tile.tempered_tile_stats / store_row_stats / store_label_logit, in the same order of
+    # operations (the outputs agree bit for bit)
+    rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)
+    cols = pid_n * BN + gl.arange(0, BN, layout=col_layout)
+    row_ok = rows < n_rows
+    inv_t = gl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    # the label's logit first: after it only the exponentials need the tile (fewer live registers)
+    label = gl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    here = row_ok & (label >= pid_n * BN) & (label < pid_n * BN + BN)
+    zy = gl.sum(gl.where(cols[None, :] == label[:, None], acc, 0.0), axis=1) * inv_t
+    gl.store(zy_ptr + rows, zy, mask=here)
+    unlabelled = row_ok & ((label < 0) | (label >= n_cols)) & (pid_n == 0)
+    gl.store(zy_ptr + rows, gl.zeros_like(inv_t), mask=unlabelled)
+    acc = gl.where((cols < n_cols)[None, :], acc, float("-inf"))
+    m_acc = gl.max(acc, axis=1)
+    scale2 = inv_t * LOG2E
+    d2 = acc * scale2[:, None] - (m_acc * scale2)[:, None]
+    e = gl.exp2(d2)
+    out = pid_n.to(gl.int64) * n_rows + rows
+    gl.store(part_m_ptr + out, m_acc * inv_t, mask=row_ok)
+    gl.store(part_s_ptr + out, gl.sum(e, axis=1), mask=row_ok)
+    gl.store(part_t_ptr + out, gl.sum(e * gl.maximum(d2, -1e30), axis=1) * LN2, mask=row_ok)
+    # e: this consumer's previous store must have left the staging buffer (the issuing thread waits; the
+    # barrier holds the partition's other warps until it has); the TMA store clips rows past n_rows, and columns
+    # past n_cols only to a multiple of 8 (16 bytes): those few get e = 0 (``usable`` checks they exist)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    e_smem.store(e.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()     # every warp's part of e is in shared memory before the copy starts
+    tma.async_copy_shared_to_global(e_desc, [pid_m * BM, pid_n * BN], e_smem)
+
+
+@gluon.jit
+def _consume(args, WHICH: gl.constexpr):
+    """Consumer WHICH (0 or 1): every other tile of this program, so that one consumer's epilogue runs
+    during the other's main loop."""
+    (h_desc, w_desc, e_desc, ring_h, ring_w, e_bufs, ready, empty, turn, labels_ptr, inv_temp_ptr,
+     part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, n_rows, n_cols, K_TILES, STAGES_, GROUP) = args
+    BM: gl.constexpr = h_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    n_tiles = gl.cdiv(n_rows, BM) * gl.cdiv(n_cols, BN)
+    local = 0
+    for tile_id in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        if local % 2 == WHICH:
+            _tile(args, tile_id, local, WHICH)
+        local += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(args):
+    _consume(args, 0)
+
+
+@gluon.jit
+def _consumer1(args):
+    _consume(args, 1)
+
+
+@gluon.jit
+def _policy_stats_gluon_kernel(h_desc, w_desc, e_desc, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
+                               zy_ptr, n_rows, n_cols, K_TILES: gl.constexpr, STAGES_: gl.constexpr,
+                               GROUP: gl.constexpr):
+    ring_h = gl.allocate_shared_memory(h_desc.dtype, [STAGES_] + h_desc.block_type.shape, h_desc.layout)
+    ring_w = gl.allocate_shared_memory(w_desc.dtype, [STAGES_] + w_desc.block_type.shape, w_desc.layout)
+    e_bufs = gl.allocate_shared_memory(e_desc.dtype, [2] + e_desc.block_type.shape, e_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES_):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    args = (h_desc, w_desc, e_desc, ring_h, ring_w, e_bufs, ready, empty, turn, labels_ptr, inv_temp_ptr,
+            part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, n_rows, n_cols, K_TILES, STAGES_, GROUP)
+    gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_load_partition, (args, ))],
+                       [4, 1],
+                       [CONSUMER_REGS, LOADER_REGS])
+
+
+def usable(hidden: torch.Tensor, weight: torch.Tensor, e: torch.Tensor | None, block_n: int) -> bool:
+    """Whether this kernel can fill the statistics of ``hidden`` over ``weight`` into ``e``: a Hopper GPU
+    (sm_90: wgmma), bfloat16 / float16 operands with unit stride along H and 16-byte aligned rows (TMA), e
+    given, float16, unit column stride, 16-byte aligned rows whose storage extends to a multiple of 8 columns,
+    and the caller's statistics tiles BLOCK_N wide."""
+    if hidden.device.type != "cuda" or torch.version.hip is not None or e is None:
+        return False
+    if capability_major(hidden.device) != 9 or block_n != BLOCK_N:
+        return False
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+        return False
+    if not (e.dtype == torch.float16 and tma_layout_ok(hidden) and tma_layout_ok(weight) and tma_layout_ok(e)):
+        return False
+    # The TMA store clips the columns past V only to 16 bytes (seen on the H200: V = 4099 writes columns up to
+    # 4103): e's storage must reach that far in its last row. The policy workspace's rows are 64-column aligned.
+    c, vocab = e.shape
+    end = e.storage_offset() + (c - 1) * e.stride(0) + -(-vocab // 8) * 8
+    return end * e.element_size() <= e.untyped_storage().nbytes()
+
+
+def descriptors(hidden, weight, e):
+    """TMA descriptors of h [c, H], W [V, H] (bfloat16 / float16) and e [c, V] (float16)."""
+    dt = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
+    h_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dt)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt)
+    e_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float16)
+    return (TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [BLOCK_M, BLOCK_K], h_layout),
+            TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [BLOCK_N, BLOCK_K], w_layout),
+            TensorDescriptor(e, list(e.shape), list(e.stride()), [BLOCK_M, BLOCK_N], e_layout))
+
+
+def _launch_args(hidden) -> dict:
+    return dict(K_TILES=triton.cdiv(hidden.shape[1], BLOCK_K), STAGES_=STAGES, GROUP=GROUP_M)
+
+
+def chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e):
+    """As ``policy_stats.chunk_stats`` with e given, where ``usable`` holds. Returns the compiled kernel
+    (its registers and spills, for benchmarks)."""
+    n = hidden.shape[0]
+    vocab = weight.shape[0]
+    h_desc, w_desc, e_desc = descriptors(hidden, weight, e)
+    n_tiles = triton.cdiv(n, BLOCK_M) * triton.cdiv(vocab, BLOCK_N)
+    return _policy_stats_gluon_kernel[(min(n_tiles, multiprocessors(hidden.device)), )](
+        h_desc, w_desc, e_desc, labels, inv_temp, part_m, part_s, part_t, zy, n, vocab,
+        **_launch_args(hidden), num_warps=4, maxnreg=KERNEL_REGS)
+
+
+def compile_for_hopper(c: int = 256, h: int = 4096, v: int = 8248):
+    """Compile the kernel for sm_90 without a GPU (triton's own ptxas): the compiled kernel, for its shared
+    memory, warps and registers. Needs triton imported without TRITON_INTERPRET (tests run it in a child)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    hidden, weight = torch.empty(c, h, dtype=torch.bfloat16), torch.empty(v, h, dtype=torch.bfloat16)
+    stride = -(-v // 64) * 64
+    e = torch.empty(c * stride, dtype=torch.float16).view(c, stride)[:, :v]
+    h_desc, w_desc, e_desc = descriptors(hidden, weight, e)
+    f = torch.empty(c)
+    args = dict(h_desc=h_desc, w_desc=w_desc, e_desc=e_desc, labels_ptr=torch.empty(c, dtype=torch.int64),
+                inv_temp_ptr=f, part_m_ptr=f, part_s_ptr=f, part_t_ptr=f, zy_ptr=f, n_rows=c, n_cols=v)
+    const = _launch_args(hidden)
+    sig = {k: mangle_type(x) for k, x in args.items()} | {k: "constexpr" for k in const}
+    return triton.compile(GluonASTSource(_policy_stats_gluon_kernel, sig, const),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=KERNEL_REGS))
