@@ -325,6 +325,7 @@ def main():
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler steps")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     OUT["env"] = {"versions": versions(), "machine": machine(), "argv": sys.argv}
     OUT["shapes"] = {tag: shape_report(tag, args) for tag in args.shape.split(",")}
