@@ -93,15 +93,18 @@ def test_token_rows_follow_the_knobs(small_chunks):
 
 def test_weight_gradient_accumulates_in_float32_across_chunks(small_chunks):
     # bf16 inputs, four chunks: d_weight must be summed in float32 and rounded once (a bf16 running sum
-    # rounds after every chunk); compare with the float32 sum of one call over every token
-    hidden, weight, labels = make_inputs(lead=(N,), h=H, v=V, dtype=torch.bfloat16, device=DEVICE)
+    # rounds after every chunk); compare with the float32 sum of one call over every token. On the CPU only:
+    # on CUDA the chunked backend rounds dlogits to bf16 before its GEMMs, and cuBLAS reduces a chunk's and
+    # the whole call's products in different orders, so the two differ by as much as this test isolates (seen
+    # on the H200). The accumulation it checks is the same code on every device.
+    hidden, weight, labels = make_inputs(lead=(N,), h=H, v=V, dtype=torch.bfloat16, device="cpu")
     mod = load_backend("chunked")
-    ones = torch.ones(N, device=DEVICE)
+    ones = torch.ones(N)
     lse, ent, _ = token_chunks.stats(mod, hidden, weight, labels, ones, None, True, None)
-    g_lp, g_ent = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    g_lp, g_ent = torch.randn(N), torch.randn(N)
     dh, dw = token_chunks.grads(mod, hidden, weight, labels, ones, lse, ent, g_lp, g_ent, None, True, True, None)
     assert dh.dtype == dw.dtype == torch.bfloat16 and dh.shape == hidden.shape and dw.shape == weight.shape
-    acc = torch.zeros(weight.shape, device=DEVICE)
+    acc = torch.zeros(weight.shape)
     _, none = mod.grads(hidden, weight, labels, ones, lse, ent, g_lp, g_ent, False, True, dw_acc=acc)
     assert none is None and acc.abs().max() > 0
     # one rounding of the float32 total: within half a bf16 ulp (2^-8 relative), plus float32 order noise
