@@ -6,7 +6,7 @@ The same outputs as ``policy_stats`` bit for bit (per-(token, vocabulary tile) m
 e = exp(z - tile max) as float16; benchmarks/gpu_gluon_stats.py and tests/ops/test_policy_stats_gluon.py):
 
 - one persistent program per multiprocessor walks the (64-row token block, 256-column vocabulary tile) grid in
-  grouped order (``_tile_coords``, as ``tile.tile_coords``);
+  grouped order of ``tile.tile_coords`` (the Triton function, called from Gluon: the same PTX);
 - a 1-warp load partition streams the h [64, 64] and W [256, 64] operand tiles into a STAGES-deep ring by TMA;
 - two 4-warp consumer partitions take alternate tiles (ping-pong): while one runs its 64 x 256 wgmma main
   loop, the other runs its epilogue (max, exp2, s, t, label pick) and hands e to a TMA store it waits for only
@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import capability_major, multiprocessors, tma_layout_ok
+from .tile import tile_coords
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -54,18 +55,6 @@ KERNEL_REGS = 65536 // (12 * 32) // 8 * 8
 
 
 @gluon.jit
-def _tile_coords(tile_id, n_rows, n_cols, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr):
-    num_m = gl.cdiv(n_rows, BM)
-    num_n = gl.cdiv(n_cols, BN)
-    per_group = GROUP * num_n
-    first_m = (tile_id // per_group) * GROUP
-    size_m = gl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (tile_id % per_group) % size_m
-    pid_n = (tile_id % per_group) // size_m
-    return pid_m, pid_n
-
-
-@gluon.jit
 def _load_partition(args):
     """The loader warp: for each of this program's tiles, its K_TILES operand pairs into the ring."""
     (h_desc, w_desc, e_desc, ring_h, ring_w, e_bufs, ready, empty, turn, labels_ptr, inv_temp_ptr,
@@ -76,7 +65,7 @@ def _load_partition(args):
     n_tiles = gl.cdiv(n_rows, BM) * gl.cdiv(n_cols, BN)
     it = 0
     for tile_id in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile_id, n_rows, n_cols, BM, BN, GROUP)
+        pid_m, pid_n = tile_coords(tile_id, n_rows, n_cols, BM, BN, GROUP)
         for k in range(K_TILES):
             s = it % STAGES_
             phase = (it // STAGES_) & 1
@@ -101,7 +90,7 @@ def _tile(args, tile_id, local, WHICH: gl.constexpr):
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
     e_smem = e_bufs.index(WHICH)
-    pid_m, pid_n = _tile_coords(tile_id, n_rows, n_cols, BM, BN, GROUP)
+    pid_m, pid_n = tile_coords(tile_id, n_rows, n_cols, BM, BN, GROUP)
     base = local * K_TILES      # ring position of this tile's first operand pair
     # This consumer's m-th tile (m = local // 2) takes the ring once the other consumer has finished reading its
     # previous tile from it: phase m - 1 of turn[0] for consumer 0 (its first tile goes at once), phase m of
