@@ -126,3 +126,15 @@ def test_every_non_finite_input_is_named_and_padding_may_hold_nan(fn):
     out = fn(hidden, weight, labels, padded[0], padded[1], ref_logprobs=torch.randn(B, S), kl_coef=0.1,
              backend="chunked")
     assert torch.isfinite(out.loss) and out.logprobs[0, 0] == 0
+
+
+def test_a_bad_statistics_kernel_knob_is_an_error_on_every_machine(monkeypatch):
+    """LOGITLESS_POLICY_STATS_KERNEL is read by the triton backend on every machine (the interpreter here), not
+    only where the Gluon kernel could run."""
+    hidden, weight, labels, adv, old = inputs()
+    monkeypatch.setenv("LOGITLESS_POLICY_STATS_KERNEL", "gluon")
+    with pytest.raises(ValueError, match="LOGITLESS_POLICY_STATS_KERNEL"):
+        fused_policy_loss(hidden, weight, labels, advantages=adv, old_logprobs=old, backend="triton")
+    monkeypatch.setenv("LOGITLESS_POLICY_STATS_KERNEL", "triton")
+    out = fused_policy_loss(hidden, weight, labels, advantages=adv, old_logprobs=old, backend="triton")
+    assert torch.isfinite(out.loss)

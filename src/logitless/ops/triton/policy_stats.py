@@ -18,9 +18,10 @@ from ... import knobs
 from .common import INTERPRETING, choose_tiles, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
-# On Hopper the same outputs come from a hand-scheduled Gluon kernel (policy_stats_gluon: 1.05-1.08x cuBLAS
-# against this kernel's 1.21-1.23x on the H200). Gluon is experimental in triton: where it does not import (a
-# triton without it, or the interpreter, which does not run it) this kernel is the only path.
+# On Hopper the same outputs come from a hand-scheduled Gluon kernel (policy_stats_gluon: 1.02-1.15x cuBLAS
+# against this kernel's 1.18-1.31x on the H200, one 4096-token chunk). Gluon is experimental in triton: where
+# it does not import (a triton without it, or the interpreter, which does not run it) this kernel is the only
+# path.
 gluon_stats = None
 if not INTERPRETING:
     try:
@@ -83,8 +84,8 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     n, k = hidden.shape
     vocab = weight.shape[0]
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
-    if gluon_stats is not None and knobs.policy_stats_kernel() == "auto" and gluon_stats.usable(
-            hidden, weight, e, tiles.block_n):
+    kernel = knobs.policy_stats_kernel()      # read everywhere: a bad value is an error on every machine
+    if gluon_stats is not None and kernel == "auto" and gluon_stats.usable(hidden, weight, e, tiles.block_n):
         gluon_stats.chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e)
         return
     n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
