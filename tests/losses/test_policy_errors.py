@@ -131,7 +131,8 @@ def test_every_non_finite_input_is_named_and_padding_may_hold_nan(fn):
 def test_a_bad_statistics_kernel_knob_is_an_error_on_every_machine(monkeypatch):
     """LOGITLESS_POLICY_STATS_KERNEL is read by the triton backend on every machine (the interpreter here), not
     only where the Gluon kernel could run."""
-    hidden, weight, labels, adv, old = inputs()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # CPU tensors: the interpreter (tests/conftest.py)
+    hidden, weight, labels, adv, old = (t.to(dev) for t in inputs())
     monkeypatch.setenv("LOGITLESS_POLICY_STATS_KERNEL", "gluon")
     with pytest.raises(ValueError, match="LOGITLESS_POLICY_STATS_KERNEL"):
         fused_policy_loss(hidden, weight, labels, advantages=adv, old_logprobs=old, backend="triton")
