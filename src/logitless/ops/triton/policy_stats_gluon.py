@@ -195,12 +195,20 @@ def _policy_stats_gluon_kernel(h_desc, w_desc, e_desc, labels_ptr, inv_temp_ptr,
                        [CONSUMER_REGS, LOADER_REGS])
 
 
+# Gluon is experimental: its API has changed between triton releases (warp_specialize's arguments among them).
+# The kernel was written and checked on the H200 with triton 3.6; other releases keep the Triton kernel until
+# it has been checked there (benchmarks/gpu_gluon_stats.py, tests/ops/test_policy_stats_gluon.py on a GPU).
+CHECKED_TRITON = ("3.6",)
+
+
 def usable(hidden: torch.Tensor, weight: torch.Tensor, e: torch.Tensor | None, block_n: int) -> bool:
-    """Whether this kernel can fill the statistics of ``hidden`` over ``weight`` into ``e``: a Hopper GPU
-    (sm_90: wgmma), bfloat16 / float16 operands with unit stride along H and 16-byte aligned rows (TMA), e
-    given, float16, unit column stride, 16-byte aligned rows whose storage extends to a multiple of 8 columns,
-    and the caller's statistics tiles BLOCK_N wide."""
+    """Whether this kernel can fill the statistics of ``hidden`` over ``weight`` into ``e``: a checked triton
+    release, a Hopper GPU (sm_90: wgmma), bfloat16 / float16 operands with unit stride along H and 16-byte
+    aligned rows (TMA), e given, float16, unit column stride, 16-byte aligned rows whose storage extends to a
+    multiple of 8 columns, and the caller's statistics tiles BLOCK_N wide."""
     if hidden.device.type != "cuda" or torch.version.hip is not None or e is None:
+        return False
+    if not triton.__version__.startswith(CHECKED_TRITON):
         return False
     if capability_major(hidden.device) != 9 or block_n != BLOCK_N:
         return False
