@@ -114,7 +114,9 @@ def _tile(args, tile_id, local, WHICH: gl.constexpr):
     mbarrier.arrive(turn.index(1 - WHICH), count=1)     # the other consumer's turn on the ring
 
     # the epilogue of tile.tempered_tile_stats / store_row_stats / store_label_logit, in the same order of
-    # operations (the outputs agree bit for bit)
+    # operations (the outputs agree bit for bit). Written again here, not called: those Triton functions do not
+    # compile in Gluon (a scalar fill such as tl.where(..., -inf) needs a layout there; tried with triton 3.6).
+    # tile.tile_coords, scalar-only, is called as it is.
     rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)
     cols = pid_n * BN + gl.arange(0, BN, layout=col_layout)
     row_ok = rows < n_rows
