@@ -7,13 +7,16 @@
    agree bit for bit) on an odd shape (300 tokens, H=96, V=1031, labels with -1, per-token temperature) and a
    full-width chunk (4096 tokens, H=4096, V=151936).
 2. One 4096-token chunk at shapes A and B's vocabularies, in rounds (the card's clock drifts; compare within a
-   round): cuBLAS's [c, V] product, the Triton kernel, the Gluon kernel and its variants (VARIANTS: ring depth,
-   token blocks per group).
+   round): cuBLAS's [c, V] product, the Triton kernel, the Gluon kernel and its variants (VARIANTS: consumer
+   tiles), each checked against the Triton kernel with the same statistics tiles.
+3. --steps A,B: whole fused policy-loss steps (forward + backward, gpu_policy_loss.py's loss) of each variant
+   alternating with the default in ABBA order, --rounds pairs: the variant's time over the default's.
 Writes DIR/gpu_gluon_stats.json and prints a short table last.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,17 +27,19 @@ import triton
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_policy_loss import attrs_set  # noqa: E402
+from gpu_policy_loss import SHAPES, Step, alternate_pairs, attrs_set, make_inputs  # noqa: E402
 
+from logitless.losses import fused_policy_loss  # noqa: E402
 from logitless.ops.triton import policy_stats_gluon  # noqa: E402
 from logitless.ops.triton.common import choose_tiles  # noqa: E402
 from logitless.ops.triton.policy_backend import row_stride  # noqa: E402
 from logitless.ops.triton.policy_stats import chunk_stats  # noqa: E402
 from logitless.tools.common import env_set, time_cuda  # noqa: E402
 
-# name -> module constants of policy_stats_gluon (the default first)
-VARIANTS = {"gluon": {}, "gluon_stages3": {"STAGES": 3}, "gluon_group8": {"GROUP_M": 8},
-            "gluon_group32": {"GROUP_M": 32}}
+# name -> (module constants of policy_stats_gluon, environment), the default first. 128-column statistics tiles
+# (LOGITLESS_TRITON_POLICY) give the Gluon kernel 128 x 128 consumer tiles.
+TILES_128 = {"LOGITLESS_TRITON_POLICY": "128,128,64,16,8,4"}
+VARIANTS = {"gluon": ({}, {}), "gluon_128": ({}, TILES_128)}
 
 
 def buffers(c, v):
@@ -49,25 +54,27 @@ def triton_kernel():
     return env_set(LOGITLESS_POLICY_STATS_KERNEL="triton")
 
 
-def compare(c, h, v):
+def compare(c, h, v, consts, env):
     hidden = torch.randn(c, h, device="cuda").to(torch.bfloat16)
     weight = (torch.randn(v, h, device="cuda") * (4 / h ** 0.5)).to(torch.bfloat16)
     labels = torch.randint(0, v, (c,), device="cuda")
     labels[::7] = -1
     inv_t = torch.rand(c, device="cuda") + 0.5
     out = []
-    for gluon in (True, False):
-        parts, zy, e = buffers(c, v)
-        assert policy_stats_gluon.usable(hidden, weight, e, 256)
-        if gluon:
-            k = policy_stats_gluon.chunk_stats_gluon(hidden, weight, labels, inv_t, *parts, zy, e)
-            print(f"compiled: {k.n_regs} registers, {k.n_spills} spills", flush=True)
-        else:
-            with triton_kernel():
-                chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
-        torch.cuda.synchronize()
-        out.append((*parts, zy, e.float()))
-    row = {"shape": [c, h, v]}
+    with env_set(**env), attrs_set(policy_stats_gluon, **consts):
+        block_n = choose_tiles("POLICY", torch.bfloat16, torch.device("cuda")).block_n
+        for gluon in (True, False):
+            parts, zy, e = buffers(c, v)
+            assert policy_stats_gluon.usable(hidden, weight, e, block_n)
+            if gluon:
+                k = policy_stats_gluon.chunk_stats_gluon(hidden, weight, labels, inv_t, *parts, zy, e, block_n)
+                print(f"compiled: {k.n_regs} registers, {k.n_spills} spills", flush=True)
+            else:
+                with triton_kernel():
+                    chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
+            torch.cuda.synchronize()
+            out.append((*parts, zy, e.float()))
+    row = {"shape": [c, h, v], "consts": consts, "env": env}
     for name, a, b in zip(("m", "s", "t", "zy", "e"), out[1], out[0], strict=True):
         row[name] = {"max_abs": (a - b).abs().max().item(), "nan": b.isnan().any().item()}
     return row
@@ -79,38 +86,65 @@ def timing(v, rounds=4):
     weight = (torch.randn(v, h, device="cuda") * (4 / h ** 0.5)).to(torch.bfloat16)
     labels = torch.randint(0, v, (c,), device="cuda")
     inv_t = torch.ones(c, device="cuda")
-    parts, zy, e = buffers(c, v)
     z = torch.empty(c, v, dtype=torch.bfloat16, device="cuda")
     res = {"cublas": [], "triton": [], **{name: [] for name in VARIANTS}}
 
     def stats():
-        chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
+        parts, zy, e = buffers(c, v)      # sized for the statistics tiles in force
+        return time_cuda(lambda: chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e), reps=5)[0]
 
     for _ in range(rounds):
         res["cublas"].append(time_cuda(lambda: torch.mm(hidden, weight.t(), out=z), reps=5)[0])
         with triton_kernel():
-            res["triton"].append(time_cuda(stats, reps=5)[0])
-        for name, consts in VARIANTS.items():
-            with attrs_set(policy_stats_gluon, **consts):
-                res[name].append(time_cuda(stats, reps=5)[0])
+            res["triton"].append(stats())
+        for name, (consts, env) in VARIANTS.items():
+            with attrs_set(policy_stats_gluon, **consts), env_set(**env):
+                res[name].append(stats())
     return {"V": v, **res}
+
+
+def variant_setting(consts, env):
+    """A context-manager factory that puts a variant in force (for ``alternate_pairs``)."""
+    @contextlib.contextmanager
+    def setting():
+        with attrs_set(policy_stats_gluon, **consts), env_set(**env):
+            yield
+    return setting
+
+
+def steps(tag, rounds):
+    """Each variant's whole steps against the default's, alternating (ABBA)."""
+    step = Step(fused_policy_loss, make_inputs(*SHAPES[tag]), backend="triton")
+    out = {"shape": tag}
+    for name, (consts, env) in list(VARIANTS.items())[1:]:
+        with variant_setting(consts, env)():
+            step()      # compile outside the timing
+        out[name] = alternate_pairs(step, variant_setting(consts, env), rounds=rounds)
+        print(tag, name, out[name], flush=True)
+    del step
+    torch.cuda.empty_cache()
+    return out
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--steps", default="", help="shapes (A, B) to alternate whole steps of each variant on")
+    p.add_argument("--rounds", type=int, default=6, help="ABBA pairs per variant in --steps")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     result = {"checks": [], "timing": []}
     for shape in ((300, 96, 1031), (4096, 4096, 151936)):
-        result["checks"].append(compare(*shape))
-        print(result["checks"][-1], flush=True)
+        for name, (consts, env) in VARIANTS.items():
+            result["checks"].append({"variant": name, **compare(*shape, consts, env)})
+            print(result["checks"][-1], flush=True)
     if not args.check_only:
         for v in (151936, 131072):
             result["timing"].append(timing(v))
             print(result["timing"][-1], flush=True)
+    result["steps"] = [steps(tag, args.rounds) for tag in args.steps.split(",") if tag]
     with open(os.path.join(args.out, "gpu_gluon_stats.json"), "w") as f:
         json.dump(result, f, indent=1)
     kinds = ("triton",) + tuple(VARIANTS)
@@ -120,6 +154,11 @@ def main():
         mean = {k: sum(r[k]) / len(r[k]) for k in ("cublas",) + kinds}
         print(f"| {r['V']} | {mean['cublas']:.3f} | "
               + " | ".join(f"{mean[k]:.3f} ({mean[k] / mean['cublas']:.3f})" for k in kinds) + " |")
+    if result["steps"]:
+        print("\n| shape | variant | whole steps, variant / default | variant faster in |\n|---|---|---|---|")
+        for r in result["steps"]:
+            for name in list(VARIANTS)[1:]:
+                print(f"| {r['shape']} | {name} | {r[name]['ratio']:.4f} | {r[name]['variant_faster_in']} |")
 
 
 if __name__ == "__main__":

@@ -24,23 +24,27 @@ pytest.importorskip("triton.experimental.gluon")
 
 CHILD = """
 import json
-from logitless.ops.triton.policy_stats_gluon import compile_for_hopper
-k = compile_for_hopper()
-print(json.dumps({"shared": k.metadata.shared, "num_warps": k.metadata.num_warps, "maxnreg": k.metadata.maxnreg,
-                  "cubin": len(k.asm["cubin"])}))
+from logitless.ops.triton.policy_stats_gluon import TILE_ROWS, compile_for_hopper
+for block_n in TILE_ROWS:
+    k = compile_for_hopper(block_n=block_n)
+    print(json.dumps({"block_n": block_n, "shared": k.metadata.shared, "num_warps": k.metadata.num_warps,
+                      "maxnreg": k.metadata.maxnreg, "cubin": len(k.asm["cubin"])}))
 """
 
 
 def test_compiles_for_hopper():
+    """Both consumer tiles (64 x 256 and 128 x 128)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    meta = json.loads(out.stdout.strip().splitlines()[-1])
-    assert meta["shared"] <= 232448      # the H100 / H200 limit per block
-    assert meta["num_warps"] == 12       # two consumer warpgroups and the loader's (rounded to a warpgroup)
-    # the launch is refused unless every thread's starting share of the 64K registers fits
-    assert meta["num_warps"] * 32 * meta["maxnreg"] <= 65536
-    assert meta["cubin"] > 0
+    metas = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    assert sorted(m["block_n"] for m in metas) == [128, 256]
+    for meta in metas:
+        assert meta["shared"] <= 232448      # the H100 / H200 limit per block
+        assert meta["num_warps"] == 12       # two consumer warpgroups and the loader's (rounded to a warpgroup)
+        # the launch is refused unless every thread's starting share of the 64K registers fits
+        assert meta["num_warps"] * 32 * meta["maxnreg"] <= 65536
+        assert meta["cubin"] > 0
 
 
 HOPPER = (not INTERPRETING and torch.cuda.is_available() and torch.version.hip is None
@@ -48,12 +52,15 @@ HOPPER = (not INTERPRETING and torch.cuda.is_available() and torch.version.hip i
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper GPUs only (wgmma, TMA)")
-def test_gluon_statistics_equal_the_triton_kernel(monkeypatch):
+@pytest.mark.parametrize("tiles", ["", "128,128,64,16,8,4"])
+def test_gluon_statistics_equal_the_triton_kernel(monkeypatch, tiles):
     """Several programs' worth of tiles with an odd count per program (the consumers alternate), ragged last
-    row block, vocabulary tile and K step, both half-precision dtypes."""
+    row block, vocabulary tile and K step, both half-precision dtypes; the default 256-column statistics tiles
+    and 128-column ones (LOGITLESS_TRITON_POLICY: the Gluon kernel's 128 x 128 consumer tiles)."""
     from logitless.ops.triton import policy_stats
     from logitless.ops.triton.common import choose_tiles
     from logitless.ops.triton.policy_backend import row_stride
+    monkeypatch.setenv("LOGITLESS_TRITON_POLICY", tiles)
     for dtype, (c, h, v) in itertools.product((torch.bfloat16, torch.float16),
                                               ((300, 256, 4099), (7, 96, 1031), (4096 + 65, 512, 8192 + 300))):
         hidden = torch.randn(c, h, device="cuda").to(dtype)

@@ -5,13 +5,18 @@ of its dlogits kernel.
 - chunk_terms (the per-token terms and their derivatives, written out) against torch.autograd over
   ``losses/terms.py``, for every setting, with ratio ties, active clamps and a binding dual clip;
 - the dlogits kernel's tiles per program (benchmarks choose between them; all must write the same numbers);
-- the backward's in-place scaling by the upstream gradient (read on the device) against ``mul_``.
+- the backward's in-place scaling by the upstream gradient (read on the device) against ``mul_``;
+- the dlogits kernel compiled for an NVIDIA GPU takes log2 with one lg2.approx (not tl.log2's polynomial).
 
 Without a GPU these run in triton's interpreter (tests/conftest.py), on the GPU the compiled kernels.
 """
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +199,34 @@ def test_statistics_kernel_writes_every_label_logit():
     want = torch.where(labels >= 0, logits.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
     torch.testing.assert_close(zy.double(), want, rtol=1e-5, atol=1e-4)
     assert (zy[labels < 0] == 0).all() and torch.isfinite(zy).all()
+
+
+DLOGITS_PTX = """
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from logitless.ops.triton import policy_dlogits as d
+sig = {"e_ptr": "*fp16", "dl_ptr": "*bf16", "part_m_ptr": "*fp32", "lse_ptr": "*fp32", "ent_ptr": "*fp32",
+       "g_lp_ptr": "*fp32", "g_ent_ptr": "*fp32", "inv_temp_ptr": "*fp32", "labels_ptr": "*i64", "n_rows": "i32",
+       "n_cols": "i32", "s_en": "i32", "s_dn": "i32"}
+const = dict(WITH_ENTROPY=True, OUT_DTYPE=tl.bfloat16, FAST_LOG2_=True, BLOCK_M=4, BLOCK_N=256, TILES=4)
+k = triton.compile(ASTSource(d._policy_dlogits_kernel, sig | {c: "constexpr" for c in const}, const),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = k.asm["ptx"]
+print(json.dumps({"lg2": ptx.count("lg2.approx.f32"), "fma": ptx.count("fma.rn.f32")}))
+"""
+
+
+def test_dlogits_kernel_takes_log2_in_one_instruction():
+    """Compiled for sm_90 (in a child: the suite imports triton under its interpreter), the kernel's log2 is the
+    multiprocessor's lg2.approx: with tl.log2 (a polynomial of about a dozen FMAs an element) the pass was bound
+    by its instructions (1.43x a copy of its bytes against 1.23x; benchmarks/gpu_dlogits.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", DLOGITS_PTX], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    # 4 x 256 elements over 128 threads: 8 logarithms a thread and tile; tl.log2's polynomial would add ~100 FMAs
+    assert counts["lg2"] == 8
+    assert counts["fma"] < 30

@@ -10,32 +10,58 @@ and x = log p = log e + m - lse, the formula of ``ops/policy.py`` becomes, per e
     b = -inv_t * exp(m - lse) * g_ent * ln 2.
 
 One read of e (float16 or float32) and one write of dlogits (the inputs' dtype, same element size, same
-memory) per element: this pass is memory-bound. e = 0 (underflowed) gives 0, never 0 * -inf.
+memory) per element. e = 0 (underflowed) gives 0, never 0 * -inf.
+
+Speed (H200, one 4096-token chunk, benchmarks/gpu_dlogits.py): a plain copy of the same bytes runs at 4.2 TB/s.
+With tl.log2 (a polynomial: a dozen FMAs an element) this pass ran at 1.43-1.45x the copy's time: bound by its
+instructions, not by the memory. The multiprocessor's lg2.approx (one special-function op) brings it to
+1.23-1.25x, and loading the next tile before storing this one to 1.18-1.21x.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from .common import INTERPRETING, LN2, LOG2E, tl_dtype
 
-# rows x (TILES statistics tiles) per program, and warps. H200 sweep on one 4096-token chunk at V = 151936
-# (benchmarks/LAB-LOG.md, 2026-12-03, fourth entry): 4 rows x 4 tiles of 256 columns, 4 warps 0.80 ms (3.1 TB/s);
-# 8 x 4 tiles 0.84, 8 x 1 tile (the former default) 0.97, 32 x 1 tile with 8 warps 0.92. One [rows, tiles, columns]
-# block a program (a single load and store instead of a loop over the tiles; 2026-12-03, fifth entry): 0.82-0.91
-# over seven shapes, against 0.82-0.99 for this loop in the same sweep as the card's clock drifted: no gain, removed
+# rows x (TILES statistics tiles) per program, and warps. H200 sweeps on one 4096-token chunk (benchmarks/NOTES.md):
+# 4 rows x 4 tiles of 256 columns with 4 warps against 8 x 4, 8 x 1, 32 x 1 (8 warps), one [rows, tiles, columns]
+# block, 1-16 rows, 8 tiles, programs along the columns first, and the label term without its block-wide test: none
+# faster.
 ROWS_PER_PROGRAM = 16 if INTERPRETING else 4
 TILES_PER_PROGRAM = 2 if INTERPRETING else 4
 WARPS = 4
+# PTX lg2.approx on NVIDIA GPUs: absolute error about 2^-22 on log2 e, far below e's own float16 rounding (2^-11
+# relative, 7e-4 on log2 e). The interpreter has no inline assembly: tl.log2 there.
+FAST_LOG2 = not INTERPRETING
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """log2 of float32 x > 0: one lg2.approx where FAST, else tl.log2."""
+    if FAST:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _load_e(e_ptr, tile, rows64, row_ok, n_cols, s_en, BLOCK_N: tl.constexpr, pred):
+    """The e of statistics tile ``tile`` for the program's rows (0 where masked or where ``pred`` is false)."""
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = row_ok[:, None] & (cols < n_cols)[None, :] & pred
+    return tl.load(e_ptr + rows64[:, None] * s_en + cols[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
 def _policy_dlogits_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, inv_temp_ptr,
                            labels_ptr, n_rows, n_cols, s_en, s_dn,
-                           WITH_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                           WITH_ENTROPY: tl.constexpr, OUT_DTYPE: tl.constexpr, FAST_LOG2_: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,12 +76,17 @@ def _policy_dlogits_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
     n_tiles = tl.cdiv(n_cols, BLOCK_N)
+    first_tile = tl.program_id(1) * TILES
+    # each tile's e is loaded before the previous tile's dlogits are stored: two loads in flight (different
+    # columns, so in place is safe)
+    e_next = _load_e(e_ptr, first_tile, rows64, row_ok, n_cols, s_en, BLOCK_N, True)
     for j in range(TILES):
-        tile = tl.program_id(1) * TILES + j      # = the statistics tile: BLOCK_N is its width
+        tile = first_tile + j      # = the statistics tile: BLOCK_N is its width
+        e = e_next.to(tl.float32)
+        e_next = _load_e(e_ptr, tile + 1, rows64, row_ok, n_cols, s_en, BLOCK_N, j + 1 < TILES)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (cols < n_cols)[None, :]
         m = tl.load(part_m_ptr + tile.to(tl.int64) * n_rows + rows, mask=row_ok & (tile < n_tiles), other=0.0)
-        e = tl.load(e_ptr + rows64[:, None] * s_en + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         shift = m - lse                                  # <= 0: log of the tile's share of the mass
         scale = -inv_t * tl.exp2(shift * LOG2E)         # -inv_t * exp(m - lse)
         if WITH_ENTROPY:
@@ -63,7 +94,7 @@ def _policy_dlogits_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr
             b = scale * g_ent * LN2
             # log2 of an underflowed e would be -inf and 0 * -inf NaN: floor e at 1e-30 inside the log (an e
             # that small contributes at most 1e-30 * |b| * 100 either way)
-            dl = e * (a[:, None] + b[:, None] * tl.log2(tl.maximum(e, 1e-30)))
+            dl = e * (a[:, None] + b[:, None] * _log2(tl.maximum(e, 1e-30), FAST_LOG2_))
         else:
             dl = e * (scale * g_lp)[:, None]
         first = tile * BLOCK_N
@@ -84,5 +115,6 @@ def dlogits_in_place(e: Tensor, dl: Tensor, part_m: Tensor, lse: Tensor, ent: Te
     _policy_dlogits_kernel[grid](
         e, dl, part_m, lse, ent, g_lp, g_ent if with_entropy else g_lp, inv_temp, labels, n, vocab,
         e.stride(0), dl.stride(0), WITH_ENTROPY=with_entropy, OUT_DTYPE=tl_dtype(dl.dtype),
+        FAST_LOG2_=FAST_LOG2 and dl.is_cuda and torch.version.hip is None,
         BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=tile_cols, TILES=TILES_PER_PROGRAM, num_warps=WARPS)
     return dl

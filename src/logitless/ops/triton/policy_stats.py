@@ -86,7 +86,8 @@ def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
     kernel = knobs.policy_stats_kernel()      # read everywhere: a bad value is an error on every machine
     if gluon_stats is not None and kernel == "auto" and gluon_stats.usable(hidden, weight, e, tiles.block_n):
-        gluon_stats.chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e)
+        gluon_stats.chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e,
+                                        tiles.block_n)
         return
     n_tiles = triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)

@@ -5,12 +5,14 @@ tensor cores compute the next tile.
 The same outputs as ``policy_stats`` bit for bit (per-(token, vocabulary tile) m, s, t, the label logits zy and
 e = exp(z - tile max) as float16; benchmarks/gpu_gluon_stats.py and tests/ops/test_policy_stats_gluon.py):
 
-- one persistent program per multiprocessor walks the (64-row token block, 256-column vocabulary tile) grid in
-  grouped order of ``tile.tile_coords`` (the Triton function, called from Gluon: the same PTX);
-- a 1-warp load partition streams the h [64, 64] and W [256, 64] operand tiles into a STAGES-deep ring by TMA;
-- two 4-warp consumer partitions take alternate tiles (ping-pong): while one runs its 64 x 256 wgmma main
-  loop, the other runs its epilogue (max, exp2, s, t, label pick) and hands e to a TMA store it waits for only
-  at its next epilogue. Two ``turn`` barriers make them take the ring in turns.
+- one persistent program per multiprocessor walks the (token block, vocabulary tile) grid in grouped order of
+  ``tile.tile_coords`` (the Triton function, called from Gluon: the same PTX); a tile is 64 x 256 with the
+  default 256-column statistics tiles, 128 x 128 with 128-column ones (``TILE_ROWS``);
+- a 1-warp load partition streams the h [rows, 64] and W [columns, 64] operand tiles into a STAGES-deep ring by
+  TMA;
+- two 4-warp consumer partitions take alternate tiles (ping-pong): while one runs its wgmma main loop, the other
+  runs its epilogue (max, exp2, s, t, label pick) and hands e to a TMA store it waits for only at its next
+  epilogue. Two ``turn`` barriers make them take the ring in turns.
 
 Why: the Triton kernel (one 128 x 256 tile per program) leaves the tensor cores idle during each epilogue and
 runs at 1.21-1.23x cuBLAS's product of the same shape; this one at 1.05-1.08x (H200, one 4096-token chunk,
@@ -41,10 +43,12 @@ from .tile import tile_coords
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
-BLOCK_M = 64        # token rows per tile: one consumer warpgroup (a 64 x 256 float32 accumulator, 128 registers)
-BLOCK_N = 256       # vocabulary columns per tile: the statistics tiles of policy_stats (its BLOCK_N)
+# A consumer's tile, by the width of the caller's statistics tiles (policy_stats' BLOCK_N): token rows x that
+# width, 16384 float32 accumulators (128 registers a thread) either way. 128 x 128 reads 20% fewer operand bytes
+# per multiply-add than 64 x 256 (two 64-row wgmma per step).
+TILE_ROWS = {256: 64, 128: 128}
 BLOCK_K = 64
-STAGES = 4          # 4 x 40 KiB of operand ring + 2 x 32 KiB of e staging: 224 KiB of the 227 a block may use
+STAGES = 4          # 4 x 40 KiB (64 x 256; 32 KiB at 128 x 128) of operand ring + 2 x 32 KiB of e staging
 GROUP_M = 16
 CONSUMER_REGS = gl.constexpr(240)   # setmaxnreg per partition: 240 + 240 for the consumers, 24 for the loader
 LOADER_REGS = gl.constexpr(24)
@@ -207,12 +211,12 @@ def usable(hidden: torch.Tensor, weight: torch.Tensor, e: torch.Tensor | None, b
     """Whether this kernel can fill the statistics of ``hidden`` over ``weight`` into ``e``: a checked triton
     release, a Hopper GPU (sm_90: wgmma), bfloat16 / float16 operands with unit stride along H and 16-byte
     aligned rows (TMA), e given, float16, unit column stride, 16-byte aligned rows whose storage extends to a
-    multiple of 8 columns, and the caller's statistics tiles BLOCK_N wide."""
+    multiple of 8 columns, and the caller's statistics tiles 256 or 128 columns wide (``TILE_ROWS``)."""
     if hidden.device.type != "cuda" or torch.version.hip is not None or e is None:
         return False
     if not triton.__version__.startswith(CHECKED_TRITON):
         return False
-    if capability_major(hidden.device) != 9 or block_n != BLOCK_N:
+    if capability_major(hidden.device) != 9 or block_n not in TILE_ROWS:
         return False
     if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
         return False
@@ -225,34 +229,36 @@ def usable(hidden: torch.Tensor, weight: torch.Tensor, e: torch.Tensor | None, b
     return end * e.element_size() <= e.untyped_storage().nbytes()
 
 
-def descriptors(hidden, weight, e):
-    """TMA descriptors of h [c, H], W [V, H] (bfloat16 / float16) and e [c, V] (float16)."""
+def descriptors(hidden, weight, e, block_n: int):
+    """TMA descriptors of h [c, H], W [V, H] (bfloat16 / float16) and e [c, V] (float16), for consumer tiles
+    TILE_ROWS[block_n] x block_n."""
     dt = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
-    h_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dt)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt)
-    e_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float16)
-    return (TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [BLOCK_M, BLOCK_K], h_layout),
-            TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [BLOCK_N, BLOCK_K], w_layout),
-            TensorDescriptor(e, list(e.shape), list(e.stride()), [BLOCK_M, BLOCK_N], e_layout))
+    block_m = TILE_ROWS[block_n]
+    h_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], dt)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], dt)
+    e_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_n], gl.float16)
+    return (TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [block_m, BLOCK_K], h_layout),
+            TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_n, BLOCK_K], w_layout),
+            TensorDescriptor(e, list(e.shape), list(e.stride()), [block_m, block_n], e_layout))
 
 
 def _launch_args(hidden) -> dict:
     return dict(K_TILES=triton.cdiv(hidden.shape[1], BLOCK_K), STAGES_=STAGES, GROUP=GROUP_M)
 
 
-def chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e):
-    """As ``policy_stats.chunk_stats`` with e given, where ``usable`` holds. Returns the compiled kernel
-    (its registers and spills, for benchmarks)."""
+def chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s, part_t, zy, e, block_n: int):
+    """As ``policy_stats.chunk_stats`` with e given and statistics tiles ``block_n`` wide, where ``usable``
+    holds. Returns the compiled kernel (its registers and spills, for benchmarks)."""
     n = hidden.shape[0]
     vocab = weight.shape[0]
-    h_desc, w_desc, e_desc = descriptors(hidden, weight, e)
-    n_tiles = triton.cdiv(n, BLOCK_M) * triton.cdiv(vocab, BLOCK_N)
+    h_desc, w_desc, e_desc = descriptors(hidden, weight, e, block_n)
+    n_tiles = triton.cdiv(n, TILE_ROWS[block_n]) * triton.cdiv(vocab, block_n)
     return _policy_stats_gluon_kernel[(min(n_tiles, multiprocessors(hidden.device)), )](
         h_desc, w_desc, e_desc, labels, inv_temp, part_m, part_s, part_t, zy, n, vocab,
         **_launch_args(hidden), num_warps=4, maxnreg=KERNEL_REGS)
 
 
-def compile_for_hopper(c: int = 256, h: int = 4096, v: int = 8248):
+def compile_for_hopper(c: int = 256, h: int = 4096, v: int = 8248, block_n: int = 256):
     """Compile the kernel for sm_90 without a GPU (triton's own ptxas): the compiled kernel, for its shared
     memory, warps and registers. Needs triton imported without TRITON_INTERPRET (tests run it in a child)."""
     from triton.backends.compiler import GPUTarget
@@ -261,7 +267,7 @@ def compile_for_hopper(c: int = 256, h: int = 4096, v: int = 8248):
     hidden, weight = torch.empty(c, h, dtype=torch.bfloat16), torch.empty(v, h, dtype=torch.bfloat16)
     stride = -(-v // 64) * 64
     e = torch.empty(c * stride, dtype=torch.float16).view(c, stride)[:, :v]
-    h_desc, w_desc, e_desc = descriptors(hidden, weight, e)
+    h_desc, w_desc, e_desc = descriptors(hidden, weight, e, block_n)
     f = torch.empty(c)
     args = dict(h_desc=h_desc, w_desc=w_desc, e_desc=e_desc, labels_ptr=torch.empty(c, dtype=torch.int64),
                 inv_temp_ptr=f, part_m_ptr=f, part_s_ptr=f, part_t_ptr=f, zy_ptr=f, n_rows=c, n_cols=v)
