@@ -1,6 +1,6 @@
 """Check and time the fused policy loss on one CUDA GPU, in one process.
 
-    PYTHONPATH=src python3 benchmarks/gpu_policy_loss.py [--shapes A,B] [--variants A] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/gpu_policy_loss.py [--shapes A,B] [--variants A] [--rounds 6] [--out DIR]
 
 1. Correctness against float64 (tests/policy64.py, verl's definitions written out) on small odd
    shapes (fp32, bf16; per-token temperature, ignored rows holding NaN, several token chunks), and at
@@ -9,8 +9,8 @@
 2. For each shape (bf16, logit std about 4, labels sampled from the softmax, per-token advantages,
    old / ref log-probs = true log-probs + N(0, 0.3^2), PPO clip 0.2 / 0.28, dual clip 3, k3 KL 0.01,
    entropy bonus 0.01, token-mean): the cuBLAS floor (1 and 4 GEMMs) in the same process, before and after;
-   fused_policy_loss forward and forward+backward (triton); policy_loss_reference on triton (fused_logprobs
-   + autograd); peak memory beyond the gradient buffers and its split; the fused loss against the reference
+   fused_policy_loss forward and forward+backward (triton); the fused step alternated with the 4-GEMM floor
+   (--rounds pairs, ABBA); policy_loss_reference on triton (fused_logprobs + autograd); peak memory beyond the gradient buffers and its split; the fused loss against the reference
    path (loss, log-probs, gradients) and its log-probs / entropies of 256 tokens against float64; one
    chunk's stages timed alone.
 3. --variants: whole steps alternating with the default: the sweep's fastest dlogits block and
@@ -415,6 +415,25 @@ def sweep(inputs, res):
     log("profile", json.dumps(res["profile"], indent=0))
 
 
+def floor_alternated(inputs, fused, rounds, reps=3) -> dict:
+    """The fused step against the 4-GEMM floor, alternating in this process: ``rounds`` pairs of
+    ``reps``-step medians, the floor first in even rounds and the fused step first in odd ones (the card's
+    clock drifts 1-4% through a run; the floor timed only before and after the fused steps can sit on
+    either side of that drift). {floor_ms, fused_ms (lists), ratio (of the sums), fused_under_0.80_in}."""
+    gemms = GemmFloor(inputs[0], inputs[1])
+    pair = {"floor_ms": [], "fused_ms": []}
+    sides = ((pair["floor_ms"], gemms.forward_backward), (pair["fused_ms"], fused))
+    for i in range(rounds):
+        for times, step in (sides if i % 2 == 0 else sides[::-1]):
+            times.append(time_cuda(step, reps=reps)[0])
+    gemms.close()
+    del gemms
+    pair["ratio"] = sum(pair["fused_ms"]) / sum(pair["floor_ms"])
+    under = sum(f / g <= 0.80 for f, g in zip(pair["fused_ms"], pair["floor_ms"], strict=True))
+    pair["fused_under_0.80_in"] = f"{under}/{rounds}"
+    return pair
+
+
 def shape_run(tag, variants):
     n, h, v = SHAPES[tag]
     log(f"== shape {tag}: N={n} H={h} V={v}")
@@ -442,6 +461,9 @@ def shape_run(tag, variants):
     timed("fused_fwdbwd_ms", fused, reps=7)
     timed("reference_fwdbwd_ms", reference, reps=5)
     timed("fused_fwdbwd_ms_2", fused, reps=7)       # again: the spread between two timings of one thing
+    res["alternated"] = floor_alternated(inputs, fused, ARGS.rounds)
+    log(tag, "alternated with the floor", res["alternated"])
+    empty_cache()
     res["fused_peak_gib"], res["fused_extra_gib"] = peak_extra(fused, grad_bytes)
     res["reference_peak_gib"], res["reference_extra_gib"] = peak_extra(reference, grad_bytes)
     res["planned"] = planned_split(n, v, h)
@@ -563,16 +585,19 @@ def write():
 
 
 def table():
-    lines = ["| shape | 4-GEMM ms | fused fwd+bwd ms | x 4-GEMM | x reference (triton) | fwd x 1-GEMM "
+    lines = ["| shape | 4-GEMM ms | fused fwd+bwd ms | x 4-GEMM | x 4-GEMM alternated (pairs <= 0.80) "
+             "| x reference (triton) | fwd x 1-GEMM "
              "| extra GiB over grads (planned ws + stats) | vs ref: loss rel, dh, dw | lp / ent err (256 tok, fp64) |",
-             "|---" * 9 + "|"]
+             "|---" * 10 + "|"]
     for tag, r in RESULTS["shapes"].items():
         if "fused_fwdbwd_ms" not in r or r.get("fused_fwdbwd_ms") is None:
             lines.append(f"| {tag} | {r.get('error', 'failed')[:200]} |")
             continue
         p, vr, vf = r.get("planned", {}), r.get("vs_reference", {}), r.get("vs_float64_256", {})
+        alt = r.get("alternated", {"ratio": float("nan"), "fused_under_0.80_in": "-"})
         lines.append(
             f"| {tag} | {r['gemm4_ms']:.2f} | {r['fused_fwdbwd_ms']:.2f} | {r['fused_fwdbwd_ms'] / r['gemm4_ms']:.3f} "
+            f"| {alt['ratio']:.3f} ({alt['fused_under_0.80_in']}) "
             f"| {r['fused_fwdbwd_ms'] / r['reference_fwdbwd_ms']:.3f} | {r['fused_fwd_ms'] / r['gemm1_ms']:.3f} "
             f"| {r['fused_extra_gib']:.3f} ({p.get('workspace_gib', 0):.3f} + {p.get('stats_gib', 0):.3f}) "
             f"| {vr.get('loss_rel', float('nan')):.1e}, {vr.get('dh_rel', float('nan')):.1e}, "
@@ -597,6 +622,7 @@ def main():
     p.add_argument("--variants", default="A", help="shapes to time variants on")
     p.add_argument("--sweep", default="", help="shapes to sweep stage variants and profile on, e.g. A")
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--rounds", type=int, default=6, help="(floor, fused) pairs alternated per shape")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ARGS = p.parse_args()
