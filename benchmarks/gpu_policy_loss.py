@@ -10,9 +10,9 @@
    old / ref log-probs = true log-probs + N(0, 0.3^2), PPO clip 0.2 / 0.28, dual clip 3, k3 KL 0.01,
    entropy bonus 0.01, token-mean): the cuBLAS floor (1 and 4 GEMMs) in the same process, before and after;
    fused_policy_loss forward and forward+backward (triton); the fused step alternated with the 4-GEMM floor
-   (--rounds pairs, ABBA); policy_loss_reference on triton (fused_logprobs + autograd); peak memory beyond the gradient buffers and its split; the fused loss against the reference
-   path (loss, log-probs, gradients) and its log-probs / entropies of 256 tokens against float64; one
-   chunk's stages timed alone.
+   (--rounds pairs, ABBA); policy_loss_reference on triton (fused_logprobs + autograd); peak memory beyond
+   the gradient buffers and its split; the fused loss against the reference path (loss, log-probs,
+   gradients) and its log-probs / entropies of 256 tokens against float64; one chunk's stages timed alone.
 3. --variants: whole steps alternating with the default: the sweep's fastest dlogits block and
    statistics-kernel form. --sweep: the statistics kernel's forms (the default, Gluon on Hopper, and the Triton
    kernel: LOGITLESS_POLICY_STATS_KERNEL; outputs checked against the default's) and dlogits blocks on one
