@@ -421,13 +421,10 @@ def floor_alternated(inputs, fused, rounds, reps=3) -> dict:
     clock drifts 1-4% through a run; the floor timed only before and after the fused steps can sit on
     either side of that drift). {floor_ms, fused_ms (lists), ratio (of the sums), fused_under_0.80_in}."""
     gemms = GemmFloor(inputs[0], inputs[1])
-    pair = {"floor_ms": [], "fused_ms": []}
-    sides = ((pair["floor_ms"], gemms.forward_backward), (pair["fused_ms"], fused))
-    for i in range(rounds):
-        for times, step in (sides if i % 2 == 0 else sides[::-1]):
-            times.append(time_cuda(step, reps=reps)[0])
-    gemms.close()
-    del gemms
+    floor_ms, fused_ms = abba(lambda: time_cuda(gemms.forward_backward, reps=reps)[0],
+                              lambda: time_cuda(fused, reps=reps)[0], rounds)
+    gemms.close()     # frees its buffers
+    pair = {"floor_ms": floor_ms, "fused_ms": fused_ms}
     pair["ratio"] = sum(pair["fused_ms"]) / sum(pair["floor_ms"])
     under = sum(f / g <= 0.80 for f, g in zip(pair["fused_ms"], pair["floor_ms"], strict=True))
     pair["fused_under_0.80_in"] = f"{under}/{rounds}"
@@ -547,23 +544,27 @@ def best_stats_form(res):
     return None if not ok else min(ok, key=lambda r: r["ms"])["form"]
 
 
+def abba(first, second, rounds) -> tuple[list, list]:
+    """``rounds`` pairs of the milliseconds ``first()`` and ``second()`` return, ``first`` leading in even
+    rounds and ``second`` in odd ones (a clock that drifts through a run then favours neither)."""
+    times = ([], [])
+    for i in range(rounds):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[side].append((first, second)[side]())
+    return times
+
+
 def alternate_pairs(step, setting, rounds=3, reps=3) -> dict:
     """Whole steps with a variant against the default, alternating in this process (the card's clock moves
     1-4% within a run): ``rounds`` pairs of ``reps``-step medians, the default first in even rounds and the
     variant first in odd ones (a clock that drifts through a run then favours neither); setting(): the context
     manager that sets the variant. {default_ms, variant_ms (lists), ratio (of the sums), variant_faster_in}."""
-    pair = {"default_ms": [], "variant_ms": []}
-
-    def default():
-        pair["default_ms"].append(time_cuda(step, reps=reps)[0])
-
     def variant():
         with setting():
-            pair["variant_ms"].append(time_cuda(step, reps=reps)[0])
+            return time_cuda(step, reps=reps)[0]
 
-    for i in range(rounds):
-        for side in ((default, variant) if i % 2 == 0 else (variant, default)):
-            side()
+    default_ms, variant_ms = abba(lambda: time_cuda(step, reps=reps)[0], variant, rounds)
+    pair = {"default_ms": default_ms, "variant_ms": variant_ms}
     pair["ratio"] = sum(pair["variant_ms"]) / sum(pair["default_ms"])
     wins = sum(v < d for v, d in zip(pair["variant_ms"], pair["default_ms"], strict=True))
     pair["variant_faster_in"] = f"{wins}/{rounds}"
