@@ -424,11 +424,9 @@ def floor_alternated(inputs, fused, rounds, reps=3) -> dict:
     floor_ms, fused_ms = abba(lambda: time_cuda(gemms.forward_backward, reps=reps)[0],
                               lambda: time_cuda(fused, reps=reps)[0], rounds)
     gemms.close()     # frees its buffers
-    pair = {"floor_ms": floor_ms, "fused_ms": fused_ms}
-    pair["ratio"] = sum(pair["fused_ms"]) / sum(pair["floor_ms"])
-    under = sum(f / g <= 0.80 for f, g in zip(pair["fused_ms"], pair["floor_ms"], strict=True))
-    pair["fused_under_0.80_in"] = f"{under}/{rounds}"
-    return pair
+    under = sum(f / g <= 0.80 for f, g in zip(fused_ms, floor_ms, strict=True))
+    return {"floor_ms": floor_ms, "fused_ms": fused_ms, "ratio": sum(fused_ms) / sum(floor_ms),
+            "fused_under_0.80_in": f"{under}/{rounds}"}
 
 
 def shape_run(tag, variants):
