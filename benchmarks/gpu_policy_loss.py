@@ -264,8 +264,8 @@ def stage_times(inputs, res):
     # host time: the scored-token preparation of a call (its syncs included) and the per-chunk term
     # gradients (launches only): a pass whose host work outlasts its GPU work leaves the GPU idle
     from logitless.losses import PolicyLoss
-    from logitless.losses.terms import TermTotals, chunk_gradients
     from logitless.losses.tokens import score_tokens
+    from logitless.ops.policy_terms import TermTotals, chunk_gradients
     adv, old, ref = inputs[3:6]
 
     def prep():

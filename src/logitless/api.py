@@ -1,7 +1,6 @@
-"""The public operation: validation, backend choice, and the record of which backend ran."""
+"""The public operation: validation and backend choice (``record.py`` keeps the record of which backend ran)."""
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
@@ -10,31 +9,18 @@ from torch import Tensor
 from . import checks
 from .ops import function
 from .ops.registry import BACKENDS, choose_backend
+from .record import last_backend
 
 if TYPE_CHECKING:
     from .parallel import VocabParallel
 
 __all__ = ["fused_logprobs", "TokenLogProbs", "last_backend", "choose_backend", "BACKENDS"]
 
-_state = threading.local()
-
 
 class TokenLogProbs(NamedTuple):
     """Per-token results, float32, in the labels' shape. ``entropy`` is None when not asked for."""
     logprobs: Tensor
     entropy: Optional[Tensor]
-
-
-def last_backend() -> Optional[str]:
-    """Name of the backend that the last ``fused_logprobs`` call on this thread ran ("reference",
-    "chunked" or "triton"), or None before the first call. Integrations and tests use it to prove
-    that no silent fallback happened."""
-    return getattr(_state, "backend", None)
-
-
-def record_backend(name: str) -> None:
-    """Set what ``last_backend()`` returns (the op, and the fused losses, call it)."""
-    _state.backend = name
 
 
 def inv_temperature(temperature, labels: Tensor, check_values: bool = True) -> Tensor:
@@ -92,19 +78,6 @@ def vocab_layout(weight: Tensor, tp_group) -> tuple[Optional["VocabParallel"], i
     from .parallel import VocabParallel
     tp = VocabParallel.for_group(tp_group, weight)
     return tp, tp.vocab_size
-
-
-def labels_out_of_range(labels: Tensor, valid: Tensor, vocab: int) -> Tensor:
-    """bool mask of the scored labels (``valid``) that lie outside [0, vocab)."""
-    return valid & ((labels < 0) | (labels >= vocab))
-
-
-def check_label_range(flat_labels: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> None:
-    """ValueError when a label that is not ignore_index lies outside [0, vocab) (one host sync)."""
-    bad = labels_out_of_range(flat_labels, valid, vocab)
-    if flat_labels.numel() and bool(bad.any()):
-        first = int(flat_labels[bad][0])
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
 
 
 def tp_group_name(tp_group) -> Optional[str]:

@@ -142,3 +142,16 @@ def per_token_tensor(value, name: str, labels: Tensor) -> Tensor:
     except RuntimeError:
         raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the labels' shape "
                          f"{tuple(labels.shape)}") from None
+
+
+def labels_out_of_range(labels: Tensor, valid: Tensor, vocab: int) -> Tensor:
+    """bool mask of the scored labels (``valid``) that lie outside [0, vocab)."""
+    return valid & ((labels < 0) | (labels >= vocab))
+
+
+def check_label_range(flat_labels: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> None:
+    """ValueError when a label that is not ignore_index lies outside [0, vocab) (one host sync)."""
+    bad = labels_out_of_range(flat_labels, valid, vocab)
+    if flat_labels.numel() and bool(bad.any()):
+        first = int(flat_labels[bad][0])
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")

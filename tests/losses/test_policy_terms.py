@@ -8,7 +8,7 @@ import torch
 
 from logitless.losses.aggregate import LOSS_AGGS, token_weights
 from logitless.losses.policy import PolicyLoss
-from logitless.losses.terms import TokenInputs, kl_estimate, per_token_terms, weighted_terms
+from logitless.ops.policy_terms import TokenInputs, kl_estimate, per_token_terms, weighted_terms
 from policy64 import aggregate64, kl64, term64
 from required import import_or_skip
 

@@ -3,7 +3,7 @@ of its dlogits kernel.
 
 - combine_tiles (lse and entropy from per-tile statistics) against the float64 formula;
 - chunk_terms (the per-token terms and their derivatives, written out) against torch.autograd over
-  ``losses/terms.py``, for every setting, with ratio ties, active clamps and a binding dual clip;
+  ``ops/policy_terms.py``, for every setting, with ratio ties, active clamps and a binding dual clip;
 - the dlogits kernel's tiles per program (benchmarks choose between them; all must write the same numbers);
 - the backward's in-place scaling by the upstream gradient (read on the device) against ``mul_``;
 - the dlogits kernel compiled for an NVIDIA GPU takes log2 with one lg2.approx (not tl.log2's polynomial).
@@ -22,7 +22,7 @@ import pytest
 import torch
 import triton
 
-from logitless.losses.terms import TermSpec, TermTotals, TokenInputs, chunk_gradients
+from logitless.ops.policy_terms import TermSpec, TermTotals, TokenInputs, chunk_gradients
 from logitless.ops.triton import policy_dlogits, policy_terms, scale
 from logitless.ops.triton.combine import MAX_TILE_ROWS, combine_tiles
 from logitless.ops.triton.common import INTERPRETING

@@ -12,12 +12,13 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_head, fused_logprobs, record_backend, vocab_layout
+from ..api import check_head, fused_logprobs, vocab_layout
 from ..ops.policy import policy_pass_for, policy_terms_for
+from ..ops.policy_terms import weighted_terms
 from ..ops.registry import choose_backend
+from ..record import record_backend
 from .function import FusedPolicyLossFunction, PassOptions
 from .policy import PolicyLoss
-from .terms import weighted_terms
 from .tokens import ScoredTokens, score_tokens
 
 

@@ -1,6 +1,6 @@
 """The autograd Function of the fused policy loss: gradients formed in the forward, handed out in backward.
 
-forward: one fused pass (``logitless.ops.policy``) over the scored tokens computes their log-probs and
+forward: one fused pass (``logitless.ops.policy_parts``) over the scored tokens computes their log-probs and
 entropies, the loss sum_i w_i f_i, its metrics, and d_hidden / d_weight of the loss (into buffers
 allocated here, only for the inputs that need a gradient).
 backward: scales those buffers in place by the upstream gradient of the loss (the loss is 0-d; on
@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..ops.policy import scale_by_upstream
-from .terms import TermSpec, TermTotals, chunk_gradients
+from ..ops.policy_parts import scale_by_upstream
+from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients
 from .tokens import ScoredTokens
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from typing import Optional
 from torch import Tensor
 
 from .. import checks
+from ..ops.policy_terms import KL_TYPES, TermSpec
 from .aggregate import check_loss_agg
-from .terms import KL_TYPES, TermSpec
 
 
 def _optional_tensor(value, name: str) -> Optional[Tensor]:
@@ -27,7 +27,7 @@ def _optional_tensor(value, name: str) -> Optional[Tensor]:
 
 @dataclass(frozen=True, eq=False)
 class PolicyLoss:
-    """A PPO / GRPO policy loss (formulas: ``logitless.losses.terms`` and ``aggregate``).
+    """A PPO / GRPO policy loss (formulas: ``logitless.ops.policy_terms`` and ``aggregate``).
 
     advantages: tensor broadcastable to the labels (per token [b, s], per sequence [b, 1], or 0-d).
     old_logprobs: log-probs of the labels under the behaviour policy, broadcastable to the labels; None

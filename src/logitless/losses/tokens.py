@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_label_range, inv_temperature
+from ..api import inv_temperature
+from ..ops.policy_terms import TokenInputs
 from .aggregate import check_agg_layout, check_cu_seqlens, cu_seqlens_error, token_weights
 from .policy import PolicyLoss
-from .terms import TokenInputs
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     if bad_temp:
         raise ValueError("temperature must be finite and > 0 everywhere")   # as fused_logprobs says it
     if bad_label:
-        check_label_range(flat_labels, flat_valid, vocab, ignore_index)
+        checks.check_label_range(flat_labels, flat_valid, vocab, ignore_index)
     bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]
     if bad:
         raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index)")

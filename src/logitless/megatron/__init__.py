@@ -9,6 +9,7 @@ Modules: ``processor`` (the output processor), ``detect`` (hook or legacy, cache
 ``patch`` (the legacy instance patch), ``forward`` (whole-batch entry points), ``packing`` (THD,
 TP x CP padding, zigzag), ``record`` (which path ran), ``temperature`` (its [b, s] layout rule).
 """
+from ..record import FusedPathUnavailable, PathRecord, last_path, strict_enabled
 from .detect import fused_forward_mode, supports_output_processor_hook, unwrap_gpt_model
 from .forward import forward_packed, forward_padded
 from .packing import (
@@ -23,7 +24,6 @@ from .packing import (
 )
 from .patch import patch_fused_forward, unpatch_fused_forward
 from .processor import FusedOutputProcessorContext, fused_output_processor
-from .record import FusedPathUnavailable, PathRecord, last_path, strict_enabled
 
 __all__ = ["FusedOutputProcessorContext", "fused_output_processor", "supports_output_processor_hook",
            "fused_forward_mode", "patch_fused_forward", "unpatch_fused_forward", "forward_padded",

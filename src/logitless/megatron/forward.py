@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..api import TokenLogProbs
+from ..record import FusedPathUnavailable, last_path, strict_enabled, write_record
 from .detect import mode_and_reason, unwrap_gpt_model
 from .packing import (
     PackedBatch,
@@ -36,7 +37,6 @@ from .packing import (
 )
 from .patch import patch_fused_forward
 from .processor import FusedOutputProcessorContext, fused_output_processor
-from .record import FusedPathUnavailable, last_path, strict_enabled, write_record
 from .temperature import check_temperature, temperature_bs
 
 IGNORE = -100

@@ -19,8 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from ..record import legacy_call
 from .detect import fused_forward_mode, unwrap_gpt_model
-from .record import legacy_call
 
 _BACKUP_ATTR = "_logitless_forward_backup"
 # Backup value meaning "no instance-level forward before the patch". A string, so it keeps its

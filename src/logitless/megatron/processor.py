@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import TokenLogProbs, fused_logprobs, last_backend
+from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
-from .record import in_legacy_call, write_record
+from ..record import in_legacy_call, last_backend, write_record
 from .temperature import check_temperature, temperature_bs
 
 _SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)

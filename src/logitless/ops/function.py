@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import checks
+from ..record import record_backend
 from . import token_chunks
 from .registry import load_backend
 
@@ -85,14 +86,13 @@ def _layout(tp_group: Optional[str], weight: Tensor, reduce: bool) -> Optional["
 def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int) -> bool:
     """Raise ValueError for a label outside [0, vocab) that is not ignore_index, or a temperature that is
     not finite and > 0; return whether every row is kept. One host synchronisation for all three."""
-    from ..api import check_label_range, labels_out_of_range
     if labels.numel() == 0:
         return True
-    bad_label = labels_out_of_range(labels, valid, vocab).any()
+    bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
     bad_temp = ~(torch.isfinite(inv_temp) & (inv_temp > 0)).all()   # 1 / T: T finite and > 0
     bad_label, bad_temp, every = torch.stack([bad_label, bad_temp, valid.all()]).tolist()
     if bad_label:
-        check_label_range(labels, valid, vocab, ignore_index)
+        checks.check_label_range(labels, valid, vocab, ignore_index)
     if bad_temp:
         checks.real_tensor(inv_temp.reciprocal(), "temperature", positive=True)
         raise ValueError("temperature must be finite and > 0 everywhere")
@@ -126,7 +126,6 @@ def _scatter(values: Tensor, rows: Tensor, n: int) -> Tensor:
 def _forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
                 with_entropy: bool, ignore_index: int, softcap: Optional[float], tp_group: Optional[str],
                 reduce_grad_hidden: bool, check_inputs: bool) -> tuple[Tensor, Tensor, Tensor]:
-    from ..api import record_backend
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     n = hidden.shape[0]

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import knobs
 from .chunked import DEFAULT_CHUNK_ELEMENTS
 from .maths import dlogits_from_logits, label_logits, logits_from_products, mm_fp32
-from .policy import Combine, accumulate_product, product_into
+from .policy_parts import Combine, accumulate_product, product_into
 
 # Fewest token rows per chunk by default (an explicit LOGITLESS_CHUNK_ELEMENTS is obeyed): the three
 # products of a chunk have c as a dimension, and thin ones run far below the BLAS's rate (CPU, N1024 H512

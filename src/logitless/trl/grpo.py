@@ -16,12 +16,7 @@ import types
 import torch
 
 from .. import checks
-
-_STATE = "_logitless_trl"
-_METHOD = "_get_per_token_logps_and_entropies"
-# TRL's multimodal arguments of the method: logitless scores text-only causal LMs here
-_VISION_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                "num_tiles", "image_sizes", "mm_token_type_ids", "image_position_ids")
+from .names import METHOD, STATE, VISION_ARGS
 
 
 def _grpo_trainer_class():
@@ -62,7 +57,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
     from ..transformers import fused_forward
 
     given = locals()
-    vision = [name for name in _VISION_ARGS if given[name] is not None]
+    vision = [name for name in VISION_ARGS if given[name] is not None]
     if vision:
         raise ValueError(f"logitless.trl scores text-only models; got {', '.join(vision)} (multimodal inputs): "
                          "disable logitless for this trainer")
@@ -113,12 +108,12 @@ def enable(trainer, *, fused_loss: bool = False):
     if fused_loss:
         from .loss import check_mappable
         check_mappable(trainer)
-    state = trainer.__dict__.get(_STATE)
+    state = trainer.__dict__.get(STATE)
     if state is None:
-        state = {"previous": {name: trainer.__dict__[name] for name in (_METHOD, "_compute_loss")
+        state = {"previous": {name: trainer.__dict__[name] for name in (METHOD, "_compute_loss")
                               if name in trainer.__dict__}}
-        trainer.__dict__[_STATE] = state
-        trainer.__dict__[_METHOD] = types.MethodType(get_per_token_logps_and_entropies, trainer)
+        trainer.__dict__[STATE] = state
+        trainer.__dict__[METHOD] = types.MethodType(get_per_token_logps_and_entropies, trainer)
     state["fused_loss"] = fused_loss
     if fused_loss:
         from .loss import compute_loss
@@ -138,13 +133,13 @@ def _restore(trainer, state, name):
 def disable(trainer):
     """Undo ``enable``: TRL's own methods again (a no-op on a trainer that is not enabled). Returns ``trainer``."""
     _check_trainer(trainer)
-    state = trainer.__dict__.pop(_STATE, None)
+    state = trainer.__dict__.pop(STATE, None)
     if state is not None:
-        for name in (_METHOD, "_compute_loss"):
+        for name in (METHOD, "_compute_loss"):
             _restore(trainer, state, name)
     return trainer
 
 
 def is_enabled(trainer) -> bool:
     """Whether ``enable(trainer)`` is in effect on this trainer."""
-    return _STATE in getattr(trainer, "__dict__", {})
+    return STATE in getattr(trainer, "__dict__", {})

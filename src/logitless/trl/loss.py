@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grpo import _VISION_ARGS
+from .names import VISION_ARGS
 
 LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-sum", "dapo": "token-sum"}
 
@@ -117,7 +117,7 @@ class PolicyInputs:
 def policy_inputs(trainer, inputs) -> PolicyInputs:
     """Map a GRPOTrainer batch (``_compute_loss``'s ``inputs``) and the trainer's settings."""
     check_mappable(trainer)
-    extra = [name for name in _VISION_ARGS + ("token_type_ids",) if inputs.get(name) is not None]
+    extra = [name for name in VISION_ARGS + ("token_type_ids",) if inputs.get(name) is not None]
     if extra:
         raise ValueError(f"logitless.trl fused_loss scores text-only models; got {', '.join(extra)}")
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]

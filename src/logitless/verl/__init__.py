@@ -17,9 +17,9 @@ after a Megatron call, ``logitless.last_backend()`` after any call.
 Modules: ``install`` (sites, install / uninstall), ``core`` (verl's contracts on logitless),
 ``megatron`` and ``fsdp`` (the sites of each engine).
 """
-from ..api import last_backend
-from ..megatron.record import FusedPathUnavailable, last_path
-from .install import install, is_installed, sites, strict_mode, uninstall
+from ..record import FusedPathUnavailable, last_backend, last_path
+from .install import install, is_installed, sites, uninstall
+from .sites import strict_mode
 
 __all__ = ["install", "uninstall", "is_installed", "sites", "strict_mode", "last_path", "last_backend",
            "FusedPathUnavailable"]

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 
+from ..record import FusedPathUnavailable
 from .core import fused_linear_for_ppo, linear_cross_entropy
-from .install import Site, strict_mode
+from .sites import Site, strict_mode
 
 TORCH_FUNCTIONAL = "verl.utils.experimental.torch_functional"
 KERNEL = "verl.utils.kernel.linear_cross_entropy"
@@ -53,7 +54,6 @@ def _make_patch_forward_with_backends(original):
     @functools.wraps(original)
     def patch_forward_with_backends(model, use_fused_kernels: bool = False, fused_kernels_backend: str = None):
         if use_fused_kernels and fused_kernels_backend not in BACKENDS and strict_mode():
-            from ..megatron import FusedPathUnavailable
             raise FusedPathUnavailable(
                 f"verl would skip the fused forward for {type(model).__name__}: use_fused_kernels=True but "
                 f"fused_kernels_backend={fused_kernels_backend!r} is not one of {BACKENDS} (set "

@@ -13,40 +13,10 @@ path, i.e. when it builds or patches a model: install before that for them to ap
 from __future__ import annotations
 
 import importlib
-import os
-import threading
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 from .. import checks
-
-MARK = "__logitless_verl__"
-_lock = threading.RLock()
-
-
-@dataclass(frozen=True)
-class Site:
-    """One replaced attribute: ``module[.owner].attr``; ``make(original)`` builds the replacement."""
-    name: str
-    module: str
-    owner: Optional[str]
-    attr: str
-    make: Callable
-    what: str
-
-
-class _State:
-    installed: Dict[str, Tuple[object, object, object]] = {}   # name -> (owner, original, replacement)
-    skipped: Dict[str, str] = {}
-    strict: bool = False
-
-
-def strict_mode() -> bool:
-    """Whether a verl fallback to its non-fused path raises: ``install(strict=True)`` or
-    LOGITLESS_STRICT=1 (read at the time verl would fall back)."""
-    if _State.strict:
-        return True
-    return os.environ.get("LOGITLESS_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+from .sites import LOCK, MARK, Site, SiteState
 
 
 def _all_sites() -> Tuple[Site, ...]:
@@ -75,43 +45,43 @@ def install(strict: bool = False) -> Tuple[str, ...]:
         importlib.import_module("verl")
     except Exception as exc:  # noqa: BLE001 - any failure means verl cannot be used here
         raise ImportError(f"logitless.verl.install: verl does not import ({type(exc).__name__}: {exc})") from exc
-    with _lock:
-        _State.strict = strict
+    with LOCK:
+        SiteState.strict = strict
         # Import every site's module before replacing anything: a module that imports a replaced
         # function by name (model_forward_fused imports the kernel's linear_cross_entropy) must bind
         # verl's original, not logitless' replacement.
         owners = {}
         for site in _all_sites():
-            if site.name in _State.installed:
+            if site.name in SiteState.installed:
                 continue
             try:
                 owners[site.name] = _owner(site)
             except Exception as exc:  # noqa: BLE001 - e.g. megatron-core missing: that site cannot be used
-                _State.skipped[site.name] = f"{type(exc).__name__}: {exc}"
+                SiteState.skipped[site.name] = f"{type(exc).__name__}: {exc}"
         for site in _all_sites():
             owner = owners.get(site.name)
             if owner is None:
                 continue
             original = vars(owner)[site.attr]
-            if getattr(original, MARK, None) in _State.installed:
+            if getattr(original, MARK, None) in SiteState.installed:
                 # bound by name to another site's replacement: keep verl's own function as the original
-                original = _State.installed[getattr(original, MARK)][1]
+                original = SiteState.installed[getattr(original, MARK)][1]
             replacement = site.make(original)
             setattr(replacement, MARK, site.name)
             setattr(owner, site.attr, replacement)
-            _State.installed[site.name] = (owner, original, replacement)
-            _State.skipped.pop(site.name, None)
-        return tuple(_State.installed)
+            SiteState.installed[site.name] = (owner, original, replacement)
+            SiteState.skipped.pop(site.name, None)
+        return tuple(SiteState.installed)
 
 
 def uninstall() -> None:
     """Put back every original verl function that ``install`` replaced (a no-op when not installed)."""
-    with _lock:
-        for name in list(_State.installed)[::-1]:
-            owner, original, _ = _State.installed.pop(name)
+    with LOCK:
+        for name in list(SiteState.installed)[::-1]:
+            owner, original, _ = SiteState.installed.pop(name)
             setattr(owner, _site_attr(name), original)
-        _State.skipped.clear()
-        _State.strict = False
+        SiteState.skipped.clear()
+        SiteState.strict = False
 
 
 def _site_attr(name: str) -> str:
@@ -120,7 +90,7 @@ def _site_attr(name: str) -> str:
 
 def is_installed() -> bool:
     """Whether ``install()`` is in effect."""
-    return bool(_State.installed)
+    return bool(SiteState.installed)
 
 
 def sites() -> Dict[str, str]:
@@ -128,15 +98,10 @@ def sites() -> Dict[str, str]:
     (its module did not import) or "not installed"."""
     out = {}
     for site in _all_sites():
-        if site.name in _State.installed:
+        if site.name in SiteState.installed:
             out[site.name] = f"installed: {site.what}"
-        elif site.name in _State.skipped:
-            out[site.name] = f"skipped: {_State.skipped[site.name]}"
+        elif site.name in SiteState.skipped:
+            out[site.name] = f"skipped: {SiteState.skipped[site.name]}"
         else:
             out[site.name] = "not installed"
     return out
-
-
-def original(name: str):
-    """The verl function that site ``name`` replaced (while installed)."""
-    return _State.installed[name][1]

@@ -25,9 +25,9 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..api import last_backend
+from ..record import FusedPathUnavailable, last_backend, write_record
 from .core import linear_cross_entropy
-from .install import Site, strict_mode
+from .sites import Site, strict_mode
 
 FUSED = "verl.models.mcore.model_forward_fused"
 OVERLAP = "verl.models.mcore.model_forward_1f1b_overlap"
@@ -62,7 +62,6 @@ def _make_head(original):
         sp = bool(getattr(cfg, "sequence_parallel", False))
         out = linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group,
                                    reduce_grad_hidden=not sp)
-        from ..megatron.record import write_record
         write_record(path, last_backend(), "verl")
         return out
 
@@ -70,7 +69,6 @@ def _make_head(original):
 
 
 def _unavailable(msg: str):
-    from ..megatron import FusedPathUnavailable
     return FusedPathUnavailable(msg + " (logitless.verl strict mode: install(strict=True) or LOGITLESS_STRICT=1)")
 
 

@@ -1,4 +1,4 @@
-"""The triton backend of the fused policy-loss pass (contract: ``logitless.ops.policy``): three GEMMs.
+"""The triton backend of the fused policy-loss pass (contract: ``logitless.ops.policy_parts``): three GEMMs.
 
 Per chunk of c token rows (c from LOGITLESS_POLICY_WORKSPACE_BYTES, a multiple of the token tile):
 1. ``policy_stats``: one Triton GEMM pass over the vocabulary; its epilogue writes per-(token, tile)
@@ -24,7 +24,7 @@ import triton
 from torch import Tensor
 
 from ... import knobs
-from ..policy import Combine, accumulate_product, balanced_chunks, product_into
+from ..policy_parts import Combine, accumulate_product, balanced_chunks, product_into
 from .backend import unavailable_reason  # noqa: F401  (the same rule as fused_logprobs' triton backend)
 from .combine import combine_tiles
 from .common import choose_tiles
@@ -61,7 +61,7 @@ def chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, block_m: int, block_
 
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None) -> None:
-    """See ``logitless.ops.policy``. plan_vocab: the largest vocabulary shard of the tensor-parallel group
+    """See ``logitless.ops.policy_parts``. plan_vocab: the largest vocabulary shard of the tensor-parallel group
     (every rank must cut the same chunks); None: this weight's."""
     ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
     with ctx:   # triton launches on the current device

@@ -1,6 +1,6 @@
 """Policy loss, stage 2b: the per-token terms of one chunk and their derivatives, in one kernel.
 
-The same formulas as ``logitless/losses/terms.py`` (which defines them, and which the tests hold this kernel
+The same formulas as ``logitless/ops/policy_terms.py`` (which defines them, and which the tests hold this kernel
 to: values, clip counts and gradients, every setting), with the derivatives written out instead of taken by
 torch.autograd: there, a chunk's float64 terms and their autograd backward were about 100 kernels of a few
 microseconds each, 0.3 ms per chunk on the H200 during which the GPU did nothing else.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...losses import terms
+from .. import policy_terms as terms
 from .common import INTERPRETING
 
 BLOCK = 64 if INTERPRETING else 1024

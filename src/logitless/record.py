@@ -1,8 +1,13 @@
-"""Which path produced the log-probabilities: the record that replaces grepping logs.
+"""What ran: the records that replace grepping logs, shared by the op and every integration.
 
-Every Megatron call through logitless writes a ``PathRecord`` (thread-local), readable with
-``last_path()``. A strict switch (argument ``strict=True`` or env ``LOGITLESS_STRICT=1``) turns a
-would-be fallback to the unfused path into ``FusedPathUnavailable``.
+- ``last_backend()``: the backend the last fused op on this thread ran ("reference", "chunked", "triton");
+  the ops write it (``record_backend``).
+- ``last_path()``: a ``PathRecord`` (thread-local) that every integration call writes: which path produced
+  the log-probabilities (Megatron's hook, the legacy patch, the unfused fallback, ...).
+- Strict mode (argument ``strict=True`` or env ``LOGITLESS_STRICT=1``) turns a would-be fallback to the
+  unfused path into ``FusedPathUnavailable``.
+
+This module sits below everything else in the package (it imports only ``checks`` and ``knobs``).
 """
 from __future__ import annotations
 
@@ -12,11 +17,23 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .. import checks, knobs
+from . import checks, knobs
 
 PATHS = ("hook", "legacy", "unfused")
 _state = threading.local()
 _serial = itertools.count(1)
+
+
+def last_backend() -> Optional[str]:
+    """Name of the backend that the last ``fused_logprobs`` / fused policy-loss call on this thread ran
+    ("reference", "chunked" or "triton"), or None before the first call. Integrations and tests use it to
+    prove that no silent fallback happened."""
+    return getattr(_state, "backend", None)
+
+
+def record_backend(name: str) -> None:
+    """Set what ``last_backend()`` returns (the ops call it)."""
+    _state.backend = name
 
 
 class FusedPathUnavailable(RuntimeError):

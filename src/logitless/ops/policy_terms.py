@@ -17,7 +17,7 @@ log-prob old and reference log-prob ref (verl's ``compute_policy_loss_vanilla`` 
     f     = pg + kl_coef * kl - entropy_coef * H
 
 The loss is sum_i w_i f_i over the scored tokens, with weights w_i fixed by the aggregation
-(``aggregate.py``). It is minimised. Every token's term depends on that token's lp and H only, which is
+(``losses/aggregate.py``). It is minimised. Every token's term depends on that token's lp and H only, which is
 what lets the fused pass form the gradient of a chunk of tokens as soon as their statistics are known.
 Terms are evaluated in float64 (vectors of one value per token: the cost is nil).
 """

@@ -1,0 +1,102 @@
+"""The fused policy-loss pass: what a backend implements (``policy_pass``), and the small pieces the backends
+share (the dispatch by backend name is ``policy.py``).
+
+A loss that is a fixed weighted sum of per-token terms f(logprob, entropy) lets the gradient of a chunk
+of tokens be formed in the same pass that computes their statistics: no logits are recomputed, so the
+pass costs three GEMMs where fused_logprobs' forward + backward costs four.
+
+    policy_pass(hidden [n, H], weight [V, H], labels [n], inv_temp [n], combine, dh, dw, plan_vocab=None)
+
+hidden, weight, labels (local rows, -1 where this weight does not hold the label) and inv_temp as in
+``contract.py``; only scored tokens are passed. For each chunk of token rows [start, stop) the backend
+computes the chunk's statistics over its whole (local) vocabulary, lse, ent, zy (float32 [c]), then calls
+
+    lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
+
+which returns the *global* lse and entropy of those rows (after the tensor-parallel all-gather, if any)
+and the loss gradients g_lp = dL/dlogprob, g_ent = dL/dentropy (float32 [c]; g_ent None when the loss
+does not depend on the entropy). From them, with x = z - lse and p = exp(x) (``contract.py``):
+
+    dlogits = inv_temp * (g_lp * (onehot(label) - p) - g_ent * p * (x + ent))       [c, V]
+    dh[start:stop] = dlogits @ weight             (written once: a token's whole vocabulary is in its chunk)
+    dw            += dlogits.T @ hidden[start:stop]  (accumulated over chunks)
+
+dh ([n, H], hidden.dtype, or float32 under tensor parallelism) and dw ([V, H], weight.dtype, contiguous)
+are the caller's buffers, or None when that gradient is not wanted (then neither is touched). With
+neither, only the statistics are computed. The backend writes every element of dh and of dw.
+
+plan_vocab: the vocabulary size the chunk plan is made for (None: this weight's rows). Under tensor
+parallelism every rank passes the largest shard, so every rank cuts the same token chunks and calls
+``combine`` (a collective) the same number of times with the same rows.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .maths import mm_fp32
+
+Combine = Callable[[int, int, Tensor, Optional[Tensor], Tensor],
+                   tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]
+
+
+def scale_by_upstream(grad: Tensor, g: Tensor) -> None:
+    """grad *= g in place, for the upstream gradient g (0-d) of a loss whose gradients were formed in its
+    forward. On CUDA the factor is read by a kernel, not the host: a backward must not wait for the GPU
+    (when g == 1 the kernel's programs return at once). Elsewhere a host read costs nothing."""
+    if grad.is_cuda and grad.is_contiguous():
+        try:
+            from .triton.scale import scale_in_place
+        except ImportError:     # a CUDA build without triton: one synchronisation
+            pass
+        else:
+            scale_in_place(grad, g.to(grad.device, torch.float32))
+            return
+    factor = float(g)
+    if factor != 1.0:
+        grad.mul_(factor)
+
+
+def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, accumulated in float32 and rounded once to out.dtype (which may be float32 for
+    half-precision a, b: the tensor-parallel d_hidden, reduced across ranks before its rounding)."""
+    if a.dtype == b.dtype == out.dtype and (a.is_cuda or a.dtype == torch.float32):
+        torch.mm(a, b, out=out)
+    elif a.is_cuda and a.dtype == b.dtype and out.dtype == torch.float32:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        except (RuntimeError, TypeError):
+            out.copy_(mm_fp32(a, b))
+    else:
+        out.copy_(mm_fp32(a, b))
+
+
+def accumulate_product(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """acc = a @ b when ``first``, else acc += a @ b, in place, with float32 accumulation inside each
+    product. On CUDA this is cuBLAS with beta = 1 on the acc buffer itself (no [acc]-sized temporary):
+    a half-precision ``acc`` is rounded once per call, a float32 one (``out_dtype``) not at all."""
+    if first:
+        product_into(acc, a, b)
+        return
+    if a.dtype == b.dtype and (a.is_cuda or a.dtype == torch.float32):
+        if acc.dtype == a.dtype:
+            acc.addmm_(a, b)
+            return
+        if acc.dtype == torch.float32:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                return
+            except (RuntimeError, TypeError):
+                pass
+    acc.add_(mm_fp32(a, b))
+
+
+def balanced_chunks(n: int, max_rows: int, multiple: int = 1) -> int:
+    """Rows per chunk: at most ``max_rows`` (>= ``multiple``), as equal as the chunk count allows, a
+    multiple of ``multiple`` (so no chunk ends with a thin ragged tile)."""
+    max_rows = max(multiple, max_rows // multiple * multiple)
+    count = max(1, -(-n // max_rows))
+    rows = -(-n // count)
+    return min(max_rows, -(-rows // multiple) * multiple)

@@ -1,0 +1,133 @@
+"""The import structure of the package: no circles, and nothing imports upward.
+
+Every ``import`` / ``from ... import`` in src/logitless is read with ``ast`` (module level, inside functions
+and under ``TYPE_CHECKING`` alike: a lazy import still ties two modules together), resolved to a module of
+the package, and checked against the layers below. docs/development.md draws the same graph.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "logitless"
+
+# lowest first; a module may import from its own layer or any layer below, never from above
+LAYERS = [
+    ["logitless.checks", "logitless.knobs", "logitless.record"],
+    ["logitless.parallel"],
+    ["logitless.ops"],
+    ["logitless.api"],
+    ["logitless.losses"],
+    ["logitless.transformers", "logitless.megatron"],
+    ["logitless.trl", "logitless.verl"],
+    ["logitless.tools", "logitless"],       # the package's face (__init__) and the command-line tools
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports (``from . import x`` resolves to the submodule x)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:     # `import logitless.ops.maths as m` -> that module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def layer_of(name: str) -> int:
+    best, where = -1, None
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, where = len(prefix), i
+    assert where is not None, f"{name} is in no layer of tests/test_layout.py"
+    return where
+
+
+def test_the_graph_is_read():
+    g = graph()
+    # a reader that found nothing would pass everything: pin a few known edges
+    assert "logitless.ops.function" in g["logitless.api"]
+    assert "logitless.record" in g["logitless.ops.function"]
+    assert "logitless.ops.policy_terms" in g["logitless.ops.triton.policy_terms"]
+    assert len(g) > 50
+
+
+def test_no_import_circles():
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(g[node]):
+            if state.get(nxt) == 1:
+                circles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_nothing_imports_upward():
+    g = graph()
+    upward = [f"{a} (layer {layer_of(a)}) -> {b} (layer {layer_of(b)})"
+              for a, targets in sorted(g.items()) for b in sorted(targets)
+              if b != "logitless" and layer_of(b) > layer_of(a)]
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from ..record import last_backend", {"logitless.record"}),
+    ("from . import checks", {"logitless.checks"}),
+    ("from .ops import function", {"logitless.ops.function"}),
+    ("import logitless.ops.maths as m", {"logitless.ops.maths"}),
+])
+def test_import_resolution(tmp_path, source, expected):
+    mods = modules()
+    fake = tmp_path / "x.py"
+    fake.write_text(source)
+    name = "logitless.losses.x" if source.startswith("from ..") else "logitless.x"
+    assert imports_of(name, fake, set(mods) | {name}) == expected
