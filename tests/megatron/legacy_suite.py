@@ -98,8 +98,9 @@ def test_legacy_post_process_false_no_grad_and_labels_none(megatron_tp1, seed):
         lp, _ = env.reference_from_logits(env.unfused_logits(model, ids, pos, mask), labels, 1.1)
     assert out.entropy is None and not out.logprobs.requires_grad
     assert (out.logprobs.double() - lp).abs().max() <= LP_TOL
-    with pytest.raises(ValueError, match="labels is None"):
-        env.run_fused(model, ids, pos, mask, None, 1.0)
+    with torch.no_grad():                       # labels=None: the model's own logits, as without the processor
+        assert torch.equal(env.run_fused(model, ids, pos, mask, None, 1.0), model(ids, pos, mask))
+    assert last_path().path == "legacy" and last_path().backend is None
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["thd", "bshd"])

@@ -85,12 +85,44 @@ def test_inference_no_grad(megatron_tp1, seed):
     assert (out.logprobs.double() - lp).abs().max() <= LP_TOL
 
 
-def test_labels_none_is_a_clear_error(megatron_tp1, seed):
+@pytest.mark.parametrize("kind", ["untied", "tied-mup", "legacy"])
+def test_labels_none_returns_the_models_own_output(megatron_tp1, seed, kind):
+    """labels=None (a rollout / inference forward) through the processor: exactly the model's own
+    output without the processor (logits [b, s, V], MuP scaling included) and its gradients; or,
+    as configured, the hidden states at the hook."""
     env = megatron_tp1
-    model = env.build_gpt(seed=seed)
-    ids, pos, _ = env.random_batch(2, 5, 262)
-    with pytest.raises(ValueError, match="labels is None"):
-        env.run_fused(model, ids, pos, env.causal_mask(5), None, 1.0)
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(use_mup=True, mup_base_hidden_size=24) if kind == "tied-mup" else {}
+    if kind == "legacy":
+        model = env.build_with_class(env.old_signature_gpt_class(), seed=seed)
+    else:
+        model = env.build_gpt(tied=kind != "untied", seed=seed, **kw)
+    ids, pos, _ = env.random_batch(2, 7, 262, gen)
+    mask = env.causal_mask(7)
+    w = torch.randn(2, 7, 262, generator=gen)
+    from logitless.megatron import patch_fused_forward
+    patch_fused_forward(model)
+
+    model.zero_grad(set_to_none=True)
+    out = model(ids, pos, mask, output_processor=fused_output_processor)
+    rec = last_path()
+    (w * out).sum().backward()
+    got = env.param_grads(model)
+    model.zero_grad(set_to_none=True)
+    want = model(ids, pos, mask)                           # the model's own forward, no processor
+    (w * want).sum().backward()
+    assert out.shape == (2, 7, 262) and torch.equal(out, want)
+    for name, g in env.param_grads(model).items():
+        assert (g is None) == (got[name] is None) and (g is None or torch.equal(g, got[name])), name
+    assert rec.path == ("legacy" if kind == "legacy" else "hook") and rec.backend is None
+    assert "labels is None" in rec.reason
+    with torch.no_grad():
+        hidden = model(ids, pos, mask, output_processor=fused_output_processor,
+                       output_processor_context=FusedOutputProcessorContext(without_labels="hidden_states"))
+        at_hook = model(ids, pos, mask, labels=None, output_processor=lambda **k: k["hidden_states"])
+    assert hidden.shape == (7, 2, 48) and torch.equal(hidden, at_hook)
+    with pytest.raises(ValueError, match="without_labels"):
+        FusedOutputProcessorContext(without_labels="logprobs")
 
 
 def test_bad_context_and_temperature(megatron_tp1, seed):

@@ -21,6 +21,7 @@ def _case_names():
             for temp in ("scalar", "per_seq", "per_token"):
                 names.append(f"hook-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-{temp}")
     names += ["hook-nosp-mtp", "legacy-nosp-untied", "legacy-sp-tied", "inference-no-grad",
+              "labels-none-sp", "labels-none-legacy-nosp",
               "forward_padded-sp-thd", "forward_packed-nosp-thd", "forward_padded-sp-bshd"]
     names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy"]
     return names
@@ -132,6 +133,27 @@ def run_case(name, env, torch, seed):
         rec, _, msg = _compare(env, torch, model, 0.8, gen)
         assert rec.path == "legacy", rec
         return msg
+    if parts[0] == "labels":
+        # labels=None through the processor: the model's own (vocab-sharded) logits and gradients
+        from logitless.megatron import fused_output_processor, patch_fused_forward
+        cls = env.old_signature_gpt_class() if "legacy" in parts else None
+        kw = dict(tp=TP, sequence_parallel=sp, tied=True, seed=seed)
+        model = env.build_with_class(cls, **kw) if cls else env.build_gpt(**kw)
+        patch_fused_forward(model)
+        ids, pos, _ = env.random_batch(2, 8, model.vocab_size, gen)
+        mask = env.causal_mask(8)
+        outs = []
+        for proc in (fused_output_processor, None):
+            model.zero_grad(set_to_none=True)
+            out = model(ids, pos, mask, **({"output_processor": proc} if proc else {}))
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+            (w * out).sum().backward()
+            outs.append((out, env.param_grads(model)))
+        (a, ga), (b, gb) = outs
+        assert a.shape == (2, 8, model.vocab_size // TP) and torch.equal(a, b)
+        assert all((g is None and ga[n] is None) or torch.equal(g, ga[n]) for n, g in gb.items())
+        assert last_path().backend is None and "labels is None" in last_path().reason
+        return "equal"
     if name == "inference-no-grad":
         from logitless.megatron import FusedOutputProcessorContext, fused_output_processor
         model = env.build_gpt(tp=TP, seed=seed).eval()

@@ -144,7 +144,10 @@ def _call_processor(gpt, processor, context, named: dict, got: _MainHidden):
             position_ids=named.get("position_ids"),
             attention_mask=named.get("attention_mask"),
             decoder_input=named.get("decoder_input"),
-            inference_context=named.get("inference_context"),
+            # The intercepted hidden states are those the output layer gets, i.e. after Megatron's own
+            # inference-time last-token slicing (the native hook sees them before it): without an
+            # inference context a labels=None processor does not slice them a second time.
+            inference_context=named.get("inference_context") if labels is not None else None,
             packed_seq_params=named.get("packed_seq_params"),
             runtime_gather_output=got.runtime_gather_output,
             context=context,

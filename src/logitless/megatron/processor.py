@@ -20,6 +20,7 @@ from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import in_legacy_call, last_backend, write_record
 from .temperature import check_temperature, temperature_bs
+from .unlabelled import WITHOUT_LABELS, megatron_logits
 
 _SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)
 
@@ -38,12 +39,16 @@ class FusedOutputProcessorContext:
         the fused policy loss and its metrics (``PolicyLossOutput``: loss, logprobs, entropy,
         clip_fraction, kl) instead of the log-probs, with the sequences being the rows of labels.
         Positions that must not count (prompt, padding) need ``ignore_index`` in labels.
+    without_labels: what a forward given no labels (``labels=None``: a rollout / inference forward)
+        returns: "logits" (default; the model's own logits [b, s, V], exactly as without the
+        processor) or "hidden_states" (the [s, b, h] hidden states at the hook, untouched).
     """
     temperature: Union[float, Tensor] = 1.0
     with_entropy: bool = True
     ignore_index: int = -100
     backend: str = "auto"
     loss: Optional[PolicyLoss] = None
+    without_labels: str = "logits"
 
     def __post_init__(self):
         check_temperature(self.temperature)
@@ -51,6 +56,8 @@ class FusedOutputProcessorContext:
         checks.ignore_index(self.ignore_index)
         if self.loss is not None and not isinstance(self.loss, PolicyLoss):
             raise TypeError(f"loss must be a logitless.losses.PolicyLoss or None, got {type(self.loss).__name__}")
+        if self.without_labels not in WITHOUT_LABELS:
+            raise ValueError(f"without_labels must be one of {WITHOUT_LABELS}, got {self.without_labels!r}")
 
 
 def _tp_group_and_size(output_layer, config):
@@ -109,19 +116,24 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     hidden_states: [s, b, h] (or [s / tp, b, h] under sequence parallelism), any float dtype.
     output_weight: the shared embedding [V / tp, h] when weights are tied, else None
         (``output_layer.weight`` is used). The TP group is ``output_layer.tp_group``.
-    labels: int [b, s] global token ids. Required.
+    labels: int [b, s] global token ids, or None: then the processor returns what the model returns
+        without it (``context.without_labels``: its logits [b, s, V], or the hidden states).
     context: a FusedOutputProcessorContext (None: temperature 1, with entropy).
     kwargs: the rest of Megatron's hook arguments; ``scale_logits`` (MuP) is honoured when it is a
         positive constant multiplier and refused otherwise.
     """
-    if labels is None:
-        raise ValueError("labels is None: the fused output processor computes the log-probability of "
-                         "labels, so pass labels=[b, s] token ids to the model's forward")
     if context is None:
         context = FusedOutputProcessorContext()
     if not isinstance(context, FusedOutputProcessorContext):
         raise TypeError("output_processor_context must be a FusedOutputProcessorContext, got "
                         f"{type(context).__name__}")
+    if labels is None:
+        write_record("legacy" if in_legacy_call() else "hook", None, "processor",
+                     f"labels is None: the model's own {context.without_labels}")
+        if context.without_labels == "hidden_states":
+            return hidden_states
+        return megatron_logits(hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
+                               config=config, **kwargs)
     if not isinstance(hidden_states, Tensor) or hidden_states.dim() != 3:
         raise ValueError("hidden_states must be a [s, b, h] tensor, got "
                          f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
