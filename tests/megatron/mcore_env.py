@@ -407,3 +407,94 @@ def spawn_two(python: str, seed: int, cases=None, timeout: int = 420):
         for r, p in enumerate(procs):
             assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-3000:]}"
     return results
+
+
+def hybrid_local_stack_spec(sequence_parallel: bool = False, mtp: bool = False, packed_attention: bool = False,
+                            context_parallel: bool = False):
+    """A HybridStack spec without Transformer Engine: attention layers ("*") and MLP layers ("-") from
+    Megatron's local GPT layer spec (Mamba layers need CUDA kernels, so none here); with ``mtp``, the
+    MTP block spec of the same local modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    local = get_gpt_layer_local_spec()
+    if packed_attention:
+        local.submodules.self_attention.submodules.core_attention = (
+            context_parallel_attention_class() if context_parallel else packed_attention_class())
+    if sequence_parallel:
+        local.submodules.input_layernorm = SequenceParallelTorchNorm
+        local.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    sub = local.submodules
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=sub.input_layernorm, self_attention=sub.self_attention, self_attn_bda=sub.self_attn_bda))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
+    mtp_spec = None
+    if mtp:
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+        from megatron.core.transformer.multi_token_prediction import (
+            MultiTokenPredictionBlock,
+            MultiTokenPredictionBlockSubmodules,
+            MultiTokenPredictionLayer,
+            MultiTokenPredictionLayerSubmodules,
+        )
+        norm = sub.input_layernorm
+        mtp_spec = ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+                enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=norm))]))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=attention, mlp_layer=mlp, mtp_block_spec=mtp_spec))
+
+
+class _final_norm_without_te:
+    """HybridStack builds its final norm with TENorm (Transformer Engine, GPU-only): while a test
+    model is built, the same LayerNorm from torch (tagged sequence_parallel under SP, as Megatron's
+    own norms are). Test-side only."""
+
+    def __init__(self, sequence_parallel: bool):
+        self.sp = sequence_parallel
+
+    def __enter__(self):
+        from megatron.core.models.hybrid import hybrid_block
+        self.module, self.saved = hybrid_block, hybrid_block.TENorm
+        sp = self.sp
+
+        def torch_norm(config, hidden_size, eps=1e-5, **_):
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+            for p in norm.parameters():
+                p.sequence_parallel = sp
+            return norm
+
+        hybrid_block.TENorm = torch_norm
+        return self
+
+    def __exit__(self, *exc):
+        self.module.TENorm = self.saved
+
+
+def build_hybrid(*, pattern: str = "*-*-", vocab: int = 262, hidden: int = 48, heads: int = 4, max_seq: int = 64,
+                 tied: bool = False, tp: int = 1, sequence_parallel: bool = False, packed_attention: bool = False,
+                 post_process: bool = True, seed: int = 0, cls=None, **cfg_kw):
+    """A small fp32 HybridModel (attention "*" and MLP "-" layers, local modules, learned absolute
+    positions) with random weights from ``seed``. ``pattern`` may carry MTP depths ("*-*-/*-")."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer import TransformerConfig
+    torch.manual_seed(seed)
+    main, *mtp_parts = pattern.split("/")
+    cfg = TransformerConfig(num_layers=len(main), hidden_size=hidden, num_attention_heads=heads,
+                            use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+                            mtp_num_layers=len(mtp_parts) or None, **cfg_kw)
+    spec = hybrid_local_stack_spec(sequence_parallel, mtp=bool(mtp_parts), packed_attention=packed_attention,
+                                   context_parallel=cfg.context_parallel_size > 1)
+    with _final_norm_without_te(sequence_parallel):
+        model = (cls or HybridModel)(config=cfg, hybrid_stack_spec=spec, vocab_size=vocab, max_sequence_length=max_seq,
+                                     hybrid_layer_pattern=pattern, position_embedding_type="learned_absolute",
+                                     share_embeddings_and_output_weights=tied, post_process=post_process)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "output_layer" in name or "word_embeddings" in name:
+                p.mul_(25.0)
+    return model

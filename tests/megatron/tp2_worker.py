@@ -21,9 +21,11 @@ def _case_names():
             for temp in ("scalar", "per_seq", "per_token"):
                 names.append(f"hook-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-{temp}")
     names += ["hook-nosp-mtp", "legacy-nosp-untied", "legacy-sp-tied", "inference-no-grad",
-              "labels-none-sp", "labels-none-legacy-nosp",
+              "labels-none-sp", "labels-none-legacy-nosp", "hybrid-nosp-untied", "hybrid-sp-tied",
+              "hybrid-forward_padded-sp",
               "forward_padded-sp-thd", "forward_packed-nosp-thd", "forward_padded-sp-bshd"]
-    names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy"]
+    names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy",
+              "cp2-forward_padded-hybrid"]
     return names
 
 
@@ -58,6 +60,8 @@ def run_cp_case(name, env, torch, seed):
     if name.endswith("legacy"):
         model = env.build_with_class(env.old_signature_gpt_class(), **kw)
         assert patch_fused_forward(model) == "legacy"
+    elif name.endswith("hybrid"):
+        model = env.build_hybrid(**kw)
     else:
         model = env.build_gpt(**kw)
     from logitless.megatron.forward import parallel_layout
@@ -131,6 +135,32 @@ def run_case(name, env, torch, seed):
         from logitless.megatron import patch_fused_forward
         assert patch_fused_forward(model) == "legacy"
         rec, _, msg = _compare(env, torch, model, 0.8, gen)
+        assert rec.path == "legacy", rec
+        return msg
+    if parts[0] == "hybrid":
+        from logitless.megatron import patch_fused_forward
+        if parts[1] == "forward_padded":           # THD packing through the hybrid model's legacy patch
+            model = env.build_hybrid(tp=TP, sequence_parallel=sp, packed_attention=True, seed=seed)
+            ids, mask = env.ragged_batch(gen)
+            temps = 0.6 + torch.rand(ids.shape[0], generator=gen)
+            out = forward_padded(model, ids, mask, temperature=temps, strict=True)
+            assert last_path().path == "legacy" and last_path().entry == "forward_padded"
+            worst = 0.0
+            with torch.no_grad():
+                for i in range(ids.shape[0]):
+                    seq = ids[i][mask[i]]
+                    padded = torch.cat([seq, seq.new_zeros((-seq.numel()) % TP)])
+                    m = padded.numel()
+                    logits = env.unfused_logits(model, padded[None], torch.arange(m)[None], env.causal_mask(m))
+                    lp, ent = env.reference_from_logits(logits[:, :seq.numel() - 1], seq[None, 1:], temps[i])
+                    e = max(float((out.logprobs[i][mask[i]][:-1].double() - lp[0]).abs().max()),
+                            float((out.entropy[i][mask[i]][:-1].double() - ent[0]).abs().max()))
+                    assert e <= LP_TOL, (i, e)
+                    worst = max(worst, e)
+            return f"max err {worst:.1e}"
+        model = env.build_hybrid(tp=TP, sequence_parallel=sp, tied="tied" in parts, seed=seed)
+        assert patch_fused_forward(model) == "legacy"
+        rec, _, msg = _compare(env, torch, model, _temperature(torch, "per_token", 3, 10, gen), gen)
         assert rec.path == "legacy", rec
         return msg
     if parts[0] == "labels":

@@ -14,13 +14,14 @@ is kept in one backup attribute; unpatch restores it exactly and removes the bac
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from typing import Any
 
 from torch import nn
 
 from ..record import legacy_call
-from .detect import fused_forward_mode, unwrap_gpt_model
+from .detect import fused_forward_mode, is_gpt_model, unwrap_gpt_model
 
 _BACKUP_ATTR = "_logitless_forward_backup"
 # Backup value meaning "no instance-level forward before the patch". A string, so it keeps its
@@ -81,39 +82,71 @@ def _legacy_forward(self, *args, output_processor=None, output_processor_context
     return _forward_with_processor(self, original, args, kwargs, output_processor, output_processor_context)
 
 
+class _OutputLayerTap:
+    """For one forward: the output layer's instance ``forward`` replaced by one that raises
+    ``_MainHidden`` at the main-model logits call (``is_main(call_number)``) and runs the layer
+    for every other call (the MTP heads' logits); ``close()`` restores the layer exactly."""
+
+    def __init__(self, layer, is_main):
+        self.layer, self.is_main, self.calls, self.found = layer, is_main, 0, False
+        self.saved = layer.__dict__.get("forward", _ABSENT)
+        self.sp_before = getattr(layer, "sequence_parallel", None)
+        self.layer_forward = layer.forward
+
+    def _forward(self, hidden, *a, weight=None, runtime_gather_output=None, **kw):
+        self.calls += 1
+        if not self.found and self.is_main(self.calls):
+            self.found = True     # later calls (e.g. a labels=None processor's own logits) run the layer
+            raise _MainHidden(hidden, weight, runtime_gather_output)
+        return self.layer_forward(hidden, *a, weight=weight, runtime_gather_output=runtime_gather_output, **kw)
+
+    def open(self):
+        self.layer.__dict__["forward"] = self._forward
+
+    def close(self):
+        if self.saved is _ABSENT:
+            self.layer.__dict__.pop("forward", None)
+        else:
+            self.layer.__dict__["forward"] = self.saved
+        if self.sp_before is not None:     # Megatron's inference path may have switched SP off
+            self.layer.sequence_parallel = self.sp_before
+
+
+def _not_from_mtp_loss(_call: int) -> bool:
+    """True unless the output-layer call comes from megatron-core's ``process_mtp_loss`` (the MTP
+    heads' logits, 0.18+): the first other call is the main-model logits call."""
+    frame = sys._getframe(2)
+    try:
+        for _ in range(8):
+            if frame is None:
+                return True
+            if frame.f_code.co_name == "process_mtp_loss":
+                return False
+            frame = frame.f_back
+        return True
+    finally:
+        del frame
+
+
 def _forward_with_processor(gpt, original, args, kwargs, processor, context) -> Any:
+    if not is_gpt_model(gpt):
+        return _forward_tapping_output_layer(gpt, original, args, kwargs, processor, context)
     post_orig = gpt._postprocess                       # bound class method
     post_params = inspect.signature(post_orig)
-    layer = gpt.output_layer
-    layer_forward_orig = layer.__dict__.get("forward", _ABSENT)
-    layer_forward = layer.forward
-    sp_before = getattr(layer, "sequence_parallel", None)
     # The original _postprocess calls the output layer once per MTP depth (MTP logits for the
     # MTP loss), then once for the main model: that last call is the one the processor replaces.
     main_call = int(getattr(gpt.config, "mtp_num_layers", None) or 0) + 1
-    calls = [0]
-
-    def output_layer_forward(hidden, *a, weight=None, runtime_gather_output=None, **kw):
-        calls[0] += 1
-        if calls[0] == main_call:
-            raise _MainHidden(hidden, weight, runtime_gather_output)
-        return layer_forward(hidden, *a, weight=weight, runtime_gather_output=runtime_gather_output, **kw)
 
     def postprocess(*a, **kw):
-        bound = post_params.bind(*a, **kw)
-        named = dict(bound.arguments)
-        layer.__dict__["forward"] = output_layer_forward
+        named = dict(post_params.bind(*a, **kw).arguments)
+        tap = _OutputLayerTap(gpt.output_layer, lambda n: n == main_call)
+        tap.open()
         try:
             result = post_orig(*a, **kw)
         except _MainHidden as got:
             return _call_processor(gpt, processor, context, named, got)
         finally:
-            if layer_forward_orig is _ABSENT:
-                layer.__dict__.pop("forward", None)
-            else:
-                layer.__dict__["forward"] = layer_forward_orig
-            if sp_before is not None:
-                layer.sequence_parallel = sp_before
+            tap.close()
         if getattr(gpt, "post_process", True):
             raise RuntimeError("logitless legacy patch: this megatron-core's _postprocess never made the "
                                "main-model logits call that the processor replaces; the output is not "
@@ -125,6 +158,27 @@ def _forward_with_processor(gpt, original, args, kwargs, processor, context) -> 
         return original(*args, **kwargs)
     finally:
         gpt.__dict__.pop("_postprocess", None)
+
+
+def _forward_tapping_output_layer(model, original, args, kwargs, processor, context) -> Any:
+    """HybridModel / MambaModel: their forward calls the output layer itself (after the MTP losses,
+    whose logits calls come from ``process_mtp_loss``); the first other call is intercepted and the
+    processor returns instead of the logits / loss."""
+    named = dict(inspect.signature(type(model).forward).bind(model, *args, **kwargs).arguments)
+    named.update(named.pop("kwargs", None) or {})
+    tap = _OutputLayerTap(model.output_layer, _not_from_mtp_loss)
+    tap.open()
+    try:
+        result = original(*args, **kwargs)
+    except _MainHidden as got:
+        return _call_processor(model, processor, context, named, got)
+    finally:
+        tap.close()
+    if getattr(model, "post_process", True):
+        raise RuntimeError(f"logitless legacy patch: {type(model).__name__}.forward never made the main-model "
+                           "logits call that the processor replaces; the output is not what the processor "
+                           "would return")
+    return result
 
 
 def _call_processor(gpt, processor, context, named: dict, got: _MainHidden):
