@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 from . import checks, knobs
 
-PATHS = ("hook", "legacy", "unfused")
+PATHS = ("hook", "legacy", "schedule-plan", "unfused")
 _state = threading.local()
 _serial = itertools.count(1)
 
@@ -44,18 +44,24 @@ class FusedPathUnavailable(RuntimeError):
 class PathRecord:
     """One call's record.
 
-    path: "hook" (Megatron's native output_processor hook), "legacy" (logitless' instance patch
-        for releases without the hook) or "unfused" (logits materialised by the model).
-    backend: the fused op's backend that ran ("chunked", "triton", ...), None on the unfused path.
-    entry: what was called: "processor", "forward_padded" or "forward_packed".
+    path: "hook" (Megatron's native output_processor hook in the model's forward), "legacy"
+        (logitless' instance patch for models without the hook), "schedule-plan" (the processor run
+        by the post-process node of megatron-core's ``build_schedule_plan``, the combined 1F1B
+        schedule) or "unfused" (logits materialised by the model).
+    backend: the fused op's backend that ran ("chunked", "triton", ...), None where no fused op ran
+        (the unfused path; a labels=None forward, which returns the model's own output).
+    entry: what was called: "processor", "forward_padded", "forward_packed", "schedule_plan" or "verl".
     reason: why this path was taken (empty for the fused paths).
     serial: increases by one per record, so a caller can tell a fresh record from an old one.
+    model: the class name of the Megatron model that ran ("GPTModel", "HybridModel", ...), None where
+        it is not known.
     """
     path: str
     backend: Optional[str]
     entry: str
     reason: str
     serial: int
+    model: Optional[str] = None
 
 
 def last_path() -> Optional[PathRecord]:
@@ -63,10 +69,11 @@ def last_path() -> Optional[PathRecord]:
     return getattr(_state, "record", None)
 
 
-def write_record(path: str, backend: Optional[str], entry: str, reason: str = "") -> PathRecord:
+def write_record(path: str, backend: Optional[str], entry: str, reason: str = "",
+                 model: Optional[str] = None) -> PathRecord:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    rec = PathRecord(path, backend, entry, reason, next(_serial))
+    rec = PathRecord(path, backend, entry, reason, next(_serial), model)
     _state.record = rec
     return rec
 
@@ -78,15 +85,27 @@ def strict_enabled(strict: Optional[bool] = None) -> bool:
     return knobs.strict()
 
 
-def in_legacy_call() -> bool:
-    """True while the legacy instance patch is running the processor (so it records "legacy")."""
-    return getattr(_state, "legacy_depth", 0) > 0
+def processor_path() -> str:
+    """The path an output processor is running on: "legacy" inside the instance patch,
+    "schedule-plan" inside logitless' schedule-plan entry point, else "hook"."""
+    scopes = getattr(_state, "scopes", None)
+    return scopes[-1] if scopes else "hook"
 
 
 @contextlib.contextmanager
-def legacy_call() -> Iterator[None]:
-    _state.legacy_depth = getattr(_state, "legacy_depth", 0) + 1
+def path_scope(path: str) -> Iterator[None]:
+    """While open, ``processor_path()`` returns ``path`` (one of PATHS) on this thread."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    scopes = getattr(_state, "scopes", None)
+    if scopes is None:
+        scopes = _state.scopes = []
+    scopes.append(path)
     try:
         yield
     finally:
-        _state.legacy_depth -= 1
+        scopes.pop()
+
+
+def legacy_call():
+    return path_scope("legacy")

@@ -84,7 +84,7 @@ def test_ci_guard_hook_and_fused_op_ran(megatron_tp1, seed):
     forward_padded(model, ids, mask, temperature=1.0, strict=True)
     rec = last_path()
     assert rec is not before and rec.serial > (before.serial if before else 0)
-    assert rec.path == "hook", rec
+    assert rec.path == "hook" and rec.model == "GPTModel", rec
     assert rec.entry == "forward_padded" and rec.backend in FUSED_BACKENDS, rec
     assert logitless.last_backend() == rec.backend
 
@@ -97,7 +97,7 @@ def test_legacy_mode_through_forward_padded(megatron_tp1, seed):
     ids, mask = env.ragged_batch(gen)
     want = forward_padded(hooked, ids, mask, temperature=0.9)
     got = forward_padded(legacy, ids, mask, temperature=0.9, strict=True)
-    assert last_path().path == "legacy"
+    assert last_path().path == "legacy" and last_path().model == "OldSignatureGPTModel"
     assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.entropy, want.entropy)
 
 
@@ -116,6 +116,7 @@ def test_strict_mode_refuses_the_fallback(megatron_tp1, seed, monkeypatch):
     # strict=False beats the env var; the fallback is recorded and gives the same numbers
     fallback = forward_padded(old, ids, mask, temperature=0.7, packed=False, strict=False)
     assert last_path().path == "unfused" and last_path().backend is None and last_path().reason
+    assert last_path().model == "NoPostprocessGPTModel"
     monkeypatch.delenv("LOGITLESS_STRICT")
     fused = forward_padded(env.build_gpt(seed=seed), ids, mask, temperature=0.7, packed=False)
     assert last_path().path == "hook"

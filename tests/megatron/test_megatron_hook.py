@@ -28,6 +28,7 @@ def test_hook_matches_unfused(megatron_tp1, seed, tied, temp_kind):
     temperature = 1.0 if temp_kind == "one" else env.temperature_of_kind(temp_kind, b, s, gen)
     grads, record, _ = env.compare_with_unfused(model, b, s, temperature, gen)
     assert record.path == "hook" and record.backend in ("chunked", "triton", "reference")
+    assert record.model == "GPTModel" and record.entry == "processor"
     head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     assert grads[head] is not None and grads[head].norm() > 0
     assert grads["decoder.layers.0.self_attention.linear_qkv.weight"].norm() > 0   # d_hidden flowed

@@ -59,7 +59,7 @@ def test_hybrid_matches_unfused(megatron_tp1, seed, tied, temp_kind):
     assert patch_fused_forward(model) == "legacy"
     temperature = env.temperature_of_kind(temp_kind, 3, 11, gen)
     grads, rec, _ = env.compare_with_unfused(model, 3, 11, temperature, gen)
-    assert rec.path == "legacy" and rec.backend in ("chunked", "triton", "reference")
+    assert rec.path == "legacy" and rec.backend in ("chunked", "triton", "reference") and rec.model == "HybridModel"
     head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     assert grads[head].norm() > 0 and grads["decoder.layers.0.self_attention.linear_qkv.weight"].norm() > 0
     assert grads["decoder.layers.1.mlp.linear_fc1.weight"].norm() > 0
@@ -74,7 +74,7 @@ def test_mamba_model_wrapper(megatron_tp1, seed):
     assert fused_forward_mode(Wrapper(model)) == "legacy"
     patch_fused_forward(model)
     _, rec, _ = env.compare_with_unfused(model, 2, 9, 0.8, gen)
-    assert rec.path == "legacy"
+    assert rec.path == "legacy" and rec.model == "MambaModel"
 
 
 def test_policy_loss_and_labels_none(megatron_tp1, seed):
@@ -87,7 +87,9 @@ def test_policy_loss_and_labels_none(megatron_tp1, seed):
     labels[:, :2] = -100
     mask = env.causal_mask(s)
     adv = torch.randn(b, 1, generator=gen)
-    old = -torch.rand(b, s, generator=gen) * 5
+    with torch.no_grad():                           # old log-probs near the current ones: ratios around 1
+        now, _ = env.reference_from_logits(env.unfused_logits(model, ids, pos, mask), labels.clamp(min=0), 0.9)
+    old = (now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).float()
     policy = PolicyLoss(advantages=adv, old_logprobs=old, clip_low=0.2, clip_high=0.3, loss_agg="token-mean")
 
     model.zero_grad(set_to_none=True)
@@ -122,7 +124,7 @@ def test_forward_padded_and_packed_on_hybrid(megatron_tp1, seed):
     ids, mask = env.ragged_batch(gen)
     temps = 0.6 + torch.rand(ids.shape[0], generator=gen)
     out = forward_padded(model, ids, mask, temperature=temps, strict=True)
-    assert last_path().path == "legacy" and last_path().entry == "forward_padded"
+    assert last_path().path == "legacy" and last_path().entry == "forward_padded" and last_path().model == "HybridModel"
     seqs = [ids[i][mask[i]] for i in range(ids.shape[0])]
     packed = forward_packed(model, seqs, temperature=temps, strict=True)
     with torch.no_grad():
@@ -165,11 +167,11 @@ def test_hook_mode_when_hybrid_forward_gains_the_hook(megatron_tp1, seed):
             return output_processor(hidden_states=caught["hidden"], output_layer=self.output_layer,
                                     output_weight=caught["weight"], labels=labels, context=output_processor_context,
                                     runtime_gather_output=runtime_gather_output, scale_logits=self._scale_logits,
-                                    config=self.config)
+                                    compute_language_model_loss=self.compute_language_model_loss, config=self.config)
 
     gen = torch.Generator().manual_seed(seed)
     model = env.build_hybrid(cls=HookedHybridModel, seed=seed)
     assert supports_output_processor_hook(model) and patch_fused_forward(model) == "hook"
     assert "forward" not in model.__dict__
     _, rec, _ = env.compare_with_unfused(model, 2, 8, 1.1, gen)
-    assert rec.path == "hook"
+    assert rec.path == "hook" and rec.model == "HookedHybridModel"

@@ -35,6 +35,7 @@ def test_gen_forward_hook_matches_verl_unfused(env, seed, tied):
     lv.install()
     record = env.compare(model, model, lambda m, fused: env.run_gen(m, ids, mask, labels, pos, 0.7, fused), gen)
     assert record.path == "hook" and record.entry == "verl" and record.backend in ("chunked", "triton")
+    assert record.model == "GPTModel", record
 
 
 def test_engine_forward_hook_matches_verl_unfused(env, seed):
@@ -63,7 +64,7 @@ def test_installed_after_verl_built_the_model(env, seed):
     before = last_path()
     with torch.no_grad():
         env.run_gen(model, ids, mask, labels, pos, 1.0, True)
-    assert last_path() is not before and last_path().path == "hook"
+    assert last_path() is not before and last_path().path == "hook" and last_path().model == "GPTModel"
     lv.uninstall()
     assert mff.linear_cross_entropy is verl_kernel
     with pytest.raises((AssertionError, RuntimeError)), torch.no_grad():   # CUDA-only kernel

@@ -47,6 +47,7 @@ def test_gen_forward_legacy_matches_verl_unfused(env, seed, tied):
     lv.install()
     record = env.compare(fused, ref, lambda m, f: env.run_gen(m, ids, mask, labels, pos, 0.7, f), gen)
     assert record.path == "legacy" and record.entry == "verl" and record.backend in ("chunked", "triton")
+    assert record.model is not None and record.model.endswith("GPTModel"), record
 
 
 def test_engine_forward_legacy_matches_verl_unfused(env, seed):

@@ -126,7 +126,7 @@ def _run(model: nn.Module, gpt: nn.Module, ids: Tensor, pos: Tensor, mask: Optio
                                        "(strict mode: LOGITLESS_STRICT=1 or strict=True)")
         logits = model(ids, pos, mask, packed_seq_params=packed_seq_params, runtime_gather_output=True)
         out = _unfused(logits, labels, temperature, with_entropy)
-        write_record("unfused", None, entry, reason)
+        write_record("unfused", None, entry, reason, type(gpt).__name__)
         return out
     patch_fused_forward(gpt)
     before = last_path()
@@ -138,7 +138,7 @@ def _run(model: nn.Module, gpt: nn.Module, ids: Tensor, pos: Tensor, mask: Optio
     if rec is None or rec is before or rec.entry != "processor" or rec.path != mode:
         raise RuntimeError(f"{entry}: the model returned without running logitless' output processor "
                            f"(mode {mode!r}); its output is not log-probabilities")
-    write_record(rec.path, rec.backend, entry)
+    write_record(rec.path, rec.backend, entry, model=rec.model or type(gpt).__name__)
     return TokenLogProbs(*out)   # Float16Module hands back a plain tuple
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
-from ..record import in_legacy_call, last_backend, write_record
+from ..record import last_backend, processor_path, write_record
 from .temperature import check_temperature, temperature_bs
 from .unlabelled import WITHOUT_LABELS, megatron_logits
 
@@ -90,6 +90,13 @@ def logit_scale(scale_logits) -> float:
     return c
 
 
+def model_name(hook_kwargs: dict) -> Optional[str]:
+    """The class name of the model that called the processor: Megatron passes its bound
+    ``compute_language_model_loss``, whose ``__self__`` is the model."""
+    owner = getattr(hook_kwargs.get("compute_language_model_loss"), "__self__", None)
+    return type(owner).__name__ if owner is not None else None
+
+
 def _log_payload(config, kwargs, lp: Tensor, ent: Optional[Tensor]) -> None:
     """Megatron's config logger: the same payload as its unfused path, logprobs for logits."""
     try:
@@ -128,8 +135,8 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
         raise TypeError("output_processor_context must be a FusedOutputProcessorContext, got "
                         f"{type(context).__name__}")
     if labels is None:
-        write_record("legacy" if in_legacy_call() else "hook", None, "processor",
-                     f"labels is None: the model's own {context.without_labels}")
+        write_record(processor_path(), None, "processor", f"labels is None: the model's own {context.without_labels}",
+                     model_name(kwargs))
         if context.without_labels == "hidden_states":
             return hidden_states
         return megatron_logits(hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
@@ -173,7 +180,7 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
         out = policy_loss(context.loss, hidden, weight, labels, temperature=temperature,
                           ignore_index=context.ignore_index, tp_group=group if tp_size > 1 else None,
                           reduce_grad_hidden=reduce_grad_hidden, backend=context.backend, seq_first=True)
-        write_record("legacy" if in_legacy_call() else "hook", last_backend(), "processor")
+        write_record(processor_path(), last_backend(), "processor", model=model_name(kwargs))
         _log_payload(config, kwargs, out.logprobs, out.entropy)
         return out
     if isinstance(temperature, Tensor) and temperature.dim() == 2:
@@ -187,6 +194,6 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
                          backend=context.backend)
     lp = out.logprobs.t().contiguous()
     ent = out.entropy.t().contiguous() if out.entropy is not None else None
-    write_record("legacy" if in_legacy_call() else "hook", last_backend(), "processor")
+    write_record(processor_path(), last_backend(), "processor", model=model_name(kwargs))
     _log_payload(config, kwargs, lp, ent)
     return TokenLogProbs(lp, ent)

@@ -47,6 +47,18 @@ def _caller_config(frame):
     return None
 
 
+def _caller_model_name(frame):
+    """The class name of the Megatron model verl's head runs for: the hook processor's bound
+    ``compute_language_model_loss`` (in its ``**_ignored``), the legacy forward's ``model``, the
+    1f1b overlap's ``self``."""
+    loc = frame.f_locals
+    owner = getattr((loc.get("_ignored") or {}).get("compute_language_model_loss"), "__self__", None)
+    for candidate in (owner, loc.get("model"), loc.get("self")):
+        if candidate is not None and hasattr(candidate, "output_layer"):
+            return type(candidate).__name__
+    return None
+
+
 def _make_head(original):
     def linear_cross_entropy_logitless(hidden, weight, labels, temperature=1.0, reduction="none",
                                        dist_process_group=None):
@@ -56,13 +68,14 @@ def _make_head(original):
         try:
             path = "hook" if caller.f_code.co_name == "fused_output_processor" else "legacy"
             cfg = _caller_config(caller)
+            model = _caller_model_name(caller)
         finally:
             del caller
         # SP: verl gathered the hidden states; the gather's backward reduce-scatters d_hidden.
         sp = bool(getattr(cfg, "sequence_parallel", False))
         out = linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group,
                                    reduce_grad_hidden=not sp)
-        write_record(path, last_backend(), "verl")
+        write_record(path, last_backend(), "verl", model=model)
         return out
 
     return linear_cross_entropy_logitless
