@@ -150,7 +150,8 @@ class SequenceParallelTorchNorm:
 def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
               tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
               packed_attention: bool = False, post_process: bool = True, seed: int = 0, **cfg_kw):
-    """A small fp32 GPTModel (local layer spec) with random weights from ``seed``."""
+    """A small fp32 GPTModel (local layer spec) with random weights from ``seed``; ``mtp``: False, or
+    True / a number of MTP depths."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -158,7 +159,7 @@ def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             use_cpu_initialization=True, tensor_model_parallel_size=tp,
                             sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
-                            mtp_num_layers=1 if mtp else None, **cfg_kw)
+                            mtp_num_layers=int(mtp) or None, **cfg_kw)
     spec = get_gpt_layer_local_spec()
     if packed_attention:
         spec.submodules.self_attention.submodules.core_attention = (
@@ -173,6 +174,10 @@ def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int
     if mtp:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         kw["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+        if sequence_parallel:
+            for layer in kw["mtp_block_spec"].layer_specs:
+                sub = layer.submodules
+                sub.enorm = sub.hnorm = sub.layer_norm = SequenceParallelTorchNorm
     model = GPTModel(config=cfg, transformer_layer_spec=layer_spec, vocab_size=vocab, max_sequence_length=max_seq,
                      share_embeddings_and_output_weights=tied, post_process=post_process, **kw)
     # small random weights give nearly uniform softmaxes; widen the logits so log-probs vary

@@ -22,7 +22,7 @@ def _case_names():
                 names.append(f"hook-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-{temp}")
     names += ["hook-nosp-mtp", "legacy-nosp-untied", "legacy-sp-tied", "inference-no-grad",
               "labels-none-sp", "labels-none-legacy-nosp", "hybrid-nosp-untied", "hybrid-sp-tied",
-              "hybrid-forward_padded-sp",
+              "hybrid-forward_padded-sp", "mtp-gpt-sp-tied", "mtp-hybrid-nosp",
               "forward_padded-sp-thd", "forward_packed-nosp-thd", "forward_padded-sp-bshd"]
     names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy",
               "cp2-forward_padded-hybrid"]
@@ -137,6 +137,25 @@ def run_case(name, env, torch, seed):
         rec, _, msg = _compare(env, torch, model, 0.8, gen)
         assert rec.path == "legacy", rec
         return msg
+    if parts[0] == "mtp":
+        # fused MTP losses against megatron-core's own process_mtp_loss (test_megatron_mtp.py's check)
+        from logitless.megatron import patch_fused_forward
+        from test_megatron_mtp import build, check_grads, run
+        model = build(env, parts[1] + ("-tied" if "tied" in parts else ""), seed, tp=TP, sequence_parallel=sp).train()
+        patch_fused_forward(model)
+        b, s = 2, 10
+        ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+        loss_mask = (torch.rand(b, s, generator=gen) > 0.25).float()
+        w = (torch.randn(b, s, generator=gen),)
+        mask = env.causal_mask(s)
+        want, g_want, t_want, n_want = run(env, model, False, ids, pos, mask, labels, loss_mask, w)
+        got, g_got, t_got, n_got = run(env, model, True, ids, pos, mask, labels, loss_mask, w)
+        assert n_want == 3 and n_got == 1 and (got - want).abs().max() <= LP_TOL
+        check_grads(env, g_got, g_want)
+        assert torch.allclose(t_got["loss_values"], t_want["loss_values"], rtol=1e-5, atol=0)
+        assert torch.equal(t_got["correct_values"], t_want["correct_values"])
+        assert torch.equal(t_got["total_values"], t_want["total_values"])
+        return f"mtp loss {t_got['loss_values'].tolist()}"
     if parts[0] == "hybrid":
         from logitless.megatron import patch_fused_forward
         if parts[1] == "forward_padded":           # THD packing through the hybrid model's legacy patch

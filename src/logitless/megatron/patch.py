@@ -22,6 +22,7 @@ from torch import nn
 
 from ..record import legacy_call
 from .detect import fused_forward_mode, is_gpt_model, unwrap_gpt_model
+from .mtp import disable_fused_mtp, enable_fused_mtp, release_has_process_mtp_loss
 
 _BACKUP_ATTR = "_logitless_forward_backup"
 # Backup value meaning "no instance-level forward before the patch". A string, so it keeps its
@@ -43,6 +44,8 @@ def patch_fused_forward(model: nn.Module) -> str:
     Returns the mode ("hook", "legacy" or "unfused"); only "legacy" changes anything."""
     gpt = unwrap_gpt_model(model)
     mode = fused_forward_mode(gpt)
+    if mode != "unfused":
+        enable_fused_mtp(gpt)      # MTP losses from the fused op too (a no-op without MTP layers)
     if mode != "legacy" or _BACKUP_ATTR in gpt.__dict__:
         return mode
     gpt.__dict__[_BACKUP_ATTR] = gpt.__dict__.get("forward", _CLASS_FORWARD)
@@ -56,6 +59,7 @@ def unpatch_fused_forward(model: nn.Module) -> str:
     """Undo ``patch_fused_forward`` exactly (idempotent); returns the mode."""
     gpt = unwrap_gpt_model(model)
     mode = fused_forward_mode(gpt)
+    disable_fused_mtp(gpt)
     if _BACKUP_ATTR in gpt.__dict__:
         previous = gpt.__dict__.pop(_BACKUP_ATTR)
         if isinstance(previous, str) and previous == _CLASS_FORWARD:
@@ -133,13 +137,20 @@ def _forward_with_processor(gpt, original, args, kwargs, processor, context) -> 
         return _forward_tapping_output_layer(gpt, original, args, kwargs, processor, context)
     post_orig = gpt._postprocess                       # bound class method
     post_params = inspect.signature(post_orig)
-    # The original _postprocess calls the output layer once per MTP depth (MTP logits for the
-    # MTP loss), then once for the main model: that last call is the one the processor replaces.
-    main_call = int(getattr(gpt.config, "mtp_num_layers", None) or 0) + 1
+    # The main-model logits call is the one the processor replaces. Releases with process_mtp_loss
+    # (0.18+) make the MTP heads' logits calls from there (none when the MTP losses are fused);
+    # older ones call the output layer once per MTP depth inside _postprocess, then for the main model.
+    if release_has_process_mtp_loss():
+        is_main = _not_from_mtp_loss
+    else:
+        main_call = int(getattr(gpt.config, "mtp_num_layers", None) or 0) + 1
+
+        def is_main(n):
+            return n == main_call
 
     def postprocess(*a, **kw):
         named = dict(post_params.bind(*a, **kw).arguments)
-        tap = _OutputLayerTap(gpt.output_layer, lambda n: n == main_call)
+        tap = _OutputLayerTap(gpt.output_layer, is_main)
         tap.open()
         try:
             result = post_orig(*a, **kw)

@@ -1,0 +1,195 @@
+"""Multi-token prediction (MTP) losses from the fused op: no [tokens x vocab] logits at any depth.
+
+megatron-core (0.18+) computes the MTP losses in ``process_mtp_loss``, called by ``GPTModel._postprocess``
+and ``HybridModel.forward`` before the output processor runs: per depth k it builds the logits of the
+k-th MTP hidden states with the output layer, its per-token cross entropy against the labels rolled k+1
+to the left, the logged loss and acceptance counts (argmax of the logits), and attaches the scaled loss
+to the main hidden states (``MTPLossAutoScaler``). ``fused_process_mtp_loss`` below is that function with
+the two logits uses replaced: the cross entropy is ``-fused_logprobs`` (TP / SP / MuP scaling as the
+processor handles them) and the argmax is taken over bounded [chunk x vocab shard] blocks. Everything
+else (the chunking of the MTP hidden states, label / loss-mask rolling with CP and packed sequences,
+derived labels when labels is None, ``mtp_detach_heads``, the tracker, the loss scaling) is
+megatron-core's own code, called as it is.
+
+How it is reached: the module global ``process_mtp_loss`` of megatron-core's gpt_model and hybrid_model
+is replaced once by ``_dispatch``, which runs the fused version only for models that opted in
+(``enable_fused_mtp``, done by ``patch_fused_forward`` and every logitless entry point) and megatron-core's
+own function for every other model. The model is known from the bound ``compute_language_model_loss``
+argument. A call with arguments this version does not know also goes to megatron-core's function.
+Releases without ``process_mtp_loss`` (before 0.18) keep their own, unfused MTP losses.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..api import fused_logprobs
+
+_FLAG = "_logitless_fused_mtp"
+_MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
+_CALLERS = ("megatron.core.models.gpt.gpt_model", "megatron.core.models.hybrid.hybrid_model")
+_KNOWN_ARGS = frozenset(("hidden_states", "labels", "loss_mask", "output_layer", "output_weight",
+                         "runtime_gather_output", "is_training", "compute_language_model_loss", "config",
+                         "cp_group", "tp_group", "packed_seq_params", "scale_logits_fn", "input_ids"))
+_IGNORE = -100
+_ARGMAX_BLOCK = 1 << 22   # elements of one [tokens x vocab shard] block of the acceptance argmax
+
+
+def release_has_process_mtp_loss() -> bool:
+    try:
+        return callable(getattr(importlib.import_module(_MTP_MODULE), "process_mtp_loss", None))
+    except ImportError:
+        return False
+
+
+def enable_fused_mtp(model: nn.Module) -> bool:
+    """Compute ``model``'s MTP losses with the fused op from now on (idempotent). Returns whether the
+    fused MTP losses can run (a model with MTP layers on a release with ``process_mtp_loss``)."""
+    if not getattr(model, "mtp_process", False) or not release_has_process_mtp_loss():
+        return False
+    _install_dispatch()
+    model.__dict__[_FLAG] = True
+    return True
+
+
+def disable_fused_mtp(model: nn.Module) -> None:
+    model.__dict__.pop(_FLAG, None)
+
+
+def fused_mtp_enabled(model: nn.Module) -> bool:
+    return bool(model.__dict__.get(_FLAG))
+
+
+def _install_dispatch() -> None:
+    for name in _CALLERS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "process_mtp_loss", None) is not None and module.process_mtp_loss is not _dispatch:
+            module.process_mtp_loss = _dispatch
+
+
+def _dispatch(*args, **kwargs):
+    """megatron-core's ``process_mtp_loss`` for every model, the fused one for opted-in models."""
+    model = getattr(kwargs.get("compute_language_model_loss"), "__self__", None)
+    if not args and model is not None and fused_mtp_enabled(model) and set(kwargs) <= _KNOWN_ARGS:
+        return fused_process_mtp_loss(**kwargs)
+    return importlib.import_module(_MTP_MODULE).process_mtp_loss(*args, **kwargs)
+
+
+def _head(output_layer, config, hidden: Tensor):
+    """(hidden gathered over SP if needed, tp group or None, reduce_grad_hidden)."""
+    from .processor import _tp_group_and_size
+    group, tp_size = _tp_group_and_size(output_layer, config)
+    if tp_size > 1 and getattr(output_layer, "sequence_parallel", False):
+        from ..parallel import gather_sequence
+        return gather_sequence(hidden, group, dim=0), group, False
+    return hidden, (group if tp_size > 1 else None), True
+
+
+def fused_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mask: Tensor, output_layer, config,
+                        scale: float, backend: str = "auto") -> tuple[Tensor, Tensor, Optional[object]]:
+    """Per-token cross entropy [b, s] (float32) of logits ``scale * hidden @ weight.T`` against ``labels``
+    [b, s], from hidden [s, b, h] (SP-scattered when the output layer is sequence parallel); 0 where
+    ``loss_mask`` is 0 (Megatron multiplies those by 0). Also returns the gathered hidden states and the
+    TP group, for the acceptance argmax."""
+    full, group, reduce = _head(output_layer, config, hidden)
+    if full.dtype != weight.dtype:
+        full = full.to(weight.dtype)
+    lab = torch.where(loss_mask != 0, labels, torch.full_like(labels, _IGNORE)).t()
+    out = fused_logprobs(full, weight, lab, temperature=1.0 / scale, with_entropy=False, ignore_index=_IGNORE,
+                         tp_group=group, reduce_grad_hidden=reduce, backend=backend)
+    return -out.logprobs.t(), full, group
+
+
+@torch.no_grad()
+def blockwise_argmax(hidden: Tensor, weight: Tensor, group) -> Tensor:
+    """argmax over the global vocabulary of hidden [s, b, h] @ weight.T, as global ids [s, b], computed
+    over [token block x vocab shard] blocks; under TP (``weight`` this rank's vocab rows) the ranks'
+    maxima are combined as megatron-core's ``_vocab_parallel_argmax`` does (ties: the lowest rank,
+    then the lowest id)."""
+    s, b, h = hidden.shape
+    flat = hidden.reshape(-1, h)
+    rows = max(1, _ARGMAX_BLOCK // max(1, weight.shape[0]))
+    vals, ids = [], []
+    for start in range(0, flat.shape[0], rows):
+        v, i = (flat[start:start + rows] @ weight.t()).max(dim=-1)
+        vals.append(v)
+        ids.append(i)
+    val, idx = torch.cat(vals), torch.cat(ids)
+    if group is not None:
+        import torch.distributed as dist
+        size = dist.get_world_size(group)
+        all_v = [torch.empty_like(val) for _ in range(size)]
+        all_i = [torch.empty_like(idx) for _ in range(size)]
+        dist.all_gather(all_v, val, group=group)
+        dist.all_gather(all_i, idx, group=group)
+        rank = torch.stack(all_v).argmax(dim=0)
+        idx = rank * weight.shape[0] + torch.stack(all_i).gather(0, rank.unsqueeze(0)).squeeze(0)
+    return idx.view(s, b)
+
+
+def fused_process_mtp_loss(hidden_states: Tensor, labels: Tensor, loss_mask: Optional[Tensor], output_layer,
+                           output_weight: Optional[Tensor], runtime_gather_output: Optional[bool],
+                           is_training: bool, compute_language_model_loss, config, cp_group=None, tp_group=None,
+                           packed_seq_params=None, scale_logits_fn=None, input_ids: Optional[Tensor] = None) -> Tensor:
+    """megatron-core 0.19's ``process_mtp_loss`` (same arguments, same result and gradients) with each
+    depth's cross entropy and acceptance argmax computed without its logits; see the module docstring."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import (
+        MTPLossAutoScaler,
+        MTPLossLoggingHelper,
+        roll_tensor,
+    )
+
+    from .processor import logit_scale
+
+    hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
+    hidden_states = hidden_states_list[0]
+    derived = False
+    if labels is None:
+        if input_ids is None:
+            return hidden_states
+        labels, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        derived = True
+    weight = output_weight if output_weight is not None else output_layer.weight
+    if config.mtp_detach_heads:
+        weight = weight.detach()
+    mtp_labels = labels.clone()
+    if loss_mask is None:
+        loss_mask = torch.ones_like(mtp_labels)
+    if derived:
+        loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
+                                   packed_seq_params=packed_seq_params)
+    original_num_tokens = loss_mask.sum()
+    scale = logit_scale(scale_logits_fn)
+
+    for depth in range(config.mtp_num_layers):
+        mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp_group,
+                                    packed_seq_params=packed_seq_params)
+        loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
+                                            packed_seq_params=packed_seq_params)
+        ce, full_hidden, group = fused_cross_entropy(hidden_states_list[depth + 1], weight, mtp_labels, loss_mask,
+                                                     output_layer, config, scale)
+        mtp_loss = loss_mask * ce
+        if is_training:
+            mtp_loss_for_log = (torch.sum(mtp_loss) * (num_tokens > 0).to(mtp_loss.dtype)) / num_tokens.clamp(min=1)
+            preds = blockwise_argmax(full_hidden.detach(), weight.detach(), group)
+            valid = loss_mask.t().bool()
+            correct = ((preds == mtp_labels.t()) & valid).sum().float()
+            total = valid.sum().float()
+            MTPLossLoggingHelper.save_metrics_to_tracker(
+                mtp_loss_for_log, correct, total, depth, config.mtp_num_layers,
+                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        mtp_loss_scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
+        if config.calculate_per_token_loss:
+            num_tokens_safe = torch.clamp(num_tokens, min=1)
+            hidden_states = MTPLossAutoScaler.apply(
+                hidden_states, mtp_loss_scale * mtp_loss * (original_num_tokens / num_tokens_safe))
+        else:
+            hidden_states = MTPLossAutoScaler.apply(hidden_states, mtp_loss_scale * mtp_loss / num_tokens.clamp(min=1))
+    return hidden_states

@@ -1,0 +1,131 @@
+"""Multi-token prediction (MTP) losses from the fused op (logitless.megatron.mtp), against
+megatron-core's own ``process_mtp_loss`` on the same model and batch: the main output, every
+parameter gradient (MTP layers included) and the MTP tracker (logged loss per depth, acceptance
+counts); and the output layer is called for no MTP depth (no [tokens x vocab] logits)."""
+import pytest
+import torch
+
+from logitless.megatron import last_path, patch_fused_forward, unpatch_fused_forward
+from logitless.megatron.mtp import fused_mtp_enabled
+from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL
+
+
+def build(env, kind, seed, **kw):
+    if kind.startswith("hybrid"):
+        return env.build_hybrid(pattern="*-*-/*-/*-", seed=seed, tied="tied" in kind, **kw)
+    mup = dict(use_mup=True, mup_base_hidden_size=24) if "mup" in kind else {}
+    model = env.build_gpt(mtp=2, seed=seed, tied="tied" in kind, **mup, **kw)
+    if "legacy" in kind:
+        model.__class__ = env.old_signature_gpt_class()
+    return model
+
+
+def run(env, model, fused, ids, pos, mask, labels, loss_mask, weights, processor=False):
+    """One training forward + backward; returns (output, grads, tracker, output-layer calls)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from logitless.megatron.mtp import disable_fused_mtp, enable_fused_mtp
+    (enable_fused_mtp if fused else disable_fused_mtp)(model)
+    MTPLossLoggingHelper.tracker.clear()
+    calls = []
+    handle = model.output_layer.register_forward_hook(lambda *_: calls.append(1))   # logits made
+    model.zero_grad(set_to_none=True)
+    try:
+        if processor:
+            out = env.run_fused(model, ids, pos, mask, labels, 1.0)
+            loss = (weights[0] * out.logprobs).sum() + (weights[1] * out.entropy).sum()
+        else:
+            out = model(ids, pos, mask, labels=labels, loss_mask=loss_mask)
+            loss = (weights[0][..., None] * out).sum() if labels is None else (weights[0] * out).sum()
+        loss.backward()
+    finally:
+        handle.remove()
+    tracker = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items() if torch.is_tensor(v)}
+    return out, env.param_grads(model), tracker, len(calls)
+
+
+def check_grads(env, got, want):
+    mtp = [n for n in want if n.startswith("mtp.")]
+    assert mtp and all(want[n] is not None and want[n].norm() > 0 for n in mtp)
+    for name, g in want.items():
+        assert (g is None) == (got[name] is None), name
+        if g is not None and g.norm() > 0:
+            assert env.rel_err(got[name], g) <= GRAD_TOL, (name, env.rel_err(got[name], g))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "gpt-tied-mup", "hybrid", "hybrid-tied", "gpt-legacy"])
+def test_fused_mtp_equals_megatrons_mtp_loss(megatron_tp1, seed, kind):
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = build(env, kind, seed).train()
+    b, s = 2, 11
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    loss_mask = (torch.rand(b, s, generator=gen) > 0.25).float()
+    w = (torch.randn(b, s, generator=gen),)
+    assert patch_fused_forward(model) == ("legacy" if kind.startswith("hybrid") or "legacy" in kind else "hook")
+    assert fused_mtp_enabled(model)
+    # make some depth-1 predictions right, so the acceptance counts are not all 0: Megatron's MTP
+    # logits of depth 1 at position t score labels[t + 1]
+    from logitless.megatron.mtp import disable_fused_mtp
+    disable_fused_mtp(model)
+    seen = []
+    handle = model.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
+    with torch.no_grad():
+        model(ids, pos, mask, labels=labels, loss_mask=loss_mask)
+    handle.remove()
+    preds = seen[0].argmax(-1).t()                     # [b, s], depth 1
+    labels[:, 1::2] = preds[:, 0:s - 1:2]
+    want, g_want, t_want, n_want = run(env, model, False, ids, pos, mask, labels, loss_mask, w)
+    got, g_got, t_got, n_got = run(env, model, True, ids, pos, mask, labels, loss_mask, w)
+    assert n_want == 3 and n_got == 1          # Megatron: 2 MTP depths + main; fused: main only
+    assert (got - want).abs().max() <= LP_TOL   # the main loss (Megatron's own, unchanged)
+    check_grads(env, g_got, g_want)
+    assert set(t_got) == set(t_want) and t_want["loss_values"].abs().min() > 0
+    assert torch.allclose(t_got["loss_values"], t_want["loss_values"], rtol=1e-5, atol=0)
+    assert torch.equal(t_got["correct_values"], t_want["correct_values"]) and t_want["correct_values"][0] > 0
+    assert torch.equal(t_got["total_values"], t_want["total_values"])
+    unpatch_fused_forward(model)
+    assert not fused_mtp_enabled(model)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+def test_fused_mtp_with_the_processor_and_without_labels(megatron_tp1, seed, kind):
+    """With logitless' processor: no output-layer call at all; values and gradients equal to the
+    model's own logits with Megatron's MTP losses. labels=None (RL): MTP labels derived from the
+    input ids, the same on both paths."""
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = build(env, kind, seed).train()
+    patch_fused_forward(model)
+    b, s = 2, 9
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen))
+    out, g_got, t_got, calls = run(env, model, True, ids, pos, mask, labels, None, w, processor=True)
+    assert calls == 0 and last_path().backend is not None
+    from logitless.megatron.mtp import disable_fused_mtp
+    disable_fused_mtp(model)
+    model.zero_grad(set_to_none=True)
+    lp, ent = env.reference_from_logits(env.unfused_logits_with_labels(model, ids, pos, mask, labels), labels)
+    ((w[0] * lp).sum() + (w[1] * ent).sum()).backward()
+    assert (out.logprobs.double() - lp).abs().max() <= LP_TOL and (out.entropy.double() - ent).abs().max() <= ENT_TOL
+    check_grads(env, g_got, env.param_grads(model))
+
+    wl = (torch.randn(b, s, generator=gen),)
+    want, g_want, _, _ = run(env, model, False, ids, pos, mask, None, None, wl)
+    got, g_got, _, calls = run(env, model, True, ids, pos, mask, None, None, wl)
+    assert calls == 1 and torch.equal(got, want) and got.shape == (b, s, model.vocab_size)
+    check_grads(env, g_got, g_want)
+
+
+def test_blockwise_argmax_equals_argmax_of_the_logits(monkeypatch, seed):
+    from logitless.megatron import mtp
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(7, 3, 24, generator=gen)
+    weight = torch.randn(263, 24, generator=gen)
+    weight[200] = weight[17]                          # a tie: the lowest id wins, as torch.argmax
+    hidden[2, 1] = weight[17] * 3
+    monkeypatch.setattr(mtp, "_ARGMAX_BLOCK", 263 * 4)  # 4 tokens per block
+    got = mtp.blockwise_argmax(hidden, weight, None)
+    assert torch.equal(got, (hidden @ weight.t()).argmax(-1)) and got[2, 1] == 17
