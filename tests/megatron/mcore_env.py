@@ -149,18 +149,23 @@ class SequenceParallelTorchNorm:
 
 def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
               tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
-              packed_attention: bool = False, post_process: bool = True, seed: int = 0, **cfg_kw):
+              packed_attention: bool = False, post_process: bool = True, seed: int = 0, moe_experts: int = 0,
+              **cfg_kw):
     """A small fp32 GPTModel (local layer spec) with random weights from ``seed``; ``mtp``: False, or
     True / a number of MTP depths."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     torch.manual_seed(seed)
+    if moe_experts:    # MoE layers with local experts: what the combined 1F1B plan overlaps (GPU: its
+        # all-to-all dispatcher needs CUDA streams)
+        cfg_kw = dict(num_moe_experts=moe_experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                      moe_ffn_hidden_size=2 * hidden, **cfg_kw)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             use_cpu_initialization=True, tensor_model_parallel_size=tp,
                             sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
                             mtp_num_layers=int(mtp) or None, **cfg_kw)
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=moe_experts or None)
     if packed_attention:
         spec.submodules.self_attention.submodules.core_attention = (
             context_parallel_attention_class() if cfg.context_parallel_size > 1 else packed_attention_class())
@@ -503,3 +508,30 @@ def build_hybrid(*, pattern: str = "*-*-", vocab: int = 262, hidden: int = 48, h
             if "output_layer" in name or "word_embeddings" in name:
                 p.mul_(25.0)
     return model
+
+
+class cpu_streams:
+    """While open, megatron-core's schedule plans run on CPU: torch.cuda.Event, current_stream, stream
+    and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps). The
+    overlapped run needs CUDA streams and is a GPU test."""
+
+    class _Event:
+        def record(self, stream=None):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+    def __enter__(self):
+        import contextlib
+        cuda = torch.cuda
+        self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream)
+        cuda.Event = lambda *a, **k: cpu_streams._Event()
+        cuda.current_stream = lambda *a, **k: None
+        cuda.stream = lambda *a, **k: contextlib.nullcontext()
+        torch.Tensor.record_stream = lambda self, stream: None
+        return self
+
+    def __exit__(self, *exc):
+        cuda = torch.cuda
+        cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream = self.saved
