@@ -102,3 +102,42 @@ def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism(env):
         for case, (ok, msg) in res.items():
             assert ok, f"{case} rank {rank}: {msg}"
         assert set(res) == {"tp2-nosp", "tp2-sp"}
+
+
+def test_1f1b_overlap_forward_runs_on_the_schedule_plan(env, seed):
+    """verl's combined-1F1B forward (gptmodel_forward_1f1b_overlap) on logitless: a schedule plan with
+    logitless' processor, log-probs and entropy (verl's own returns log-probs only), run here without
+    overlap on CPU; against verl's fused generation forward (hook mode, logitless) on the same batch:
+    values and every parameter gradient. megatron-core's plan skips a dense decoder's final layernorm,
+    so the model has none (then the plan and the forward compute the same hidden states)."""
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
+    from verl.models.mcore import model_forward_1f1b_overlap as overlap
+
+    import mcore_env
+    lv.install()
+    gen = torch.Generator().manual_seed(seed)
+    model = env.build_rope_gpt(seed)
+    model.decoder.final_layernorm = None
+    ids, mask, labels, pos = env.padded_batch(gen)
+    a, c = torch.randn(ids.shape, generator=gen), torch.randn(ids.shape, generator=gen)
+    model.zero_grad(set_to_none=True)
+    with mcore_env.cpu_streams():
+        plan = overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=labels, labels_mask=mask,
+                                                     temperature=0.8)
+        lp, ent = Plan.run(plan, None)
+        record = last_path()
+        Plan.run(None, plan, b_grad=(a, c))
+    got = env.grads(model)
+    assert record.path == "schedule-plan" and record.model == "GPTModel", record
+    from verl.models.mcore.model_forward_fused import patch_fused_forward
+    patch_fused_forward(model)                              # verl's mode resolution (hook here)
+    model.zero_grad(set_to_none=True)
+    want = env.run_gen(model, ids, mask, labels, pos, 0.8, True)
+    ((a * want["log_probs"]).sum() + (c * want["entropy"]).sum()).backward()
+    assert torch.allclose(lp, want["log_probs"], atol=1e-5, rtol=0)
+    assert torch.allclose(ent, want["entropy"], atol=1e-5, rtol=0) and lp[mask].abs().sum() > 0
+    for name, g in env.grads(model).items():
+        assert float((got[name] - g).norm() / g.norm().clamp_min(1e-30)) <= 1e-4, name
+    with pytest.raises(AssertionError, match="only support fused kernel"):   # verl's own function, unchanged
+        overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=labels, labels_mask=mask,
+                                              logits_processor=env.verl_logits_processor)

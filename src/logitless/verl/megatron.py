@@ -6,9 +6,14 @@ verl computes the fused head in two places, both through the module global
 - ``_fused_GPTModel_forward``: verl's per-instance forward patch for older releases ("legacy"),
 and the generation / engine forward factories (``fused_forward_model_gen``,
 ``fused_forward_model_engine``) reach the head only through those two. Replacing that one global
-(and the same global of ``model_forward_1f1b_overlap``) moves every one of them onto logitless;
-verl's packing, temperature resolution, THD / remove-padding handling and post-processing run
-unchanged.
+moves every one of them onto logitless; verl's packing, temperature resolution, THD / remove-padding
+handling and post-processing run unchanged.
+
+The combined-1F1B forward (``model_forward_1f1b_overlap.gptmodel_forward_1f1b_overlap``) is replaced
+by a schedule plan built with logitless' processor through megatron-core 0.19's
+``build_schedule_plan(output_processor=...)`` (path "schedule-plan", log-probs and entropy); where the
+plan has no such hook, verl's own function runs (it patches ``_postprocess``), with its
+``linear_cross_entropy`` global replaced by logitless as well.
 
 Tensor parallelism: verl passes Megatron's TP group and, under sequence parallelism, hidden
 states it gathered itself (whose backward reduce-scatters d_hidden). logitless leaves d_hidden
@@ -110,12 +115,65 @@ def _make_maybe_enable(original):
     return _maybe_enable_fused_kernels
 
 
+def _make_overlap_forward(original):
+    @functools.wraps(original)
+    def gptmodel_forward_1f1b_overlap(model, input_ids, position_ids, attention_mask, labels=None, labels_mask=None,
+                                      multi_modal_inputs=None, logits_processor=None, logits_processor_args=None,
+                                      temperature=1.0):
+        """verl's combined-1F1B forward on logitless: the schedule plan built with logitless' processor
+        (megatron-core 0.19+'s build_schedule_plan hook); its post-process node returns (log_probs, entropy)
+        [b, s] in verl's padded layout (verl's own returns log_probs only, entropy being a TODO there).
+        Falls back to verl's function (its _postprocess patch, whose head is logitless too) where the
+        schedule plan lacks the hook, or for verl's unfused logits_processor path."""
+        from ..megatron.schedule import supports_schedule_plan_hook
+        mod = sys.modules[OVERLAP]
+        inner = mod.unwrap_model(model)
+        if logits_processor is not None or labels is None or not supports_schedule_plan_hook(inner):
+            return original(model, input_ids, position_ids, attention_mask, labels=labels, labels_mask=labels_mask,
+                            multi_modal_inputs=multi_modal_inputs, logits_processor=logits_processor,
+                            logits_processor_args=logits_processor_args, temperature=temperature)
+        return _overlap_plan(mod, inner, input_ids, position_ids, attention_mask, labels, labels_mask, temperature)
+
+    return gptmodel_forward_1f1b_overlap
+
+
+def _overlap_plan(mod, inner, input_ids, position_ids, attention_mask, labels, labels_mask, temperature):
+    """verl's packing (remove-padding THD) around ``build_fused_schedule_plan``'s processor."""
+    from ..megatron.processor import FusedOutputProcessorContext
+    from ..megatron.schedule import schedule_plan_processor
+    post_process = inner.post_process
+    batch_size, seq_len = attention_mask.shape[:2]
+    ids_rmpad, packed_seq_params = mod.preprocess_packed_seqs(input_ids, attention_mask, pre_process=inner.pre_process)
+    labels_rmpad = mod.preprocess_packed_seqs(labels, attention_mask, pre_process=True)[0].contiguous()
+    labels_mask_rmpad = mod.preprocess_packed_seqs(labels_mask, attention_mask, pre_process=True)[0].contiguous()
+
+    def processor(**hook_kwargs):
+        lp, ent = schedule_plan_processor(**hook_kwargs)
+        out = mod.CausalLMOutputForPPO(loss=None, logits=None, past_key_values=None,
+                                       hidden_states=hook_kwargs["hidden_states"], attentions=None)
+        out.log_probs, out.entropy = lp, ent
+        out = mod.postprocess_packed_seqs_for_dict_output(labels_mask_rmpad, out, packed_seq_params, attention_mask,
+                                                          batch_size, seq_len, post_process=post_process)
+        return out["log_probs"], out["entropy"]
+
+    from ..megatron.mtp import enable_fused_mtp
+    enable_fused_mtp(inner)
+    ctx = FusedOutputProcessorContext(temperature=temperature, with_entropy=True)
+    return inner.build_schedule_plan(input_ids=ids_rmpad.contiguous(), attention_mask=attention_mask,
+                                     labels=labels_rmpad, position_ids=position_ids,
+                                     packed_seq_params=packed_seq_params, output_processor=processor,
+                                     output_processor_context=ctx)
+
+
 SITES = (
     Site("megatron.linear_cross_entropy", FUSED, None, "linear_cross_entropy", _make_head,
          "the fused head of fused_output_processor (hook) and _fused_GPTModel_forward (legacy), used by "
          "fused_forward_model_gen / fused_forward_model_engine"),
     Site("megatron.1f1b_overlap.linear_cross_entropy", OVERLAP, None, "linear_cross_entropy", _make_head,
          "the fused head of gptmodel_forward_1f1b_overlap"),
+    Site("megatron.1f1b_overlap.forward", OVERLAP, None, "gptmodel_forward_1f1b_overlap", _make_overlap_forward,
+         "verl's combined-1F1B forward: a schedule plan with logitless' processor (log-probs and entropy), verl's "
+         "_postprocess patch where build_schedule_plan has no output_processor hook"),
     Site("megatron.patch_fused_forward", FUSED, None, "patch_fused_forward", _make_patch_fused_forward,
          "strict check: a model verl cannot patch for the fused forward"),
     Site("megatron.engine.maybe_enable_fused_kernels", ENGINE, "MegatronEngine", "_maybe_enable_fused_kernels",
