@@ -67,8 +67,11 @@ def test_fused_mtp_equals_megatrons_mtp_loss(megatron_tp1, seed, kind):
     assert fused_mtp_enabled(model)
     # make some depth-1 predictions right, so the acceptance counts are not all 0: Megatron's MTP
     # logits of depth 1 at position t score labels[t + 1]
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     from logitless.megatron.mtp import disable_fused_mtp
     disable_fused_mtp(model)
+    MTPLossLoggingHelper.tracker.clear()              # sized by the first model that logs (other tests: 1 depth)
     seen = []
     handle = model.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
     with torch.no_grad():
