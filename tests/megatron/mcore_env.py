@@ -150,17 +150,19 @@ class SequenceParallelTorchNorm:
 def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
               tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
               packed_attention: bool = False, post_process: bool = True, seed: int = 0, moe_experts: int = 0,
-              **cfg_kw):
+              moe_dispatcher: str = "alltoall", **cfg_kw):
     """A small fp32 GPTModel (local layer spec) with random weights from ``seed``; ``mtp``: False, or
     True / a number of MTP depths."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     torch.manual_seed(seed)
-    if moe_experts:    # MoE layers with local experts: what the combined 1F1B plan overlaps (GPU: its
-        # all-to-all dispatcher needs CUDA streams)
-        cfg_kw = dict(num_moe_experts=moe_experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
-                      moe_ffn_hidden_size=2 * hidden, **cfg_kw)
+    if moe_experts:    # MoE layers with local experts: what the combined 1F1B plan overlaps (the all-to-all
+        # dispatcher needs CUDA streams; on CPU use "allgather")
+        cfg_kw = dict(num_moe_experts=moe_experts, moe_router_topk=2, moe_token_dispatcher_type=moe_dispatcher,
+                      moe_ffn_hidden_size=2 * hidden, add_bias_linear=False, **cfg_kw)
+        # (no linear biases: megatron-core's local experts add their bias in place on a view at TP 1,
+        # which autograd refuses)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             use_cpu_initialization=True, tensor_model_parallel_size=tp,
                             sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
@@ -526,6 +528,7 @@ class cpu_streams:
         import contextlib
         cuda = torch.cuda
         self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream)
+        self.free = keep_schedule_node_inputs().__enter__()
         cuda.Event = lambda *a, **k: cpu_streams._Event()
         cuda.current_stream = lambda *a, **k: None
         cuda.stream = lambda *a, **k: contextlib.nullcontext()
@@ -535,3 +538,20 @@ class cpu_streams:
     def __exit__(self, *exc):
         cuda = torch.cuda
         cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream = self.saved
+        self.free.__exit__(*exc)
+
+
+class keep_schedule_node_inputs:
+    """While open, megatron-core's schedule-plan nodes keep their inputs (``should_free_input`` -> False).
+    With one expert-parallel rank (a single process) the MoE dispatch returns tokens that share its input's
+    storage, which the node would free right after (megatron-core's own overlap config requires EP > 1).
+    Test-side only: the values are the same, only the memory saving is lost."""
+
+    def __enter__(self):
+        from megatron.core.models.common import utils
+        self.module, self.saved = utils, utils.should_free_input
+        utils.should_free_input = lambda *a, **k: False
+        return self
+
+    def __exit__(self, *exc):
+        self.module.should_free_input = self.saved

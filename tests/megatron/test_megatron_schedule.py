@@ -108,3 +108,75 @@ def test_schedule_plan_policy_loss_and_refusal(megatron_tp1, seed):
         del type(legacy).build_schedule_plan
     with pytest.raises(TypeError, match="output_processor"):
         build_fused_schedule_plan(model, ids, pos, mask, labels=labels, output_processor=print)
+
+
+def check_two_micro_batches(model, gen, device="cpu", b=2, s=24):
+    """megatron-core's combined 1F1B chunk schedule on two micro-batches: 1 forward, then 2's forward
+    together with 1's backward (``Plan.run(p2, p1)``; overlapped on two CUDA streams on a GPU), then 2's
+    backward, logitless' processor in the post-process nodes. Against the model's forward with its own
+    logits (float64 log-softmax) and megatron-core's own MTP losses: both micro-batches' log-probs and
+    entropy, and every parameter gradient. Returns (max value error, max gradient relative error)."""
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
+
+    from logitless.megatron import last_path
+    from logitless.megatron.mtp import disable_fused_mtp
+    v = model.vocab_size
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1)
+    pos = torch.arange(s, device=device).expand(b, s)
+    mbs = []
+    for _ in range(2):
+        ids = torch.randint(0, v, (b, s), generator=gen).to(device)
+        labels = torch.randint(0, v, (b, s), generator=gen).to(device)
+        temps = (0.5 + torch.rand(b, s, generator=gen)).to(device)
+        w = (torch.randn(b, s, generator=gen).to(device), torch.randn(b, s, generator=gen).to(device))
+        mbs.append((ids, labels, temps, w))
+
+    def plan(i):
+        ids, labels, temps, _ = mbs[i]
+        return build_fused_schedule_plan(model, ids, pos, mask, labels=labels, temperature=temps)
+
+    model.zero_grad(set_to_none=True)
+    p1 = plan(0)
+    out1 = Plan.run(p1, None)
+    p2 = plan(1)
+    out2 = Plan.run(p2, p1, b_grad=mbs[0][3])
+    rec = last_path()
+    Plan.run(None, p2, b_grad=mbs[1][3])
+    got = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    assert rec.path == "schedule-plan" and rec.model == "GPTModel" and rec.backend is not None, rec
+
+    disable_fused_mtp(model)
+    model.zero_grad(set_to_none=True)
+    total, worst = 0, 0.0
+    for (ids, labels, temps, (a, c)), out in zip(mbs, (out1, out2), strict=True):
+        z = model(ids, pos, mask, labels=labels, output_processor=logits_processor).double() / temps.double()[..., None]
+        logp = torch.log_softmax(z, -1)
+        lp = logp.gather(-1, labels[..., None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        worst = max(worst, float((out[0].double() - lp).abs().max()), float((out[1].double() - ent).abs().max()))
+        total = total + (a * lp).sum() + (c * ent).sum()
+    total.backward()
+    gworst = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad
+        assert (g is None) == (got[name] is None), name
+        if g is not None and g.norm() > 0:
+            err = float((got[name].double() - g.double()).norm() / g.double().norm())
+            assert err <= GRAD_TOL, (name, err)
+            gworst = max(gworst, err)
+    if model.config.mtp_num_layers:
+        assert all(got[n] is not None and got[n].norm() > 0 for n in got if n.startswith("mtp."))
+    assert worst <= LP_TOL, worst
+    return worst, gworst
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["moe", "moe-mtp"])
+def test_combined_1f1b_two_micro_batches_moe(megatron_tp1, seed, mtp):
+    """MoE layers (all-gather dispatcher: the all-to-all one needs CUDA) with and without an MTP layer
+    (megatron-core's plan runs MTP only with MoE layers), streams as no-ops: the same schedule code as the
+    overlapped GPU run (test_megatron_schedule_gpu.py), one stream."""
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = env.build_gpt(moe_experts=4, moe_dispatcher="allgather", mtp=mtp, seed=seed, vocab=1031).train()
+    with env.cpu_streams():
+        check_two_micro_batches(model, gen, b=2, s=10)
