@@ -79,6 +79,8 @@ def test_fused_mtp_equals_megatrons_mtp_loss(megatron_tp1, seed, kind):
     handle.remove()
     preds = seen[0].argmax(-1).t()                     # [b, s], depth 1
     labels[:, 1::2] = preds[:, 0:s - 1:2]
+    labels[0, 4] = -100                                # out of range, loss mask 1: megatron-core's lse - max
+    loss_mask[0, 3] = loss_mask[0, 4] = 1.0
     want, g_want, t_want, n_want = run(env, model, False, ids, pos, mask, labels, loss_mask, w)
     got, g_got, t_got, n_got = run(env, model, True, ids, pos, mask, labels, loss_mask, w)
     assert n_want == 3 and n_got == 1          # Megatron: 2 MTP depths + main; fused: main only
@@ -132,3 +134,29 @@ def test_blockwise_argmax_equals_argmax_of_the_logits(monkeypatch, seed):
     monkeypatch.setattr(mtp, "_ARGMAX_BLOCK", 263 * 4)  # 4 tokens per block
     got = mtp.blockwise_argmax(hidden, weight, None)
     assert torch.equal(got, (hidden @ weight.t()).argmax(-1)) and got[2, 1] == 17
+
+
+def test_fused_mtp_through_forward_packed(megatron_tp1, seed, monkeypatch):
+    """THD packing (forward_packed): megatron-core rolls the MTP labels within each packed sequence, and
+    the rolled labels hold -100 at each sequence's end (loss mask 1 there: megatron-core scores them with
+    the log-sum-exp); the fused MTP losses give megatron-core's gradients there too."""
+    from logitless.megatron import forward_packed, patch
+    from logitless.megatron.mtp import disable_fused_mtp
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = env.build_gpt(mtp=1, packed_attention=True, seed=seed).train()
+    seqs = [torch.randint(0, 262, (n,), generator=gen) for n in (7, 12, 5)]
+    w = [torch.randn(q.numel(), generator=gen) for q in seqs]
+    results = []
+    for fused in (True, False):
+        if not fused:                                 # the reference: megatron-core's own MTP loss
+            disable_fused_mtp(model)
+            monkeypatch.setattr(patch, "enable_fused_mtp", lambda m: False)
+        model.zero_grad(set_to_none=True)
+        out = forward_packed(model, seqs, temperature=0.9, with_entropy=False, strict=True)
+        sum((a * lp).sum() for a, lp in zip(w, out.logprobs, strict=True)).backward()
+        results.append((out, env.param_grads(model)))
+    (got, g_got), (want, g_want) = results
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert (a - b).abs().max() <= LP_TOL
+    check_grads(env, g_got, g_want)

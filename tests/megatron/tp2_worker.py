@@ -146,6 +146,8 @@ def run_case(name, env, torch, seed):
         b, s = 2, 10
         ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
         loss_mask = (torch.rand(b, s, generator=gen) > 0.25).float()
+        labels[0, 4], labels[1, 8] = -100, -100       # out of range with loss mask 1: megatron scores the lse
+        loss_mask[0, 3], loss_mask[1, 7] = 1.0, 1.0
         w = (torch.randn(b, s, generator=gen),)
         mask = env.causal_mask(s)
         want, g_want, t_want, n_want = run(env, model, False, ids, pos, mask, labels, loss_mask, w)

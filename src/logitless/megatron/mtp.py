@@ -95,23 +95,51 @@ def fused_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, loss_mas
                         scale: float, backend: str = "auto") -> tuple[Tensor, Tensor, Optional[object]]:
     """Per-token cross entropy [b, s] (float32) of logits ``scale * hidden @ weight.T`` against ``labels``
     [b, s], from hidden [s, b, h] (SP-scattered when the output layer is sequence parallel); 0 where
-    ``loss_mask`` is 0 (Megatron multiplies those by 0). Also returns the gathered hidden states and the
-    TP group, for the acceptance argmax."""
+    ``loss_mask`` is 0 (Megatron multiplies those by 0). A label outside [0, V) (e.g. -100 at a packed
+    sequence's end) gets what megatron-core's vocab-parallel cross entropy gives it: the log-sum-exp of
+    the logits less their maximum (its "predicted logit" of the max-shifted logits is 0), whose gradient is
+    the softmax's; computed as ``logit_0 - logprob(0) - max`` with the maximum a constant. Also returns
+    the gathered hidden states and the TP group, for the acceptance argmax."""
     full, group, reduce = _head(output_layer, config, hidden)
     if full.dtype != weight.dtype:
         full = full.to(weight.dtype)
-    lab = torch.where(loss_mask != 0, labels, torch.full_like(labels, _IGNORE)).t()
-    out = fused_logprobs(full, weight, lab, temperature=1.0 / scale, with_entropy=False, ignore_index=_IGNORE,
+    vocab = weight.shape[0] * (group.size() if group is not None else 1)
+    keep = loss_mask != 0
+    outside = keep & ((labels < 0) | (labels >= vocab))
+    lab = torch.where(keep, torch.where(outside, torch.zeros_like(labels), labels), torch.full_like(labels, _IGNORE))
+    out = fused_logprobs(full, weight, lab.t(), temperature=1.0 / scale, with_entropy=False, ignore_index=_IGNORE,
                          tp_group=group, reduce_grad_hidden=reduce, backend=backend)
-    return -out.logprobs.t(), full, group
+    ce = -out.logprobs.t()
+    if bool(outside.any()):
+        zmax = blockwise_max(full.detach(), weight.detach(), group)[0].float() * scale
+        shift = _logit_of_token_0(full, weight, group, reduce, scale) - zmax
+        ce = ce + torch.where(outside, shift.t(), 0.0)
+    return ce, full, group
+
+
+def _logit_of_token_0(full: Tensor, weight: Tensor, group, reduce_grad_hidden: bool, scale: float) -> Tensor:
+    """scale * hidden @ weight[global id 0] as [s, b] float32, differentiable; under TP only the first
+    rank holds that row: its value is summed over the ranks (backward: identity, as Megatron's
+    reduce-from-TP region), and d_hidden is all-reduced where the fused op all-reduces it too."""
+    if group is None:
+        return (full @ weight[0]).float() * scale
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+    h = copy_to_tensor_model_parallel_region(full, group=group) if reduce_grad_hidden else full
+    local = (h @ weight[0]).float() * scale
+    if group.rank() != 0:
+        local = local * 0.0
+    return reduce_from_tensor_model_parallel_region(local, group=group)
 
 
 @torch.no_grad()
-def blockwise_argmax(hidden: Tensor, weight: Tensor, group) -> Tensor:
-    """argmax over the global vocabulary of hidden [s, b, h] @ weight.T, as global ids [s, b], computed
-    over [token block x vocab shard] blocks; under TP (``weight`` this rank's vocab rows) the ranks'
-    maxima are combined as megatron-core's ``_vocab_parallel_argmax`` does (ties: the lowest rank,
-    then the lowest id)."""
+def blockwise_max(hidden: Tensor, weight: Tensor, group) -> tuple[Tensor, Tensor]:
+    """(max, argmax) over the global vocabulary of hidden [s, b, h] @ weight.T: float values and global
+    ids, each [s, b], computed over [token block x vocab shard] blocks; under TP (``weight`` this rank's
+    vocab rows) the ranks' maxima are combined as megatron-core's ``_vocab_parallel_argmax`` does (ties:
+    the lowest rank, then the lowest id)."""
     s, b, h = hidden.shape
     flat = hidden.reshape(-1, h)
     rows = max(1, _ARGMAX_BLOCK // max(1, weight.shape[0]))
@@ -128,9 +156,16 @@ def blockwise_argmax(hidden: Tensor, weight: Tensor, group) -> Tensor:
         all_i = [torch.empty_like(idx) for _ in range(size)]
         dist.all_gather(all_v, val, group=group)
         dist.all_gather(all_i, idx, group=group)
-        rank = torch.stack(all_v).argmax(dim=0)
+        stacked = torch.stack(all_v)
+        rank = stacked.argmax(dim=0)
+        val = stacked.gather(0, rank.unsqueeze(0)).squeeze(0)
         idx = rank * weight.shape[0] + torch.stack(all_i).gather(0, rank.unsqueeze(0)).squeeze(0)
-    return idx.view(s, b)
+    return val.view(s, b), idx.view(s, b)
+
+
+def blockwise_argmax(hidden: Tensor, weight: Tensor, group) -> Tensor:
+    """The global ids [s, b] of ``blockwise_max``."""
+    return blockwise_max(hidden, weight, group)[1]
 
 
 def fused_process_mtp_loss(hidden_states: Tensor, labels: Tensor, loss_mask: Optional[Tensor], output_layer,
