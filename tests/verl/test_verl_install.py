@@ -16,6 +16,8 @@ TARGETS = {
     "megatron.linear_cross_entropy": ("verl.models.mcore.model_forward_fused", None, "linear_cross_entropy"),
     "megatron.1f1b_overlap.linear_cross_entropy": ("verl.models.mcore.model_forward_1f1b_overlap", None,
                                                    "linear_cross_entropy"),
+    "megatron.1f1b_overlap.forward": ("verl.models.mcore.model_forward_1f1b_overlap", None,
+                                      "gptmodel_forward_1f1b_overlap"),
     "megatron.patch_fused_forward": ("verl.models.mcore.model_forward_fused", None, "patch_fused_forward"),
     "megatron.engine.maybe_enable_fused_kernels": ("verl.workers.engine.megatron.transformer_impl", "MegatronEngine",
                                                    "_maybe_enable_fused_kernels"),
