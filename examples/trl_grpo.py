@@ -7,13 +7,21 @@ A tiny Qwen2 is built from a config with random weights, a word-level tokenizer 
 prompts are a small in-memory dataset and the reward is a rule (the share of even-numbered words in
 the completion). ``logitless.trl.enable(trainer)`` is the one line that moves the trainer's per-token
 log-probs and entropies (policy, old and reference) onto logitless: no [tokens x vocab] logits.
-Prints, per step, the loss and the mean reward.
+
+Prints, per step, the loss, its KL part and the mean reward, then why the loss looks as it does. This is
+on-policy GRPO (one update per batch), so the ratio is exactly 1 and the policy-gradient part of the loss
+is minus the token-weighted mean advantage. Advantages are normalised to zero mean within each group, so
+that part is 0 whenever a group's completions have the same length (here the untrained model never samples
+EOS, so every completion is max_completion_length long). Its gradient is not 0: the model still learns. At
+step 1 the policy also equals the reference model, so the KL part is 0 too and the loss is exactly 0; from
+step 2 on the loss is beta * KL.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import tempfile
+import warnings
 
 import torch
 
@@ -67,8 +75,15 @@ def reward_even_words(completions, **_):
     return [share(c) for c in completions]
 
 
+def quiet_known_warnings():
+    """TRL 1.16 calls transformers' gradient_checkpointing* names, which transformers 5 deprecates in favour of
+    activation_checkpointing*: a FutureWarning about TRL's code, not this script's settings."""
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+
+
 def main():
     args = parse_args()
+    quiet_known_warnings()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
@@ -96,8 +111,13 @@ def main():
         trainer.train()
     for h in trainer.state.log_history:
         if "loss" in h and "reward" in h:
-            print(f"step {h['step']}: loss={h['loss']:.6f} reward={h['reward']:.4f}")
+            print(f"step {h['step']}: loss={h['loss']:.6f} reward={h['reward']:.4f} kl={h.get('kl', 0.0):.6f} "
+                  f"completion lengths {h['completions/min_length']:.0f}-{h['completions/max_length']:.0f}")
     print(f"logitless enabled: {logitless.trl.is_enabled(trainer)}, backend: {logitless.last_backend()}")
+    print("Why the loss is 0 at step 1: on-policy GRPO has ratio 1, so its policy-gradient part is minus the\n"
+          "token-weighted mean advantage, which is 0 because advantages have zero mean within each group and\n"
+          "the completions have equal lengths; the gradient is not 0. The policy also equals the reference\n"
+          f"model at step 1, so the KL part (beta={config.beta}) is 0 too. Later steps' loss is beta * kl.")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ def run_example(name: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" in line]
+    assert not warned, "\n".join(warned)
     return proc.stdout
 
 
@@ -42,3 +44,4 @@ def test_grpo_step_fused_matches_unfused():
     assert float(peaks["unfused"]) >= logits_mib
     assert float(peaks["fused"]) < float(peaks["unfused"])
     assert re.search(r"^fused backend: (chunked|triton)$", out, re.M), out
+    assert "What this shows:" in out
