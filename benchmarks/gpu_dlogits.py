@@ -20,22 +20,17 @@ import os
 import sys
 
 import torch
-import triton
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_policy_loss import SHAPES, Step, alternate_pairs, attrs_set, make_inputs  # noqa: E402
+from gpu_policy_loss import SHAPES, Step, alternate_pairs, make_inputs  # noqa: E402
 
 from logitless.losses import fused_policy_loss  # noqa: E402
-from logitless.ops.triton import policy_dlogits  # noqa: E402
-from logitless.ops.triton.combine import combine_tiles  # noqa: E402
-from logitless.ops.triton.common import choose_tiles  # noqa: E402
-from logitless.ops.triton.policy_backend import row_stride  # noqa: E402
-from logitless.ops.triton.policy_stats import chunk_stats  # noqa: E402
+from logitless.ops.triton import stages  # noqa: E402
 from logitless.tools.common import time_cuda  # noqa: E402
 
-# name -> module constants of policy_dlogits (the default first)
+# name -> launch constants of the dlogits stage (stages.launch("dlogits", ...); the default first)
 VARIANTS = {
     "default": {},
     "precise_log2": {"FAST_LOG2": False},
@@ -49,30 +44,29 @@ def chunk(v, c=4096, h=4096):
     weight = (torch.randn(v, h, device="cuda") * (4 / h ** 0.5)).to(torch.bfloat16)
     labels = torch.randint(0, v, (c,), device="cuda")
     inv_t = torch.ones(c, device="cuda")
-    tile_cols = choose_tiles("POLICY", torch.bfloat16, torch.device("cuda")).block_n
-    parts = [torch.empty(triton.cdiv(v, tile_cols), c, device="cuda") for _ in range(3)]
-    zy = torch.empty(c, device="cuda")
-    e = torch.empty(c * row_stride(v), dtype=torch.float16, device="cuda").view(c, row_stride(v))[:, :v]
-    chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
-    lse, ent = combine_tiles(*parts)
+    bufs = stages.policy_buffers(c, v, torch.bfloat16, "cuda")
+    stages.policy_stats(hidden, weight, labels, inv_t, bufs)
+    lse, ent = stages.combine(bufs)
     g_lp, g_ent = torch.randn(c, device="cuda") * 1e-4, torch.randn(c, device="cuda") * 1e-4
-    return (e, parts[0], lse, ent, g_lp, g_ent, inv_t, labels, tile_cols)
+    return bufs, lse, ent, g_lp, g_ent, inv_t, labels
 
 
 def one_chunk(v, rounds=4):
-    e, part_m, lse, ent, g_lp, g_ent, inv_t, labels, tile_cols = chunk(v)
+    bufs, lse, ent, g_lp, g_ent, inv_t, labels = chunk(v)
+    e = bufs.e
     c = e.shape[0]
-    dl_buf = torch.empty(c * row_stride(v), dtype=torch.bfloat16, device="cuda").view(c, row_stride(v))[:, :v]
+    # a separate output buffer keeps e intact across the variants (the pass itself writes over e)
+    dl_buf = stages.policy_buffers(c, v, torch.bfloat16, "cuda").dlogits
     y = torch.empty_like(dl_buf)
     src = e.view(torch.bfloat16)
 
     def run(dl):
-        policy_dlogits.dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, inv_t, labels, tile_cols)
+        stages.policy_dlogits(bufs, lse, ent, g_lp, g_ent, inv_t, labels, out=dl)
 
     out = {"V": v, "bytes": 2 * c * v * 2, "checks": {}}
     want = None
     for name, consts in VARIANTS.items():
-        with attrs_set(policy_dlogits, **consts):
+        with stages.launch("dlogits", **consts):
             dl_buf.fill_(float("nan"))
             run(dl_buf)
             got = dl_buf.clone()
@@ -85,7 +79,7 @@ def one_chunk(v, rounds=4):
     for _ in range(rounds):
         times["copy"].append(time_cuda(lambda: y.copy_(src), reps=7)[0])
         for name, consts in VARIANTS.items():
-            with attrs_set(policy_dlogits, **consts):
+            with stages.launch("dlogits", **consts):
                 times[name].append(time_cuda(lambda: run(dl_buf), reps=7)[0])
     # last: in place destroys e (the rest of this shape's timings are done)
     times["default_in_place"] = [time_cuda(lambda: run(e.view(torch.bfloat16)), reps=7)[0] for _ in range(rounds)]
@@ -101,7 +95,7 @@ def steps(tag, names, rounds):
 
         @contextlib.contextmanager
         def setting(consts=consts):
-            with attrs_set(policy_dlogits, **consts):
+            with stages.launch("dlogits", **consts):
                 yield
         with setting():
             step()

@@ -22,32 +22,26 @@ import os
 import sys
 
 import torch
-import triton
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_policy_loss import SHAPES, Step, alternate_pairs, attrs_set, make_inputs  # noqa: E402
+from gpu_policy_loss import SHAPES, Step, alternate_pairs, make_inputs  # noqa: E402
 
 from logitless.losses import fused_policy_loss  # noqa: E402
-from logitless.ops.triton import policy_stats_gluon  # noqa: E402
-from logitless.ops.triton.common import choose_tiles  # noqa: E402
-from logitless.ops.triton.policy_backend import row_stride  # noqa: E402
-from logitless.ops.triton.policy_stats import chunk_stats  # noqa: E402
+from logitless.ops.triton import stages  # noqa: E402
 from logitless.tools.common import env_set, time_cuda  # noqa: E402
 
-# name -> (module constants of policy_stats_gluon, environment), the default first. 128-column statistics tiles
+# name -> (launch constants of the Gluon kernel: stages.launch("gluon_stats", ...), environment), the default
+# first. 128-column statistics tiles
 # (LOGITLESS_TRITON_POLICY) give the Gluon kernel 128 x 128 consumer tiles.
 TILES_128 = {"LOGITLESS_TRITON_POLICY": "128,128,64,16,8,4"}
 VARIANTS = {"gluon": ({}, {}), "gluon_128": ({}, TILES_128)}
 
 
 def buffers(c, v):
-    t = triton.cdiv(v, choose_tiles("POLICY", torch.bfloat16, torch.device("cuda")).block_n)
-    parts = [torch.full((t, c), float("nan"), device="cuda") for _ in range(3)]
-    zy = torch.full((c,), float("nan"), device="cuda")
-    e = torch.full((c * row_stride(v),), float("nan"), dtype=torch.float16, device="cuda").view(c, row_stride(v))
-    return parts, zy, e[:, :v]
+    """NaN-filled buffers of one chunk, for the statistics tiles in force."""
+    return stages.policy_buffers(c, v, torch.bfloat16, "cuda", fill=float("nan"))
 
 
 def triton_kernel():
@@ -61,19 +55,18 @@ def compare(c, h, v, consts, env):
     labels[::7] = -1
     inv_t = torch.rand(c, device="cuda") + 0.5
     out = []
-    with env_set(**env), attrs_set(policy_stats_gluon, **consts):
-        block_n = choose_tiles("POLICY", torch.bfloat16, torch.device("cuda")).block_n
+    with env_set(**env), stages.launch("gluon_stats", **consts):
         for gluon in (True, False):
-            parts, zy, e = buffers(c, v)
-            assert policy_stats_gluon.usable(hidden, weight, e, block_n)
+            bufs = buffers(c, v)
+            assert stages.gluon_usable(hidden, weight, bufs)
             if gluon:
-                k = policy_stats_gluon.chunk_stats_gluon(hidden, weight, labels, inv_t, *parts, zy, e, block_n)
+                k = stages.policy_stats_gluon_call(hidden, weight, labels, inv_t, bufs)
                 print(f"compiled: {k.n_regs} registers, {k.n_spills} spills", flush=True)
             else:
                 with triton_kernel():
-                    chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
+                    stages.policy_stats(hidden, weight, labels, inv_t, bufs)
             torch.cuda.synchronize()
-            out.append((*parts, zy, e.float()))
+            out.append((bufs.tile_max, bufs.tile_sum, bufs.tile_ent, bufs.label_logit, bufs.e.float()))
     row = {"shape": [c, h, v], "consts": consts, "env": env}
     for name, a, b in zip(("m", "s", "t", "zy", "e"), out[1], out[0], strict=True):
         row[name] = {"max_abs": (a - b).abs().max().item(), "nan": b.isnan().any().item()}
@@ -90,15 +83,15 @@ def timing(v, rounds=4):
     res = {"cublas": [], "triton": [], **{name: [] for name in VARIANTS}}
 
     def stats():
-        parts, zy, e = buffers(c, v)      # sized for the statistics tiles in force
-        return time_cuda(lambda: chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e), reps=5)[0]
+        bufs = buffers(c, v)      # sized for the statistics tiles in force
+        return time_cuda(lambda: stages.policy_stats(hidden, weight, labels, inv_t, bufs), reps=5)[0]
 
     for _ in range(rounds):
         res["cublas"].append(time_cuda(lambda: torch.mm(hidden, weight.t(), out=z), reps=5)[0])
         with triton_kernel():
             res["triton"].append(stats())
         for name, (consts, env) in VARIANTS.items():
-            with attrs_set(policy_stats_gluon, **consts), env_set(**env):
+            with stages.launch("gluon_stats", **consts), env_set(**env):
                 res[name].append(stats())
     return {"V": v, **res}
 
@@ -107,7 +100,7 @@ def variant_setting(consts, env):
     """A context-manager factory that puts a variant in force (for ``alternate_pairs``)."""
     @contextlib.contextmanager
     def setting():
-        with attrs_set(policy_stats_gluon, **consts), env_set(**env):
+        with stages.launch("gluon_stats", **consts), env_set(**env):
             yield
     return setting
 

@@ -23,7 +23,6 @@ the CPU (triton's interpreter, wall-clock timing, no memory figures): a check of
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -38,10 +37,9 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import time  # noqa: E402
 
-import triton  # noqa: E402
-
 from logitless import fused_logprobs, last_backend  # noqa: E402
 from logitless.losses import fused_policy_loss, policy_loss_reference  # noqa: E402
+from logitless.ops.triton import stages  # noqa: E402
 from logitless.tools.common import GemmFloor, env_set, peak_extra_bytes, random_head, run_each, sample_labels  # noqa: E402
 from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
@@ -211,52 +209,39 @@ def peak_extra(step, grad_bytes):
 
 def planned_split(n, v, h):
     """The fused pass's own buffers at this shape, from its chunk plan (what the peak should hold)."""
-    from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.policy_backend import chunk_rows, row_stride
-    tiles = choose_tiles("POLICY", torch.bfloat16, torch.device(DEV))
-    step = chunk_rows(n, v, torch.bfloat16, tiles.block_m, tiles.block_n, True)
-    n_tiles = triton.cdiv(v, tiles.block_n)
+    plan = stages.policy_plan(n, v, torch.bfloat16, DEV)
     dw_fp32 = os.environ.get("LOGITLESS_POLICY_DW_FP32", "") == "1"
-    return {"chunk_rows": step, "chunks": -(-n // step), "workspace_gib": step * row_stride(v) * 2 / GIB,
-            "stats_gib": (3 * n_tiles * step * 4 + step * 4) / GIB, "dw_accumulator_gib": v * h * 4 / GIB if dw_fp32
-            else 0.0}
+    return {"chunk_rows": plan.rows, "chunks": plan.chunks, "workspace_gib": plan.workspace_bytes(torch.bfloat16) / GIB,
+            "stats_gib": plan.stats_bytes() / GIB, "dw_accumulator_gib": v * h * 4 / GIB if dw_fp32 else 0.0}
 
 
 def stage_times(inputs, res):
     """One chunk's stages alone: statistics GEMM with and without the e store, e -> dlogits, the two cuBLAS
     products. Their sum times the chunk count is what the pass costs besides the small combine."""
-    from logitless.ops.triton.combine import combine_tiles
-    from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.policy_backend import chunk_rows, row_stride
-    from logitless.ops.triton.policy_dlogits import dlogits_in_place
-    from logitless.ops.triton.policy_stats import chunk_stats
     hidden, weight, labels = inputs[:3]
     n, k = hidden.shape
     v = weight.shape[0]
-    tiles = choose_tiles("POLICY", hidden.dtype, hidden.device)
-    c = min(n, chunk_rows(n, v, hidden.dtype, tiles.block_m, tiles.block_n, True))
+    c = min(n, stages.policy_plan(n, v, hidden.dtype, DEV).rows)
     h, lab = hidden[:c], labels[:c]
     it = torch.ones(c, device=DEV)
-    t = triton.cdiv(v, tiles.block_n)
-    pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
-    zy = torch.zeros(c, device=DEV)
-    stride = row_stride(v)
-    ws = torch.empty(c * stride, dtype=torch.float16, device=DEV)
-    e = ws.view(c, stride)[:, :v]
-    dl = ws.view(torch.bfloat16).view(c, stride)[:, :v]
-    chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
-    lse, ent = combine_tiles(pm, ps, pt)
+    bufs = stages.policy_buffers(c, v, hidden.dtype, DEV)
+    bufs.label_logit.zero_()
+    dl = bufs.dlogits
+    stages.policy_stats(h, weight, lab, it, bufs)
+    lse, ent = stages.combine(bufs)
     g = torch.randn(c, device=DEV) * 1e-4
     dh = torch.empty(c, k, dtype=hidden.dtype, device=DEV)
     dw = torch.empty_like(weight)
     out = {"rows": c}
-    out["stats_store_ms"] = time_cuda(lambda: chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e), reps=5)[0]
-    out["stats_nostore_ms"] = time_cuda(lambda: chunk_stats(h, weight, lab, it, pm, ps, pt, zy, None), reps=5)[0]
-    chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
-    out["dlogits_ms"] = time_cuda(lambda: dlogits_in_place(e, e, pm, lse, ent, g, g, it, lab, tiles.block_n),
+    out["stats_store_ms"] = time_cuda(lambda: stages.policy_stats(h, weight, lab, it, bufs), reps=5)[0]
+    out["stats_nostore_ms"] = time_cuda(lambda: stages.policy_stats(h, weight, lab, it, bufs, store_e=False),
+                                        reps=5)[0]
+    stages.policy_stats(h, weight, lab, it, bufs)
+    # in place over e: the pass's own setting (e is read before its dlogits are written, element by element)
+    out["dlogits_ms"] = time_cuda(lambda: stages.policy_dlogits(bufs, lse, ent, g, g, it, lab, out=bufs.e),
                                   reps=5)[0]
-    out["dlogits_noent_ms"] = time_cuda(lambda: dlogits_in_place(e, e, pm, lse, ent, g, None, it, lab,
-                                                                 tiles.block_n), reps=5)[0]
+    out["dlogits_noent_ms"] = time_cuda(lambda: stages.policy_dlogits(bufs, lse, ent, g, None, it, lab,
+                                                                      out=bufs.e), reps=5)[0]
     dl.copy_(torch.randn(c, v, device=DEV).to(torch.bfloat16) * 1e-3)
     out["dx_mm_ms"] = time_cuda(lambda: torch.mm(dl, weight, out=dh), reps=5)[0]
     out["dw_mm_ms"] = time_cuda(lambda: torch.mm(dl.t(), h, out=dw), reps=5)[0]
@@ -289,13 +274,12 @@ def stage_times(inputs, res):
     out["host_chunk_gradients_ms"] = (time.perf_counter() - t0) / 5 * 1e3
     sync()
     # GPU time of stage 2 per chunk: the tile combine, the terms by autograd (CPU backends) and by the kernel
-    from logitless.ops.triton import policy_terms
     spec = policy.term_spec()
-    settings = policy_terms.TermSettings.make(spec, DEV)
+    settings = stages.term_settings(spec, DEV)
     ti = tokens.inputs.rows(0, c)
-    out["combine_ms"] = time_cuda(lambda: combine_tiles(pm, ps, pt), reps=5)[0]
+    out["combine_ms"] = time_cuda(lambda: stages.combine(bufs), reps=5)[0]
     out["terms_autograd_ms"] = time_cuda(lambda: chunk_gradients(lp_c, ent_c, ti, spec, totals), reps=5)[0]
-    out["terms_kernel_ms"] = time_cuda(lambda: policy_terms.chunk_terms(lp_c, ent_c, ti, settings, totals.sums),
+    out["terms_kernel_ms"] = time_cuda(lambda: stages.policy_terms_kernel(lp_c, ent_c, ti, settings, totals.sums),
                                        reps=5)[0]
     gemm_chunk = res["gemm1_ms"] * c / n
     out["gemm1_chunk_ms"] = gemm_chunk
@@ -311,19 +295,6 @@ STATS_FORMS = [("default", {}), ("triton", {"LOGITLESS_POLICY_STATS_KERNEL": "tr
 DLOGITS_BLOCKS = [(4, 4, 4), (8, 4, 1), (4, 2, 2), (4, 4, 4)]    # the default again: the card's clock drifts
 
 
-@contextlib.contextmanager
-def attrs_set(module, **values):
-    """Module constants (a kernel's launch shape) set for the block, restored after."""
-    saved = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
 def dlogits_attrs(block):
     return dict(ROWS_PER_PROGRAM=block[0], WARPS=block[1], TILES_PER_PROGRAM=block[2])
 
@@ -331,67 +302,53 @@ def dlogits_attrs(block):
 def sweep(inputs, res):
     """Stage variants on one chunk (statistics-kernel tiles, e -> dlogits block), and a profile of one
     fused forward+backward (GPU kernel time by kernel, against the wall clock)."""
-    from logitless.ops.triton import policy_dlogits
-    from logitless.ops.triton.combine import combine_tiles
-    from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.policy_backend import row_stride
-    from logitless.ops.triton.policy_stats import chunk_stats
     hidden, weight, labels = inputs[:3]
     v = weight.shape[0]
     c = res.get("stages", {}).get("rows", 3328)
     h, lab = hidden[:c], labels[:c]
     it = torch.ones(c, device=DEV)
-    stride = row_stride(v)
-    ws = torch.empty(c * stride, dtype=torch.float16, device=DEV)
-    e = ws.view(c, stride)[:, :v]
     rows = []
-    tile_cols = choose_tiles("POLICY", hidden.dtype, hidden.device).block_n
-    t = triton.cdiv(v, tile_cols)
-    pm, ps, pt = (torch.empty(t, c, device=DEV) for _ in range(3))
-    zy = torch.zeros(c, device=DEV)
     want = None
     for form, env in STATS_FORMS:
         row = {"stage": "stats", "form": form}
         try:
             with env_set(**env):
-                tc = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
-                bufs = [torch.full((tc, c), float("nan"), device=DEV) for _ in range(3)]
-                zyv = torch.zeros(c, device=DEV)
-                e.fill_(float("nan"))
-                chunk_stats(h, weight, lab, it, *bufs, zyv, e)
-                got = (bufs[0], bufs[1], bufs[2], zyv, e.float())
+                bufs = stages.policy_buffers(c, v, hidden.dtype, DEV, fill=float("nan"))
+                stages.policy_stats(h, weight, lab, it, bufs)
+                got = (bufs.tile_max, bufs.tile_sum, bufs.tile_ent, bufs.label_logit, bufs.e.float())
                 if want is None:
-                    want = tuple(x.clone() for x in got)
-                elif tc == want[0].shape[0]:
-                    row["max_diff"] = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+                    want = tuple(x.clone() for x in got) + (stages.combine(bufs)[0],)
+                elif bufs.tile_max.shape == want[0].shape:
+                    row["max_diff"] = max((a - b).abs().max().item() for a, b in zip(got, want[:5], strict=True))
                 else:
-                    row["max_diff_lse"] = (combine_tiles(*bufs)[0] - combine_tiles(*want[:3])[0]).abs().max().item()
+                    row["max_diff_lse"] = (stages.combine(bufs)[0] - want[5]).abs().max().item()
                 row["nan"] = any(x.isnan().any().item() for x in got)
-                row["ms"] = time_cuda(lambda bufs=bufs, zyv=zyv: chunk_stats(h, weight, lab, it, *bufs, zyv, e),
-                                      reps=7)[0]
+                row["ms"] = time_cuda(lambda bufs=bufs: stages.policy_stats(h, weight, lab, it, bufs), reps=7)[0]
                 row["x_gemm_share"] = row["ms"] / (res["gemm1_ms"] * c / hidden.shape[0])
+                del bufs, got
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:400]
         rows.append(row)
         log("sweep", row)
     want = None
-    chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
-    lse, ent = combine_tiles(pm, ps, pt)
+    bufs = stages.policy_buffers(c, v, hidden.dtype, DEV)
+    stages.policy_stats(h, weight, lab, it, bufs)
+    lse, ent = stages.combine(bufs)
     g = torch.randn(c, device=DEV) * 1e-4
     for block in DLOGITS_BLOCKS:
         row = {"stage": "dlogits", "block": block}
         try:
-            chunk_stats(h, weight, lab, it, pm, ps, pt, zy, e)
-            args = (e, e, pm, lse, ent, g, g, it, lab, tile_cols)
-            with attrs_set(policy_dlogits, **dlogits_attrs(block)):
-                row["ms"] = time_cuda(lambda args=args: policy_dlogits.dlogits_in_place(*args), reps=7)[0]
+            stages.policy_stats(h, weight, lab, it, bufs)
+            with stages.launch("dlogits", **dlogits_attrs(block)):
+                row["ms"] = time_cuda(lambda: stages.policy_dlogits(bufs, lse, ent, g, g, it, lab, out=bufs.e),
+                                      reps=7)[0]
             row["gbps"] = c * v * 4 / (row["ms"] * 1e-3) / 1e9
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:300]
         rows.append(row)
         log("sweep", row)
     res["sweep"] = rows
-    ws = e = None
+    bufs = None
     empty_cache()
     step = Step(fused_policy_loss, inputs, backend="triton")
     step()
@@ -501,11 +458,11 @@ def shape_run(tag, variants):
             log(res["sweep_error"])
         write()
     if variants:
-        from logitless.ops.triton import policy_dlogits
-        default = (policy_dlogits.ROWS_PER_PROGRAM, policy_dlogits.WARPS, policy_dlogits.TILES_PER_PROGRAM)
+        now = stages.launch_settings("dlogits")
+        default = (now["ROWS_PER_PROGRAM"], now["WARPS"], now["TILES_PER_PROGRAM"])
         blocks = {best_dlogits(res)} - {default}     # the sweep's best
         settings = [("dlogits_" + "x".join(map(str, block)),
-                     lambda block=block: attrs_set(policy_dlogits, **dlogits_attrs(block))) for block in blocks]
+                     lambda block=block: stages.launch("dlogits", **dlogits_attrs(block))) for block in blocks]
         form = best_stats_form(res)
         if form is not None:
             settings.append((f"stats_{form}", lambda form=form: env_set(**dict(STATS_FORMS)[form])))

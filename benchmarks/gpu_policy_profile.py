@@ -126,19 +126,11 @@ def stats_variant(cfg):
 def chunk_tiles(inputs, configs, rows):
     """Each statistics-kernel variant on one chunk of ``rows`` tokens, against cuBLAS's [rows, V] product;
     its lse / entropy / label logits against the default kernel's (max abs difference)."""
-    import triton
-
-    from logitless.ops.triton.combine import combine_tiles
-    from logitless.ops.triton.common import choose_tiles
-    from logitless.ops.triton.policy_backend import row_stride
-    from logitless.ops.triton.policy_stats import chunk_stats
+    from logitless.ops.triton import stages
     hidden, weight, labels = inputs[:3]
     v = weight.shape[0]
     h, lab = hidden[:rows], labels[:rows]
     it = torch.ones(rows, device="cuda")
-    stride = row_stride(v)
-    ws = torch.empty(rows * stride, dtype=torch.float16, device="cuda")
-    e = ws.view(rows, stride)[:, :v]
     logits = [torch.empty(rows, v, dtype=hidden.dtype, device="cuda")]
     out = [{"tiles": "cuBLAS mm", "ms": time_cuda(lambda: torch.mm(h, weight.t(), out=logits[0]), reps=9)[0]}]
     logits.clear()
@@ -147,14 +139,14 @@ def chunk_tiles(inputs, configs, rows):
         row = {"tiles": cfg or "default"}
         try:
             with stats_variant(cfg):
-                t = triton.cdiv(v, choose_tiles("POLICY", hidden.dtype, hidden.device).block_n)
-                bufs = [torch.empty(t, rows, device="cuda") for _ in range(3)] + [torch.zeros(rows, device="cuda"), e]
-                chunk_stats(h, weight, lab, it, *bufs)
-                lse, ent = combine_tiles(bufs[0], bufs[1], bufs[2])
-                got = (lse, ent, bufs[3].clone())
+                bufs = stages.policy_buffers(rows, v, hidden.dtype, "cuda")
+                stages.policy_stats(h, weight, lab, it, bufs)
+                lse, ent = stages.combine(bufs)
+                got = (lse, ent, bufs.label_logit.clone())
                 truth = truth or got
                 row["max_diff_lse_ent_zy"] = [float((a - b).abs().max()) for a, b in zip(got, truth, strict=True)]
-                row["ms"] = time_cuda(lambda bufs=bufs: chunk_stats(h, weight, lab, it, *bufs), reps=9)[0]
+                row["ms"] = time_cuda(lambda bufs=bufs: stages.policy_stats(h, weight, lab, it, bufs), reps=9)[0]
+                del bufs
         except Exception as exc:  # noqa: BLE001 - a config that does not build is a result too
             row["error"] = repr(exc)[:300]
         row["x_cublas"] = row.get("ms", float("nan")) / out[0]["ms"]
@@ -165,13 +157,12 @@ def chunk_tiles(inputs, configs, rows):
 
 class StageEvents:
     """CUDA events around each stage launch of the triton policy pass, and host clock marks on entering
-    and leaving the call's preparation (patched into their modules for the block): where the time of an
+    and leaving the call's preparation (``stages.instrument_policy_pass`` for the block): where the time of an
     unprofiled step goes."""
-    STAGES = ("chunk_stats", "combine_tiles", "dlogits_in_place", "product_into", "accumulate_product")
-    HOST = (("logitless.losses.api", "score_tokens"), ("logitless.ops.triton.policy_backend", "policy_pass"))
+    from logitless.ops.triton.stages import POLICY_STAGES as STAGES
 
     def __init__(self):
-        self.saved, self.marks, self.host = {}, [], {}
+        self.marks, self.host, self._ctx = [], {}, None
 
     def _wrap(self, name, fn):
         def inner(*a, **k):
@@ -193,23 +184,13 @@ class StageEvents:
         return inner
 
     def __enter__(self):
-        import importlib
-
-        from logitless.ops.triton import policy_backend
-        for name in self.STAGES:
-            self._patch(policy_backend, name, self._wrap)
-        for module, name in self.HOST:
-            self._patch(importlib.import_module(module), name, self._clock)
+        from logitless.ops.triton import stages
+        self._ctx = stages.instrument_policy_pass(self._wrap, self._clock)
+        self._ctx.__enter__()
         return self
 
-    def _patch(self, module, name, wrapper):
-        fn = getattr(module, name)
-        self.saved[(module, name)] = fn
-        setattr(module, name, wrapper(name, fn))
-
     def __exit__(self, *exc):
-        for (module, name), fn in self.saved.items():
-            setattr(module, name, fn)
+        self._ctx.__exit__(*exc)
 
     def step(self, step):
         """One timed step: {total, lead (call -> first statistics kernel, GPU ms), host_* (host ms from the

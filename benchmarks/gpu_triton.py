@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import triton  # noqa: E402
 
 from logitless import fused_logprobs, last_backend  # noqa: E402
-from logitless.ops.triton import backward as tri_bwd  # noqa: E402
+from logitless.ops.triton import stages  # noqa: E402
 from logitless.tools.common import GemmFloor, peak_extra_bytes, random_head, run_each, sample_labels, time_cuda  # noqa: E402
 
 SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072), "C": (1024, 4096, 151936)}
@@ -260,14 +260,13 @@ KNOBS = ("LOGITLESS_TRITON_FWD", "LOGITLESS_TRITON_BWD", "LOGITLESS_TRITON_DLOGI
 
 def variant_sweep(tag, hidden, weight, labels, a, b, res):
     saved = {k: os.environ.get(k) for k in KNOBS}
-    from logitless.ops.triton import forward_stats
     ones = torch.ones(hidden.shape[0], device="cuda")
     for cfg, tma in FWD_VARIANTS if not ARGS.bwd_only else []:
         os.environ["LOGITLESS_TRITON_FWD"] = ",".join(map(str, cfg))
         os.environ["LOGITLESS_TRITON_TMA"] = "1" if tma else "0"
         row = {"shape": tag, "stage": "fwd", "cfg": cfg, "tma": tma}
         try:
-            fn = lambda: forward_stats.stats(hidden, weight, labels, ones, True)
+            fn = lambda: stages.logprob_stats(hidden, weight, labels, ones, True)
             t0 = time.time()
             fn()
             torch.cuda.synchronize()
@@ -289,13 +288,13 @@ def variant_sweep(tag, hidden, weight, labels, a, b, res):
         os.environ["LOGITLESS_TRITON_DLOGITS_ELEMENTS"] = str(budget)
         row = {"shape": tag, "stage": "bwd", "cfg": cfg, "tma": tma, "budget": budget}
         try:
-            fn = lambda: tri_bwd.grads(hidden, weight, labels, ones, lse, ent, a, b, True, True)
+            fn = lambda: stages.logprob_grads(hidden, weight, labels, ones, lse, ent, a, b, True, True)
             fn()
             row["ms"] = time_cuda(fn, reps=3)[0]
             row["x_gemm3"] = row["ms"] / (res["gemm4_ms"] * 0.75)
-            step = tri_bwd.chunk_columns(n, v, cfg[1])
+            step = stages.logprob_chunk_columns(n, v, cfg[1])
             buf = torch.empty(n, step, dtype=hidden.dtype, device="cuda")
-            row["dlogits_chunk_ms"] = time_cuda(lambda step=step, buf=buf: tri_bwd.dlogits_chunk(
+            row["dlogits_chunk_ms"] = time_cuda(lambda step=step, buf=buf: stages.logprob_dlogits_chunk(
                 hidden, weight[:step], 0, labels, ones, lse, ent, a, b, buf), reps=5)[0]
             row["chunk_cols"] = step
             row["chunk_x_gemm"] = row["dlogits_chunk_ms"] / (res["gemm1_ms"] * step / v)

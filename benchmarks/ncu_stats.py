@@ -12,8 +12,7 @@ import os
 
 import torch
 
-from logitless.ops.triton.policy_backend import row_stride
-from logitless.ops.triton.policy_stats import chunk_stats
+from logitless.ops.triton import stages
 
 
 def main():
@@ -28,11 +27,9 @@ def main():
     weight = (torch.randn(v, h, device="cuda") * (4 / h ** 0.5)).to(torch.bfloat16)
     labels = torch.randint(0, v, (c,), device="cuda")
     inv_t = torch.ones(c, device="cuda")
-    parts = [torch.empty(-(-v // 256), c, device="cuda") for _ in range(3)]
-    zy = torch.empty(c, device="cuda")
-    e = torch.empty(c * row_stride(v), dtype=torch.float16, device="cuda").view(c, row_stride(v))[:, :v]
+    bufs = stages.policy_buffers(c, v, torch.bfloat16, "cuda")
     for _ in range(2):
-        chunk_stats(hidden, weight, labels, inv_t, *parts, zy, e)
+        stages.policy_stats(hidden, weight, labels, inv_t, bufs)
     torch.cuda.synchronize()
 
 
