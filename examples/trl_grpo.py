@@ -78,7 +78,8 @@ def reward_even_words(completions, **_):
 def quiet_known_warnings():
     """TRL 1.16 calls transformers' gradient_checkpointing* names, which transformers 5 deprecates in favour of
     activation_checkpointing*: a FutureWarning about TRL's code, not this script's settings."""
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
+                            category=FutureWarning)
 
 
 def main():

@@ -170,20 +170,20 @@ def launch(stage: str, **values) -> Iterator[None]:
             setattr(module, k, v)
 
 
-# The policy pass's stage calls as ``policy_backend`` makes them, and its host-side steps.
+# The policy pass's stage calls as ``policy_backend`` makes them.
 POLICY_STAGES = ("chunk_stats", "combine_tiles", "dlogits_in_place", "product_into", "accumulate_product")
-POLICY_HOST = (("logitless.losses.api", "score_tokens"), ("logitless.ops.triton.policy_backend", "policy_pass"))
 
 
 @contextlib.contextmanager
-def instrument_policy_pass(stage: Callable[[str, Callable], Callable],
-                           host: Callable[[str, Callable], Callable]) -> Iterator[None]:
+def instrument_policy_pass(stage: Callable[[str, Callable], Callable], host: Callable[[str, Callable], Callable],
+                           host_steps: tuple = ()) -> Iterator[None]:
     """For the block, every stage call of the policy pass (``POLICY_STAGES``) goes through ``stage(name, fn)``'s
-    result and each host step (``POLICY_HOST``) through ``host(name, fn)``'s: where the time of an unprofiled
-    step goes (CUDA events, host clocks). Restored after."""
+    result, and the pass itself (``policy_pass``) and each ``(module, function)`` of ``host_steps`` (the
+    caller's own preparation, named by the benchmark) through ``host(name, fn)``'s: where the time of an
+    unprofiled step goes (CUDA events, host clocks). Restored after."""
     saved = []
-    targets = [(policy_backend, name, stage) for name in POLICY_STAGES]
-    targets += [(importlib.import_module(module), name, host) for module, name in POLICY_HOST]
+    targets = [(policy_backend, name, stage) for name in POLICY_STAGES] + [(policy_backend, "policy_pass", host)]
+    targets += [(importlib.import_module(module), name, host) for module, name in host_steps]
     try:
         for module, name, wrap in targets:
             fn = getattr(module, name)
