@@ -24,7 +24,7 @@ from .policy_parts import Combine, accumulate_product, product_into
 
 # Fewest token rows per chunk by default (an explicit LOGITLESS_CHUNK_ELEMENTS is obeyed): the three
 # products of a chunk have c as a dimension, and thin ones run far below the BLAS's rate (CPU, N1024 H512
-# V32000: the 65-row chunks of the 8 MiB budget; benchmarks/LAB-LOG.md). 256 rows of V = 151936 are
+# V32000: the 65-row chunks of the 8 MiB budget; benchmarks/DESIGN.md). 256 rows of V = 151936 are
 # 156 MiB of float32 logits.
 MIN_ROWS = 256
 

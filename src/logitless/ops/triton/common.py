@@ -93,7 +93,7 @@ FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
 # H200 sweep (benchmarks/DESIGN.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
 # 4 backward
 HOPPER_TILES = {"FWD": Tiles(128, 256, 64, 16, 8, 3), "BWD": Tiles(128, 256, 64, 16, 8, 4),
-                # the policy-loss statistics kernel stores a tile, like BWD. H200 (benchmarks/LAB-LOG.md, 2026-12-03):
+                # the policy-loss statistics kernel stores a tile, like BWD. H200 (benchmarks/DESIGN.md, 2026-12-03):
                 # 32 token blocks per group measured 0.6% slower at A and 9% slower at B; 3 stages no better.
                 # On Hopper the Gluon kernel (policy_stats_gluon, BLOCK_N 256) takes its place.
                 "POLICY": Tiles(128, 256, 64, 16, 8, 4)}

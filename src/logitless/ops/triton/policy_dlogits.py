@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .common import INTERPRETING, LN2, LOG2E, tl_dtype
 
-# rows x (TILES statistics tiles) per program, and warps. H200 sweeps on one 4096-token chunk (benchmarks/NOTES.md):
+# rows x (TILES statistics tiles) per program, and warps. H200 sweeps on one 4096-token chunk (benchmarks/DESIGN.md):
 # 4 rows x 4 tiles of 256 columns with 4 warps against 8 x 4, 8 x 1, 32 x 1 (8 warps), one [rows, tiles, columns]
 # block, 1-16 rows, 8 tiles, programs along the columns first, and the label term without its block-wide test: none
 # faster.

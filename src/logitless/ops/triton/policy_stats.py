@@ -40,7 +40,7 @@ def _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr
     store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, True)
     store_label_logit(labels_ptr, zy_ptr, acc, inv_t, rows, cols, row_ok, pid_n, n_cols, BLOCK_N)
     if STORE_E:
-        # bulk-copy (TMA) stores of e (whole or half tiles) measured no gain on the H200 (LAB-LOG 2026-12-03)
+        # bulk-copy (TMA) stores of e (whole or half tiles) measured no gain on the H200 (benchmarks/DESIGN.md)
         ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
         tl.store(ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
 

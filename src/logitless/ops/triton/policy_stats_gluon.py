@@ -16,7 +16,7 @@ e = exp(z - tile max) as float16; benchmarks/gpu_gluon_stats.py and tests/ops/te
 
 Why: the Triton kernel (one 128 x 256 tile per program) leaves the tensor cores idle during each epilogue and
 runs at 1.21-1.23x cuBLAS's product of the same shape; this one at 1.05-1.08x (H200, one 4096-token chunk,
-V = 131072 / 151936; benchmarks/NOTES.md). A cooperative form (both consumers on halves of a 128-row tile,
+V = 131072 / 151936; benchmarks/DESIGN.md). A cooperative form (both consumers on halves of a 128-row tile,
 half the L2 reads of W) ran at 1.10-1.18x and was removed.
 
 Used by ``policy_stats.chunk_stats`` where ``usable`` says so (Hopper, half-precision operands laid out for
