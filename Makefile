@@ -40,7 +40,7 @@ test: setup
 	$(PY) -m ruff check .
 	LOGITLESS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests
 
-# On CUDA: the three GPU shapes of the README table (bf16); elsewhere one CPU shape (~1 minute).
+# On CUDA: the three GPU shapes of docs/performance.md (bf16); elsewhere one CPU shape (~1 minute).
 GPU_SHAPES ?= 16384,4096,151936 8192,4096,131072 1024,4096,151936
 bench: setup
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \

@@ -15,7 +15,7 @@ huge:   N=1,048,576 (N x H = 4.3e9 > 2^31): forward only, time / 1-GEMM floor (t
         d_hidden rows of the last 1024 tokens against the chunked backend.
 hugebwd: N=1,048,576 forward+backward alone (not in the default sections): its peak memory, the d_hidden
         rows of the last 1024 tokens against the chunked backend, one call timed against the 4 GEMMs.
-readme: the README shapes A (16384, 4096, 151936) and B (8192, 4096, 131072): forward and forward+backward
+readme: the published shapes A (16384, 4096, 151936) and B (8192, 4096, 131072): forward and forward+backward
         over the floor of ``tools.common.GemmFloor`` (one full GEMM), with the default forward workspace
         (64 MiB: A takes two token chunks, B one) and with LOGITLESS_TRITON_STATS_BYTES=2^40 (one chunk, the
         behaviour before token chunks), calls interleaved.

@@ -1,4 +1,4 @@
-"""Every ``LOGITLESS_*`` environment variable, read here and nowhere else (README: "Knobs").
+"""Every ``LOGITLESS_*`` environment variable, read here and nowhere else (docs/knobs.md).
 
 Read at call time, not at import, so a benchmark or test can set one for a single call. A value
 that does not parse raises ValueError naming the variable.

@@ -31,7 +31,7 @@ DEFAULT_DLOGITS_ELEMENTS = 1 << 26
 # Tokens of one call. Its float32 d_hidden [T, H] is read and written once per vocabulary chunk, and the
 # chunks narrow as T grows (C = 2^26 / T columns), so that traffic grows like T^2: on the H200, N = 131072
 # in one call ran at 1.29x the 4-GEMM floor, in chunks of 16384 at 1.06x (benchmarks/DESIGN.md). 16384
-# keeps the README shapes (N <= 16384) in one call, the path measured there.
+# keeps the published shapes (docs/performance.md; N <= 16384) in one call, the path measured there.
 DEFAULT_BWD_TOKENS = 16384
 
 
