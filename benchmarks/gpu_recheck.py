@@ -1,6 +1,5 @@
 """Re-time the triton backend against the cuBLAS floor at the published shapes (docs/performance.md), in one
-process: a short check
-after a kernel refactor that should not change speed (the full study is gpu_triton.py).
+process: a short check after a kernel refactor that should not change speed (the full study is gpu_triton.py).
 
     PYTHONPATH=src python3 benchmarks/gpu_recheck.py [--shapes A,B]
 
