@@ -14,7 +14,6 @@ Several markers may be given, comma-separated (``<!-- requires: megatron, multip
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import socket
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from required import import_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -46,13 +47,15 @@ def blocks():
 
 
 def missing(needs: set[str]) -> str | None:
+    """Why a block cannot run here (None: it can). A missing integration package is a skip, except under
+    LOGITLESS_REQUIRE_INTEGRATIONS=1 (what `make test` sets), where it fails like the integration suites."""
     unknown = needs - KNOWN
     assert not unknown, f"unknown requires marker {unknown}; known: {sorted(KNOWN)}"
     if "cuda" in needs and not torch.cuda.is_available():
         return "needs a CUDA GPU"
     for module, name in (("megatron.core", "megatron"), ("verl", "verl"), ("trl", "trl")):
-        if name in needs and importlib.util.find_spec(module.split(".")[0]) is None:
-            return f"needs {name} installed"
+        if name in needs:
+            import_or_skip(module, f"the block needs {name}")
     return None
 
 
