@@ -73,3 +73,27 @@ def test_launch_settings_restored_and_checked():
     with pytest.raises(ValueError, match="ROWS"):
         with stages.launch("dlogits", ROWS=3):
             pass
+
+
+def test_instrument_policy_pass_sees_every_stage_and_restores(seed):
+    from logitless.losses import fused_policy_loss
+    from logitless.ops.triton import policy_backend
+    hidden, weight, labels, _ = chunk(seed, c=23, v=517, dtype=torch.float32)
+    labels = labels.masked_fill(labels < 0, -100)          # the public op's ignore_index
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    calls = []
+
+    def counted(name, fn):
+        def inner(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return inner
+
+    before = {n: getattr(policy_backend, n) for n in stages.POLICY_STAGES + ("policy_pass",)}
+    with stages.instrument_policy_pass(counted, counted, (("logitless.losses.api", "score_tokens"),)):
+        out = fused_policy_loss(hidden, weight, labels, torch.randn(23, device=DEV), backend="triton")
+        out.loss.backward()
+    assert {n: getattr(policy_backend, n) for n in before} == before
+    assert set(calls) >= {"score_tokens", "policy_pass", "chunk_stats", "combine_tiles", "dlogits_in_place",
+                          "product_into", "accumulate_product"}, calls
