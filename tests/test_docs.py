@@ -65,17 +65,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(code: str, tmp_path: Path, world: int = 2) -> None:
+# a port taken between free_port() and the ranks' bind (other processes on the machine): start again, new port
+PORT_TAKEN = ("address already in use", "EADDRINUSE")
+
+
+def run_ranks(code: str, tmp_path: Path, world: int = 2, attempts: int = 3) -> None:
     script = tmp_path / "block.py"
-    script.write_text(code)
-    port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out[-3000:]}"
+    # a fresh seed per run, the same on every rank (a block may rely on ranks building the same model)
+    script.write_text(f"import torch\ntorch.manual_seed({int.from_bytes(os.urandom(4), 'little')})\n" + code)
+    for attempt in range(attempts):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(world)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        failed = [(r, p.returncode, out) for r, (p, out) in enumerate(zip(procs, outs, strict=True)) if p.returncode]
+        if not failed:
+            return
+        if attempt + 1 < attempts and any(m in out for _, _, out in failed for m in PORT_TAKEN):
+            continue
+        r, code_, out = failed[0]
+        others = "".join(f"\n--- rank {q} (exit {c}):\n{o[-1500:]}" for q, c, o in failed[1:])
+        raise AssertionError(f"rank {r} exited with {code_}:\n{out[-3000:]}{others}")
 
 
 def test_every_page_has_blocks():
