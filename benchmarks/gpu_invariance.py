@@ -173,7 +173,7 @@ def invariance(dev, million: bool):
         lp, ent = fused_logprobs(h, w, by, with_entropy=True, backend="triton")
         ((a * lp).sum() + (b * ent).sum()).backward()
         grads.append((h.grad, w.grad))
-    same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1])]
+    same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1], strict=True)]
     RESULTS["inv"].append({"case": "gradients run to run", "d_hidden_equal": same[0], "d_weight_equal": same[1]})
     log(f"  gradients run to run: d_hidden bit-equal {same[0]}, d_weight bit-equal {same[1]}")
 
@@ -198,67 +198,107 @@ def timed_rounds(variants: dict, rounds: int, reps: int):
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}, times
 
 
-def timing(dev, shapes, rounds):
-    for tag in shapes:
-        n, h, v = SHAPES[tag]
-        g = torch.Generator(device=dev).manual_seed(7)
-        hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
-        labels = sample_labels(hidden, weight, 1.0, g)
-        a = torch.randn(n, device=dev, generator=g)
-        b = torch.randn(n, device=dev, generator=g)
-        floor = GemmFloor(hidden, weight)
+# fused_logprobs variants timed against the floor: (LOGITLESS_* knobs, stages of the Gluon forward's ring or None)
+VARIANTS = {
+    "default": ({}, None),
+    "triton_fwd_kernel": ({"LOGITLESS_TRITON_FWD_KERNEL": "triton"}, None),
+    "gluon_fwd_5_stages": ({}, 5),
+    "dlogits_2^27": ({"LOGITLESS_TRITON_DLOGITS_ELEMENTS": str(1 << 27)}, None),
+}
 
-        def fwd():
-            with torch.no_grad():
-                fused_logprobs(hidden, weight, labels, with_entropy=True, backend="triton")
 
-        def fwd_triton():
-            with Env(LOGITLESS_TRITON_FWD_KERNEL="triton"):
-                fwd()
+def _variant(fn, env: dict, stages):
+    def run():
+        from logitless.ops.triton import policy_stats_gluon as gluon
+        saved = getattr(gluon, "FWD_STAGES", None)
+        if stages is not None:
+            gluon.FWD_STAGES = stages
+        try:
+            with Env(**env):
+                fn()
+        finally:
+            if saved is not None:
+                gluon.FWD_STAGES = saved
+    return run
 
-        hg = hidden.detach().clone().requires_grad_(True)
-        wg = weight.detach().clone().requires_grad_(True)
 
-        def step():
-            hg.grad = wg.grad = None
-            lp, ent = fused_logprobs(hg, wg, labels, with_entropy=True, backend="triton")
-            ((a * lp).sum() + (b * ent).sum()).backward()
+def time_shape(dev, tag: str, rounds: int, variants: list):
+    n, h, v = SHAPES[tag]
+    g = torch.Generator(device=dev).manual_seed(7)
+    hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    a = torch.randn(n, device=dev, generator=g)
+    b = torch.randn(n, device=dev, generator=g)
+    floor = GemmFloor(hidden, weight)
+    hg = hidden.detach().clone().requires_grad_(True)
+    wg = weight.detach().clone().requires_grad_(True)
 
-        def step_triton():
-            with Env(LOGITLESS_TRITON_FWD_KERNEL="triton"):
-                step()
+    def fwd():
+        with torch.no_grad():
+            fused_logprobs(hidden, weight, labels, with_entropy=True, backend="triton")
 
-        med_f, raw_f = timed_rounds({"floor": floor.forward, "default": fwd, "triton_fwd_kernel": fwd_triton},
-                                    rounds, 3)
-        med_b, raw_b = timed_rounds({"floor": floor.forward_backward, "default": step,
-                                     "triton_fwd_kernel": step_triton}, rounds, 2)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd()
-        torch.cuda.synchronize()
-        peak_fwd = torch.cuda.max_memory_allocated() - base
-        floor.close()
-        res = {"fwd_ms": med_f, "fwdbwd_ms": med_b, "fwd_raw": raw_f, "fwdbwd_raw": raw_b,
-               "fwd_peak_extra_mib": peak_fwd / 2 ** 20}
-        RESULTS["time"][tag] = res
-        log(f"time {tag} (N={n}, H={h}, V={v}): floor fwd {med_f['floor']:.2f} ms, 4-GEMM {med_b['floor']:.2f} ms; "
-            f"fwd peak extra {peak_fwd / 2 ** 20:.1f} MiB")
-        for k in ("default", "triton_fwd_kernel"):
-            log(f"  {k:18s} fwd {med_f[k]:.2f} ms = {med_f[k] / med_f['floor']:.3f}x   "
-                f"fwd+bwd {med_b[k]:.2f} ms = {med_b[k] / med_b['floor']:.3f}x")
-        del hidden, weight, hg, wg, floor
-        torch.cuda.empty_cache()
+    def step():
+        hg.grad = wg.grad = None
+        lp, ent = fused_logprobs(hg, wg, labels, with_entropy=True, backend="triton")
+        ((a * lp).sum() + (b * ent).sum()).backward()
+
+    fwd_variants = {k: _variant(fwd, *VARIANTS[k]) for k in variants if not k.startswith("dlogits")}
+    med_f, raw_f = timed_rounds({"floor": floor.forward, **fwd_variants}, rounds, 3)
+    med_b, raw_b = timed_rounds({"floor": floor.forward_backward,
+                                 **{k: _variant(step, *VARIANTS[k]) for k in variants}}, rounds, 2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd()
+    torch.cuda.synchronize()
+    peak_fwd = torch.cuda.max_memory_allocated() - base
+    floor.close()
+    RESULTS["time"][tag] = {"fwd_ms": med_f, "fwdbwd_ms": med_b, "fwd_raw": raw_f, "fwdbwd_raw": raw_b,
+                            "fwd_peak_extra_mib": peak_fwd / 2 ** 20}
+    log(f"time {tag} (N={n}, H={h}, V={v}): floor fwd {med_f['floor']:.2f} ms, 4-GEMM {med_b['floor']:.2f} ms; "
+        f"fwd peak extra {peak_fwd / 2 ** 20:.1f} MiB")
+    for k in variants:
+        f = f"fwd {med_f[k]:.2f} ms = {med_f[k] / med_f['floor']:.3f}x" if k in med_f else "fwd -"
+        log(f"  {k:20s} {f:28s} fwd+bwd {med_b[k]:.2f} ms = {med_b[k] / med_b['floor']:.3f}x")
+
+
+def chunked_cases(dev):
+    """The chunked backend: which cases hold (no guarantee: cuBLAS picks its kernels by shape, and the vocabulary
+    chunk width is budget / N)."""
+    g = torch.Generator(device=dev).manual_seed(99)
+    hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+
+    def sc(hh, yy):
+        with torch.no_grad():
+            return fused_logprobs(hh, weight, yy, with_entropy=True, backend="chunked")
+
+    lp0, ent0 = sc(hidden, labels)
+    log("chunked backend: case / largest |difference| / share of tokens not bit-equal")
+    lp, ent = sc(hidden, labels)
+    compare("chunked: run to run", lp, ent, lp0, ent0)
+    one = [sc(hidden[i:i + 1], labels[i:i + 1]) for i in range(16)]
+    compare("chunked: one token a call (first 16)", torch.cat([o[0] for o in one]), torch.cat([o[1] for o in one]),
+            lp0[:16], ent0[:16])
+    for n_total in (R + 7, 3 * R):
+        bh, by, where = embed(g, hidden, labels, n_total, dev)
+        lp, ent = sc(bh, by)
+        compare(f"chunked: in a batch of {n_total}", lp[where], ent[where], lp0, ent0)
+    perm = torch.randperm(R, device=dev, generator=g)
+    lp, ent = sc(hidden[perm], labels[perm])
+    inv = torch.argsort(perm)
+    compare("chunked: permuted", lp[inv], ent[inv], lp0, ent0)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="inv,time")
+    p.add_argument("--sections", default="inv,time", help="inv, chunked, time")
     p.add_argument("--label", default="this")
     p.add_argument("--out", default=".")
     p.add_argument("--million", action="store_true")
     p.add_argument("--shapes", default="A,B")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--variants", default="default,triton_fwd_kernel")
     p.add_argument("--small", action="store_true", help="CPU dry run under TRITON_INTERPRET=1: tiny shapes")
     args = p.parse_args()
     global H, V, R
@@ -274,8 +314,12 @@ def main():
     if "inv" in sections:
         invariance(dev, args.million)
         log(f"invariance section: {time.time() - t0:.0f} s")
+    if "chunked" in sections:
+        chunked_cases(dev)
     if "time" in sections:
-        timing(dev, args.shapes.split(","), args.rounds)
+        for tag in args.shapes.split(","):
+            time_shape(dev, tag, args.rounds, args.variants.split(","))
+            torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"gpu_invariance-{args.label}.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
