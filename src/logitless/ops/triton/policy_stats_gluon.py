@@ -20,7 +20,10 @@ V = 131072 / 151936; benchmarks/NOTES.md). A cooperative form (both consumers on
 half the L2 reads of W) ran at 1.10-1.18x and was removed.
 
 Used by ``policy_stats.chunk_stats`` where ``usable`` says so (Hopper, half-precision operands laid out for
-TMA, e float16); the Triton kernel stays the path everywhere else and in the interpreter.
+TMA, e float16), and without its e store (STORE_E off: no staging buffers, no store) by ``forward_stats`` for
+fused_logprobs' forward where ``usable_operands`` says so (H200: forward 1.02-1.05x cuBLAS against the Triton
+kernel's 1.10-1.19x; benchmarks/results/gpu-invariance-2026-12-04.md); the Triton kernels stay the path everywhere
+else and in the interpreter.
 """
 from __future__ import annotations
 
