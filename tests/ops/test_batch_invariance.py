@@ -154,3 +154,11 @@ def test_gradients_are_the_same_bits_run_to_run(seed):
         grads.append((h.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
     assert grads[0][0].abs().sum() > 0 and grads[0][1].abs().sum() > 0
+
+
+def test_a_bad_forward_kernel_knob_is_an_error_on_every_machine(monkeypatch):
+    """LOGITLESS_TRITON_FWD_KERNEL is read on every call, whether or not the Gluon kernel could run here."""
+    _, hidden, weight, labels = _head(0)
+    monkeypatch.setenv("LOGITLESS_TRITON_FWD_KERNEL", "gluon")
+    with pytest.raises(ValueError, match="LOGITLESS_TRITON_FWD_KERNEL"):
+        _score(hidden, weight, labels)
