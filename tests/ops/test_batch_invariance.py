@@ -162,3 +162,31 @@ def test_a_bad_forward_kernel_knob_is_an_error_on_every_machine(monkeypatch):
     monkeypatch.setenv("LOGITLESS_TRITON_FWD_KERNEL", "gluon")
     with pytest.raises(ValueError, match="LOGITLESS_TRITON_FWD_KERNEL"):
         _score(hidden, weight, labels)
+
+
+def test_chunked_backend_vocabulary_chunks_do_not_depend_on_the_batch_on_cpu():
+    """The chunked backend's forward cuts the vocabulary at the same columns for every batch on CPU."""
+    from logitless.ops import chunked
+    cpu = torch.device("cpu")
+    widths = {chunked.stats_columns(n, 151936, cpu) for n in (1, 7, 16, 300, 2048)}
+    assert len(widths) == 1 and widths.pop() < 151936
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="measured with MKL's GEMM kernels only")
+def test_chunked_backend_on_cpu_is_batch_invariant_from_16_tokens(seed):
+    """CPU, chunked backend: a token's bits are the same in any call of 16 or more tokens (measured with MKL:
+    calls of 1-3, 5 or 9 tokens take other GEMM kernels and differ; docs/determinism.md)."""
+    g = torch.Generator().manual_seed(seed)
+    h, v = 200, 4099
+    hidden = torch.randn(600, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * (3 / h ** 0.5)).bfloat16()
+    labels = torch.randint(0, v, (600,), generator=g)
+    labels[::7] = -100
+    ref = fused_logprobs(hidden[:16], weight, labels[:16], backend="chunked", with_entropy=True)
+    for n in (17, 64, 600):
+        where = torch.randperm(n, generator=g)[:16]
+        idx = torch.randperm(600, generator=g)[:n]
+        idx[where] = torch.arange(16)
+        out = fused_logprobs(hidden[idx], weight, labels[idx], backend="chunked", with_entropy=True)
+        assert torch.equal(out.logprobs[where], ref.logprobs), n
+        assert torch.equal(out.entropy[where], ref.entropy), n
