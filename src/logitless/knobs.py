@@ -85,6 +85,16 @@ def policy_dw_fp32() -> bool:
     return os.environ.get("LOGITLESS_POLICY_DW_FP32", "").strip().lower() in _TRUE
 
 
+def forward_stats_kernel() -> str:
+    """LOGITLESS_TRITON_FWD_KERNEL: which kernel computes fused_logprobs' forward statistics on Hopper: "auto" (the
+    default) the Gluon kernel wherever it runs (half precision, no softcap, no LOGITLESS_TRITON_FWD tiles),
+    "triton" the Triton tile kernel everywhere (benchmarking). Both give the same bits."""
+    raw = os.environ.get("LOGITLESS_TRITON_FWD_KERNEL", "").strip().lower() or "auto"
+    if raw not in ("auto", "triton"):
+        raise ValueError(f"LOGITLESS_TRITON_FWD_KERNEL={raw!r} must be auto or triton")
+    return raw
+
+
 def policy_stats_kernel() -> str:
     """LOGITLESS_POLICY_STATS_KERNEL: which kernel fills the policy loss's statistics on Hopper: "auto" (the
     default) the Gluon kernel wherever it runs, "triton" the Triton kernel everywhere (benchmarking)."""

@@ -153,13 +153,23 @@ class VocabParallel:
         every = mine.new_empty(self.world_size * mine.numel())
         _gather_into(every, mine.view(-1), self.group)
         every = every.view((self.world_size,) + tuple(mine.shape))
+        # Sums over the ranks one rank at a time, in rank order, with elementwise ops: a token's result is then
+        # a function of its own numbers only, whatever N is (a torch reduction over dim 0 may split or reorder
+        # the ranks by N on a GPU). The max is exact in any order.
         lse_r, zy_r = every[:, 0], every[:, 1]
-        lse_all = torch.logsumexp(lse_r, dim=0)
-        zy_all = zy_r.sum(dim=0)
+        top = lse_r.amax(dim=0)
+        total = torch.zeros_like(top)
+        zy_all = torch.zeros_like(top)
+        for r in range(self.world_size):
+            total += torch.exp(lse_r[r] - top)
+            zy_all += zy_r[r]
+        lse_all = top + torch.log(total)
         ent_all = None
         if ent is not None:
-            shift = lse_all.unsqueeze(0) - lse_r          # -log w_r >= 0
-            ent_all = (torch.exp(-shift) * (every[:, 2] + shift)).sum(dim=0)
+            ent_all = torch.zeros_like(top)
+            for r in range(self.world_size):
+                shift = lse_all - lse_r[r]          # -log w_r >= 0
+                ent_all += torch.exp(-shift) * (every[r, 2] + shift)
         return lse_all, ent_all, zy_all
 
     def reduce_grad_hidden(self, dh: Tensor) -> Tensor:

@@ -26,19 +26,22 @@ CHILD = """
 import json
 from logitless.ops.triton.policy_stats_gluon import TILE_ROWS, compile_for_hopper
 for block_n in TILE_ROWS:
-    k = compile_for_hopper(block_n=block_n)
-    print(json.dumps({"block_n": block_n, "shared": k.metadata.shared, "num_warps": k.metadata.num_warps,
-                      "maxnreg": k.metadata.maxnreg, "cubin": len(k.asm["cubin"])}))
+    for store_e in (True, False):
+        k = compile_for_hopper(block_n=block_n, store_e=store_e)
+        print(json.dumps({"block_n": block_n, "store_e": store_e, "shared": k.metadata.shared,
+                          "num_warps": k.metadata.num_warps, "maxnreg": k.metadata.maxnreg,
+                          "cubin": len(k.asm["cubin"])}))
 """
 
 
 def test_compiles_for_hopper():
-    """Both consumer tiles (64 x 256 and 128 x 128)."""
+    """Both consumer tiles (64 x 256 and 128 x 128), with e (the policy loss) and without (fused_logprobs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     metas = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
-    assert sorted(m["block_n"] for m in metas) == [128, 256]
+    assert sorted((m["block_n"], m["store_e"]) for m in metas) == [(128, False), (128, True), (256, False),
+                                                                   (256, True)]
     for meta in metas:
         assert meta["shared"] <= 232448      # the H100 / H200 limit per block
         assert meta["num_warps"] == 12       # two consumer warpgroups and the loader's (rounded to a warpgroup)
@@ -93,3 +96,28 @@ def test_gluon_statistics_equal_the_triton_kernel(monkeypatch, tiles):
         tight = torch.empty(c * row_stride(v) - (row_stride(v) - v), dtype=torch.float16, device="cuda")
         tight_e = tight.as_strided((c, v), (row_stride(v), 1))
         assert policy_stats.gluon_stats.usable(hidden, weight, tight_e, block_n) == (v % 8 == 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on Hopper GPUs only (wgmma, TMA)")
+def test_gluon_forward_statistics_equal_the_triton_kernel(monkeypatch):
+    """fused_logprobs' forward statistics (no e) from the Gluon kernel equal the Triton tile kernel's bit for bit,
+    with and without the entropy's sums; and the default uses the Gluon kernel."""
+    from logitless.ops.triton import forward_stats
+    for dtype, (c, h, v), with_entropy in itertools.product(
+            (torch.bfloat16, torch.float16), ((300, 256, 4099), (7, 96, 1031), (4096 + 65, 512, 8192 + 300)),
+            (True, False)):
+        hidden = torch.randn(c, h, device="cuda").to(dtype)
+        weight = (torch.randn(v, h, device="cuda") * (3 / h ** 0.5)).to(dtype)
+        labels = torch.randint(0, v, (c,), device="cuda")
+        labels[::5] = -1
+        inv_t = torch.rand(c, device="cuda") + 0.5
+        block_n = forward_stats.choose_tiles("FWD", dtype, hidden.device).block_n
+        monkeypatch.delenv("LOGITLESS_TRITON_FWD_KERNEL", raising=False)
+        assert forward_stats._gluon_usable(hidden, weight, None, block_n)
+        results = []
+        for kernel in ("auto", "triton"):
+            monkeypatch.setenv("LOGITLESS_TRITON_FWD_KERNEL", kernel)
+            out = forward_stats.tile_stats(hidden, weight, labels, inv_t, with_entropy)
+            results.append([x for x in out if x is not None])
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), (dtype, c, h, v, with_entropy)

@@ -21,7 +21,8 @@ def params(fns):
     return [(world, name) for world in (2, 3) for name in tp_cases.names(fns, world)]
 
 
-@pytest.mark.parametrize("world,case", params(tp_cases.VOCAB_CASES + [tp_cases.case_triton_interpreted]))
+@pytest.mark.parametrize("world,case", params(tp_cases.VOCAB_CASES + [tp_cases.case_triton_interpreted,
+                                                                      tp_cases.case_triton_batch_invariance]))
 def test_vocab_parallel(world, case):
     check_outcome(world, case)
 

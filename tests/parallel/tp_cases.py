@@ -404,6 +404,61 @@ def case_triton_interpreted(ctx):
     ck.done()
 
 
+def case_triton_batch_invariance(ctx):
+    """Tensor parallel degree 2 or 3, triton backend (interpreter): a token's log-prob and entropy are the same bits
+    alone, in a larger batch with ignored rows and permuted, with shards on vocabulary-tile boundaries (64 columns
+    under the interpreter) and off them. Against the unsharded call (degree 1) they are not bit-equal (the tiles
+    are combined per shard and the shards across ranks, where one rank combines all tiles in one pass): the
+    bound, measured here as at most a few float32 ulps, is held at TP_BOUND."""
+    ck = Checks()
+    g = ctx.gen(21)
+    r_tokens, n_total = 9, 31
+    aligned = {2: [128, 64], 3: [64, 128, 64]}[ctx.world]
+    # a new H per layout: a rank's shard shape may change only when every rank's does (VocabParallel.for_group)
+    for sizes, tag, h in ((aligned, "shards on tile boundaries", 32), (even_sizes(193, ctx.world), "shards off them",
+                                                                        40)):
+        v = sum(sizes)
+        hidden = torch.randn(r_tokens, h, generator=g).bfloat16()
+        weight = (torch.randn(v, h, generator=g) * (3 / h ** 0.5)).bfloat16()
+        labels = torch.randint(0, v, (r_tokens,), generator=g)
+        _, w_local = shard(ctx, weight, sizes)
+
+        def score(hh, yy, group=ctx.group, w=w_local):
+            with torch.no_grad():
+                out = fused_logprobs(hh, w, yy, tp_group=group, backend="triton", with_entropy=True)
+            return out.logprobs, out.entropy
+
+        lp0, ent0 = score(hidden, labels)
+        where = torch.randperm(n_total, generator=g)[:r_tokens]
+        big_h = torch.randn(n_total, h, generator=g).bfloat16()
+        big_y = torch.full((n_total,), -100, dtype=torch.long)
+        big_y[::4] = torch.randint(0, v, big_y[::4].shape, generator=g)
+        big_h[where], big_y[where] = hidden, labels
+        lp, ent = score(big_h, big_y)
+        ck.true(f"{tag}: in a batch with ignored rows", torch.equal(lp[where], lp0) and torch.equal(ent[where], ent0))
+        lp, ent = score(hidden[:1], labels[:1])
+        ck.true(f"{tag}: one token", torch.equal(lp, lp0[:1]) and torch.equal(ent, ent0[:1]))
+        perm = torch.randperm(r_tokens, generator=g)
+        lp, ent = score(hidden[perm], labels[perm])
+        ck.true(f"{tag}: permuted", torch.equal(lp, lp0[perm]) and torch.equal(ent, ent0[perm]))
+        lp1, ent1 = score(hidden, labels, group=None, w=weight)
+        every = _gathered(ctx, torch.stack([lp0, ent0]))
+        ck.true(f"{tag}: same bits on every rank", all(torch.equal(x, every[0]) for x in every))
+        ck.abs_le(f"{tag}: log-prob against one rank", lp0, lp1, TP_BOUND * max(1.0, lp1.abs().max().item()))
+        ck.abs_le(f"{tag}: entropy against one rank", ent0, ent1, TP_BOUND * max(1.0, ent1.abs().max().item()))
+    ck.done()
+
+
+# Tensor parallel against one rank, relative to the largest |value|: a few float32 ulps (2^-23 = 1.2e-7)
+TP_BOUND = 8 * 2.0 ** -23
+
+
+def _gathered(ctx, t: torch.Tensor) -> list:
+    every = [torch.empty_like(t) for _ in range(ctx.world)]
+    dist.all_gather(every, t.contiguous(), group=ctx.group)
+    return every
+
+
 # --------------------------------------------------------------------------------- error cases
 
 def case_error_not_initialised(ctx):
@@ -574,7 +629,7 @@ def pre_init_cases():
 
 def cases_for(world: int):
     """(name, function) of every case run after init, in the order every rank runs them."""
-    extra = [case_triton_interpreted] if world == 2 else []
+    extra = ([case_triton_interpreted] if world == 2 else []) + [case_triton_batch_invariance]
     return _named(VOCAB_CASES + extra + ERROR_CASES + SEQUENCE_CASES)
 
 

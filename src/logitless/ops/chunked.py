@@ -1,7 +1,9 @@
 """The chunked backend: pure torch, any device.
 
 The vocabulary is streamed in chunks of rows of ``weight``; each chunk's float32 logits
-[T, chunk] are folded into per-token running statistics (online logsumexp) and dropped.
+[T, chunk] are folded into per-token running statistics (online logsumexp) and dropped. On CPU the forward's
+chunks have one width for every batch (``stats_columns``), so a token's bits depend on the batch only through
+the BLAS (docs/determinism.md).
 Backward recomputes each chunk and produces that chunk's d_weight rows whole, while d_hidden
 is accumulated in float32. One call takes at most T = LOGITLESS_CHUNK_ELEMENTS / 1024 tokens
 (``token_rows``); ``ops/token_chunks.py`` feeds it larger inputs in chunks of T tokens. Peak extra
@@ -51,6 +53,16 @@ def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
     return max(1, min(vocab, _tile_budget(device) // max(n_tokens, 1)))
 
 
+def stats_columns(n_tokens: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary rows per forward chunk. On CPU a function of the vocabulary alone (the budget over the most
+    tokens of a call, ``token_rows``: MIN_COLUMNS), so a token's online logsumexp rescales at the same columns in
+    every batch and its bits depend on the batch only through the BLAS (docs/determinism.md). On CUDA the budget
+    over N (``chunk_rows``): wider products for small batches, and cuBLAS chooses its kernels by shape anyway."""
+    if device.type == "cuda":
+        return chunk_rows(n_tokens, vocab, device)
+    return max(1, min(vocab, _tile_budget(device) // max(1, _tile_budget(device) // MIN_COLUMNS)))
+
+
 def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
     """Most tokens per call, both stages: the tile budget over MIN_COLUMNS (2^24 / 1024 = 16384 on CUDA,
     2048 on CPU by default). Depends on the device only, as the backward's chunking must (contract.py)."""
@@ -73,7 +85,7 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
     s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     t = torch.zeros_like(s) if with_entropy else None   # sum_j exp(z_j - m) * (z_j - m)
     zy = torch.zeros_like(s)
-    for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
+    for start, stop in _chunks(vocab, stats_columns(n, vocab, hidden.device)):
         z, _ = logits_from_products(mm_fp32(hidden, weight[start:stop].t()), inv_temp, softcap)
         m_new = torch.maximum(m, z.amax(dim=1))
         rescale = torch.exp(m - m_new)          # exp(-inf) = 0 on the first chunk

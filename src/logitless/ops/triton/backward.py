@@ -26,8 +26,12 @@ from ..maths import accumulate_mm, ieee_fp32, mm_fp32
 from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, softcap_tanh, tile_coords
 
-# 64 Mi elements: 128 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile).
-DEFAULT_DLOGITS_ELEMENTS = 1 << 26
+# 128 Mi elements: 256 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile). Each vocabulary
+# chunk reads and writes the float32 d_hidden [N, H] once (accumulate_mm), so wider chunks halve that traffic: on
+# the H200, 2^27 against 2^26 measured forward+backward 1.058x against 1.080x the 4-GEMM floor at
+# 16384 x 4096 x 151936 and 1.070x against 1.081x at 8192 x 4096 x 131072 (benchmarks/results/
+# gpu-invariance-2026-12-04.md); LOGITLESS_TRITON_DLOGITS_ELEMENTS=67108864 gives back the 128 MiB.
+DEFAULT_DLOGITS_ELEMENTS = 1 << 27
 # Tokens of one call. Its float32 d_hidden [T, H] is read and written once per vocabulary chunk, and the
 # chunks narrow as T grows (C = 2^26 / T columns), so that traffic grows like T^2: on the H200, N = 131072
 # in one call ran at 1.29x the 4-GEMM floor, in chunks of 16384 at 1.06x (benchmarks/DESIGN.md). 16384
@@ -132,7 +136,7 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     softcap: None or c > 0, see logitless.ops.contract (the cap's derivative is applied in the kernel).
     dw_acc: None, or a float32 [V, H] accumulator into which d_weight is added (then None is returned).
 
-    Workspace: one dlogits buffer [N, C] of hidden.dtype (128 MiB in bf16 by default) besides the outputs.
+    Workspace: one dlogits buffer [N, C] of hidden.dtype (256 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
     the gradients, the same as any bf16 backward; float32 inputs stay float32 throughout)."""
     n, k = hidden.shape

@@ -40,7 +40,11 @@ def _tile_block(step, n, n_tiles, cols, col_ok, TILE_ROWS: tl.constexpr):
     return ok, tiles.to(tl.int64)[:, None] * n + cols[None, :]
 
 
-@triton.jit
+# n and n_tiles are not specialised: triton would otherwise compile one kernel for n = 1, one for n % 16 == 0 and
+# one for the rest, and the block's layout (which threads hold which tiles, hence the order in which a token's
+# tiles are summed) differs between them: a token's lse and entropy would depend on how many tokens share its
+# call (docs/determinism.md). One build per vocabulary size instead, for every batch.
+@triton.jit(do_not_specialize=["n", "n_tiles"])
 def _combine_kernel(part_m_ptr, part_s_ptr, part_t_ptr, lse_ptr, ent_ptr, n, n_tiles,
                     WITH_T: tl.constexpr, STEPS: tl.constexpr, TOKENS: tl.constexpr, TILE_ROWS: tl.constexpr):
     cols = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)

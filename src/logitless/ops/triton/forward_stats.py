@@ -7,6 +7,14 @@ logit is written by the one tile that holds it. Logits never reach HBM. A combin
 gives the global statistics. With a softcap c the tile is first mapped to t = tanh(raw / c) and scaled
 by c / temperature instead of 1 / temperature (a compile-time branch: without it the kernel is unchanged).
 
+On Hopper (half precision, no softcap) the policy loss's Gluon statistics kernel computes the same per-tile
+statistics bit for bit, its epilogues overlapped with the next tile's main loop (``policy_stats_gluon``, without
+its e store; LOGITLESS_TRITON_FWD_KERNEL=triton keeps the kernel below).
+
+Batch invariance: a token's statistics depend on its own row only. Every kernel here reduces a row inside one
+tile whose shape is fixed (never a function of N), and the token count is not specialised at compile time, so a
+call of 1 token and one of a million run the same build (docs/determinism.md).
+
 Workspace: 4 bytes x (3, or 2 without entropy) x ceil(V / BLOCK_N) per token. ``token_rows`` caps the
 tokens of one call so that it stays under LOGITLESS_TRITON_STATS_BYTES (64 MiB by default: 9344 tokens at
 V = 151936, a whole 8192-token batch at V = 131072); ``ops/token_chunks.py`` feeds larger inputs in chunks.
@@ -22,14 +30,25 @@ from torch import Tensor
 
 from ... import knobs
 from .combine import combine_tiles
-from .common import choose_tiles, int32_safe, launch_options, tile_operands
+from .common import INTERPRETING, choose_tiles, int32_safe, launch_options, tile_operands
 from .tile import logits_tile, softcap_tanh, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
+
+# On Hopper the policy loss's Gluon statistics kernel (ping-pong consumers: one tile's epilogue runs during the
+# next tile's main loop) computes the same numbers bit for bit, without its e store; the Triton kernel below is
+# the path elsewhere, with a softcap, and in the interpreter (which does not run Gluon).
+gluon_stats = None
+if not INTERPRETING:
+    try:
+        from . import policy_stats_gluon as gluon_stats
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed triton
+        gluon_stats = None
 
 # The per-tile statistics of one call: 64 MiB, whatever N is.
 DEFAULT_STATS_BYTES = 64 << 20
 
 
-@triton.jit
+# n_rows (the tokens of the call) is not specialised, so every batch runs the same build (docs/determinism.md)
+@triton.jit(do_not_specialize=["n_rows"])
 def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr,
                        n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
                        WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -68,6 +87,10 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
     part_s = torch.empty_like(part_m)
     part_t = torch.empty_like(part_m) if with_entropy else part_m   # unused pointer when False
     zy = torch.empty(n, dtype=torch.float32, device=dev)      # the kernel writes every row
+    if _gluon_usable(hidden, weight, softcap, tiles.block_n):
+        gluon_stats.chunk_stats_gluon(hidden, weight, labels, inv_temp, part_m, part_s,
+                                      part_t if with_entropy else None, zy, None, tiles.block_n)
+        return part_m, part_s, part_t if with_entropy else None, zy
     grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     _tile_stats_kernel[grid](
@@ -75,6 +98,15 @@ def tile_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
         n, vocab, k, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         WITH_ENTROPY=with_entropy, USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
     return part_m, part_s, part_t if with_entropy else None, zy
+
+
+def _gluon_usable(hidden: Tensor, weight: Tensor, softcap, block_n: int) -> bool:
+    """The Gluon kernel where it runs (``usable_operands``), unless a softcap (which it does not apply), tiles
+    set by LOGITLESS_TRITON_FWD (they tune the Triton kernel) or LOGITLESS_TRITON_FWD_KERNEL=triton say otherwise."""
+    kernel = knobs.forward_stats_kernel()     # read everywhere: a bad value is an error on every machine
+    if gluon_stats is None or softcap is not None or knobs.triton_tiles("FWD") is not None:
+        return False
+    return kernel == "auto" and gluon_stats.usable_operands(hidden, weight, block_n)
 
 
 def token_rows(hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:

@@ -59,7 +59,8 @@ def _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
                     zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
 
 
-@triton.jit
+# n_rows (the chunk's tokens) is not specialised, so every batch runs the same build (docs/determinism.md)
+@triton.jit(do_not_specialize=["n_rows"])
 def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr, zy_ptr, e_ptr,
                          n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en,
                          STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,

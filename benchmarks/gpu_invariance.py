@@ -1,0 +1,330 @@
+"""Batch invariance and determinism of the triton backend on one CUDA GPU, and the forward's speed.
+
+    PYTHONPATH=src python3 benchmarks/gpu_invariance.py [--sections inv,time] [--label NAME] [--out DIR]
+                                                        [--million] [--shapes A,B]
+
+1. ``inv``: a reference batch of R = 4096 tokens (bf16, H = 4096, V = 151936, labels drawn from the softmax) is
+   scored alone; then each case scores the same tokens inside another batch and compares a token's log-prob and
+   entropy with its reference bits. Printed per case: the largest absolute difference and the share of tokens
+   whose bits differ (log-prob, entropy); all must be 0. Cases: one token a call, batches of R + 1, R + 7,
+   40000 and (--million) 1048576 tokens with the reference tokens at random places, a permutation, half and 37%
+   of the other rows ignored, a per-token temperature tensor of ones, token chunks of the forward workspace,
+   ``fused_policy_loss`` on a batch with ignored rows, the entropy-free call's log-prob, the Triton and Gluon
+   forward kernels (LOGITLESS_TRITON_FWD_KERNEL), the pointer-load path (LOGITLESS_TRITON_TMA=0), run to run;
+   and a fixed batch's gradients run to run.
+2. ``time``: at the README shapes (A 16384 x 4096 x 151936, B 8192 x 4096 x 131072), the cuBLAS floor (1 GEMM
+   forward, 4 GEMMs forward+backward) and ``fused_logprobs`` (triton, with entropy) in rounds that alternate the
+   variants: the default, and LOGITLESS_TRITON_FWD_KERNEL=triton (the Triton tile kernel, the forward of the
+   code before the Gluon forward). Medians of all rounds; ratio = variant / floor.
+
+Run it once per code version (``--label``); the numbers are written to DIR/gpu_invariance-<label>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from logitless import fused_logprobs
+from logitless.tools.common import GemmFloor, random_head, sample_labels
+
+H, V, R = 4096, 151936, 4096
+SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072)}
+RESULTS: dict = {"inv": [], "time": {}}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Env:
+    """LOGITLESS_* knobs (read at call time) set for a block, restored after."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update({k: str(v) for k, v in self.values.items()})
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def score(hidden, weight, labels, **kw):
+    with torch.no_grad():
+        lp, ent = fused_logprobs(hidden, weight, labels, with_entropy=kw.pop("with_entropy", True),
+                                 backend="triton", **kw)
+    return lp, ent
+
+
+def compare(name, lp, ent, lp0, ent0):
+    row = {"case": name, "tokens": lp0.numel()}
+    for key, a, b in (("lp", lp, lp0), ("ent", ent, ent0)):
+        if a is None:
+            row[key + "_max"] = row[key + "_share"] = None
+            continue
+        diff = (a.double() - b.double()).abs()
+        row[key + "_max"] = diff.max().item()
+        row[key + "_share"] = (a.view(torch.int32) != b.view(torch.int32)).double().mean().item()
+    RESULTS["inv"].append(row)
+    log(f"  {name:44s} lp max {row['lp_max']!s:>10.10} share {row['lp_share']!s:>8.8}   "
+        f"ent max {row['ent_max']!s:>10.10} share {row['ent_share']!s:>8.8}")
+
+
+def embed(g, hidden, labels, n_total, dev):
+    """A batch of n_total rows holding the reference rows at random places (the rest fresh random rows with
+    random labels); returns (hidden, labels, where)."""
+    n = hidden.shape[0]
+    big_h = torch.randn(n_total, H, device=dev, generator=g).to(hidden.dtype)
+    big_y = torch.randint(0, V, (n_total,), device=dev, generator=g)
+    where = torch.randperm(n_total, device=dev, generator=g)[:n]
+    big_h[where] = hidden
+    big_y[where] = labels
+    return big_h, big_y, where
+
+
+def invariance(dev, million: bool):
+    g = torch.Generator(device=dev).manual_seed(1234)
+    hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    lp0, ent0 = score(hidden, weight, labels)
+    log("invariance: reference batch of", R, "tokens; case / largest |difference| / share of tokens not bit-equal")
+
+    lp, ent = score(hidden, weight, labels)
+    compare("run to run", lp, ent, lp0, ent0)
+
+    k = min(64, R)
+    one = [score(hidden[i:i + 1], weight, labels[i:i + 1]) for i in range(k)]
+    compare(f"one token a call (first {k})", torch.cat([o[0] for o in one]), torch.cat([o[1] for o in one]),
+            lp0[:k], ent0[:k])
+
+    sizes = [R + 1, R + 7, 40000 if R == 4096 else 3 * R + 5] + ([1 << 20] if million else [])
+    for n_total in sizes:
+        bh, by, where = embed(g, hidden, labels, n_total, dev)
+        lp, ent = score(bh, weight, by)
+        compare(f"in a batch of {n_total}", lp[where], ent[where], lp0, ent0)
+        del bh, by, lp, ent
+
+    perm = torch.randperm(R, device=dev, generator=g)
+    lp, ent = score(hidden[perm], weight, labels[perm])
+    inv = torch.argsort(perm)
+    compare("permuted", lp[inv], ent[inv], lp0, ent0)
+
+    for share, name in ((0.5, "half of the other rows ignored"), (0.37, "37% of the other rows ignored")):
+        n_total = int(R / (1 - share))
+        bh, by, where = embed(g, hidden, labels, n_total, dev)
+        ignored = torch.ones(n_total, dtype=torch.bool, device=dev)
+        ignored[where] = False
+        by = torch.where(ignored, torch.full_like(by, -100), by)
+        lp, ent = score(bh, weight, by)
+        compare(name, lp[where], ent[where], lp0, ent0)
+
+    lp, ent = score(hidden, weight, labels, temperature=torch.ones(R, device=dev))
+    compare("per-token temperature tensor of ones", lp, ent, lp0, ent0)
+
+    for budget in (1 << 20, 5 << 20):
+        with Env(LOGITLESS_TRITON_STATS_BYTES=budget):
+            lp, ent = score(hidden, weight, labels)
+        compare(f"forward token chunks ({budget >> 20} MiB statistics)", lp, ent, lp0, ent0)
+
+    lp, _ = score(hidden, weight, labels, with_entropy=False)
+    compare("with_entropy=False (log-prob)", lp, None, lp0, ent0)
+
+    for knob, value in (("LOGITLESS_TRITON_FWD_KERNEL", "triton"), ("LOGITLESS_TRITON_TMA", "0")):
+        with Env(**{knob: value}):
+            lp, ent = score(hidden, weight, labels)
+        compare(f"{knob}={value}", lp, ent, lp0, ent0)
+
+    try:
+        from logitless.losses import fused_policy_loss
+        n_total = 2 * R + 123
+        bh, by, where = embed(g, hidden, labels, n_total, dev)
+        ignored = torch.ones(n_total, dtype=torch.bool, device=dev)
+        ignored[where] = False
+        by = torch.where(ignored, torch.full_like(by, -100), by)
+        adv = torch.randn(n_total, device=dev, generator=g)
+        bh.requires_grad_(True)
+        out = fused_policy_loss(bh, weight, by, adv, entropy_coef=0.01, backend="triton")
+        compare("fused_policy_loss, ignored rows", out.logprobs[where].detach(), out.entropy[where].detach(),
+                lp0, ent0)
+        del out, bh
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        log("  fused_policy_loss case failed:", repr(exc)[:300])
+
+    # a fixed batch's gradients, run to run (ignored rows among them)
+    n_total = 2 * R + 77
+    bh, by, where = embed(g, hidden, labels, n_total, dev)
+    by[::3] = -100
+    a = torch.randn(n_total, device=dev, generator=g)
+    b = torch.randn(n_total, device=dev, generator=g)
+    grads = []
+    for _ in range(2):
+        h = bh.detach().clone().requires_grad_(True)
+        w = weight.detach().clone().requires_grad_(True)
+        lp, ent = fused_logprobs(h, w, by, with_entropy=True, backend="triton")
+        ((a * lp).sum() + (b * ent).sum()).backward()
+        grads.append((h.grad, w.grad))
+    same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1], strict=True)]
+    RESULTS["inv"].append({"case": "gradients run to run", "d_hidden_equal": same[0], "d_weight_equal": same[1]})
+    log(f"  gradients run to run: d_hidden bit-equal {same[0]}, d_weight bit-equal {same[1]}")
+
+
+def timed_rounds(variants: dict, rounds: int, reps: int):
+    """Median ms of each variant over rounds x reps calls, the variants alternating within every round."""
+    times = {k: [] for k in variants}
+    for fn in variants.values():     # warm-up: compilation, autotuning, allocator
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            for _ in range(reps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                variants[name]()
+                e.record()
+                torch.cuda.synchronize()
+                times[name].append(s.elapsed_time(e))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}, times
+
+
+# fused_logprobs variants timed against the floor: (LOGITLESS_* knobs, stages of the Gluon forward's ring or None)
+VARIANTS = {
+    "default": ({}, None),
+    "triton_fwd_kernel": ({"LOGITLESS_TRITON_FWD_KERNEL": "triton"}, None),
+    "gluon_fwd_5_stages": ({}, 5),
+    "dlogits_2^27": ({"LOGITLESS_TRITON_DLOGITS_ELEMENTS": str(1 << 27)}, None),
+}
+
+
+def _variant(fn, env: dict, stages):
+    def run():
+        from logitless.ops.triton import policy_stats_gluon as gluon
+        saved = getattr(gluon, "FWD_STAGES", None)
+        if stages is not None:
+            gluon.FWD_STAGES = stages
+        try:
+            with Env(**env):
+                fn()
+        finally:
+            if saved is not None:
+                gluon.FWD_STAGES = saved
+    return run
+
+
+def time_shape(dev, tag: str, rounds: int, variants: list):
+    n, h, v = SHAPES[tag]
+    g = torch.Generator(device=dev).manual_seed(7)
+    hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    a = torch.randn(n, device=dev, generator=g)
+    b = torch.randn(n, device=dev, generator=g)
+    floor = GemmFloor(hidden, weight)
+    hg = hidden.detach().clone().requires_grad_(True)
+    wg = weight.detach().clone().requires_grad_(True)
+
+    def fwd():
+        with torch.no_grad():
+            fused_logprobs(hidden, weight, labels, with_entropy=True, backend="triton")
+
+    def step():
+        hg.grad = wg.grad = None
+        lp, ent = fused_logprobs(hg, wg, labels, with_entropy=True, backend="triton")
+        ((a * lp).sum() + (b * ent).sum()).backward()
+
+    fwd_variants = {k: _variant(fwd, *VARIANTS[k]) for k in variants if not k.startswith("dlogits")}
+    med_f, raw_f = timed_rounds({"floor": floor.forward, **fwd_variants}, rounds, 3)
+    med_b, raw_b = timed_rounds({"floor": floor.forward_backward,
+                                 **{k: _variant(step, *VARIANTS[k]) for k in variants}}, rounds, 2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd()
+    torch.cuda.synchronize()
+    peak_fwd = torch.cuda.max_memory_allocated() - base
+    floor.close()
+    RESULTS["time"][tag] = {"fwd_ms": med_f, "fwdbwd_ms": med_b, "fwd_raw": raw_f, "fwdbwd_raw": raw_b,
+                            "fwd_peak_extra_mib": peak_fwd / 2 ** 20}
+    log(f"time {tag} (N={n}, H={h}, V={v}): floor fwd {med_f['floor']:.2f} ms, 4-GEMM {med_b['floor']:.2f} ms; "
+        f"fwd peak extra {peak_fwd / 2 ** 20:.1f} MiB")
+    for k in variants:
+        f = f"fwd {med_f[k]:.2f} ms = {med_f[k] / med_f['floor']:.3f}x" if k in med_f else "fwd -"
+        log(f"  {k:20s} {f:28s} fwd+bwd {med_b[k]:.2f} ms = {med_b[k] / med_b['floor']:.3f}x")
+
+
+def chunked_cases(dev):
+    """The chunked backend: which cases hold (no guarantee: cuBLAS picks its kernels by shape, and the vocabulary
+    chunk width is budget / N)."""
+    g = torch.Generator(device=dev).manual_seed(99)
+    hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+
+    def sc(hh, yy):
+        with torch.no_grad():
+            return fused_logprobs(hh, weight, yy, with_entropy=True, backend="chunked")
+
+    lp0, ent0 = sc(hidden, labels)
+    log("chunked backend: case / largest |difference| / share of tokens not bit-equal")
+    lp, ent = sc(hidden, labels)
+    compare("chunked: run to run", lp, ent, lp0, ent0)
+    one = [sc(hidden[i:i + 1], labels[i:i + 1]) for i in range(16)]
+    compare("chunked: one token a call (first 16)", torch.cat([o[0] for o in one]), torch.cat([o[1] for o in one]),
+            lp0[:16], ent0[:16])
+    for n_total in (R + 7, 3 * R):
+        bh, by, where = embed(g, hidden, labels, n_total, dev)
+        lp, ent = sc(bh, by)
+        compare(f"chunked: in a batch of {n_total}", lp[where], ent[where], lp0, ent0)
+    perm = torch.randperm(R, device=dev, generator=g)
+    lp, ent = sc(hidden[perm], labels[perm])
+    inv = torch.argsort(perm)
+    compare("chunked: permuted", lp[inv], ent[inv], lp0, ent0)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sections", default="inv,time", help="inv, chunked, time")
+    p.add_argument("--label", default="this")
+    p.add_argument("--out", default=".")
+    p.add_argument("--million", action="store_true")
+    p.add_argument("--shapes", default="A,B")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--variants", default="default,triton_fwd_kernel")
+    p.add_argument("--small", action="store_true", help="CPU dry run under TRITON_INTERPRET=1: tiny shapes")
+    args = p.parse_args()
+    global H, V, R
+    if args.small:
+        H, V, R = 96, 1031, 24
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import triton
+    RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+                      "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "label": args.label}
+    log("env", RESULTS["env"])
+    t0 = time.time()
+    sections = args.sections.split(",")
+    if "inv" in sections:
+        invariance(dev, args.million)
+        log(f"invariance section: {time.time() - t0:.0f} s")
+    if "chunked" in sections:
+        chunked_cases(dev)
+    if "time" in sections:
+        for tag in args.shapes.split(","):
+            time_shape(dev, tag, args.rounds, args.variants.split(","))
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"gpu_invariance-{args.label}.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    log(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
