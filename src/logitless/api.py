@@ -24,9 +24,10 @@ class TokenLogProbs(NamedTuple):
 
 
 def inv_temperature(temperature, labels: Tensor, check_values: bool = True) -> Tensor:
-    """float32 [N] of 1/temperature, from a positive number or a tensor broadcastable to labels.
-    ``check_values=False`` skips the check that a tensor's values are finite and > 0 (its one host
-    synchronisation); a number is always checked."""
+    """float32 [N] of 1/temperature, from a number or a tensor broadcastable to labels (the range rule:
+    ``checks.temperature``). ``check_values=False`` skips the check of a tensor's values (its one host
+    synchronisation): the op checks them (``checks.inverse_temperature_ok``), as out-of-range values
+    come out NaN here. A number is always checked."""
     t = checks.temperature(temperature, device=labels.device, check_values=check_values)
     if not isinstance(t, Tensor):
         return torch.full((labels.numel(),), 1.0 / t, dtype=torch.float32, device=labels.device)
@@ -41,18 +42,40 @@ def inv_temperature(temperature, labels: Tensor, check_values: bool = True) -> T
     except RuntimeError:
         raise ValueError(f"temperature of shape {tuple(t.shape)} does not broadcast to the "
                          f"labels' shape {tuple(labels.shape)}") from None
-    return t.reshape(-1).reciprocal()
+    return checks.inverse_temperature(t.reshape(-1))
+
+
+def autocast_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(hidden, weight) as ``F.linear`` would take them under the autocast of hidden's device type, if it is
+    enabled: float32 / bfloat16 / float16 operands cast (differentiably) to the autocast dtype, others left
+    alone; unchanged outside autocast. The fused ops then compute exactly on what this returns (float32
+    logits, never rounded), with autocast disabled inside (``ops.maths.no_autocast``)."""
+    kind = hidden.device.type
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+    except RuntimeError:     # a device type without autocast (meta): nothing to do
+        return hidden, weight
+    if not enabled:
+        return hidden, weight
+    dtype = torch.get_autocast_dtype(kind)
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype) if t.dtype in checks.FLOAT_DTYPES and t.dtype != dtype else t
+    return cast(hidden), cast(weight)
 
 
 def check_head(hidden, weight, labels) -> tuple[Tensor, Tensor, Tensor]:
-    """The checks every fused entry point makes on (hidden [..., H], weight [V, H], labels [...])."""
+    """The checks every fused entry point makes on (hidden [..., H], weight [V, H], labels [...]).
+    Under autocast hidden and weight come back as ``autocast_operands`` makes them."""
     hidden = checks.tensor(hidden, "hidden")
     weight = checks.tensor(weight, "weight")
     labels = checks.index_tensor(labels, "labels")
+    hidden, weight = autocast_operands(hidden, weight)
     if hidden.dtype not in checks.FLOAT_DTYPES:
         raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
     if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype} (mixed dtypes are "
+                        f"taken under torch.autocast only, cast as F.linear casts them)")
     if hidden.dim() < 1:
         raise ValueError("hidden must have at least one dimension [..., H]")
     if weight.dim() != 2:
@@ -61,6 +84,8 @@ def check_head(hidden, weight, labels) -> tuple[Tensor, Tensor, Tensor]:
         raise ValueError("weight has an empty vocabulary (V == 0)")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight has H={weight.shape[1]} but hidden has H={hidden.shape[-1]}")
+    if weight.shape[1] == 0:
+        raise ValueError("hidden and weight have no features (H == 0): every logit would be 0")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}")
     if labels.shape != hidden.shape[:-1]:

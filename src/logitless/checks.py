@@ -17,6 +17,13 @@ from torch import Tensor
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+# The smallest temperature: logitless scales float32 logits by 1 / temperature, and below this the scale
+# (1e30) times any logit of magnitude above ~3e8 overflows float32, as would the log-probs themselves
+# (they grow like 1 / temperature). Any finite temperature above it is exact: a huge one makes 1 / T
+# round to 0 in float32, which is the float32 value of every logit divided by it (a uniform softmax).
+MIN_TEMPERATURE = 1e-30
+TEMPERATURE_RULE = f"temperature must be finite and >= {MIN_TEMPERATURE:g}"
+
 
 def tensor(value, name: str) -> Tensor:
     """``value`` if it is a torch.Tensor, else TypeError naming ``name``."""
@@ -75,10 +82,10 @@ def optional_positive_float(value, name: str) -> Optional[float]:
 
 
 def real_tensor(value: Tensor, name: str, device: Optional[torch.device] = None, max_dim: Optional[int] = None,
-                check_values: bool = True, positive: bool = False) -> Tensor:
+                check_values: bool = True) -> Tensor:
     """A per-token / per-sequence input tensor (temperature, advantages, log-probs) as detached
     float32: a real dtype, not requiring grad (logitless treats it as a constant), on ``device`` when
-    given, at most ``max_dim`` dimensions, and with ``check_values`` finite (and > 0 if ``positive``)
+    given, at most ``max_dim`` dimensions, and with ``check_values`` finite
     everywhere (one host synchronisation)."""
     if not (value.is_floating_point() or value.dtype in INDEX_DTYPES):
         raise TypeError(f"{name} tensor must be a real number type, got {value.dtype}")
@@ -90,24 +97,44 @@ def real_tensor(value: Tensor, name: str, device: Optional[torch.device] = None,
         raise ValueError(f"{name} tensor must have at most {max_dim} dimensions, got shape {tuple(value.shape)}")
     value = value.detach().float()
     if check_values and value.numel():
-        ok = torch.isfinite(value).all()
-        if positive:
-            ok = ok & (value > 0).all()
-        if not bool(ok):
-            raise ValueError(f"{name} must be finite{' and > 0' if positive else ''} everywhere")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{name} must be finite everywhere")
     return value
 
 
 def temperature(value, device: Optional[torch.device] = None, max_dim: Optional[int] = None,
                 check_values: bool = True) -> Union[float, Tensor]:
-    """The one temperature rule: a positive finite number (returned as a float), or a real tensor
+    """The one temperature rule: a finite number >= MIN_TEMPERATURE (returned as a float), or a real tensor
     that does not require grad, lies on ``device`` (when given), has at most ``max_dim`` dimensions
-    and is finite and > 0 everywhere (returned as detached float32; ``check_values=False`` skips the
+    and is finite and >= MIN_TEMPERATURE everywhere (returned as detached float32; ``check_values=False`` skips the
     value check, the only host synchronisation). Its layout (per sequence, per token) is the caller's
     rule."""
     if isinstance(value, Tensor):
-        return real_tensor(value, "temperature", device, max_dim, check_values, positive=True)
-    return positive_float(value, "temperature", "a positive float or a tensor")
+        t = real_tensor(value, "temperature", device, max_dim, check_values=False)
+        if check_values and t.numel() and not bool(temperature_ok(t).all()):
+            raise ValueError(f"{TEMPERATURE_RULE} everywhere")
+        return t
+    t = positive_float(value, "temperature", "a positive float or a tensor")
+    if t < MIN_TEMPERATURE:
+        raise ValueError(f"{TEMPERATURE_RULE} (1 / temperature scales float32 logits), got {value!r}")
+    return t
+
+
+def temperature_ok(t: Tensor) -> Tensor:
+    """bool, elementwise: the temperature ``t`` lies in the supported range (finite, >= MIN_TEMPERATURE)."""
+    return torch.isfinite(t) & (t >= MIN_TEMPERATURE)
+
+
+def inverse_temperature(t: Tensor) -> Tensor:
+    """float32 1 / t where ``temperature_ok(t)``, NaN elsewhere: the op checks its inverse temperatures with
+    ``inverse_temperature_ok`` (a huge t has 1 / t = 0, valid; an infinite or negative one is not)."""
+    return torch.where(temperature_ok(t), t.reciprocal(), torch.full_like(t, math.nan)).float()
+
+
+def inverse_temperature_ok(inv_temp: Tensor) -> Tensor:
+    """0-d bool: every inverse temperature is what ``inverse_temperature`` makes of a supported temperature
+    (NaN fails both comparisons)."""
+    return ((inv_temp >= 0) & (inv_temp <= 1.0 / MIN_TEMPERATURE)).all()
 
 
 def finite_float(value, name: str, minimum: Optional[float] = None, above: bool = False) -> float:

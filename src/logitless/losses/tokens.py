@@ -110,13 +110,14 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
         bad_inputs = [not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in zip(lows[1:], highs[1:], strict=True)]
         if temp_is_tensor:
             lowest, highest = next(values), next(values)
-            bad_temp = not (lowest > 0 and math.isfinite(highest))    # NaN fails both
+            # out-of-range temperatures have a NaN inverse (checks.inverse_temperature), which fails both
+            bad_temp = not (lowest >= 0 and highest <= 1.0 / checks.MIN_TEMPERATURE)
     bad_cu = cu_ok is not None and not next(values)
 
     if bad_cu:
         raise cu_seqlens_error(cu, labels.numel())
     if bad_temp:
-        raise ValueError("temperature must be finite and > 0 everywhere")   # as fused_logprobs says it
+        raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")   # as fused_logprobs says it
     if bad_label:
         checks.check_label_range(flat_labels, flat_valid, vocab, ignore_index)
     bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]

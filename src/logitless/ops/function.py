@@ -32,6 +32,7 @@ from torch import Tensor
 from .. import checks
 from ..record import record_backend
 from . import token_chunks
+from .maths import no_autocast
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -84,18 +85,18 @@ def _layout(tp_group: Optional[str], weight: Tensor, reduce: bool) -> Optional["
 
 
 def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int) -> bool:
-    """Raise ValueError for a label outside [0, vocab) that is not ignore_index, or a temperature that is
-    not finite and > 0; return whether every row is kept. One host synchronisation for all three."""
+    """Raise ValueError for a label outside [0, vocab) that is not ignore_index, or a temperature outside
+    the supported range (``checks.temperature``); return whether every row is kept. One host synchronisation
+    for all three."""
     if labels.numel() == 0:
         return True
     bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
-    bad_temp = ~(torch.isfinite(inv_temp) & (inv_temp > 0)).all()   # 1 / T: T finite and > 0
+    bad_temp = ~checks.inverse_temperature_ok(inv_temp)
     bad_label, bad_temp, every = torch.stack([bad_label, bad_temp, valid.all()]).tolist()
     if bad_label:
         checks.check_label_range(labels, valid, vocab, ignore_index)
     if bad_temp:
-        checks.real_tensor(inv_temp.reciprocal(), "temperature", positive=True)
-        raise ValueError("temperature must be finite and > 0 everywhere")
+        raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
     return bool(every)
 
 
@@ -126,6 +127,13 @@ def _scatter(values: Tensor, rows: Tensor, n: int) -> Tensor:
 def _forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
                 with_entropy: bool, ignore_index: int, softcap: Optional[float], tp_group: Optional[str],
                 reduce_grad_hidden: bool, check_inputs: bool) -> tuple[Tensor, Tensor, Tensor]:
+    with no_autocast(hidden):
+        return _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_index, softcap, tp_group,
+                        reduce_grad_hidden, check_inputs)
+
+
+def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_index, softcap, tp_group,
+             reduce_grad_hidden, check_inputs):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     n = hidden.shape[0]
@@ -168,6 +176,14 @@ def _backward_op(g_logprobs: Optional[Tensor], g_entropy: Optional[Tensor], hidd
                  labels: Tensor, inv_temp: Tensor, lse: Tensor, entropy: Tensor, *, backend: str, with_entropy: bool,
                  ignore_index: int, softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
                  check_inputs: bool, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    with no_autocast(hidden):
+        return _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, backend,
+                              with_entropy, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs,
+                              need_dh, need_dw)
+
+
+def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, backend, with_entropy,
+                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False)

@@ -23,6 +23,15 @@ def ieee_fp32(t: Tensor) -> Iterator[None]:
             torch.backends.cuda.matmul.allow_tf32 = True
 
 
+def no_autocast(t: Tensor):
+    """Autocast off for ``t``'s device type inside the block: the fused ops' float32 products and statistics
+    must not be cast to half precision by a caller's ``torch.autocast`` (their operands were already cast at
+    the entry, as F.linear would be: ``logitless.api.autocast_operands``)."""
+    if t.device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b with float32 accumulation *and* a float32 result, whatever the input dtype.
 
