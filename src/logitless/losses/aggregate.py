@@ -89,7 +89,9 @@ def token_weights(valid: Tensor, loss_agg: str, cu_seqlens: Optional[Tensor] = N
     check_agg_layout(valid, loss_agg, cu_seqlens)
     if cu_seqlens is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=valid.device), lengths)
+        # output_size: the lengths sum to len(labels) (checked); without it the size is read on the host
+        seq_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=valid.device), lengths,
+                                         output_size=valid.numel())
         per_seq = torch.zeros(lengths.numel(), dtype=torch.float64, device=valid.device).index_add_(0, seq_of, v)
         tokens_in_seq = per_seq[seq_of]
         horizon = lengths.max().clamp_min(1).double()

@@ -12,14 +12,12 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_head, fused_logprobs, vocab_layout
-from ..ops.policy import policy_pass_for, policy_terms_for
+from ..api import check_head, fused_logprobs, inv_temperature, tp_group_name, vocab_layout
 from ..ops.policy_terms import weighted_terms
 from ..ops.registry import choose_backend
-from ..record import record_backend
-from .function import FusedPolicyLossFunction, PassOptions
+from .function import fused_policy_loss_op
 from .policy import PolicyLoss
-from .tokens import ScoredTokens, score_tokens
+from .tokens import check_layout, score_tokens
 
 
 class PolicyLossOutput(NamedTuple):
@@ -36,8 +34,9 @@ class PolicyLossOutput(NamedTuple):
     kl: Optional[Tensor]
 
 
-def _prepare(hidden, weight, labels, policy, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,
-             seq_first):
+def _prepare(hidden, weight, labels, policy, temperature, ignore_index, reduce_grad_hidden, backend, seq_first):
+    """The checks that need no tensor's values (the op makes those), and the inverse temperature in the
+    labels' layout (NaN where out of range: the op refuses it)."""
     labels = checks.index_tensor(labels, "labels")
     if seq_first and labels.dim() != 2:
         raise ValueError(f"labels must be [b, s] here, got shape {tuple(labels.shape)}")
@@ -47,49 +46,42 @@ def _prepare(hidden, weight, labels, policy, temperature, ignore_index, tp_group
         raise TypeError(f"loss must be a logitless.losses.PolicyLoss, got {type(policy).__name__}")
     ignore_index = checks.ignore_index(ignore_index)
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    check_layout(labels, policy, seq_first)
     mod, _ = choose_backend(hidden, weight, backend)
-    tp, vocab = vocab_layout(weight, tp_group)
-    if tp is not None:
-        tp = tp.with_reduce(reduce_grad_hidden)
-    tokens = score_tokens(labels, policy, temperature=temperature, ignore_index=ignore_index, vocab=vocab,
-                          seq_first=seq_first)
-    return hidden, weight, tokens, mod, tp
-
-
-def _finish(tokens: ScoredTokens, loss, lp, ent, clipped, kl, with_kl: bool, seq_first: bool) -> PolicyLossOutput:
-    def shaped(x):
-        x = x.view(tokens.row_shape)
-        return x.t().contiguous() if seq_first else x
-    clip_fraction = clipped / max(tokens.count, 1)
-    return PolicyLossOutput(loss, shaped(lp), shaped(ent), clip_fraction, kl if with_kl else None)
+    inv_temp = inv_temperature(temperature, labels, check_values=False).view(labels.shape)
+    return hidden, weight, labels, inv_temp, mod
 
 
 def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tensor, *,
                 temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                 reduce_grad_hidden: bool = True, backend: str = "auto", fused: bool = True,
-                seq_first: bool = False) -> PolicyLossOutput:
+                seq_first: bool = False, check_inputs: bool = True) -> PolicyLossOutput:
     """``fused_policy_loss`` (fused=True) or ``policy_loss_reference`` (False) of a ``PolicyLoss``.
 
     seq_first: hidden is [s, b, H] while labels and the policy's per-token inputs are [b, s] (Megatron's
-    layout; the outputs come back [b, s] and sequences are the rows of labels)."""
-    hidden, weight, tokens, mod, tp = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
-                                               tp_group, reduce_grad_hidden, backend, seq_first)
-    spec = policy.term_spec()
+    layout; the outputs come back [b, s] and sequences are the rows of labels).
+    check_inputs: as in ``fused_policy_loss`` (the fused loss only; the reference path always checks)."""
+    checks.boolean(check_inputs, "check_inputs")
+    hidden, weight, labels, inv_temp, mod = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
+                                                     reduce_grad_hidden, backend, seq_first)
     if not fused:
-        return _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden,
-                          mod.name, labels, seq_first)
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+        return _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group,
+                          reduce_grad_hidden, mod.name, seq_first)
     grad = torch.is_grad_enabled()
-    options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name), tp=tp,
-                          need_dh=grad and hidden.requires_grad, need_dw=grad and weight.requires_grad)
-    loss, lp, ent, clipped, kl = FusedPolicyLossFunction.apply(h2, weight, tokens, spec, options)
-    record_backend(mod.name)
-    return _finish(tokens, loss, lp, ent, clipped, kl, spec.has_ref, seq_first)
+    loss, lp, ent, clip_fraction, kl = fused_policy_loss_op(
+        hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels, inv_temp, policy, backend=mod.name,
+        ignore_index=ignore_index, tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
+        seq_first=seq_first, check_inputs=check_inputs, need_dh=grad and hidden.requires_grad,
+        need_dw=grad and weight.requires_grad)
+    return PolicyLossOutput(loss, lp, ent, clip_fraction, kl if policy.ref_logprobs is not None else None)
 
 
-def _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,
-               labels, seq_first):
+def _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group, reduce_grad_hidden,
+               backend, seq_first):
     """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd."""
+    tp, vocab = vocab_layout(weight, tp_group)
+    tokens = score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=ignore_index, vocab=vocab,
+                          seq_first=seq_first)
     labels_rows = labels.t() if seq_first else labels
     temp = temperature
     if seq_first and torch.is_tensor(temperature) and temperature.dim() == 2:
@@ -100,9 +92,14 @@ def _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group
     lp, ent = out.logprobs.reshape(-1), out.entropy.reshape(-1)
     if tokens.rows is not None:
         lp, ent = lp.index_select(0, tokens.rows), ent.index_select(0, tokens.rows)
+    spec = policy.term_spec()
     loss, clipped, kl = weighted_terms(lp.double(), ent.double(), tokens.inputs, spec)
-    return _finish(tokens, loss.float(), out.logprobs.detach().reshape(-1), out.entropy.detach().reshape(-1),
-                   clipped.float(), None if kl is None else kl.float(), spec.has_ref, seq_first)
+
+    def shaped(x):
+        x = x.detach().view(tokens.row_shape)
+        return x.t().contiguous() if seq_first else x
+    return PolicyLossOutput(loss.float(), shaped(out.logprobs), shaped(out.entropy),
+                            tokens.share(clipped.float()), None if kl is None else kl.float())
 
 
 def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
@@ -111,7 +108,8 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                       kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                       loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
-                      reduce_grad_hidden: bool = True, backend: str = "auto") -> PolicyLossOutput:
+                      reduce_grad_hidden: bool = True, backend: str = "auto",
+                      check_inputs: bool = True) -> PolicyLossOutput:
     """The PPO / GRPO policy loss straight from the LM head, in three GEMMs, without the logits.
 
     Args:
@@ -121,6 +119,12 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
         advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
             entropy_coef, loss_agg, cu_seqlens: see ``logitless.losses.PolicyLoss``; per-token inputs
             broadcast to the labels (per token, or per sequence [b, 1]).
+        check_inputs: True (default): labels, temperatures, per-token inputs and cu_seqlens are checked
+            (ValueError) and only the scored tokens (label != ignore_index) are computed: one host
+            synchronisation, inside the op (``torch.compile`` sees none). False: none at all, so a whole
+            step can be captured in a CUDA graph; nothing is checked, every row is computed, and the rows
+            that are not scored get no label, inputs and weights 0, and outputs 0 (NaN padding in the
+            per-token inputs there is harmless; a non-finite hidden state there reaches d_weight).
 
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, clip_fraction, kl): ``loss`` is 0-d float32, to be
@@ -137,7 +141,8 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                         kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
-                       tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend)
+                       tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
+                       check_inputs=check_inputs)
 
 
 def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,

@@ -1,16 +1,32 @@
-"""The autograd Function of the fused policy loss: gradients formed in the forward, handed out in backward.
+"""The fused policy loss as a ``torch.library`` custom op: gradients formed in the forward, handed out in
+backward. A custom op (with a fake kernel for the output shapes) so that ``torch.compile(fullgraph=True)``
+traces a function calling it without a break: every host synchronisation (the checks, the count of scored
+tokens) happens inside the op, out of the tracer's sight.
 
-forward: one fused pass (``logitless.ops.policy_parts``) over the scored tokens computes their log-probs and
-entropies, the loss sum_i w_i f_i, its metrics, and d_hidden / d_weight of the loss (into buffers
-allocated here, only for the inputs that need a gradient).
-backward: scales those buffers in place by the upstream gradient of the loss (the loss is 0-d; on
-CUDA the factor is read by a kernel, so the backward does not wait for the GPU) and returns them.
-They exist once: a second backward through the same loss raises RuntimeError (call the loss again
-instead). Gradient accumulation over micro-batches works as usual: every call has its own buffers and
-autograd adds them into ``.grad``.
+    logitless::fused_policy_loss(hidden [N, H], weight [V_local, H], labels [...] int, inv_temp [...] float32,
+                                 inputs: the PolicyLoss's tensors, **settings, need_dh, need_dw)
+        -> (loss 0-d, logprobs [...], entropy [...], clip_fraction 0-d, kl 0-d, d_hidden [N, H] or [0],
+            d_weight [V_local, H] or [0])
+    logitless::scale_by_upstream_(grad, g): grad *= g in place (g 0-d)
+
+forward: the checks and the scored tokens (``tokens.py``), then one fused pass (``logitless.ops.policy_parts``)
+over them computes their log-probs and entropies, the loss sum_i w_i f_i, its metrics, and d_hidden /
+d_weight of the loss (only those asked for: ``need_dh`` / ``need_dw``, which the caller derives from
+requires_grad and the grad mode; without either, under no_grad or inference_mode, only the statistics and
+the loss's value are computed: no gradient buffer, no gradient GEMM, no autograd).
+backward: scales those buffers in place by the upstream gradient of the loss (the loss is 0-d; on CUDA the
+factor is read by a kernel, so the backward does not wait for the GPU) and returns them. They exist once: a
+second backward through the same loss raises RuntimeError (call the loss again instead). Gradient
+accumulation over micro-batches works as usual: every call has its own buffers and autograd adds them into
+``.grad``.
+
+The op runs with autocast off (its operands were cast at the entry, as F.linear's would be).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
@@ -18,22 +34,53 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from ..ops.function import _layout
+from ..ops.maths import no_autocast
+from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.policy_parts import scale_by_upstream
-from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients
-from .tokens import ScoredTokens
+from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients, weighted_terms
+from ..ops.registry import load_backend
+from ..record import record_backend
+from .policy import PolicyLoss
+from .tokens import ScoredTokens, score_tokens
 
 if TYPE_CHECKING:
     from ..parallel import VocabParallel
 
 
+# ------------------------------------------------------------------------- PolicyLoss <-> op arguments
+# A custom op takes tensors, numbers and strings, not a PolicyLoss: its fields travel by kind, in the order of
+# its definition (so a field added to PolicyLoss travels without a change here). None numbers travel as NaN
+# (PolicyLoss refuses NaN values), strings joined by a separator no setting contains.
+_FIELDS = dataclasses.fields(PolicyLoss)
+_TENSORS = tuple(f.name for f in _FIELDS if "Tensor" in str(f.type))
+_STRINGS = tuple(f.name for f in _FIELDS if str(f.type) == "str")
+_NUMBERS = tuple(f.name for f in _FIELDS if f.name not in _TENSORS and f.name not in _STRINGS)
+_SEPARATOR = "\x1f"
+
+
+def pack_policy(policy: PolicyLoss) -> tuple[list, list, str]:
+    """(tensors, numbers, strings): the op's arguments for ``policy``."""
+    tensors = [getattr(policy, name) for name in _TENSORS]
+    numbers = [math.nan if getattr(policy, name) is None else float(getattr(policy, name)) for name in _NUMBERS]
+    return tensors, numbers, _SEPARATOR.join(getattr(policy, name) for name in _STRINGS)
+
+
+def unpack_policy(tensors: list, numbers: list, strings: str) -> PolicyLoss:
+    fields = dict(zip(_TENSORS, tensors, strict=True))
+    fields.update((name, None if math.isnan(v) else v) for name, v in zip(_NUMBERS, numbers, strict=True))
+    fields.update(zip(_STRINGS, strings.split(_SEPARATOR), strict=True))
+    return PolicyLoss(**fields)
+
+
+# ------------------------------------------------------------------------------------------ the pass
+
 @dataclass(frozen=True)
 class PassOptions:
     """How the pass runs: the backend's ``policy_pass`` and its kernel for the per-token terms (None: torch
-    autograd over ``terms.py``), the vocab-parallel layout (None: whole vocabulary here), and which
-    gradients to form (decided by the caller from requires_grad and the grad mode: inside a Function's
-    forward both are hidden)."""
+    autograd over ``policy_terms.py``), the vocab-parallel layout (None: whole vocabulary here), and which
+    gradients to form."""
     policy_pass: Callable
     terms: Optional[ModuleType]
     tp: Optional["VocabParallel"]
@@ -41,12 +88,21 @@ class PassOptions:
     need_dw: bool
 
 
+@functools.lru_cache(maxsize=64)
+def _settings(terms: ModuleType, spec: TermSpec, device: torch.device):
+    """The terms kernel's settings (a small device tensor), made once per spec and device: a later call makes
+    no host-to-device copy, which CUDA-graph capture could not replay safely."""
+    return terms.TermSettings.make(spec, device)
+
+
 class _Chunks:
     """The ``combine`` callback of the pass: per chunk, the global statistics, the log-probs and the loss
-    gradients of its tokens; it keeps the per-token outputs and the running sums."""
+    gradients of its tokens (only its value when no gradient is formed); it keeps the per-token outputs
+    and the running sums."""
 
     def __init__(self, tokens: ScoredTokens, spec: TermSpec, options: PassOptions, device):
         self.tokens, self.spec, self.tp, self.terms, self.device = tokens, spec, options.tp, options.terms, device
+        self.with_grad = options.need_dh or options.need_dw
 
     # The outputs, the sums and the terms kernel's settings (an allocation, a fill and a copy to the device)
     # are made on first use: in the first chunk's callback, once its statistics kernel is queued, not before
@@ -61,10 +117,6 @@ class _Chunks:
     def totals(self) -> TermTotals:
         return TermTotals.zeros(self.device, with_kl=self.spec.has_ref)
 
-    @cached_property
-    def settings(self):
-        return self.terms.TermSettings.make(self.spec, self.device)
-
     def __call__(self, start: int, stop: int, lse: Tensor, ent: Tensor, zy: Tensor):
         if self.tp is not None:
             lse, ent, zy = self.tp.combine_stats(lse, ent, zy)
@@ -72,73 +124,145 @@ class _Chunks:
         self.out[0, start:stop] = lp
         self.out[1, start:stop] = ent
         inputs = self.tokens.inputs.rows(start, stop)
-        if self.terms is None:
+        if self.terms is not None:
+            g_lp, g_ent = self.terms.chunk_terms(lp, ent, inputs, _settings(self.terms, self.spec, lp.device),
+                                                 self.totals.sums)
+        elif self.with_grad:
             g_lp, g_ent = chunk_gradients(lp, ent, inputs, self.spec, self.totals)
-        else:
-            g_lp, g_ent = self.terms.chunk_terms(lp, ent, inputs, self.settings, self.totals.sums)
+        else:   # the value only: no autograd (inference_mode allows none)
+            loss, clipped, kl = weighted_terms(lp.double(), ent.double(), inputs, self.spec)
+            self.totals.loss.add_(loss)
+            self.totals.clipped.add_(clipped)
+            if kl is not None:
+                self.totals.kl.add_(kl)
+            g_lp = g_ent = None
         return lse, ent, g_lp, g_ent
 
 
-class FusedPolicyLossFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpec, options: PassOptions):
-        """hidden [N, H] (every row; only ``tokens.rows`` are scored), weight [V_local, H].
-        Returns (loss 0-d, logprobs [N], entropy [N], clipped count 0-d, weighted kl 0-d or 0), float32;
-        all but the loss are non-differentiable."""
-        tp = options.tp
-        dev = hidden.device
-        h = hidden if tokens.rows is None else hidden.index_select(0, tokens.rows)
-        # the labels were checked to lie in the vocabulary; a shard's own ids, -1 for the others' tokens
-        local = tokens.labels
-        if tp is not None:
-            local = local - tp.vocab_offset
-            local = torch.where((local >= 0) & (local < weight.shape[0]), local, torch.full_like(local, -1))
+def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpec, options: PassOptions):
+    """hidden [N, H] (every row; only ``tokens.rows`` are scored), weight [V_local, H].
+    Returns (loss 0-d, logprobs [N], entropy [N], clipped count 0-d, weighted kl 0-d or 0) float32, and
+    (d_hidden [N, H] hidden.dtype or None, d_weight or None) of the loss."""
+    tp = options.tp
+    dev = hidden.device
+    h = hidden if tokens.rows is None else hidden.index_select(0, tokens.rows)
+    # the labels lie in the vocabulary (or are -1 in an unchecked call); a shard's own ids, -1 for the others'
+    local = tokens.labels
+    if tp is not None:
+        local = local - tp.vocab_offset
+        local = torch.where((local >= 0) & (local < weight.shape[0]), local, torch.full_like(local, -1))
 
-        n, k = h.shape
-        dh = None
-        if options.need_dh:
-            # under tensor parallelism d_hidden is a partial sum: keep it float32 until it is reduced
-            dh = torch.empty((n, k), dtype=torch.float32 if tp is not None else hidden.dtype, device=dev)
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if options.need_dw else None
-        chunks = _Chunks(tokens, spec, options, dev)
-        if n:
-            plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
-            options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab)
-        else:
-            if dh is not None:
-                dh.zero_()
-            if dw is not None:
-                dw.zero_()
+    n, k = h.shape
+    dh = None
+    if options.need_dh:
+        # under tensor parallelism d_hidden is a partial sum: keep it float32 until it is reduced
+        dh = torch.empty((n, k), dtype=torch.float32 if tp is not None else hidden.dtype, device=dev)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if options.need_dw else None
+    chunks = _Chunks(tokens, spec, options, dev)
+    if n:
+        plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
+        options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab)
+    else:
         if dh is not None:
-            if tp is not None:
-                dh = tp.reduce_grad_hidden(dh)
-            if tokens.rows is not None:
-                dh = torch.zeros(hidden.shape, dtype=dh.dtype, device=dev).index_copy_(0, tokens.rows, dh)
-            dh = dh.to(hidden.dtype)
-        ctx.grads = (dh, dw)
+            dh.zero_()
+        if dw is not None:
+            dw.zero_()
+    if dh is not None:
+        if tp is not None:
+            dh = tp.reduce_grad_hidden(dh)
+        if tokens.rows is not None:
+            dh = torch.zeros(hidden.shape, dtype=dh.dtype, device=dev).index_copy_(0, tokens.rows, dh)
+        dh = dh.to(hidden.dtype)
 
-        totals = chunks.totals
-        loss = totals.loss.float()
-        logprobs, entropy = tokens.scatter(chunks.out[0]), tokens.scatter(chunks.out[1])
-        clipped = totals.clipped.float()
-        kl = totals.kl.float() if totals.kl is not None else torch.zeros((), device=dev)
-        ctx.mark_non_differentiable(logprobs, entropy, clipped, kl)
-        return loss, logprobs, entropy, clipped, kl
+    totals = chunks.totals
+    loss = totals.loss.float()
+    logprobs, entropy = tokens.scatter(chunks.out[0]), tokens.scatter(chunks.out[1])
+    clipped = totals.clipped.float()
+    kl = totals.kl.float() if totals.kl is not None else torch.zeros((), device=dev)
+    return (loss, logprobs, entropy, clipped, kl), (dh, dw)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_loss: Optional[Tensor], *_):
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError("fused_policy_loss: a second backward through the same loss. Its gradients are "
-                               "formed in the forward and handed out once; call fused_policy_loss again")
-        ctx.grads = None
-        dh, dw = grads
-        for g in (dh, dw):     # in place: no second gradient-sized buffer
-            if g is None:
-                continue
-            if g_loss is None:
-                g.zero_()
-            else:
-                scale_by_upstream(g, g_loss)
-        return dh, dw, None, None, None
+
+# ------------------------------------------------------------------------------------------ the ops
+
+@torch.library.custom_op("logitless::fused_policy_loss", mutates_args=())
+def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, inputs: list[Optional[Tensor]], *,
+               numbers: list[float], strings: str, backend: str, ignore_index: int, tp_group: Optional[str],
+               reduce_grad_hidden: bool, seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with no_autocast(hidden):
+        policy = unpack_policy(inputs, numbers, strings)
+        mod = load_backend(backend)
+        tp = _layout(tp_group, weight, reduce_grad_hidden)
+        tokens = score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=ignore_index,
+                              vocab=tp.vocab_size if tp is not None else weight.shape[0], seq_first=seq_first,
+                              check_inputs=check_inputs)
+        options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name), tp=tp,
+                              need_dh=need_dh, need_dw=need_dw)
+        (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, policy.term_spec(), options)
+        record_backend(mod.name)
+
+        def shaped(x: Tensor) -> Tensor:     # a fresh tensor in the labels' layout (outputs may not alias)
+            x = x.view(tokens.row_shape)
+            return x.t().contiguous() if seq_first else x.clone()
+        return (loss, shaped(lp), shaped(ent), tokens.share(clipped), kl,
+                hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw)
+
+
+@_policy_op.register_fake
+def _policy_fake(hidden, weight, labels, inv_temp, inputs, *, numbers, strings, backend, ignore_index, tp_group,
+                 reduce_grad_hidden, seq_first, check_inputs, need_dh, need_dw):
+    def scalar():
+        return hidden.new_empty((), dtype=torch.float32)
+    return (scalar(), hidden.new_empty(labels.shape, dtype=torch.float32),
+            hidden.new_empty(labels.shape, dtype=torch.float32), scalar(), scalar(),
+            hidden.new_empty(hidden.shape if need_dh else (0,)), weight.new_empty(weight.shape if need_dw else (0,)))
+
+
+@torch.library.custom_op("logitless::scale_by_upstream_", mutates_args=("grad",))
+def _scale_op(grad: Tensor, g: Tensor) -> None:
+    scale_by_upstream(grad, g)
+
+
+@_scale_op.register_fake
+def _scale_fake(grad, g):
+    return None
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.need = (keyword_only_inputs["need_dh"], keyword_only_inputs["need_dw"])
+    # the gradient of the list input: torch.library takes a list holding a None as one leaf (gradient None),
+    # a list of tensors as one leaf per tensor
+    listed = inputs[4]
+    ctx.no_grad_of_list = None if any(t is None for t in listed) else [None] * len(listed)
+    ctx.save_for_backward(output[5], output[6])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.handed_out = False
+
+
+def _backward(ctx, g_loss, *_):
+    if ctx.handed_out:
+        raise RuntimeError("fused_policy_loss: a second backward through the same loss. Its gradients are "
+                           "formed in the forward and handed out once; call fused_policy_loss again")
+    ctx.handed_out = True
+    grads = []
+    for g, needed in zip(ctx.saved_tensors, ctx.need, strict=True):
+        if needed:     # in place: no second gradient-sized buffer
+            torch.ops.logitless.scale_by_upstream_(g, g_loss)
+        grads.append(g if needed else None)
+    return grads[0], grads[1], None, None, ctx.no_grad_of_list
+
+
+_policy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_policy_loss_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, policy: PolicyLoss, *,
+                         backend: str, ignore_index: int, tp_group: Optional[str], reduce_grad_hidden: bool,
+                         seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool):
+    """(loss, logprobs, entropy, clip_fraction, kl) of the op; hidden [N, H] in the rows' order, labels and
+    inv_temp (float32) in the labels' layout; the arguments as checked by ``losses.api``."""
+    tensors, numbers, strings = pack_policy(policy)
+    out = torch.ops.logitless.fused_policy_loss(
+        hidden, weight, labels, inv_temp, tensors, numbers=numbers, strings=strings, backend=backend,
+        ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, seq_first=seq_first,
+        check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw)
+    return out[:5]

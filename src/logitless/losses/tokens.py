@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import inv_temperature
 from ..ops.policy_terms import TokenInputs
 from .aggregate import check_agg_layout, check_cu_seqlens, cu_seqlens_error, token_weights
 from .policy import PolicyLoss
@@ -32,10 +31,13 @@ from .policy import PolicyLoss
 class ScoredTokens:
     """The scored tokens of a call, in the row order of ``hidden.reshape(-1, H)``.
 
-    rows: int64 [n] indices of the scored rows among all ``total`` rows (None: every row is scored).
-    labels: int64 [n] global token ids, each in [0, vocab). inv_temp: float32 [n].
+    rows: int64 [n] indices of the scored rows among all ``total`` rows (None: every row is passed).
+    labels: int64 [n] global token ids, each in [0, vocab), or -1 for a row with no label (unchecked calls
+    only). inv_temp: float32 [n].
     inputs: float64 per-token inputs [n], built on first use from ``make_inputs``.
     row_shape: the shape of the rows before flattening (the outputs are returned in it).
+    unscored: None, or (unchecked calls: every row is passed, no host synchronisation) bool [total], the
+    rows that are not scored: their label is -1, their per-token inputs and weights 0, their outputs 0.
     """
     rows: Optional[Tensor]
     total: int
@@ -43,6 +45,7 @@ class ScoredTokens:
     inv_temp: Tensor
     make_inputs: Callable[[], TokenInputs]
     row_shape: tuple
+    unscored: Optional[Tensor] = None
 
     @cached_property
     def inputs(self) -> TokenInputs:
@@ -50,38 +53,60 @@ class ScoredTokens:
 
     @property
     def count(self) -> int:
+        """Rows passed to the pass (all of them in an unchecked call)."""
         return self.labels.numel()
 
+    def share(self, count: Tensor) -> Tensor:
+        """count (0-d) / the number of scored tokens (1 when there are none)."""
+        if self.unscored is None:
+            return count / max(self.count, 1)
+        return count / (~self.unscored).sum().clamp_min(1)
+
     def scatter(self, values: Tensor) -> Tensor:
-        """values [n] of the scored rows -> [total] with zeros elsewhere."""
+        """values [n] of the passed rows -> [total] with zeros at the rows that are not scored."""
+        if self.unscored is not None:
+            return values.masked_fill(self.unscored, 0.0)
         if self.rows is None:
             return values
         return values.new_zeros(self.total).index_copy_(0, self.rows, values)
 
 
-def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_index: int, vocab: int,
-                 seq_first: bool = False) -> ScoredTokens:
-    """Check and flatten the per-token inputs of ``policy`` for ``labels`` [...] (checked by the caller).
-    One host synchronisation (see the module's docstring).
-
-    seq_first: the hidden states are [s, b, H] while labels (and every per-token input, and the
-    sequences of the aggregation) are [b, s] (Megatron's layout); rows are then taken in [s, b] order.
-    """
+def check_layout(labels: Tensor, policy: PolicyLoss, seq_first: bool = False):
+    """The checks of ``policy``'s tensors against ``labels`` that read no value (types, devices, shapes; the
+    entry makes them before the op, so they hold under torch.compile too). Returns ([(name, per-token
+    tensor broadcast to the labels)], int64 cu_seqlens or None, 0-d bool: cu_seqlens' values hold, or None)."""
     if seq_first and labels.dim() != 2:
         raise ValueError(f"labels must be [b, s] here, got shape {tuple(labels.shape)}")
-    valid = labels != ignore_index
     named = [(name, checks.per_token_tensor(value, name, labels))
              for name, value in (("advantages", policy.advantages), ("old_logprobs", policy.old_logprobs),
                                  ("ref_logprobs", policy.ref_logprobs)) if value is not None]
     cu, cu_ok = (None, None) if policy.cu_seqlens is None else check_cu_seqlens(policy.cu_seqlens, labels)
     check_agg_layout(labels, policy.loss_agg, cu)
-    temp_is_tensor = isinstance(temperature, Tensor)
-    inv_t = inv_temperature(temperature, labels, check_values=False).view(labels.shape)
+    return named, cu, cu_ok
+
+
+def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore_index: int, vocab: int,
+                 seq_first: bool = False, check_inputs: bool = True) -> ScoredTokens:
+    """Check and flatten the per-token inputs of ``policy`` for ``labels`` [...] (checked by the caller).
+    One host synchronisation (see the module's docstring); none with ``check_inputs=False`` (nothing is
+    checked then, and every row is passed: see ``ScoredTokens.unscored``).
+
+    inv_temp: float32 1 / temperature in the labels' shape (``api.inv_temperature``: NaN where out of range).
+    seq_first: the hidden states are [s, b, H] while labels (and every per-token input, and the
+    sequences of the aggregation) are [b, s] (Megatron's layout); rows are then taken in [s, b] order.
+    """
+    valid = labels != ignore_index
+    named, cu, cu_ok = check_layout(labels, policy, seq_first)
+    inv_t = inv_temp
 
     def rows_order(t: Tensor) -> Tensor:
         return (t.t() if seq_first else t).reshape(-1)
     flat_labels, flat_valid = rows_order(labels).long(), rows_order(valid)
     flat_inputs = {name: rows_order(t) for name, t in named}
+    row_shape = tuple(labels.t().shape if seq_first else labels.shape)
+    if not check_inputs:
+        return _unchecked(labels, valid, flat_labels, flat_valid, flat_inputs, rows_order(inv_t), policy, cu,
+                          vocab, rows_order, row_shape)
 
     # The call's checks and its scored-token count, fetched together as float64 (few kernels: on a GPU each
     # is host time while the GPU waits): the count; the smallest and largest scored label and value of each
@@ -95,8 +120,7 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
         as_float = torch.float32 if vocab <= 2 ** 24 else torch.float64
         stacked = torch.stack([t.to(as_float) for t in (flat_labels, *flat_inputs.values())])   # [1 + k, total]
         fetch += torch.aminmax(torch.where(flat_valid, stacked, 0), dim=1)
-        if temp_is_tensor:
-            fetch += torch.aminmax(inv_t)
+        fetch += torch.aminmax(inv_t)
     if cu_ok is not None:
         fetch.append(cu_ok)
     values = iter(torch.cat([f.reshape(-1) for f in fetch]).tolist())
@@ -108,10 +132,9 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
         lows, highs = [next(values) for _ in range(rows_checked)], [next(values) for _ in range(rows_checked)]
         bad_label = lows[0] < 0 or highs[0] >= vocab
         bad_inputs = [not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in zip(lows[1:], highs[1:], strict=True)]
-        if temp_is_tensor:
-            lowest, highest = next(values), next(values)
-            # out-of-range temperatures have a NaN inverse (checks.inverse_temperature), which fails both
-            bad_temp = not (lowest >= 0 and highest <= 1.0 / checks.MIN_TEMPERATURE)
+        lowest, highest = next(values), next(values)
+        # out-of-range temperatures have a NaN inverse (checks.inverse_temperature), which fails both
+        bad_temp = not (lowest >= 0 and highest <= 1.0 / checks.MIN_TEMPERATURE)
     bad_cu = cu_ok is not None and not next(values)
 
     if bad_cu:
@@ -138,4 +161,21 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
                            pick(weights, torch.float64))
     return ScoredTokens(rows=rows, total=total, labels=pick(flat_labels, torch.long),
                         inv_temp=pick(rows_order(inv_t), torch.float32), make_inputs=make_inputs,
-                        row_shape=tuple(labels.t().shape if seq_first else labels.shape))
+                        row_shape=row_shape)
+
+
+def _unchecked(labels, valid, flat_labels, flat_valid, flat_inputs, flat_inv_t, policy, cu, vocab, rows_order,
+               row_shape) -> ScoredTokens:
+    """Every row, no value read on the host (CUDA-graph capture): rows that are not scored (and labels out of
+    range, which are not caught) get label -1, inverse temperature 1, inputs and weights 0, so that NaN
+    padding there reaches no sum and no gradient."""
+    unscored = ~flat_valid
+    in_range = flat_valid & (flat_labels >= 0) & (flat_labels < vocab)
+
+    def make_inputs() -> TokenInputs:
+        weights = rows_order(token_weights(valid, policy.loss_agg, cu)).double()
+        given = {name: t.double().masked_fill(unscored, 0.0) for name, t in flat_inputs.items()}
+        return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"), weights)
+    return ScoredTokens(rows=None, total=flat_labels.numel(), labels=flat_labels.masked_fill(~in_range, -1),
+                        inv_temp=flat_inv_t.float().masked_fill(unscored, 1.0), make_inputs=make_inputs,
+                        row_shape=row_shape, unscored=unscored)
