@@ -29,8 +29,11 @@ def inv_temperature(temperature, labels: Tensor, check_values: bool = True) -> T
     synchronisation): the op checks them (``checks.inverse_temperature_ok``), as out-of-range values
     come out NaN here. A number is always checked."""
     t = checks.temperature(temperature, device=labels.device, check_values=check_values)
-    if not isinstance(t, Tensor):
-        return torch.full((labels.numel(),), 1.0 / t, dtype=torch.float32, device=labels.device)
+    if isinstance(t, Tensor):
+        t = checks.precise(temperature, t)
+    else:
+        return torch.full((labels.numel(),), checks.inverse_temperature_of(t), dtype=torch.float32,
+                          device=labels.device)
     if t.dim() == 1 and t.numel() > 1 and labels.dim() >= 2:
         # broadcasting would line [k] up with the *last* (sequence) axis: a per-sequence [b] would
         # silently become per-position whenever b == s
@@ -140,7 +143,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             region ops reduce it (Megatron's copy-to-tensor-parallel region, or
             ``logitless.parallel.gather_sequence``, whose backward reduce-scatters it); never both.
         backend: "auto", "reference", "chunked" or "triton"; see ``logitless.last_backend()``.
-        softcap: None, or a positive number c: the logits are capped to (-c, c) by c * tanh(logit / c)
+        softcap: None, or a number c in [1e-6, 1e6]: the logits are capped to (-c, c) by c * tanh(logit / c)
             before the temperature divides them (Gemma 2's ``final_logit_softcapping``). Exact in value
             and gradient; not differentiated itself.
         check_inputs: True (default): labels outside [0, V) and non-finite / non-positive temperature
@@ -166,7 +169,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     checks.boolean(with_entropy, "with_entropy")
     ignore_index = checks.ignore_index(ignore_index)
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
-    softcap = checks.optional_positive_float(softcap, "softcap")
+    softcap = checks.softcap(softcap)
     checks.boolean(check_inputs, "check_inputs")
 
     mod, _ = choose_backend(hidden, weight, backend)

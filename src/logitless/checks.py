@@ -81,6 +81,20 @@ def optional_positive_float(value, name: str) -> Optional[float]:
     return None if value is None else positive_float(value, name, "None or a positive float")
 
 
+# The range of a logit softcap: far beyond any model's (Gemma 2: 30), and inside it the capped logits
+# c * tanh(raw / c) / temperature stay finite in float32 for every supported temperature.
+SOFTCAP_RANGE = (1e-6, 1e6)
+
+
+def softcap(value) -> Optional[float]:
+    """None, or a number in SOFTCAP_RANGE (TypeError / ValueError naming ``softcap``)."""
+    value = optional_positive_float(value, "softcap")
+    low, high = SOFTCAP_RANGE
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"softcap must be None or in [{low:g}, {high:g}], got {value!r}")
+    return value
+
+
 def real_tensor(value: Tensor, name: str, device: Optional[torch.device] = None, max_dim: Optional[int] = None,
                 check_values: bool = True) -> Tensor:
     """A per-token / per-sequence input tensor (temperature, advantages, log-probs) as detached
@@ -111,7 +125,8 @@ def temperature(value, device: Optional[torch.device] = None, max_dim: Optional[
     rule."""
     if isinstance(value, Tensor):
         t = real_tensor(value, "temperature", device, max_dim, check_values=False)
-        if check_values and t.numel() and not bool(temperature_ok(t).all()):
+        # float64 values are checked as given (1e300 is a valid temperature, inf in float32)
+        if check_values and t.numel() and not bool(temperature_ok(precise(value, t)).all()):
             raise ValueError(f"{TEMPERATURE_RULE} everywhere")
         return t
     t = positive_float(value, "temperature", "a positive float or a tensor")
@@ -120,15 +135,32 @@ def temperature(value, device: Optional[torch.device] = None, max_dim: Optional[
     return t
 
 
+def precise(value: Tensor, t: Tensor) -> Tensor:
+    """``value`` detached if it is float64, else its float32 copy ``t``: where the inverse temperature is
+    computed from (1 / 1e300 rounds to float32's range; 1e300 itself does not)."""
+    return value.detach() if value.dtype == torch.float64 else t
+
+
 def temperature_ok(t: Tensor) -> Tensor:
     """bool, elementwise: the temperature ``t`` lies in the supported range (finite, >= MIN_TEMPERATURE)."""
     return torch.isfinite(t) & (t >= MIN_TEMPERATURE)
 
 
+# 1 / temperature is at least float32's smallest normal number: a huge temperature's true inverse rounds to
+# 0, but 0 * -inf (the kernels' padding) is NaN; this scale gives every logit the same float32 softmax as 0.
+MIN_INVERSE_TEMPERATURE = torch.finfo(torch.float32).tiny
+
+
 def inverse_temperature(t: Tensor) -> Tensor:
-    """float32 1 / t where ``temperature_ok(t)``, NaN elsewhere: the op checks its inverse temperatures with
-    ``inverse_temperature_ok`` (a huge t has 1 / t = 0, valid; an infinite or negative one is not)."""
-    return torch.where(temperature_ok(t), t.reciprocal(), torch.full_like(t, math.nan)).float()
+    """float32 1 / t where ``temperature_ok(t)`` (at least MIN_INVERSE_TEMPERATURE), NaN elsewhere: the op
+    checks its inverse temperatures with ``inverse_temperature_ok`` (an infinite or negative t fails)."""
+    inv = t.reciprocal().float().clamp_min(MIN_INVERSE_TEMPERATURE)
+    return torch.where(temperature_ok(t), inv, torch.full_like(inv, math.nan))
+
+
+def inverse_temperature_of(t: float) -> float:
+    """``inverse_temperature`` of a checked number."""
+    return max(1.0 / t, MIN_INVERSE_TEMPERATURE)
 
 
 def inverse_temperature_ok(inv_temp: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ class PolicyLoss:
         means on-policy (ratio 1 in value; the gradient is that of -A * logprob).
     ref_logprobs: log-probs under the reference policy, for the KL term and metric; None for none.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher when
-        they differ); both >= 0.
+        they differ); clip_low in [0, 1), clip_high >= 0.
     dual_clip: None, or c > 1: for negative advantages the term is at most -A * c (dual-clip PPO).
     kl_coef: weight of the KL estimate in the loss (needs ref_logprobs when not 0).
     kl_type: "k1" ("kl"), "k2" ("mse"), "k3" ("low_var_kl"), "abs", or "k1+" / "k3+" (value of k1 / k3,
@@ -65,6 +65,9 @@ class PolicyLoss:
             checks.index_tensor(self.cu_seqlens, "cu_seqlens")
         set_ = object.__setattr__
         set_(self, "clip_low", checks.finite_float(self.clip_low, "clip_low", minimum=0.0))
+        if self.clip_low >= 1.0:
+            raise ValueError(f"clip_low must lie in [0, 1) (the ratio's lower bound is 1 - clip_low > 0), "
+                             f"got {self.clip_low!r}")
         set_(self, "clip_high", checks.finite_float(self.clip_high, "clip_high", minimum=0.0))
         if self.dual_clip is not None:
             set_(self, "dual_clip", checks.finite_float(self.dual_clip, "dual_clip", minimum=1.0, above=True))

@@ -145,7 +145,7 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
         checks.check_label_range(flat_labels, flat_valid, vocab, ignore_index)
     bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]
     if bad:
-        raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index)")
+        raise ValueError(f"{', '.join(bad)} must be finite (as float32) at every scored token (label != ignore_index)")
 
     # nonzero_static: the count is known, so the indices need no second synchronisation
     rows = None if n == total else torch.nonzero_static(flat_valid, size=n).squeeze(1)
