@@ -54,6 +54,13 @@ def inputs():
     ("softcap_bool", TypeError, "softcap"),
     ("softcap_str", TypeError, "softcap"),
     ("softcap_tensor", TypeError, "softcap"),
+    ("softcap_too_large", ValueError, r"softcap must be None or in \[1e-06, 1e\+06\], got 1e\+300"),
+    ("softcap_too_small", ValueError, r"softcap must be None or in \[1e-06, 1e\+06\], got 1e-50"),
+    ("no_features", ValueError, r"no features \(H == 0\)"),
+    ("temperature_tiny", ValueError, r"temperature must be finite and >= 1e-30 .*got 1e-50"),
+    ("temperature_tensor_tiny", ValueError, "temperature must be finite and >= 1e-30 everywhere"),
+    ("temperature_tensor_inf", ValueError, "temperature must be finite and >= 1e-30 everywhere"),
+    ("mixed_dtypes", TypeError, "differs from hidden dtype .* under torch.autocast only"),
 ])
 def test_bad_input_is_named(case, exc, match):
     h, w, y = inputs()
@@ -68,6 +75,10 @@ def test_bad_input_is_named(case, exc, match):
         h, w = h.long(), w.long()
     elif case == "dtype_mismatch":
         w = w.double()
+    elif case == "no_features":
+        h, w = torch.randn(N, 0), torch.randn(V, 0)
+    elif case == "mixed_dtypes":
+        h = h.bfloat16()
     elif case == "h_mismatch":
         w = torch.randn(V, H + 1)
     elif case == "weight_1d":
@@ -94,6 +105,9 @@ def test_bad_input_is_named(case, exc, match):
             "temperature_tensor_zero": torch.tensor([1.0] * (N - 1) + [0.0]),
             "temperature_tensor_nan": torch.tensor([1.0] * (N - 1) + [float("nan")]),
             "temperature_requires_grad": torch.ones(N, requires_grad=True),
+            "temperature_tiny": 1e-50,
+            "temperature_tensor_tiny": torch.tensor([1.0] * (N - 1) + [1e-50], dtype=torch.float64),
+            "temperature_tensor_inf": torch.tensor([1.0] * (N - 1) + [float("inf")]),
         }[case]
     elif case == "with_entropy_str":
         kw["with_entropy"] = "yes"
@@ -109,7 +123,7 @@ def test_bad_input_is_named(case, exc, match):
         kw["softcap"] = {
             "softcap_zero": 0.0, "softcap_negative": -30.0, "softcap_nan": float("nan"),
             "softcap_inf": float("inf"), "softcap_bool": True, "softcap_str": "30",
-            "softcap_tensor": torch.tensor(30.0),
+            "softcap_tensor": torch.tensor(30.0), "softcap_too_large": 1e300, "softcap_too_small": 1e-50,
         }[case]
     with pytest.raises(exc, match=match):
         fused_logprobs(h, w, y, **kw)
@@ -146,3 +160,30 @@ def test_triton_on_cpu_without_interpreter_says_why():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert "ERR backend 'triton' cannot run" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "TRITON_INTERPRET" in out.stdout or "cannot be imported" in out.stdout
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference", "triton"])
+@pytest.mark.parametrize("temperature", [1e-30, 1e30, 1e300, "float64 tensor 1e300"])
+def test_extreme_temperatures_are_exact(backend, temperature):
+    # the supported range's ends: 1 / T scales float32 logits; a huge T (1 / T below float32's range) gives
+    # every logit the float32 value of raw / T, the uniform softmax
+    from reference64 import logprobs_entropy64
+    h, w, y = inputs()
+    if temperature == "float64 tensor 1e300":
+        temperature = torch.full((N,), 1e300, dtype=torch.float64)
+    out = fused_logprobs(h, w, y, temperature=temperature, backend=backend)
+    lp64, ent64 = logprobs_entropy64(h, w, y, temperature)
+    # relative: at T = 1e-30 the log-probs are ~1e30
+    assert ((out.logprobs - lp64).abs() / lp64.abs().clamp_min(1.0)).max() <= 2e-6
+    assert (out.entropy - ent64).abs().max() <= 2e-5
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("softcap", [1e-6, 0.7, 30.0, 1e4, 1e6])
+def test_softcap_range_is_exact(backend, softcap):
+    # the triton tile's tanh keeps full relative precision near 0, where large caps put every logit
+    from reference64 import logprobs_entropy64
+    h, w, y = inputs()
+    out = fused_logprobs(h, w, y, softcap=softcap, backend=backend)
+    lp64, ent64 = logprobs_entropy64(h, w, y, softcap=softcap)
+    assert (out.logprobs - lp64).abs().max() <= 2e-5 and (out.entropy - ent64).abs().max() <= 2e-5

@@ -149,6 +149,8 @@ def temperature_ok(t: Tensor) -> Tensor:
 # 1 / temperature is at least float32's smallest normal number: a huge temperature's true inverse rounds to
 # 0, but 0 * -inf (the kernels' padding) is NaN; this scale gives every logit the same float32 softmax as 0.
 MIN_INVERSE_TEMPERATURE = torch.finfo(torch.float32).tiny
+# and at most 1 / MIN_TEMPERATURE as float32 rounds it (1e30 rounds up, to 1.0000000150e30)
+MAX_INVERSE_TEMPERATURE = float(torch.tensor(1.0 / MIN_TEMPERATURE, dtype=torch.float32))
 
 
 def inverse_temperature(t: Tensor) -> Tensor:
@@ -166,7 +168,7 @@ def inverse_temperature_of(t: float) -> float:
 def inverse_temperature_ok(inv_temp: Tensor) -> Tensor:
     """0-d bool: every inverse temperature is what ``inverse_temperature`` makes of a supported temperature
     (NaN fails both comparisons)."""
-    return ((inv_temp >= 0) & (inv_temp <= 1.0 / MIN_TEMPERATURE)).all()
+    return ((inv_temp >= 0) & (inv_temp <= MAX_INVERSE_TEMPERATURE)).all()
 
 
 def finite_float(value, name: str, minimum: Optional[float] = None, above: bool = False) -> float:

@@ -81,6 +81,15 @@ CASES = [
     ("ignore_index float", dict(ignore_index=-100.0), TypeError, "ignore_index"),
     ("backend unknown", dict(backend="cuda"), ValueError, "backend"),
     ("reduce_grad_hidden int", dict(reduce_grad_hidden=1), TypeError, "reduce_grad_hidden"),
+    ("clip_low 1.5", dict(clip_low=1.5), ValueError, r"clip_low must lie in \[0, 1\)"),
+    ("clip_low 1", dict(clip_low=1.0), ValueError, r"clip_low must lie in \[0, 1\)"),
+    ("no features", dict(hidden=torch.randn(B, S, 0), weight=torch.randn(V, 0)), ValueError, r"H == 0"),
+    ("temperature 1e-50", dict(temperature=1e-50), ValueError, "temperature must be finite and >= 1e-30"),
+    ("temperature tensor 1e-50", dict(temperature=torch.full((B, 1), 1e-50, dtype=torch.float64)), ValueError,
+     "temperature must be finite and >= 1e-30 everywhere"),
+    ("advantages float64 beyond float32", dict(advantages=torch.full((B, S), 1e300, dtype=torch.float64)),
+     ValueError, "advantages must be finite at every scored token .*as float32"),
+    ("mixed dtypes", dict(hidden=torch.randn(B, S, H, dtype=torch.bfloat16)), TypeError, "under torch.autocast"),
 ]
 
 
@@ -139,3 +148,20 @@ def test_a_bad_statistics_kernel_knob_is_an_error_on_every_machine(monkeypatch):
     monkeypatch.setenv("LOGITLESS_POLICY_STATS_KERNEL", "triton")
     out = fused_policy_loss(hidden, weight, labels, advantages=adv, old_logprobs=old, backend="triton")
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e300])
+def test_extreme_temperatures_are_exact(temperature):
+    from policy64 import loss64
+    hidden, weight, labels, adv, old = inputs()
+    out = fused_policy_loss(hidden, weight, labels, adv, old, temperature=temperature, backend="chunked")
+    want = loss64(hidden, weight, labels, adv, old, temperature=temperature)
+    assert abs(float(out.loss) - float(want[0])) <= 1e-5 * max(1.0, abs(float(want[0])))
+    valid = labels != -100
+    assert ((out.logprobs - want[1]).abs() / want[1].abs().clamp_min(1.0))[valid].max() <= 2e-6
+
+
+def test_check_inputs_must_be_a_bool():
+    hidden, weight, labels, adv, old = inputs()
+    with pytest.raises(TypeError, match="check_inputs must be a bool"):
+        fused_policy_loss(hidden, weight, labels, adv, old, check_inputs=1)

@@ -134,7 +134,7 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
         bad_inputs = [not (math.isfinite(lo) and math.isfinite(hi)) for lo, hi in zip(lows[1:], highs[1:], strict=True)]
         lowest, highest = next(values), next(values)
         # out-of-range temperatures have a NaN inverse (checks.inverse_temperature), which fails both
-        bad_temp = not (lowest >= 0 and highest <= 1.0 / checks.MIN_TEMPERATURE)
+        bad_temp = not (lowest >= 0 and highest <= checks.MAX_INVERSE_TEMPERATURE)
     bad_cu = cu_ok is not None and not next(values)
 
     if bad_cu:
@@ -145,7 +145,8 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
         checks.check_label_range(flat_labels, flat_valid, vocab, ignore_index)
     bad = [name for name, b in zip(flat_inputs, bad_inputs, strict=True) if b]
     if bad:
-        raise ValueError(f"{', '.join(bad)} must be finite (as float32) at every scored token (label != ignore_index)")
+        raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index), "
+                         "as float32")
 
     # nonzero_static: the count is known, so the indices need no second synchronisation
     rows = None if n == total else torch.nonzero_static(flat_valid, size=n).squeeze(1)
