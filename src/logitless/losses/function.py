@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..ops.function import _layout
-from ..ops.maths import no_autocast
+from ..ops.maths import autograd_inside_custom_op, no_autocast
 from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.policy_parts import scale_by_upstream
 from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients, weighted_terms
@@ -128,7 +128,8 @@ class _Chunks:
             g_lp, g_ent = self.terms.chunk_terms(lp, ent, inputs, _settings(self.terms, self.spec, lp.device),
                                                  self.totals.sums)
         elif self.with_grad:
-            g_lp, g_ent = chunk_gradients(lp, ent, inputs, self.spec, self.totals)
+            with autograd_inside_custom_op():
+                g_lp, g_ent = chunk_gradients(lp, ent, inputs, self.spec, self.totals)
         else:   # the value only: no autograd (inference_mode allows none)
             loss, clipped, kl = weighted_terms(lp.double(), ent.double(), inputs, self.spec)
             self.totals.loss.add_(loss)

@@ -32,6 +32,25 @@ def no_autocast(t: Tensor):
     return torch.autocast(t.device.type, enabled=False)
 
 
+# The autograd dispatch keys a custom op's implementation runs without (torch.library runs it below autograd)
+_AUTOGRAD_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+for _key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA, torch._C.DispatchKey.AutogradOther):
+    _AUTOGRAD_KEYS = _AUTOGRAD_KEYS | torch._C.DispatchKeySet(_key)
+
+
+@contextlib.contextmanager
+def autograd_inside_custom_op() -> Iterator[None]:
+    """Autograd recording back on inside the block, inside a custom op's implementation (which torch runs
+    below autograd) for the op's own small derivatives taken with torch.autograd (the policy loss's per-token
+    terms). torch.func would do it too, but fails under the dispatch mode that compiled code runs custom ops
+    in on their first call. Grad mode is enabled; inference_mode still forbids it (callers do not need it
+    there: no gradient is formed)."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS), torch.enable_grad():
+        yield
+
+
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b with float32 accumulation *and* a float32 result, whatever the input dtype.
 

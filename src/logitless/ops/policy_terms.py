@@ -132,17 +132,12 @@ def chunk_gradients(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
                     ) -> tuple[Tensor, Optional[Tensor]]:
     """d(sum_i w_i f_i)/d lp_i and /d ent_i (float32 [n]; the entropy one None when the loss does not
     depend on the entropy), for float32 lp / ent [n] of one chunk; adds the chunk's sums to ``totals``."""
-    # torch.func, not torch.autograd: the pass runs inside a custom op, below autograd (and maybe in
-    # inference_mode), where no autograd graph is recorded; torch.func's transform differentiates there too
-    with_ent = spec.entropy_coef != 0.0
-
-    def loss_of(lp64, ent64):
+    with torch.enable_grad():
+        lp64 = lp.detach().double().requires_grad_(True)
+        ent64 = ent.detach().double().requires_grad_(spec.entropy_coef != 0.0)
         loss, clipped, kl = weighted_terms(lp64, ent64, tokens, spec)
-        return loss, (loss, clipped) + (() if kl is None else (kl,))    # aux: tensors only
-    grads, (loss, clipped, *kl) = torch.func.grad(loss_of, argnums=(0, 1) if with_ent else 0, has_aux=True)(
-        lp.detach().double(), ent.detach().double())
-    grads = grads if with_ent else (grads,)
-    kl = kl[0] if kl else None
+        wanted = (lp64, ent64) if ent64.requires_grad else (lp64,)
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
     totals.loss += loss.detach()
     totals.clipped += clipped
     if kl is not None:

@@ -1,0 +1,278 @@
+"""fused_logprobs and fused_policy_loss in the contexts trainers run them in: torch.autocast, no_grad,
+inference_mode, torch.compile(fullgraph=True), check_inputs=False and CUDA-graph capture.
+
+Under autocast the ops take their operands as F.linear would (cast to the autocast dtype) and compute on
+those exactly: float32 logits, never rounded. So the truth here is float64 of the cast operands.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+import logitless.ops.policy_chunked as policy_chunked
+from logitless import fused_logprobs, last_backend
+from logitless.losses import fused_policy_loss
+from policy64 import loss64, policy_inputs
+from reference64 import TOL, logprobs_entropy64, rel_err
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+LEAD, H, V = (3, 5), 48, 517          # small odd shapes: the triton backend runs in the interpreter on CPU
+LP_TOL = 2e-4                          # the promise under autocast: log-prob error against float64
+# gradients (relative norm): they come back in the cast operands' dtype (as F.linear's do under autocast),
+# and on CUDA the backward's dlogits are rounded to it too (tensor-core GEMMs)
+GRAD_TOL = {torch.bfloat16: TOL[torch.bfloat16][2], torch.float16: TOL[torch.float16][2]}
+
+
+def as_used(t, dtype):
+    """What autocast makes of an operand: float32 / bfloat16 / float16 cast to its dtype."""
+    return t.detach().to(dtype).double()
+
+
+# ------------------------------------------------------------------------------------------ autocast
+
+@pytest.mark.parametrize("backend", ["chunked", "reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("operands", ["float32", "bf16 hidden, fp32 weight"])
+def test_fused_logprobs_under_autocast(backend, dtype, operands, seed):
+    torch.manual_seed(seed)
+    hidden, weight, labels = policy_inputs(LEAD, H, V, device=DEVICE)[:3]
+    hidden = torch.where(labels.unsqueeze(-1) == -100, 0.0, hidden)      # finite everywhere
+    if operands != "float32":
+        hidden = hidden.bfloat16()
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    a, b = torch.randn(LEAD, device=DEVICE), torch.randn(LEAD, device=DEVICE)
+    temperature = torch.rand(LEAD[0], 1, device=DEVICE) + 0.5
+    with torch.autocast(DEVICE, dtype=dtype):
+        out = fused_logprobs(h, w, labels, temperature=temperature, backend=backend)
+        loss = (out.logprobs * a).sum() + (out.entropy * b).sum()
+    loss.backward()
+    assert last_backend() == backend
+    assert out.logprobs.dtype == out.entropy.dtype == torch.float32
+    assert h.grad.dtype == h.dtype and w.grad.dtype == torch.float32      # as F.linear's: the leaves' dtypes
+
+    h64, w64 = as_used(hidden, dtype).requires_grad_(True), as_used(weight, dtype).requires_grad_(True)
+    lp64, ent64 = logprobs_entropy64(h64, w64, labels, temperature)
+    ((lp64 * a).sum() + (ent64 * b).sum()).backward()
+    assert (out.logprobs - lp64).abs().max() <= LP_TOL
+    assert (out.entropy - ent64).abs().max() <= LP_TOL
+    # the gradient reaches each leaf through the cast, as through F.linear's
+    assert rel_err(h.grad, h64.grad) <= GRAD_TOL[dtype] and rel_err(w.grad, w64.grad) <= GRAD_TOL[dtype]
+
+
+def test_autocast_of_another_device_type_changes_nothing():
+    hidden, weight, labels = policy_inputs(LEAD, H, V)[:3]
+    other = "cuda" if DEVICE == "cpu" else "cpu"
+    plain = fused_logprobs(hidden, weight, labels, backend="chunked")
+    with torch.autocast(other, dtype=torch.bfloat16, enabled=other == "cpu" or CUDA):
+        got = fused_logprobs(hidden, weight, labels, backend="chunked")
+    assert torch.equal(got.logprobs, plain.logprobs)
+    with pytest.raises(TypeError, match="under torch.autocast only"):
+        fused_logprobs(hidden.bfloat16(), weight, labels)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_policy_loss_under_autocast(backend, dtype, seed):
+    torch.manual_seed(seed)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    spec = dict(ref_logprobs=ref, kl_coef=0.05, entropy_coef=0.01)
+    with torch.autocast(DEVICE, dtype=dtype):
+        out = fused_policy_loss(h, w, labels, adv, old, backend=backend, **spec)
+    out.loss.backward()
+    assert out.loss.dtype == out.logprobs.dtype == torch.float32
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    want = loss64(as_used(hidden, dtype), as_used(weight, dtype), labels, adv, old, ref=ref, kl_coef=0.05,
+                  entropy_coef=0.01)
+    valid = labels != -100
+    assert (out.logprobs - want[1])[valid].abs().max() <= LP_TOL
+    assert (out.entropy - want[2])[valid].abs().max() <= LP_TOL
+    assert abs(float(out.loss) - float(want[0])) <= LP_TOL
+    assert abs(float(out.kl) - float(want[4])) <= LP_TOL
+    tol = GRAD_TOL[dtype]
+    assert rel_err(h.grad[valid], want[5][valid]) <= tol and rel_err(w.grad, want[6]) <= tol
+    assert (h.grad[~valid] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------ no_grad
+
+def count_calls(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counted(*args, **kw):
+        calls.append(name)
+        return original(*args, **kw)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no input requires grad"])
+def test_policy_loss_without_grad_gives_the_same_numbers(backend, mode, monkeypatch, seed):
+    torch.manual_seed(seed)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V)
+    kw = dict(ref_logprobs=ref, kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-mean", backend=backend)
+    with_grad = fused_policy_loss(hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True),
+                                  labels, adv, old, **kw)
+    if backend == "triton":
+        import logitless.ops.triton.policy_backend as module
+        gradient_stage = count_calls(monkeypatch, module, "dlogits_in_place")
+    else:
+        module = policy_chunked
+        gradient_stage = count_calls(monkeypatch, module, "dlogits_from_logits")
+    products = count_calls(monkeypatch, module, "product_into")
+    if mode == "no_grad":
+        with torch.no_grad():
+            got = fused_policy_loss(hidden.requires_grad_(True), weight, labels, adv, old, **kw)
+    elif mode == "inference_mode":
+        with torch.inference_mode():
+            got = fused_policy_loss(hidden, weight, labels, adv, old, **kw)
+    else:
+        got = fused_policy_loss(hidden, weight, labels, adv, old, **kw)
+    assert not got.loss.requires_grad
+    assert gradient_stage == [] and products == []          # the statistics only: no gradient GEMM
+    for g, w in zip(got, with_grad, strict=True):
+        assert torch.allclose(g, w.detach(), rtol=1e-6, atol=1e-7), (g, w)
+    want = loss64(hidden, weight, labels, adv, old, ref=ref, kl_coef=0.1, entropy_coef=0.01,
+                  loss_agg="seq-mean-token-mean")
+    assert abs(float(got.loss) - float(want[0])) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+def policy_step(hidden, weight, labels, adv, old, ref, **kw):
+    out = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=0.05, entropy_coef=0.01,
+                            **kw)
+    return out.loss * 2.0, out.logprobs, out.entropy, out.clip_fraction, out.kl
+
+
+def run_step(fn, hidden, weight, *args, **kw):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    loss, *metrics = fn(h, w, *args, **kw)
+    loss.backward()
+    return [loss.detach(), *(m.detach() for m in metrics), h.grad, w.grad]
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_compiled_policy_loss_matches_eager(backend, seed):
+    torch.manual_seed(seed)
+    torch._dynamo.reset()
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V)
+    explained = torch._dynamo.explain(policy_step)(hidden, weight, labels, adv, old, ref, backend=backend)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(policy_step, fullgraph=True)
+    got = run_step(compiled, hidden, weight, labels, adv, old, ref, backend=backend)
+    assert last_backend() == backend
+    eager = run_step(policy_step, hidden, weight, labels, adv, old, ref, backend=backend)
+    for g, e in zip(got, eager, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert torch.allclose(g, e, rtol=1e-5, atol=1e-7), (g - e).abs().max()
+    want = loss64(hidden, weight, labels, adv, old, ref=ref, kl_coef=0.05, entropy_coef=0.01)
+    valid = labels != -100
+    assert abs(float(got[0]) / 2 - float(want[0])) <= 1e-5
+    assert rel_err(got[5][valid], want[5][valid] * 2) <= 1e-4 and rel_err(got[6], want[6] * 2) <= 1e-4
+
+
+def test_compiled_policy_loss_still_checks_inputs():
+    torch._dynamo.reset()
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V)
+    compiled = torch.compile(policy_step, fullgraph=True)
+    labels[1, 3] = V
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 517\)"):
+        compiled(hidden, weight, labels, adv, old, ref, backend="chunked")
+
+
+def test_a_second_backward_is_refused():
+    hidden, weight, labels, adv, old, _ = policy_inputs(LEAD, H, V)
+    h = hidden.clone().requires_grad_(True)
+    loss = fused_policy_loss(h, weight, labels, adv, old).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+# ------------------------------------------------------------------------------------------ unchecked
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_unchecked_policy_loss_matches_the_checked_one(backend, loss_agg, seed):
+    # check_inputs=False computes every row; padding's NaN per-token inputs must reach nothing (the hidden
+    # rows there must be finite: an unchecked call does not isolate them)
+    torch.manual_seed(seed)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
+    hidden = torch.where(labels.unsqueeze(-1) == -100, 0.5, hidden)
+    kw = dict(backend=backend, loss_agg=loss_agg, temperature=torch.rand(LEAD[0], 1, device=DEVICE) + 0.5)
+    checked = run_step(policy_step, hidden, weight, labels, adv, old, ref, **kw)
+    unchecked = run_step(policy_step, hidden, weight, labels, adv, old, ref, check_inputs=False, **kw)
+    for g, c in zip(unchecked[:5], checked[:5], strict=True):
+        assert torch.isfinite(g).all() and torch.allclose(g, c, rtol=1e-5, atol=1e-6), (g, c)
+    assert (unchecked[1][labels == -100] == 0).all() and (unchecked[5][labels == -100] == 0).all()
+    tol = 1e-2 if CUDA else 1e-5
+    assert rel_err(unchecked[5], checked[5]) <= tol and rel_err(unchecked[6], checked[6]) <= tol
+
+
+def test_unchecked_policy_loss_checks_nothing():
+    hidden, weight, labels, adv, old, _ = policy_inputs(LEAD, H, V)
+    hidden = torch.where(labels.unsqueeze(-1) == -100, 0.5, hidden)
+    labels[0, 1] = V + 3                      # out of range: no label, no error, no crash
+    out = fused_policy_loss(hidden, weight, labels, adv, old, check_inputs=False)
+    assert torch.isfinite(out.loss) and out.logprobs[0, 1] < 0
+    with pytest.raises(ValueError, match="labels must lie"):
+        fused_policy_loss(hidden, weight, labels, adv, old)
+
+
+# ------------------------------------------------------------------------------------------ CUDA graphs
+
+@pytest.mark.skipif(not CUDA, reason="CUDA-graph capture needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_cuda_graph_capture_of_a_policy_loss_step(backend):
+    # a whole step (forward, loss, backward) captured once with check_inputs=False, replayed on new inputs
+    # copied into the captured buffers; every replayed output is compared with an eager call on those inputs
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, torch.bfloat16, device="cuda")
+    fix = labels.unsqueeze(-1) == -100
+    hidden = torch.where(fix, 0.5, hidden.float()).bfloat16()
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    static = dict(labels=labels.clone(), adv=adv.clone(), old=old.clone(), ref=ref.clone())
+
+    def captured_step():
+        loss, *metrics = policy_step(h, w, static["labels"], static["adv"], static["old"], static["ref"],
+                                     backend=backend, check_inputs=False)
+        loss.backward()
+        return metrics
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):      # warm-up: kernel builds, allocator pools, cached settings
+        for _ in range(2):
+            h.grad = w.grad = None
+            captured_step()
+    torch.cuda.current_stream().wait_stream(side)
+    h.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        metrics = captured_step()
+
+    for _ in range(2):
+        new = policy_inputs(LEAD, H, V, torch.bfloat16, device="cuda")
+        new_h = torch.where(new[2].unsqueeze(-1) == -100, 0.5, new[0].float()).bfloat16()
+        with torch.no_grad():
+            h.copy_(new_h)
+            w.copy_(new[1])
+        for key, value in zip(("labels", "adv", "old", "ref"), new[2:], strict=True):
+            static[key].copy_(value)
+        for t in (*metrics, h.grad, w.grad):   # poison: the replay must write every element
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = run_step(policy_step, new_h, new[1], *new[2:], backend=backend)
+        for g, e in zip(metrics, want[1:5], strict=True):
+            assert torch.allclose(g, e, rtol=1e-4, atol=1e-4), (g, e)
+        assert (h.grad[new[2] == -100] == 0).all()
+        assert rel_err(h.grad, want[5]) <= 2e-3 and rel_err(w.grad, want[6]) <= 2e-3
