@@ -82,7 +82,7 @@ def main():
             out = fused_policy_loss(hh, ww, labels, adv, old, backend="triton")
         out.loss.backward()
         valid = labels != -100
-        loss_err = abs(float(out.loss) - float(loss64))
+        loss_err = abs(float(out.loss.detach()) - float(loss64))
         print(f"fused_policy_loss autocast {name} {last_backend()}: loss err {loss_err:.2e}, "
               f"logprob max err {(out.logprobs - lp64)[valid].abs().max():.2e}, d_hidden rel {rel(hh.grad, dh64):.2e}, "
               f"d_weight rel {rel(ww.grad, dw64):.2e}, grads {hh.grad.dtype}")

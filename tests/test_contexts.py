@@ -62,13 +62,27 @@ def test_fused_logprobs_under_autocast(backend, dtype, operands, seed):
     assert rel_err(h.grad, h64.grad) <= GRAD_TOL[dtype] and rel_err(w.grad, w64.grad) <= GRAD_TOL[dtype]
 
 
-def test_autocast_of_another_device_type_changes_nothing():
-    hidden, weight, labels = policy_inputs(LEAD, H, V)[:3]
-    other = "cuda" if DEVICE == "cpu" else "cpu"
+@pytest.fixture
+def autocast_of_the_other_device_type():
+    """Autocast switched on for the device type the tensors are not on (its state is per device type; set
+    directly, as torch.autocast("cuda") refuses to switch on where CUDA is missing)."""
+    other = "cpu" if DEVICE == "cuda" else "cuda"
+    torch.set_autocast_enabled(other, True)
+    try:
+        yield other
+    finally:
+        torch.set_autocast_enabled(other, False)
+
+
+def test_autocast_of_another_device_type_changes_nothing(autocast_of_the_other_device_type):
+    hidden, weight, labels = policy_inputs(LEAD, H, V, device=DEVICE)[:3]
+    hidden = torch.where(labels.unsqueeze(-1) == -100, 0.0, hidden)
+    torch.set_autocast_enabled(autocast_of_the_other_device_type, False)
     plain = fused_logprobs(hidden, weight, labels, backend="chunked")
-    with torch.autocast(other, dtype=torch.bfloat16, enabled=other == "cpu" or CUDA):
-        got = fused_logprobs(hidden, weight, labels, backend="chunked")
-    assert torch.equal(got.logprobs, plain.logprobs)
+    torch.set_autocast_enabled(autocast_of_the_other_device_type, True)
+    assert torch.is_autocast_enabled(autocast_of_the_other_device_type)
+    got = fused_logprobs(hidden, weight, labels, backend="chunked")
+    assert torch.equal(got.logprobs, plain.logprobs) and torch.equal(got.entropy, plain.entropy)
     with pytest.raises(TypeError, match="under torch.autocast only"):
         fused_logprobs(hidden.bfloat16(), weight, labels)
 
@@ -115,7 +129,7 @@ def count_calls(monkeypatch, module, name):
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no input requires grad"])
 def test_policy_loss_without_grad_gives_the_same_numbers(backend, mode, monkeypatch, seed):
     torch.manual_seed(seed)
-    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
     kw = dict(ref_logprobs=ref, kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-mean", backend=backend)
     with_grad = fused_policy_loss(hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True),
                                   labels, adv, old, **kw)
@@ -138,8 +152,8 @@ def test_policy_loss_without_grad_gives_the_same_numbers(backend, mode, monkeypa
     assert gradient_stage == [] and products == []          # the statistics only: no gradient GEMM
     for g, w in zip(got, with_grad, strict=True):
         assert torch.allclose(g, w.detach(), rtol=1e-6, atol=1e-7), (g, w)
-    want = loss64(hidden, weight, labels, adv, old, ref=ref, kl_coef=0.1, entropy_coef=0.01,
-                  loss_agg="seq-mean-token-mean")
+    want = loss64(*(t.cpu() for t in (hidden, weight, labels, adv, old)), ref=ref.cpu(), kl_coef=0.1,
+                  entropy_coef=0.01, loss_agg="seq-mean-token-mean")
     assert abs(float(got.loss) - float(want[0])) <= 1e-5
 
 
@@ -220,9 +234,10 @@ def test_unchecked_policy_loss_matches_the_checked_one(backend, loss_agg, seed):
 def test_unchecked_policy_loss_checks_nothing():
     hidden, weight, labels, adv, old, _ = policy_inputs(LEAD, H, V)
     hidden = torch.where(labels.unsqueeze(-1) == -100, 0.5, hidden)
-    labels[0, 1] = V + 3                      # out of range: no label, no error, no crash
+    b, s = (labels != -100).nonzero()[0].tolist()      # a scored token (its inputs are finite)
+    labels[b, s] = V + 3                      # out of range: no label, no error, no crash
     out = fused_policy_loss(hidden, weight, labels, adv, old, check_inputs=False)
-    assert torch.isfinite(out.loss) and out.logprobs[0, 1] < 0
+    assert torch.isfinite(out.loss) and out.logprobs[b, s] < 0
     with pytest.raises(ValueError, match="labels must lie"):
         fused_policy_loss(hidden, weight, labels, adv, old)
 
