@@ -193,6 +193,27 @@ def test_compiled_policy_loss_matches_eager(backend, seed):
     assert rel_err(got[5][valid], want[5][valid] * 2) <= 1e-4 and rel_err(got[6], want[6] * 2) <= 1e-4
 
 
+def test_compiled_under_autocast_matches_eager(seed):
+    # autocast entered inside the compiled region: the ops see it while tracing and cast as in eager
+    torch.manual_seed(seed)
+    torch._dynamo.reset()
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V)
+
+    def step(h, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused_policy_loss(h, w, labels, adv, old, backend="chunked")
+            lp = fused_logprobs(h, w, labels, backend="chunked").logprobs
+        return out.loss + lp.sum(), out.logprobs, lp
+
+    got = run_step(torch.compile(step, fullgraph=True), hidden, weight)
+    eager = run_step(step, hidden, weight)
+    for g, e in zip(got, eager, strict=True):
+        assert torch.allclose(g, e, rtol=1e-6, atol=1e-7)
+    lp64, _ = logprobs_entropy64(as_used(hidden, torch.bfloat16), as_used(weight, torch.bfloat16), labels)
+    valid = labels != -100
+    assert (got[2] - lp64)[valid].abs().max() <= LP_TOL
+
+
 def test_compiled_policy_loss_still_checks_inputs():
     torch._dynamo.reset()
     hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V)

@@ -128,13 +128,16 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     without materialising the [tokens x vocab] logits.
 
     Args:
-        hidden: [..., H] float32, bfloat16 or float16; any strides.
+        hidden: [..., H] float32, bfloat16 or float16; any strides; H >= 1.
         weight: [V, H], same dtype and device as ``hidden`` (the LM head / output embedding).
-            Under ``tp_group`` this rank's contiguous shard of vocabulary rows.
+            Under ``tp_group`` this rank's contiguous shard of vocabulary rows. Under ``torch.autocast``
+            both are cast to the autocast dtype as ``F.linear`` casts them (so mixed dtypes are accepted
+            there), then computed on exactly: float32 logits, never rounded (docs/contexts.md).
         labels: [...] int32 or int64, the leading shape of ``hidden``; values in [0, V) (global ids
             under tensor parallelism) or ``ignore_index``.
-        temperature: a positive number, or a tensor broadcastable to ``labels.shape`` (per sequence
-            or per token). Not differentiated.
+        temperature: a number, or a tensor broadcastable to ``labels.shape`` (per sequence or per
+            token), finite and >= 1e-30 (1 / temperature scales float32 logits; any larger finite value
+            is exact). Not differentiated.
         with_entropy: compute the entropy too (False does less work and returns ``entropy=None``).
         ignore_index: label value whose rows get logprob 0, entropy 0 and no gradient.
         tp_group: a torch.distributed process group over which ``weight`` is sharded by vocab rows.
@@ -146,8 +149,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         softcap: None, or a number c in [1e-6, 1e6]: the logits are capped to (-c, c) by c * tanh(logit / c)
             before the temperature divides them (Gemma 2's ``final_logit_softcapping``). Exact in value
             and gradient; not differentiated itself.
-        check_inputs: True (default): labels outside [0, V) and non-finite / non-positive temperature
-            values raise ValueError, and rows whose label is ignore_index are skipped (they cost nothing,
+        check_inputs: True (default): labels outside [0, V) and temperature values outside the range
+            above raise ValueError, and rows whose label is ignore_index are skipped (they cost nothing,
             and a non-finite hidden state there stays out of every gradient); this takes host
             synchronisations (inside the op: ``torch.compile`` sees none). False: none at all, so the
             call can be captured in a CUDA graph; the values are not checked, and ignored rows are

@@ -4,7 +4,7 @@ same pass that computes the statistics (three GEMMs), never building the logits.
 
 Modules: ``api`` (``fused_policy_loss``, ``policy_loss_reference``, ``PolicyLossOutput``), ``policy``
 (``PolicyLoss``: inputs and settings, checked once), ``aggregate`` (the per-token weights of each
-``loss_agg``), ``tokens`` (the scored tokens, flattened), ``function`` (the autograd Function). The per-token
+``loss_agg``), ``tokens`` (the scored tokens, flattened), ``function`` (the custom op and its autograd). The per-token
 term, written once with its derivatives, is ``logitless.ops.policy_terms`` (read by every pass); the pass
 itself is ``logitless.ops.policy_parts``.
 """

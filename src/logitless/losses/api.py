@@ -129,7 +129,10 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, clip_fraction, kl): ``loss`` is 0-d float32, to be
         minimised, differentiable once to hidden and weight (only those that require grad); the rest are
-        detached float32 metrics.
+        detached float32 metrics. Under no_grad / inference_mode, or when neither hidden nor weight
+        requires grad, only the statistics are computed (no gradient buffer or GEMM), for the same numbers.
+        Under torch.autocast hidden and weight are cast as F.linear casts them, then computed on exactly;
+        a function calling this compiles with torch.compile(fullgraph=True) (docs/contexts.md).
 
     The loss is sum_i w_i f_i over the scored tokens (``terms.py`` for f, ``aggregate.py`` for w). Knowing
     it, the pass forms each token chunk's gradient as soon as its statistics are known: the logits are

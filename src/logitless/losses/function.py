@@ -51,8 +51,9 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------- PolicyLoss <-> op arguments
 # A custom op takes tensors, numbers and strings, not a PolicyLoss: its fields travel by kind, in the order of
-# its definition (so a field added to PolicyLoss travels without a change here). None numbers travel as NaN
-# (PolicyLoss refuses NaN values), strings joined by a separator no setting contains.
+# its definition (so a field added to PolicyLoss travels without a change here). Numbers (float, int, bool
+# fields, by their annotation) travel as floats, None as NaN (PolicyLoss refuses NaN values); strings joined
+# by a separator no setting contains.
 _FIELDS = dataclasses.fields(PolicyLoss)
 _TENSORS = tuple(f.name for f in _FIELDS if "Tensor" in str(f.type))
 _STRINGS = tuple(f.name for f in _FIELDS if str(f.type) == "str")
@@ -67,9 +68,13 @@ def pack_policy(policy: PolicyLoss) -> tuple[list, list, str]:
     return tensors, numbers, _SEPARATOR.join(getattr(policy, name) for name in _STRINGS)
 
 
+_NUMBER_TYPES = {f.name: {"bool": bool, "int": int}.get(str(f.type), float) for f in _FIELDS if f.name in _NUMBERS}
+
+
 def unpack_policy(tensors: list, numbers: list, strings: str) -> PolicyLoss:
     fields = dict(zip(_TENSORS, tensors, strict=True))
-    fields.update((name, None if math.isnan(v) else v) for name, v in zip(_NUMBERS, numbers, strict=True))
+    fields.update((name, None if math.isnan(v) else _NUMBER_TYPES[name](v))
+                  for name, v in zip(_NUMBERS, numbers, strict=True))
     fields.update(zip(_STRINGS, strings.split(_SEPARATOR), strict=True))
     return PolicyLoss(**fields)
 
