@@ -29,7 +29,7 @@ GRAD_TOL = 1e-4
 
 UNMAPPABLE = [("loss_type", "cispo"), ("loss_type", "sapo"), ("loss_type", "vespo"), ("loss_type", "luspo"),
               ("importance_sampling_level", "sequence"), ("top_entropy_quantile", 0.2),
-              ("off_policy_mask_threshold", 0.5), ("use_adaptive_entropy", True)]
+              ("off_policy_mask_threshold", 0.5), ("use_adaptive_entropy", True), ("epsilon_low", 1.0)]
 
 
 def test_unmappable_settings_are_named(folder, tmp_path):

@@ -50,6 +50,8 @@ def unmappable(trainer) -> list:
     if trainer.top_entropy_quantile < 1.0:
         bad.append(f"top_entropy_quantile={trainer.top_entropy_quantile} (the entropy mask depends on the entropies "
                    "of the same pass)")
+    if not 0.0 <= trainer.epsilon_low < 1.0:
+        bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1))")
     delta = getattr(args, "delta", None)
     if delta is not None and delta < 1.0 + trainer.epsilon_high:
         bad.append(f"delta={delta} (equals dual_clip only when delta >= 1 + epsilon_high = "
