@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
+from ..sharded_head import call_head, check_layout, head_shape, replicated
 from .fsdp import check_head_in_root_unit, fsdp_units
 from .heads import plan_head
 from .labels import (
@@ -115,7 +116,8 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
            position_ids: Optional[Tensor], targets: Tensor, temperature, with_entropy: bool,
            ignore_index: int, backbone_kwargs: dict, policy: Optional[PolicyLoss] = None):
     """Run the backbone, then the fused op on the positions that have a target (or, with ``policy``,
-    the fused policy loss).
+    the fused policy loss), as the head module's forward (``sharded_head.call_head``: whatever shards
+    the head gathers it and reduces its gradient, as for the unfused head).
 
     targets: int [b, s], already per position (ignore_index where not scored).
     Returns (TokenLogProbs of float32 [b, s] or, with ``policy``, a PolicyLossOutput, the backbone's
@@ -124,9 +126,10 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     backbone = _backbone(core)
     check_head_in_root_unit(core)
     plan = plan_head(core, backbone)
+    head = core.get_output_embeddings()
     b, s = targets.shape
-    weight = plan.weight
-    device = weight.device
+    shape = head_shape(plan.weight)   # [V, H] also while sharded (None for a flat FSDP1 shard)
+    device = plan.weight.device
     if policy is not None and plan.softcap is not None:
         raise ValueError(f"{type(core).__name__} caps its logits (final_logit_softcapping={plan.softcap}); the fused "
                          "policy loss does not implement the cap: use fused_forward and your own loss")
@@ -140,24 +143,17 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
         raise ValueError(f"{type(core).__name__}'s base model {type(backbone).__name__} returned no "
                          "last_hidden_state; logitless needs a transformers *ForCausalLM whose base model "
                          "produces the final hidden states")
-    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (b, s) or hidden.shape[-1] != weight.shape[1]:
+    hidden = replicated(hidden)   # a tensor-parallel model's DTensor: the whole of it on every rank
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (b, s) or (shape is not None and hidden.shape[-1] != shape[1]):
         raise ValueError(f"the base model returned hidden states {list(hidden.shape)}; expected "
-                         f"[{b}, {s}, {weight.shape[1]}] to match the labels and lm_head.weight")
+                         f"[{b}, {s}, {shape[1] if shape else 'H'}] to match the labels and lm_head.weight")
     # The head would see the hidden states on its own device (accelerate moves them there).
     hidden = hidden.to(device)
     targets = targets.to(device)
-
     h = hidden.reshape(b * s, hidden.shape[-1])
-    dev_type = device.type
-    if torch.is_autocast_enabled(dev_type):
-        # what the head's F.linear would compute in under autocast
-        dtype = torch.get_autocast_dtype(dev_type)
-        h, weight = h.to(dtype), weight.to(dtype)
-    elif h.dtype != weight.dtype:
-        h = h.to(weight.dtype)
 
     if policy is not None:
-        return _policy_loss(policy, h, weight, targets, temp, position_ids, ignore_index, dev_type), out
+        return _policy_loss(core, head, policy, h, targets, temp, position_ids, ignore_index), out
 
     flat = targets.reshape(-1)
     keep = flat != ignore_index
@@ -171,25 +167,54 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
             temp = temp.reshape(-1).index_select(0, idx)
     elif isinstance(temp, Tensor):
         temp = temp.reshape(-1)
-    with torch.autocast(dev_type, enabled=False):
-        res = fused_logprobs(h, weight, flat, temperature=temp, with_entropy=with_entropy,
-                             ignore_index=ignore_index, softcap=plan.softcap)
+
+    def compute(x: Tensor, weight: Tensor, tp_group):
+        x, weight = _head_operands(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            res = fused_logprobs(x, weight, flat.to(x.device), temperature=_on(temp, x.device),
+                                 with_entropy=with_entropy, ignore_index=ignore_index, softcap=plan.softcap,
+                                 tp_group=tp_group)
+        return res.logprobs, res.entropy
+
+    lp, ent = call_head(head, h, compute, owner=core)
 
     def full(x: Optional[Tensor]) -> Optional[Tensor]:
         if x is None:
             return None
+        x = x.float()   # an FSDP2 output_dtype may have cast the head's outputs
+        # written into a new [b, s] tensor rather than returned as a view of x: FSDP2 warns about a root
+        # module that returns views
+        res = x.new_zeros(b, s)
         if idx is None:
-            return x.view(b, s)
-        return x.new_zeros(b * s).index_copy(0, idx, x).view(b, s)
+            res.view(-1).copy_(x)
+        else:
+            res.view(-1).index_copy_(0, idx.to(x.device), x)
+        return res
 
-    return TokenLogProbs(full(res.logprobs), full(res.entropy)), out
+    return TokenLogProbs(full(lp), full(ent)), out
 
 
-def _policy_loss(policy: PolicyLoss, h: Tensor, weight: Tensor, targets: Tensor, temperature, position_ids,
-                 ignore_index: int, dev_type: str) -> PolicyLossOutput:
-    """The fused policy loss of the rows h [b * s, H] against targets [b, s]. Sequences are the rows, or,
-    in one padding-free packed row, the packed sequences (from position_ids, unless the policy has its
-    own cu_seqlens); the per-token inputs are in the [b, s] layout either way."""
+def _on(temp, device):
+    return temp.to(device) if isinstance(temp, Tensor) else temp
+
+
+def _head_operands(h: Tensor, weight: Tensor):
+    """(hidden, weight) as the head's F.linear would multiply them: the autocast dtype under autocast,
+    else hidden in the weight's dtype."""
+    dev_type = h.device.type
+    if torch.is_autocast_enabled(dev_type):
+        dtype = torch.get_autocast_dtype(dev_type)
+        return h.to(dtype), weight.to(dtype)
+    if h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+    return h, weight
+
+
+def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor, targets: Tensor, temperature,
+                 position_ids, ignore_index: int) -> PolicyLossOutput:
+    """The fused policy loss of the rows h [b * s, H] against targets [b, s], run as the head's forward.
+    Sequences are the rows, or, in one padding-free packed row, the packed sequences (from position_ids,
+    unless the policy has its own cu_seqlens); the per-token inputs are in the [b, s] layout either way."""
     b, s = targets.shape
     cu = packed_cu_seqlens(position_ids, (b, s)) if policy.cu_seqlens is None else None
     if cu is not None:
@@ -198,13 +223,20 @@ def _policy_loss(policy: PolicyLoss, h: Tensor, weight: Tensor, targets: Tensor,
         policy = dataclasses.replace(policy, advantages=flat(policy.advantages, "advantages"),
                                      old_logprobs=flat(policy.old_logprobs, "old_logprobs"),
                                      ref_logprobs=flat(policy.ref_logprobs, "ref_logprobs"), cu_seqlens=cu)
-        labels, rows = targets.reshape(-1), h
+        labels = targets.reshape(-1)
         if isinstance(temperature, Tensor):
             temperature = temperature.reshape(-1)
     else:
-        labels, rows = targets, h.view(b, s, h.shape[-1])
-    with torch.autocast(dev_type, enabled=False):
-        out = policy_loss(policy, rows, weight, labels, temperature=temperature, ignore_index=ignore_index)
+        labels = targets
+
+    def compute(x: Tensor, weight: Tensor, tp_group):
+        x, weight = _head_operands(x, weight)
+        rows = x if cu is not None else x.view(b, s, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            return tuple(policy_loss(policy, rows, weight, labels.to(x.device), temperature=_on(temperature, x.device),
+                                     ignore_index=ignore_index, tp_group=tp_group))
+
+    out = PolicyLossOutput(*call_head(head, h, compute, owner=core))
     if cu is not None:
         out = out._replace(logprobs=out.logprobs.view(b, s), entropy=out.entropy.view(b, s))
     return out
@@ -226,6 +258,9 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
                      logits_to_keep=0, return_dict=None, policy_loss=None, **kwargs):
     """Replaces ``forward`` on a patched causal LM instance (see ``patch_model``)."""
     state = self.__dict__[_STATE]
+    given = state.get("call")   # fused_forward / fused_policy_loss's settings, kept out of the call's arguments
+    if given is not None:
+        temperature, policy_loss = given["temperature"], given["policy_loss"]
     temperature = state["temperature"] if temperature is None else temperature
     with_entropy = state["with_entropy"] if with_entropy is None else with_entropy
     ignore_index = checks.ignore_index(state["ignore_index"] if ignore_index is None else ignore_index)
@@ -290,7 +325,8 @@ def patch_model(model: nn.Module, *, temperature: Union[float, Tensor] = 1.0, wi
     check_head_in_root_unit(core)
     # Outside its forward, an FSDP1 root holds the head weight as a flat shard: its shape is
     # checked when the patched forward runs, with the weight unsharded.
-    plan_head(core, _backbone(core), weight_sharded=bool(fsdp_units(model)))
+    plan = plan_head(core, _backbone(core), weight_sharded=bool(fsdp_units(model)))
+    check_layout(model, plan.weight)
     state = core.__dict__.get(_STATE)
     if state is None:
         state = {"previous": core.__dict__.get("forward")}
@@ -311,17 +347,33 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _has_call_hooks(core: nn.Module) -> bool:
+    """Whether calling ``core`` runs hooks around its forward (FSDP2's ``fully_shard`` on the causal LM
+    itself unshards the root unit there, DeepSpeed fetches its parameters): then it is called, patched."""
+    return bool(core._forward_pre_hooks or core._forward_hooks)
+
+
 @contextlib.contextmanager
-def _patched_for_call(model: nn.Module, core: nn.Module):
-    """``core`` (the causal LM inside the wrapper ``model``) patched for the duration, unless it already is."""
-    if _STATE in core.__dict__:
-        yield
-        return
-    patch_model(model)  # the wrapper, so an FSDP root is seen
+def _patched_for_call(model: nn.Module, core: nn.Module, **settings):
+    """``core`` (the causal LM inside the wrapper ``model``) patched for the duration, unless it already is,
+    with ``settings`` (temperature, policy_loss) for the call. They reach the patched forward beside the
+    call's arguments, not in them: FSDP's mixed precision casts every float tensor among a unit's inputs
+    (a per-token temperature, the policy's advantages) to its parameter dtype."""
+    patched_here = _STATE not in core.__dict__
+    if patched_here:
+        patch_model(model)  # the wrapper, so an FSDP root is seen
+    state = core.__dict__[_STATE]
+    previous = state.get("call")
+    state["call"] = settings
     try:
         yield
     finally:
-        unpatch_model(core)
+        if previous is None:
+            state.pop("call", None)
+        else:
+            state["call"] = previous
+        if patched_here:
+            unpatch_model(core)
 
 
 def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor] = None,
@@ -356,7 +408,7 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     if labels is not None:
         labels = check_labels(labels, shape)
     model_kwargs.setdefault("use_cache", False)  # scoring builds no KV cache unless asked to
-    if core is model:
+    if core is model and not _has_call_hooks(core):
         targets = labels if labels is not None else targets_from_input_ids(input_ids, attention_mask, position_ids,
                                                                       ignore_index)
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
@@ -366,10 +418,9 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     if labels is None:
         labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index) \
             if input_ids is not None else labels
-    with _patched_for_call(model, core):
+    with _patched_for_call(model, core, temperature=temperature, policy_loss=None):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    shift_labels=labels, temperature=temperature, with_entropy=with_entropy,
-                    ignore_index=ignore_index, **model_kwargs)
+                    shift_labels=labels, with_entropy=with_entropy, ignore_index=ignore_index, **model_kwargs)
     return TokenLogProbs(out.logprobs, out.entropy)
 
 
@@ -405,12 +456,11 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     model_kwargs.setdefault("use_cache", False)
     if labels is None:
         labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
-    if core is model:
+    if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, labels, temperature, True, ignore_index,
                         model_kwargs, policy=policy)
         return res
-    with _patched_for_call(model, core):
+    with _patched_for_call(model, core, temperature=temperature, policy_loss=policy):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    shift_labels=labels, temperature=temperature, ignore_index=ignore_index, policy_loss=policy,
-                    **model_kwargs)
+                    shift_labels=labels, ignore_index=ignore_index, **model_kwargs)
     return out.policy_loss

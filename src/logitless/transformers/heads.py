@@ -18,12 +18,16 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from ..sharded_head import head_shape, inner_head
+
 
 @dataclass(frozen=True)
 class HeadPlan:
     """The output embedding of a causal LM, and the constant its logits are multiplied by.
 
-    weight: [V, H] the head's weight (the input embedding when tied).
+    weight: [V, H] the head's weight (the input embedding when tied), as the model holds it now: under
+        FSDP / ZeRO-3 / tensor parallelism a shard or placeholder (``sharded_head.head_shape`` gives its
+        whole shape); the fused op runs on what the head's own call gathers.
     logit_scale: the model's logits equal ``logit_scale * hidden @ weight.T`` (1.0 with a softcap).
     softcap: None, or c: the model's logits equal ``c * tanh(hidden @ weight.T / c)`` (pass it to
         ``fused_logprobs(softcap=...)``).
@@ -100,26 +104,27 @@ def _number(owner: str, attr: str, value) -> Optional[float]:
 
 def _check_head_module(model: nn.Module, head: nn.Module, weight_sharded: bool) -> Tensor:
     cls = type(model).__name__
+    inner = inner_head(head)   # an FSDP1 unit around the head: the Linear inside, sharded outside its call
+    weight_sharded = weight_sharded or inner is not head
+    head = inner
     if hasattr(head, "base_layer") or type(head).__module__.split(".")[0] == "peft":
         raise ValueError(f"{cls}'s output embedding is wrapped by an adapter ({type(head).__name__}, e.g. LoRA "
                          "on lm_head): its update is not in lm_head.weight. Leave lm_head out of the adapter's "
                          "target_modules (or merge the adapter) to use logitless.")
     weight = getattr(head, "weight", None)
-    if isinstance(head, (nn.Linear, nn.Embedding)) and isinstance(weight, Tensor) and weight.dim() == 1 \
+    shape = head_shape(weight) if isinstance(weight, Tensor) else None
+    if isinstance(head, (nn.Linear, nn.Embedding)) and isinstance(weight, Tensor) and shape is None \
             and not weight_sharded:
         raise ValueError(f"{cls}.lm_head.weight is 1-D {tuple(weight.shape)}: a flat FSDP shard. Pass the FSDP "
                          "(FullyShardedDataParallel) wrapper itself, whose forward unshards it, not the module "
                          "inside it.")
     if not isinstance(head, (nn.Linear, nn.Embedding)) or not isinstance(weight, Tensor) or (
-            weight.dim() != 2 and not weight_sharded):
+            shape is not None and len(shape) != 2):
         raise TypeError(f"{cls}'s output embedding is a {type(head).__name__}; logitless supports an "
                         "nn.Linear head (or a tied embedding) with a 2-D weight [vocab, hidden]")
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{cls}.lm_head has a bias (lm_head.bias): logits = hidden @ W.T + b, and the fused "
                          "op has no bias term. logitless refuses rather than return different numbers.")
-    if type(weight).__name__ == "DTensor" or hasattr(weight, "full_tensor"):
-        raise TypeError(f"{cls}.lm_head.weight is a sharded DTensor (FSDP2 unit or tensor-parallel plan on the "
-                        "head). Keep lm_head in the root FSDP unit, unsharded at forward time.")
     return weight
 
 
@@ -153,8 +158,8 @@ def _softcap(model: nn.Module, configs) -> Optional[float]:
 def plan_head(model: nn.Module, backbone: Optional[nn.Module] = None, *, weight_sharded: bool = False) -> HeadPlan:
     """The HeadPlan of an unwrapped transformers causal LM, or a clear error.
 
-    weight_sharded: the model is inside FSDP and this is not its forward, so the head weight may be a
-        flat shard; its shape is not checked (the plan is only for validation then).
+    weight_sharded: the model is inside FSDP1 and this is not its forward, so the head weight may be a
+        flat shard; its shape is not checked then.
 
     Raises ValueError naming the attribute for a head that is neither ``scale * linear`` nor a known
     softcap (softcapping without a rule, bias, adapter on the head, a scale on an architecture without
