@@ -1,4 +1,6 @@
 """One rank of the two-process FSDP1 check (gloo, CPU), spawned by test_transformers_fsdp.py.
+lm_head in its own unit (auto_wrap_policy on nn.Linear) is gathered by its unit's own call, as for the
+unfused head; a tied embedding in its own unit is refused (it reshards before the head runs).
 Every case runs in the one spawn (spawning is the slow part); each rank writes {case: [ok, message]}
 as JSON. Each rank scores its own batch, so the gradients FSDP reduce-scatters are a real average."""
 import copy
@@ -9,10 +11,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-# (model kind, use_orig_params): Llama's head is its own weight, GPT-2's is tied to the input embedding
-THROUGH_FSDP = [("llama", False), ("llama", True), ("gpt2", False), ("gpt2", True)]
-CASES = [f"{kind} use_orig_params={orig}" for kind, orig in THROUGH_FSDP] + [
-    "lm_head in its own unit", "tied embedding in its own unit"]
+# (model kind, use_orig_params, lm_head in its own unit): Llama's head is its own weight, GPT-2's is tied to
+# the input embedding
+THROUGH_FSDP = [("llama", False, False), ("llama", True, False), ("gpt2", False, False), ("gpt2", True, False),
+                ("llama", True, True)]
+CASES = [f"{kind} use_orig_params={orig}" + (", lm_head in its own unit" if own else "")
+         for kind, orig, own in THROUGH_FSDP] + ["tied embedding in its own unit"]
 TOL_LP = TOL_ENT = 2e-5
 TOL_GRAD = 1e-4
 
@@ -35,8 +39,9 @@ def _full_grads(fsdp, use_orig_params: bool) -> dict:
     return out
 
 
-def _check_through_fsdp(kind: str, use_orig_params: bool, seed: int) -> str:
+def _check_through_fsdp(kind: str, use_orig_params: bool, own_unit: bool, seed: int) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from logitless.transformers import fused_forward, is_patched, patch_model, unpatch_model, unwrap_model
     from reference64 import rel_err
@@ -50,9 +55,12 @@ def _check_through_fsdp(kind: str, use_orig_params: bool, seed: int) -> str:
     temp = torch.rand(3) + 0.5
     a, b = torch.randn(ids.shape), torch.randn(ids.shape)
 
-    fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+                auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}) if own_unit else None)
+    if own_unit:
+        assert isinstance(model.lm_head, FSDP)
     assert unwrap_model(fsdp) is model
-    if use_orig_params:  # the module inside, outside FSDP's forward: its head weight is a flat shard
+    if use_orig_params and not own_unit:  # the module inside, outside FSDP's forward: its head weight is a flat shard
         try:
             patch_model(model)
         except ValueError as e:
@@ -99,7 +107,7 @@ def _check_own_unit_refused(kind: str, wrapped: type, seed: int) -> str:
         except ValueError as e:
             assert "FSDP" in str(e) and "lm_head" in str(e), str(e)
         else:
-            raise AssertionError("a head in its own FSDP unit was not refused")
+            raise AssertionError("a tied embedding in its own FSDP unit was not refused")
     return "refused"
 
 
@@ -108,9 +116,8 @@ def run(rank: int, init_file: str, seed: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     results = {}
     try:
-        checks = [lambda k=kind, o=orig: _check_through_fsdp(k, o, seed) for kind, orig in THROUGH_FSDP]
-        checks += [lambda: _check_own_unit_refused("llama", torch.nn.Linear, seed),
-                   lambda: _check_own_unit_refused("gpt2", torch.nn.Embedding, seed)]  # lm_head stays in the root
+        checks = [lambda k=kind, o=orig, u=own: _check_through_fsdp(k, o, u, seed) for kind, orig, own in THROUGH_FSDP]
+        checks += [lambda: _check_own_unit_refused("gpt2", torch.nn.Embedding, seed)]  # lm_head stays in the root
         for case, check in zip(CASES, checks, strict=True):
             try:
                 results[case] = [True, check()]
