@@ -10,6 +10,7 @@ MCORE ?= 0.19.2
 MCORE_LEGACY ?= 0.16.1
 # verl is installed without its dependencies (see the test extra in pyproject.toml)
 VERL ?= 0.9.1
+DEEPSPEED ?= 0.19.8
 VERL_DEPS := transformers==5.24.0 ray tensordict==0.10.0 hydra-core codetiming dill pillow accelerate
 LEGACY := .venv-legacy
 CACHE := .cache
@@ -22,6 +23,9 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(PIP) "$(TORCH)"
 	$(PIP) -e ".[test,bench,peers]"
 	$(PIP) --no-deps verl==$(VERL)
+	@# deepspeed (ZeRO-3 tests, on its CPU accelerator) ships an sdist only, whose build imports torch:
+	@# built against the torch above rather than in an isolated env that would fetch another one
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==$(DEEPSPEED)
 	@# megatron-core's wheel is cp312-only; its sdist builds and runs on 3.11
 	mkdir -p $(CACHE)
 	$(PY) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python \
