@@ -147,7 +147,8 @@ def _check_fsdp2(kind, layout, reshard, bf16, seed, mesh) -> str:
         loss, loss_tol = want.loss.detach(), 1e-6
         ref = {n: p.grad.float() for n, p in plain.named_parameters() if p.grad is not None}
     else:
-        loss, _ = truth(plain, ids, mask, None, targets, temp[:, None].expand(ids.shape), policy["advantages"], policy["old_logprobs"],
+        loss, _ = truth(plain, ids, mask, None, targets, temp[:, None].expand(ids.shape), policy["advantages"],
+                        policy["old_logprobs"],
                         policy["ref_logprobs"], policy["loss_agg"])
         loss_tol = 1e-5
         ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
@@ -197,7 +198,8 @@ def _check_tp_colwise(seed, mesh) -> str:
     res.loss.backward()
     got = _grads(model)
     plain.zero_grad(set_to_none=True)
-    loss, _ = truth(plain, ids, mask, None, expected_targets(ids, mask), temp[:, None].expand(ids.shape), policy["advantages"],
+    per_token = temp[:, None].expand(ids.shape)
+    loss, _ = truth(plain, ids, mask, None, expected_targets(ids, mask), per_token, policy["advantages"],
                     policy["old_logprobs"], policy["ref_logprobs"], policy["loss_agg"])
     assert abs(res.loss.item() - loss.item()) <= 1e-5, (res.loss.item(), loss.item())
     worst_pl = _compare_grads(got, {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}, TOL_GRAD)

@@ -1,7 +1,8 @@
 """fused_forward and patch_model through FSDP1 (FullyShardedDataParallel) over two gloo ranks on
 CPU, use_orig_params False and True: log-probs and entropy against the unwrapped model's own logits
 in float64, and FSDP's averaged, sharded gradients against the unwrapped model's. A head in its own
-FSDP unit works (its unit gathers it when logitless calls it); a tied embedding in its own unit is refused by name. Both ranks run every case in one spawn (fsdp_worker.py)."""
+FSDP unit works (its unit gathers it when logitless calls it); a tied embedding in its own unit is refused
+by name. Both ranks run every case in one spawn (fsdp_worker.py)."""
 import json
 import os
 

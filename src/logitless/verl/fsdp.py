@@ -10,6 +10,13 @@ Both are looked up when the forward runs, so replacing them moves every model ve
 before or after ``install``, onto logitless. Shapes and dtypes are verl's: log-probs float32; the
 entropy in the hidden states' dtype for "torch" (as its own kernel returns it), float32 otherwise.
 
+FSDP2: verl's ``apply_fsdp2`` puts an untied ``lm_head`` in its own unit, and verl's forward passes
+``self.lm_head.weight`` without calling ``lm_head``: a sharded DTensor (verl's own fused head then fails,
+"aten.mm.default got mixed torch.Tensor and DTensor"). Given a DTensor weight, logitless finds the model in
+verl's forward (the caller's ``self``), checks that its ``lm_head.weight`` is that tensor, and runs the fused
+op *as* ``lm_head``'s forward (``logitless.sharded_head.call_head``): FSDP2 gathers the head for the call and
+reduce-scatters its gradient exactly as for the unfused head.
+
 Strict mode: ``patch_forward_with_backends`` with ``use_fused_kernels=True`` and a backend verl does
 not know (e.g. none configured) prints "Skipping monkey patch ..." and leaves the unfused forward;
 under strict it raises ``FusedPathUnavailable``.
@@ -17,8 +24,10 @@ under strict it raises ``FusedPathUnavailable``.
 from __future__ import annotations
 
 import functools
+import sys
 
 from ..record import FusedPathUnavailable
+from ..sharded_head import call_head, is_dtensor
 from .core import fused_linear_for_ppo, linear_cross_entropy
 from .sites import Site, strict_mode
 
@@ -28,14 +37,48 @@ MONKEY_PATCH = "verl.models.transformers.monkey_patch"
 BACKENDS = ("triton", "torch", "liger")
 
 
+def _head_in_caller(weight, depth: int):
+    """The LM head module of the model whose verl forward passed ``weight`` (``self.lm_head.weight``): the
+    ``self`` of the frame ``depth`` levels up. ValueError when it is not found there."""
+    frame = sys._getframe(depth + 1)
+    model = frame.f_locals.get("self")
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else getattr(model, "lm_head", None)
+    if head is None or getattr(head, "weight", None) is not weight:
+        raise ValueError(
+            f"the head weight verl passed is a sharded DTensor ({tuple(weight.placements)}), and the model it belongs "
+            f"to was not found in verl's forward ({frame.f_code.co_name}): logitless gathers a sharded head by "
+            "calling its module. Keep lm_head unsharded at forward time (tie it, or leave it out of its own unit)")
+    return model, head
+
+
+def _run_as_head(weight, hidden, depth: int, compute):
+    """``compute(hidden, weight)`` on the head gathered by its own call (FSDP2 unit of an untied lm_head)."""
+    model, head = _head_in_caller(weight, depth + 1)
+
+    def as_head(x, w, tp_group):
+        if tp_group is not None:
+            raise ValueError("verl's FSDP forward with a tensor-parallel (ColwiseParallel) lm_head is not supported: "
+                             "verl's FSDP engine does not shard the head over the vocabulary")
+        return tuple(compute(x, w))
+
+    return call_head(head, hidden, as_head, owner=model)
+
+
 def _make_forward(original):
     def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
         """logitless in place of verl's FusedLinearForPPO.forward: (log_probs float32, entropy)
         shaped like input_ids, without the [tokens x vocab] logits."""
         backend = getattr(self, "impl_backend", "torch")
-        out = fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature,
-                                   entropy_dtype=hidden_states.dtype if backend == "torch" else None)
-        return out.logprobs, out.entropy
+
+        def compute(h, w):
+            out = fused_linear_for_ppo(h, w, input_ids, temperature,
+                                       entropy_dtype=hidden_states.dtype if backend == "torch" else None)
+            return out.logprobs, out.entropy
+
+        if is_dtensor(vocab_weights):   # an FSDP2 unit of its own (verl's apply_fsdp2, untied head)
+            return _run_as_head(vocab_weights, hidden_states, 1, compute)
+        return compute(hidden_states, vocab_weights)
 
     return forward
 
@@ -44,8 +87,13 @@ def _make_kernel(original):
     def linear_cross_entropy_logitless(hidden, weight, labels, temperature=1.0, reduction="none",
                                        dist_process_group=None):
         """logitless in place of verl's Triton ``linear_cross_entropy`` (same arguments and outputs)."""
-        return linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group,
-                                    reduce_grad_hidden=True)
+        def compute(h, w):
+            return linear_cross_entropy(h, w, labels, temperature, reduction, dist_process_group,
+                                        reduce_grad_hidden=True)
+
+        if is_dtensor(weight):   # an FSDP2 unit of its own (verl's apply_fsdp2, untied head)
+            return _run_as_head(weight, hidden, 1, compute)
+        return compute(hidden, weight)
 
     return linear_cross_entropy_logitless
 
