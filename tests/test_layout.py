@@ -17,7 +17,7 @@ PACKAGE = SRC / "logitless"
 # lowest first; a module may import from its own layer or any layer below, never from above
 LAYERS = [
     ["logitless.checks", "logitless.knobs", "logitless.record"],
-    ["logitless.parallel"],
+    ["logitless.parallel", "logitless.sharded_head"],   # torch.distributed layouts: vocab shards, sharded heads
     ["logitless.ops"],
     ["logitless.api"],
     ["logitless.losses"],
