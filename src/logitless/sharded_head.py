@@ -118,16 +118,20 @@ def _fsdp2_units_holding(owner: Optional[nn.Module], weight: Tensor) -> Sequence
 
 def _refuse_fsdp2_shard(head_name: str, weight: Tensor, units: Sequence[nn.Module], owner: nn.Module) -> None:
     """ValueError for a head weight that FSDP2 holds but that is still a DTensor when the head runs."""
-    names = {id(m): n for n, m in owner.named_modules()}
     unit = units[-1]   # the innermost unit holding it: the one that gathers it
-    where = names.get(id(unit)) or "the root"
+    if unit is owner:
+        # the model's own unit is gathered for its whole forward: a DTensor now is a tensor-parallel one
+        raise ValueError(
+            f"{head_name} is a DTensor ({_describe(weight)}) inside the running FSDP2 unit of the model: tensor "
+            "parallelism shards the head as well, and logitless does not combine FSDP2 and tensor parallelism on the "
+            "head. Shard the head with one of them: FSDP2 alone, or ColwiseParallel alone.")
+    name = {id(m): n for n, m in owner.named_modules()}.get(id(unit), "?")
     raise ValueError(
-        f"{head_name} is still a DTensor ({_describe(weight)}) when the head runs, and the head is not its own FSDP2 "
-        f"unit: the unit holding the weight is {where!r} ({type(unit).__name__}). Either that unit resharded it after "
-        "its own forward (a tied input embedding in its own unit with reshard_after_forward=True: the unfused head "
-        "cannot run like this either), or tensor parallelism shards the head as well (FSDP2 + TP on the head is not "
-        "supported by logitless). Keep the embedding and a tied head in the root unit (or fully_shard the embedding "
-        "with reshard_after_forward=False), and shard the head with FSDP2 or with ColwiseParallel, not both.")
+        f"{head_name} is still sharded ({_describe(weight)}) when the head runs: it is held by the FSDP2 unit {name!r} "
+        f"({type(unit).__name__}), which is not the head's own unit and resharded it after its own forward (a tied "
+        "input embedding in its own unit with reshard_after_forward=True: the unfused head cannot run like this "
+        "either). Keep the embedding and the tied head in one unit (the root, or fully_shard([embedding, head])), or "
+        "fully_shard the embedding with reshard_after_forward=False.")
 
 
 def check_layout(model: nn.Module, weight: Tensor, head_name: str = "lm_head.weight") -> None:

@@ -31,7 +31,8 @@ FSDP2 = [
     ("gpt2 tied embedding and head in their own unit, no reshard", "gpt2", "tied unit", False, False),
 ]
 FSDP2_CASES = [c[0] for c in FSDP2]
-TP_CASES = ["ColwiseParallel head", "RowwiseParallel head (Shard(1)): refused"]
+TP_CASES = ["ColwiseParallel head", "RowwiseParallel head (Shard(1)): refused",
+            "FSDP2 and ColwiseParallel both on the head: refused"]
 
 
 def _layers(model):
@@ -226,6 +227,30 @@ def _check_tp_rowwise_refused(seed, mesh) -> str:
     return "refused"
 
 
+def _check_fsdp2_and_tp_refused(seed) -> str:
+    """A (dp=1, tp=W) mesh: the head vocabulary-sharded over tp, then fully_shard over dp: inside the root unit's
+    forward the head weight is still a tensor-parallel DTensor, which logitless does not combine with FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from logitless.transformers import fused_forward
+    from test_transformers import tiny_model
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(seed)
+    model = tiny_model("llama").train()
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    fully_shard(model, mesh=mesh["dp"])
+    ids, mask, _, _, _ = _batch(seed + 1)
+    try:
+        fused_forward(model, ids, mask)
+    except ValueError as e:
+        assert "tensor parallelism" in str(e) and "Shard(dim=0)" in str(e), str(e)
+        return f"refused: {e}"
+    raise AssertionError("FSDP2 + tensor parallelism on the head was not refused")
+
+
 def run(rank: int, world: int, suite: str, init_file: str, seed: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
@@ -240,7 +265,8 @@ def run(rank: int, world: int, suite: str, init_file: str, seed: int, out_dir: s
             checks = [lambda c=c: _check_fsdp2(*c[1:], seed, mesh) for c in FSDP2]
         else:
             cases = TP_CASES
-            checks = [lambda: _check_tp_colwise(seed, mesh), lambda: _check_tp_rowwise_refused(seed, mesh)]
+            checks = [lambda: _check_tp_colwise(seed, mesh), lambda: _check_tp_rowwise_refused(seed, mesh),
+                      lambda: _check_fsdp2_and_tp_refused(seed)]
         for case, check in zip(cases, checks, strict=True):
             if only and case not in only.split(";"):
                 continue
