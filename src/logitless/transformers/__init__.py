@@ -4,7 +4,8 @@ loss from them, and ``patch_model`` / ``unpatch_model`` to make one model instan
 from its own ``forward`` (no logits).
 
 Modules: ``forward`` (entry points and the instance patch), ``heads`` (what the LM head computes),
-``labels`` (targets and temperature per position), ``fsdp`` (FSDP1 head placement)."""
+``labels`` (targets and temperature per position), ``fsdp`` (FSDP1 head placement); sharded heads are
+called through ``logitless.sharded_head``."""
 from .forward import (
     FusedCausalLMOutput,
     fused_forward,

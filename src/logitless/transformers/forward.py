@@ -12,8 +12,10 @@ Wrappers are looked through: PEFT (LoRA and other adapters that live inside the 
 DistributedDataParallel / FSDP / DeepSpeed ``.module`` chains, ``torch.compile``'s ``_orig_mod``.
 A wrapped model is still *called* through its wrapper, so DDP's gradient bookkeeping, FSDP's
 all-gathers and PEFT's hooks run as usual; only the innermost causal LM's forward is replaced.
-Under FSDP1 the head weight (and a tied input embedding) must belong to the root unit, which is
-unsharded for the whole forward; a head in a nested unit is refused (see fsdp.py).
+The fused op runs as the head module's forward (``logitless.sharded_head.call_head``), so FSDP1 / FSDP2 /
+DeepSpeed ZeRO-3 gather a sharded head, and reduce its gradient, as for the unfused head; a head sharded over
+the vocabulary by tensor parallelism (DTensor ``Shard(0)``) runs the op's ``tp_group`` path. Layouts that
+cannot work are refused by name (sharded_head.py, fsdp.py).
 """
 from __future__ import annotations
 
