@@ -6,6 +6,7 @@ return a ``PolicyLossOutput``; they agree within the op's tolerances.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -67,20 +68,31 @@ def _finish(tokens: ScoredTokens, loss, lp, ent, clipped, kl, with_kl: bool, seq
 def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tensor, *,
                 temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                 reduce_grad_hidden: bool = True, backend: str = "auto", fused: bool = True,
-                seq_first: bool = False) -> PolicyLossOutput:
+                seq_first: bool = False, softcap: Optional[float] = None) -> PolicyLossOutput:
     """``fused_policy_loss`` (fused=True) or ``policy_loss_reference`` (False) of a ``PolicyLoss``.
 
     seq_first: hidden is [s, b, H] while labels and the policy's per-token inputs are [b, s] (Megatron's
-    layout; the outputs come back [b, s] and sequences are the rows of labels)."""
+    layout; the outputs come back [b, s] and sequences are the rows of labels).
+    softcap: None, or c > 0: the logits are c * tanh(raw / c) before the temperature (Gemma 2's
+    final_logit_softcapping), as in ``fused_logprobs``.
+
+    Which pass runs: a token-local loss with no softcap takes the one fused pass (three GEMMs, gradients
+    formed in the forward). A loss that couples tokens (``TermSpec.coupled``: sequence-level ratios,
+    VESPO, the off-policy and entropy masks) or a softcapped head takes the statistics of every token
+    first (``fused_logprobs``' forward), forms the per-token coefficients dL/dlogprob, dL/dentropy of the
+    whole batch in float64 (``terms.py``), and a second pass for the gradients (``fused_logprobs``'
+    backward): exact, four GEMMs."""
+    if softcap is not None:
+        softcap = checks.finite_float(softcap, "softcap", minimum=0.0, above=True)
     hidden, weight, tokens, mod, tp = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
                                                tp_group, reduce_grad_hidden, backend, seq_first)
     spec = policy.term_spec()
-    if not fused:
+    if not fused or spec.coupled or softcap is not None:
         return _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden,
-                          mod.name, labels, seq_first)
+                          mod.name, labels, seq_first, softcap)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     grad = torch.is_grad_enabled()
-    options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name), tp=tp,
+    options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
                           need_dh=grad and hidden.requires_grad, need_dw=grad and weight.requires_grad)
     loss, lp, ent, clipped, kl = FusedPolicyLossFunction.apply(h2, weight, tokens, spec, options)
     record_backend(mod.name)
@@ -88,15 +100,16 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
 
 
 def _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,
-               labels, seq_first):
-    """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd."""
+               labels, seq_first, softcap=None):
+    """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd: the
+    statistics pass, the whole batch's float64 terms and their per-token coefficients, the gradient pass."""
     labels_rows = labels.t() if seq_first else labels
     temp = temperature
     if seq_first and torch.is_tensor(temperature) and temperature.dim() == 2:
         temp = temperature.t()     # [b, s] or [b, 1] -> the rows' [s, b] layout
     out = fused_logprobs(hidden, weight, labels_rows, temperature=temp, with_entropy=True,
                          ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
-                         backend=backend)
+                         backend=backend, softcap=softcap)
     lp, ent = out.logprobs.reshape(-1), out.entropy.reshape(-1)
     if tokens.rows is not None:
         lp, ent = lp.index_select(0, tokens.rows), ent.index_select(0, tokens.rows)
@@ -111,7 +124,7 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                       kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                       loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
-                      reduce_grad_hidden: bool = True, backend: str = "auto") -> PolicyLossOutput:
+                      reduce_grad_hidden: bool = True, backend: str = "auto", **loss_settings) -> PolicyLossOutput:
     """The PPO / GRPO policy loss straight from the LM head, in three GEMMs, without the logits.
 
     Args:
@@ -121,23 +134,40 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
         advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
             entropy_coef, loss_agg, cu_seqlens: see ``logitless.losses.PolicyLoss``; per-token inputs
             broadcast to the labels (per token, or per sequence [b, 1]).
+        loss_settings: the other ``PolicyLoss`` settings, by name: surrogate ("ppo", "cispo", "sapo",
+            "gpg", "dro", "vespo", "dppo_tv", "dppo_kl"), ratio_level, delta, kl_ratio, the masks
+            (entropy_quantile, off_policy_threshold), rollout correction (rollout_logprobs, rollout_is,
+            rollout_is_min / _max, rollout_weights), entropy_agg and each surrogate's parameters; an
+            unknown name is a TypeError naming it. docs/policy-loss.md defines each.
 
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, clip_fraction, kl): ``loss`` is 0-d float32, to be
         minimised, differentiable once to hidden and weight (only those that require grad); the rest are
         detached float32 metrics.
 
-    The loss is sum_i w_i f_i over the scored tokens (``terms.py`` for f, ``aggregate.py`` for w). Knowing
-    it, the pass forms each token chunk's gradient as soon as its statistics are known: the logits are
+    The loss is sum_i w_i f_i over the scored tokens (``terms.py`` for f, ``aggregate.py`` for w). For a
+    token-local f (each token's term depends on its own log-prob and entropy only), the pass forms each token chunk's gradient as soon as its statistics are known: the logits are
     never recomputed (three GEMMs, against the four of fused_logprobs plus a loss). Memory beyond the
     gradient buffers: a per-chunk workspace (LOGITLESS_POLICY_WORKSPACE_BYTES on the triton backend,
     LOGITLESS_CHUNK_ELEMENTS on the chunked one). The gradient buffers are allocated in the forward.
+    A loss that couples tokens (sequence-level ratios, VESPO, the masks) is exact too, in four GEMMs: see
+    ``policy_loss``.
     """
-    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    policy = _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
+                     entropy_coef, loss_agg, cu_seqlens, loss_settings)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend)
+
+
+def _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef,
+            loss_agg, cu_seqlens, loss_settings) -> PolicyLoss:
+    known = {f.name for f in dataclasses.fields(PolicyLoss)}
+    unknown = sorted(set(loss_settings) - known)
+    if unknown:
+        raise TypeError(f"unknown policy-loss setting(s) {', '.join(unknown)}; PolicyLoss takes {sorted(known)}")
+    return PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_type=kl_type,
+                      entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens, **loss_settings)
 
 
 def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
@@ -146,11 +176,11 @@ def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advant
                           kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                           loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                           temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
-                          reduce_grad_hidden: bool = True, backend: str = "auto") -> PolicyLossOutput:
+                          reduce_grad_hidden: bool = True, backend: str = "auto", **loss_settings
+                          ) -> PolicyLossOutput:
     """``fused_policy_loss``'s loss through ``fused_logprobs`` (on ``backend``) and torch autograd: the same
     definition (``terms.py``), the usual four GEMMs. The baseline the fused loss is measured against."""
-    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    policy = _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
+                     entropy_coef, loss_agg, cu_seqlens, loss_settings)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend, fused=False)

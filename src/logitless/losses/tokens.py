@@ -72,9 +72,16 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
     valid = labels != ignore_index
     named = [(name, checks.per_token_tensor(value, name, labels))
              for name, value in (("advantages", policy.advantages), ("old_logprobs", policy.old_logprobs),
-                                 ("ref_logprobs", policy.ref_logprobs)) if value is not None]
+                                 ("ref_logprobs", policy.ref_logprobs), ("rollout_logprobs", policy.rollout_logprobs),
+                                 ("rollout_weights", policy.rollout_weights)) if value is not None]
     cu, cu_ok = (None, None) if policy.cu_seqlens is None else check_cu_seqlens(policy.cu_seqlens, labels)
     check_agg_layout(labels, policy.loss_agg, cu)
+    if policy.entropy_agg is not None:
+        check_agg_layout(labels, policy.entropy_agg, cu)
+    for needs, what in sequence_needs(policy):
+        if needs and (labels.dim() == 0 or (labels.dim() == 1 and cu is None)):
+            raise ValueError(f"{what} needs sequences: give labels [b, s] (a sequence per row) or cu_seqlens for "
+                             "packed 1-D labels")
     temp_is_tensor = isinstance(temperature, Tensor)
     inv_t = inv_temperature(temperature, labels, check_values=False).view(labels.shape)
 
@@ -132,9 +139,55 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
 
     def make_inputs() -> TokenInputs:
         weights = rows_order(token_weights(valid, policy.loss_agg, cu))
+        ent_weights = None
+        if policy.entropy_agg is not None and policy.entropy_agg != policy.loss_agg:
+            ent_weights = pick(rows_order(token_weights(valid, policy.entropy_agg, cu)), torch.float64)
         given = {name: pick(t, torch.float64) for name, t in flat_inputs.items()}
+        seq, n_seq, horizon = sequence_ids(labels, cu)
+        seq = None if seq is None else pick(rows_order(seq), torch.long)
+        rollout_weights = given.get("rollout_weights")
+        if policy.rollout_is is not None:
+            rollout_weights = rollout_is_weights(given["old_logprobs"], given["rollout_logprobs"], seq, n_seq, policy)
         return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"),
-                           pick(weights, torch.float64))
+                           pick(weights, torch.float64), seq=seq, n_seq=n_seq, ent_weights=ent_weights,
+                           rollout=given.get("rollout_logprobs"), rollout_weights=rollout_weights, horizon=horizon)
     return ScoredTokens(rows=rows, total=total, labels=pick(flat_labels, torch.long),
                         inv_temp=pick(rows_order(inv_t), torch.float32), make_inputs=make_inputs,
                         row_shape=tuple(labels.t().shape if seq_first else labels.shape))
+
+
+def sequence_needs(policy: PolicyLoss) -> list:
+    """(whether the setting is on, its name) for the settings that need the labels to delimit sequences."""
+    return [(policy.ratio_level != "token", f"ratio_level={policy.ratio_level!r}"),
+            (policy.surrogate == "vespo", "surrogate='vespo'"),
+            (policy.off_policy_threshold is not None, "off_policy_threshold"),
+            (policy.rollout_is is not None and policy.rollout_is.startswith("sequence"),
+             f"rollout_is={policy.rollout_is!r}")]
+
+
+def sequence_ids(labels: Tensor, cu: Optional[Tensor]):
+    """(int64 sequence index of every position in the labels' layout or None, the number of sequences,
+    the horizon: the sequence axis' size, or the longest packed sequence)."""
+    if cu is not None:
+        lengths = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=labels.device), lengths)
+        return seq, lengths.numel(), lengths.max().clamp_min(1).double()   # a tensor: no host read
+    if labels.dim() < 2:
+        return None, 0, 1.0
+    s = labels.shape[-1]
+    n_seq = labels.numel() // max(s, 1)
+    seq = torch.arange(n_seq, device=labels.device).repeat_interleave(s).view(labels.shape)
+    return seq, n_seq, float(s)
+
+
+def rollout_is_weights(old: Tensor, rollout: Tensor, seq: Optional[Tensor], n_seq: int, policy: PolicyLoss) -> Tensor:
+    """float64 [n]: TRL's vLLM importance-sampling ratio of the scored tokens (``PolicyLoss.rollout_is``)."""
+    diff = old - rollout
+    if policy.rollout_is.startswith("sequence"):
+        diff = diff.new_zeros(n_seq).index_add_(0, seq, diff)[seq]
+    rho = diff.exp()
+    lo = -math.inf if policy.rollout_is_min is None else policy.rollout_is_min
+    hi = math.inf if policy.rollout_is_max is None else policy.rollout_is_max
+    if policy.rollout_is.endswith("truncate"):
+        return rho.clamp(min=policy.rollout_is_min, max=hi)
+    return rho.masked_fill((rho < lo) | (rho > hi), 0.0)

@@ -131,6 +131,15 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, params_ptr,
     tl.store(row + 2, kl_sum)
 
 
+def supports(spec: terms.TermSpec) -> bool:
+    """Whether this kernel computes ``spec``'s terms: the clipped surrogate (dual clip, no delta cap) at
+    token level, verl's KL estimators, a token-mean-like entropy bonus with the loss's weights. Other
+    settings take the torch derivatives of ``terms.py`` instead (the same definition, exact)."""
+    return (spec.surrogate == "ppo" and spec.ratio_level == "token" and spec.delta is None and not spec.kl_ratio
+            and not spec.coupled and not spec.has_rollout_weights and spec.entropy_agg is None
+            and spec.kl_type.rstrip("+") in KL_CODES)
+
+
 @dataclass(frozen=True)
 class TermSettings:
     """The scalar settings of the terms, once per loss call: the float64 values on the device (read by the
