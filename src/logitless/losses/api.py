@@ -145,10 +145,11 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
         minimised, differentiable once to hidden and weight (only those that require grad); the rest are
         detached float32 metrics.
 
-    The loss is sum_i w_i f_i over the scored tokens (``terms.py`` for f, ``aggregate.py`` for w). For a
-    token-local f (each token's term depends on its own log-prob and entropy only), the pass forms each token chunk's gradient as soon as its statistics are known: the logits are
-    never recomputed (three GEMMs, against the four of fused_logprobs plus a loss). Memory beyond the
-    gradient buffers: a per-chunk workspace (LOGITLESS_POLICY_WORKSPACE_BYTES on the triton backend,
+    The loss is sum_i w_i f_i over the scored tokens (``ops/policy_terms.py`` for f, ``aggregate.py`` for
+    w). For a token-local f (each token's term depends on its own log-prob and entropy only), the pass
+    forms each token chunk's gradient as soon as its statistics are known: the logits are never
+    recomputed (three GEMMs, against the four of fused_logprobs plus a loss). Memory beyond the gradient
+    buffers: a per-chunk workspace (LOGITLESS_POLICY_WORKSPACE_BYTES on the triton backend,
     LOGITLESS_CHUNK_ELEMENTS on the chunked one). The gradient buffers are allocated in the forward.
     A loss that couples tokens (sequence-level ratios, VESPO, the masks) is exact too, in four GEMMs: see
     ``policy_loss``.
