@@ -55,9 +55,10 @@ def batch(gen_seed=None, ignored=0.2, noise=0.4):
 def verl_config(**kw):
     from verl.workers.config import ActorConfig
     from verl.workers.config.actor import PolicyLossConfig
-    dro_beta = kw.pop("dro_beta", None)
+    loss = kw.pop("policy_loss", {})
+    loss.setdefault("dro_beta", kw.pop("dro_beta", None))
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                       policy_loss=PolicyLossConfig(dro_beta=dro_beta), **kw)
+                       policy_loss=PolicyLossConfig(**loss), **kw)
 
 
 def trl_k3(lp, ref):
@@ -117,6 +118,14 @@ CASES = {
                      verl_loss("dppo_tv", "token-mean", clip_ratio_low=0.01, clip_ratio_high=0.02)),
     "verl-dppo_kl": (dict(surrogate="dppo_kl", clip_low=0.01, clip_high=0.02, loss_agg="seq-mean-token-mean"),
                      verl_loss("dppo_kl", "seq-mean-token-mean", clip_ratio_low=0.01, clip_ratio_high=0.02)),
+    "verl-geo_mean": (dict(surrogate="geo_mean", clip_low=0.3, clip_high=0.2),
+                      verl_loss("geo_mean", "token-mean", clip_ratio_low=0.3, clip_ratio_high=0.2)),
+    "verl-kl_cov": (dict(surrogate="kl_cov", cov_ratio=0.2, kl_cov_coef=0.5, loss_agg="token-mean"),
+                    verl_loss("kl_cov", "token-mean", policy_loss=dict(kl_cov_ratio=0.2, ppo_kl_coef=0.5))),
+    "verl-clip_cov": (dict(surrogate="clip_cov", cov_ratio=0.2, clip_cov_lb=0.2, clip_cov_ub=3.0, clip_high=0.2,
+                           loss_agg="seq-mean-token-mean"),
+                      verl_loss("clip_cov", "seq-mean-token-mean",
+                                policy_loss=dict(clip_cov_ratio=0.2, clip_cov_lb=0.2, clip_cov_ub=3.0))),
     "trl-gspo-bias_corrected_kl": (
         dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, kl_coef=0.1, kl_type="k3_unclamped", kl_ratio=True,
              loss_agg="seq-mean-token-mean"),
@@ -199,9 +208,11 @@ def test_loss_equals_trainer_definition(backend, case, small_chunks):
     settings, fn = CASES[case]
     inputs = batch()
     hidden, weight, labels, adv, old, ref, rollout = inputs
+    torch.manual_seed(1234)          # clip_cov draws its tokens with torch.randperm, as verl does
     want = truth(inputs, fn, temperature=0.9)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     settings = dict(settings)
+    torch.manual_seed(1234)
     if "rollout_is" in settings or settings.get("off_policy_threshold") is not None:
         settings["rollout_logprobs"] = rollout
     out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend, **settings)

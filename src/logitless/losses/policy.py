@@ -49,7 +49,11 @@ class PolicyLoss:
 
     The policy-gradient term (definitions: ``logitless.ops.policy_terms``; docs/policy-loss.md):
     surrogate: "ppo" (the clipped surrogate, default), "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv",
-        "dppo_kl". verl's policy_loss names map onto these settings with ``verl_loss_settings``.
+        "dppo_kl", "geo_mean" (GMPO), "clip_cov", "kl_cov". verl's policy_loss names map onto these settings
+        with ``verl_loss_settings``.
+    cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_coef: clip_cov / kl_cov's share of selected tokens, clip_cov's
+        covariance band, kl_cov's coefficient of |lp - old| (verl's clip_cov_ratio / kl_cov_ratio, clip_cov_lb,
+        clip_cov_ub, ppo_kl_coef).
     ratio_level: "token" (default), "sequence" (GSPO's length-normalised sequence ratio, the gradient
         through the sequence mean: TRL's importance_sampling_level="sequence"), "sequence-token" (its value
         with a per-token gradient: verl's "gspo").
@@ -103,6 +107,10 @@ class PolicyLoss:
     rollout_is_min: Optional[float] = None
     rollout_is_max: Optional[float] = None
     rollout_weights: Optional[Tensor] = None
+    cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
 
     def __post_init__(self):
         checks.tensor(self.advantages, "advantages")
@@ -145,8 +153,19 @@ class PolicyLoss:
             set_(self, "dro_beta", checks.finite_float(self.dro_beta, "dro_beta", minimum=0.0, above=True))
         if self.surrogate == "dro" and self.dro_beta is None:
             raise ValueError("surrogate='dro' needs dro_beta > 0 (DRO's quadratic log-ratio penalty)")
-        if self.surrogate == "vespo" and self.ratio_level != "token":
-            raise ValueError(f"surrogate='vespo' weights whole sequences itself; ratio_level={self.ratio_level!r} "
+        r = checks.finite_float(self.cov_ratio, "cov_ratio", minimum=0.0, above=True)
+        if r > 1.0:
+            raise ValueError(f"cov_ratio must be in (0, 1], got {r!r}")
+        set_(self, "cov_ratio", r)
+        for name in ("clip_cov_lb", "clip_cov_ub", "kl_cov_coef"):
+            set_(self, name, checks.finite_float(getattr(self, name), name))
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}")
+        if self.surrogate == "geo_mean" and (self.off_policy_threshold is not None or self.entropy_quantile < 1.0):
+            raise ValueError("surrogate='geo_mean' is a loss per sequence: off_policy_threshold and entropy_quantile "
+                             "(token masks) do not apply to it")
+        if self.surrogate in ("vespo", "geo_mean", "clip_cov", "kl_cov") and self.ratio_level != "token":
+            raise ValueError(f"surrogate={self.surrogate!r} forms its own ratios; ratio_level={self.ratio_level!r} "
                              "must be 'token'")
         if self.off_policy_threshold is not None:
             set_(self, "off_policy_threshold", checks.finite_float(self.off_policy_threshold,
@@ -188,7 +207,9 @@ class PolicyLoss:
                         off_policy_threshold=self.off_policy_threshold, entropy_quantile=self.entropy_quantile,
                         entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
                         has_rollout=self.rollout_logprobs is not None,
-                        has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None)
+                        has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
+                        cov_ratio=self.cov_ratio, cov_bounds=(self.clip_cov_lb, self.clip_cov_ub),
+                        cov_kl_coef=self.kl_cov_coef)
 
 
 def _choice(value, name: str, allowed) -> str:
@@ -200,7 +221,8 @@ def _choice(value, name: str, allowed) -> str:
 
 
 # verl's actor.policy_loss.loss_mode names -> PolicyLoss settings (verl's clip_ratio_c is dual_clip for
-# "vanilla" and the ratio cap of "dppo_*"; clip_cov, kl_cov and geo_mean have no fused form yet)
+# "vanilla" and the ratio cap of "dppo_*"; its policy_loss.clip_cov_ratio / kl_cov_ratio are cov_ratio,
+# clip_cov_lb / _ub the same, ppo_kl_coef is kl_cov_coef, dro_beta the same)
 VERL_POLICY_LOSSES = {
     "vanilla": {"surrogate": "ppo"},
     "gspo": {"surrogate": "ppo", "ratio_level": "sequence-token"},
@@ -210,6 +232,9 @@ VERL_POLICY_LOSSES = {
     "dro": {"surrogate": "dro"},
     "dppo_tv": {"surrogate": "dppo_tv"},
     "dppo_kl": {"surrogate": "dppo_kl"},
+    "geo_mean": {"surrogate": "geo_mean"},
+    "clip_cov": {"surrogate": "clip_cov"},
+    "kl_cov": {"surrogate": "kl_cov"},
 }
 
 

@@ -159,7 +159,7 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
 def sequence_needs(policy: PolicyLoss) -> list:
     """(whether the setting is on, its name) for the settings that need the labels to delimit sequences."""
     return [(policy.ratio_level != "token", f"ratio_level={policy.ratio_level!r}"),
-            (policy.surrogate == "vespo", "surrogate='vespo'"),
+            (policy.surrogate in ("vespo", "geo_mean"), f"surrogate={policy.surrogate!r}"),
             (policy.off_policy_threshold is not None, "off_policy_threshold"),
             (policy.rollout_is is not None and policy.rollout_is.startswith("sequence"),
              f"rollout_is={policy.rollout_is!r}")]

@@ -63,7 +63,9 @@ from torch import Tensor
 KL_TYPES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
             "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+",
             "k3_unclamped": "k3_unclamped", "k3_unclamped+": "k3_unclamped+"}
-SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl")
+SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov")
+# surrogates whose terms depend on other tokens' values (a sequence's, or the batch's)
+COUPLED_SURROGATES = ("vespo", "geo_mean", "clip_cov", "kl_cov")
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
 RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp
 K3_CLAMP = 10.0             # and the k3 estimate to +-10
@@ -97,12 +99,15 @@ class TermSpec:
     loss_agg: str = "token-mean"
     has_rollout: bool = False                # rollout (sampling) log-probs given
     has_rollout_weights: bool = False        # rollout-correction weights given
+    cov_ratio: float = 2e-4                  # clip_cov / kl_cov: the share of tokens selected
+    cov_bounds: tuple = (1.0, 5.0)           # clip_cov: the covariance band of the candidates
+    cov_kl_coef: float = 1.0                 # kl_cov: verl's ppo_kl_coef
 
     @property
     def coupled(self) -> bool:
         """Whether a token's term depends on other tokens' log-probs or entropies (see the module)."""
-        return (self.ratio_level != "token" or self.surrogate == "vespo" or self.off_policy_threshold is not None
-                or self.entropy_quantile < 1.0)
+        return (self.ratio_level != "token" or self.surrogate in COUPLED_SURROGATES
+                or self.off_policy_threshold is not None or self.entropy_quantile < 1.0)
 
     @property
     def uses_entropy(self) -> bool:
@@ -248,6 +253,11 @@ def _surrogate(lp: Tensor, old: Tensor, ratio: Tensor, d: Tensor, adv: Tensor, t
         return -(lp * adv - 0.5 * spec.dro_beta * (lp - old).square()), no_clip
     if spec.surrogate == "vespo":
         return -_vespo_phi(d, adv, tokens, spec) * adv * lp, no_clip
+    if spec.surrogate == "geo_mean":           # a loss per sequence: ``geo_mean_loss``
+        d_clamped = d.detach().clamp(-spec.clip_low, spec.clip_high)
+        return torch.zeros_like(lp), d.detach() != d_clamped
+    if spec.surrogate in ("clip_cov", "kl_cov"):
+        return _covariance_surrogate(lp, ratio, d, adv, spec)
     # dppo_tv, dppo_kl (verl): a detached truncated ratio, tokens outside the trust region dropped
     cap = DPPO_CAP if spec.dual_clip is None else spec.dual_clip
     lpd = lp.detach()
@@ -258,6 +268,49 @@ def _surrogate(lp: Tensor, old: Tensor, ratio: Tensor, d: Tensor, adv: Tensor, t
         bkl = p_old * (old - lpd) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
         keep = torch.where(adv > 0, (bkl <= spec.clip_high) | (p <= p_old), (bkl <= spec.clip_low) | (p >= p_old))
     return -adv * ratio.detach().clamp(max=cap) * lp * keep.double(), ~keep
+
+
+def _covariance_surrogate(lp: Tensor, ratio: Tensor, d: Tensor, adv: Tensor, spec: TermSpec) -> tuple[Tensor, Tensor]:
+    """verl's clip_cov and kl_cov (Entropy-Mechanism-of-RL): tokens chosen by the covariance of advantage and
+    log-prob over the batch. clip_cov: among the tokens the clip did not bind whose covariance lies in
+    (lb, ub), ``cov_ratio`` of the batch's tokens drawn at random (torch.randperm on the default CPU
+    generator, as verl draws them) get no policy-gradient term. kl_cov: the ``cov_ratio`` share with the
+    largest covariance get ``cov_kl_coef`` |lp - old| added; no clipping."""
+    n = adv.numel()
+    lpd = lp.detach()
+    cov = (adv - adv.mean()) * (lpd - lpd.mean())
+    pg1 = -adv * ratio
+    count = max(int(spec.cov_ratio * n), 1)
+    if spec.surrogate == "kl_cov":
+        chosen = torch.zeros_like(adv, dtype=torch.bool)
+        if n:
+            chosen[torch.topk(cov, min(count, n), largest=True).indices] = True
+        return torch.where(chosen, pg1 + spec.cov_kl_coef * d.abs(), pg1), torch.zeros_like(chosen)
+    pg2 = -adv * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    lb, ub = spec.cov_bounds
+    candidates = torch.nonzero((cov < ub) & (cov > lb) & ~(pg2 > pg1)).squeeze(1)
+    chosen = torch.zeros_like(adv, dtype=torch.bool)
+    if candidates.numel():
+        perm = torch.randperm(candidates.numel())
+        chosen[candidates[perm[:min(count, candidates.numel())].to(candidates.device)]] = True
+    return torch.maximum(pg1, pg2) * (~chosen).double(), chosen
+
+
+def geo_mean_loss(lp: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """verl's geo_mean (GMPO): the mean over the batch's sequences of -mean(A) exp(mean of the token
+    log-ratios, each clipped to [-clip_low, clip_high] on the side the advantage's sign selects); it
+    ignores loss_agg, as verl does. With rollout weights, times their geometric mean per sequence."""
+    old = tokens.old_logprobs if spec.has_old else lp.detach()
+    adv = tokens.advantages
+    d = lp - old
+    sign = torch.sign(adv)
+    d_min = sign * torch.minimum(sign * d, sign * d.clamp(-spec.clip_low, spec.clip_high))
+    length = seq_sum(torch.ones_like(d), tokens, "surrogate='geo_mean'") + 1e-8
+    ratio = torch.exp(seq_sum(d_min, tokens, "surrogate='geo_mean'") / length)
+    pg = -(seq_sum(adv, tokens, "surrogate='geo_mean'") / length) * ratio
+    if spec.has_rollout_weights:
+        pg = pg * torch.exp(seq_sum(torch.log(tokens.rollout_weights + 1e-10), tokens, "rollout_weights") / length)
+    return pg.sum() / max(tokens.n_seq, 1)
 
 
 def entropy_mask(ent: Tensor, quantile: float) -> Tensor:
@@ -286,7 +339,7 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
         pg = pg * ((adv >= 0) | (mean_kl <= spec.off_policy_threshold)).double()
     if spec.entropy_quantile < 1.0:
         pg = pg * entropy_mask(ent, spec.entropy_quantile).double()
-    if spec.has_rollout_weights and spec.surrogate != "vespo":
+    if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
         pg = pg * tokens.rollout_weights
     f = pg
     kl = None
@@ -330,6 +383,8 @@ def weighted_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec)
     f, clipped, kl = per_token_terms(lp, ent, tokens, spec)
     w = tokens.weights
     loss = (w * f).sum()
+    if spec.surrogate == "geo_mean":
+        loss = loss + geo_mean_loss(lp, tokens, spec)
     if spec.uses_entropy:
         loss = loss - spec.entropy_coef * (entropy_weights(ent, tokens, spec) * ent).sum()
     return loss, clipped.sum(dtype=torch.float64), None if kl is None else (w * kl.detach()).sum()
