@@ -18,6 +18,7 @@ from required import import_or_skip
 
 core = import_or_skip("verl.trainer.ppo.core_algos", "make setup installs verl (the verl integration's tests)")
 trl_grpo = import_or_skip("trl.trainer.grpo_trainer", "the test extra installs trl")
+rollout_corr = import_or_skip("verl.trainer.ppo.rollout_corr_helper", "make setup installs verl")
 
 TRITON = pytest.param("triton", marks=pytest.mark.skipif(
     not INTERPRETING, reason="CPU tensors: the triton backend needs its interpreter (TRITON_INTERPRET=1)"))
@@ -176,6 +177,24 @@ for _mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mas
             aggregate64(trl_ppo(torch.exp(lp - old), adv, 0.2, 0.28)
                         * trl_is_ratio(old, ro, m, mode, 0.8 if mode.startswith("token") else 0.3, 1.3),
                         m.bool(), "token-mean") - 0.01 * aggregate64(ent, m.bool(), "token-mean")))(_mode))
+
+
+def verl_rollout_corrected(level, threshold, normalize, **ours):
+    """verl's vanilla PPO loss with its own rollout-correction weights (compute_rollout_correction_weights)."""
+    def fn(lp, ent, adv, old, ref, ro, m):
+        weights, _ = rollout_corr.compute_rollout_correction_weights(old - ro, m, level, threshold, normalize)
+        return core.compute_policy_loss_vanilla(old, lp, adv, m, "token-mean",
+                                                verl_config(clip_ratio_low=0.2, clip_ratio_high=0.28),
+                                                rollout_is_weights=weights)[0]
+    return dict(dual_clip=3.0, clip_high=0.28, rollout_is_batch_normalize=normalize, **ours), fn
+
+
+CASES["verl-rollout_is-token-tis"] = verl_rollout_corrected("token", 1.3, False, rollout_is="token_truncate",
+                                                            rollout_is_max=1.3)
+CASES["verl-rollout_is-sequence-tis-normalized"] = verl_rollout_corrected(
+    "sequence", 2.0, True, rollout_is="sequence_truncate", rollout_is_max=2.0)
+CASES["verl-rollout_is-token-icepop-normalized"] = verl_rollout_corrected(
+    "token", "0.7_1.4", True, rollout_is="token_mask", rollout_is_min=0.7, rollout_is_max=1.4)
 
 
 def truth(inputs, fn, temperature=1.0, softcap=None):

@@ -74,6 +74,12 @@ class PolicyLoss:
         "sequence_mask" (MIS: the weight set to 0 outside that band), multiplying the policy-gradient term
         (TRL's vllm_importance_sampling_mode); needs rollout_logprobs and old_logprobs.
     rollout_is_min, rollout_is_max: the band (None: unbounded on that side; truncation needs a maximum).
+        verl's rollout_correction: rollout_is="token" / "sequence" with rollout_is_threshold=u is
+        "token_truncate" / "sequence_truncate" with rollout_is_max=u; a threshold "l_u" (IcePop) is
+        "token_mask" / "sequence_mask" with rollout_is_min=l, rollout_is_max=u. The log-ratio is clamped to
+        +-20 before exp, as verl does.
+    rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
+        sequences, at sequence level), as verl's rollout_is_batch_normalize.
     rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]), when
         computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
     """
@@ -107,6 +113,7 @@ class PolicyLoss:
     rollout_is_min: Optional[float] = None
     rollout_is_max: Optional[float] = None
     rollout_weights: Optional[Tensor] = None
+    rollout_is_batch_normalize: bool = False
     cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -143,6 +150,7 @@ class PolicyLoss:
         _choice(self.surrogate, "surrogate", SURROGATES)
         _choice(self.ratio_level, "ratio_level", RATIO_LEVELS)
         checks.boolean(self.kl_ratio, "kl_ratio")
+        checks.boolean(self.rollout_is_batch_normalize, "rollout_is_batch_normalize")
         if self.delta is not None:
             set_(self, "delta", checks.finite_float(self.delta, "delta", minimum=1.0, above=True))
         for name in ("sapo_tau_pos", "sapo_tau_neg"):

@@ -156,6 +156,9 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, temperature, ignore_inde
                         row_shape=tuple(labels.t().shape if seq_first else labels.shape))
 
 
+ROLLOUT_LOG_CLAMP = 20.0     # verl's SAFETY_BOUND on the rollout log-ratio
+
+
 def sequence_needs(policy: PolicyLoss) -> list:
     """(whether the setting is on, its name) for the settings that need the labels to delimit sequences."""
     return [(policy.ratio_level != "token", f"ratio_level={policy.ratio_level!r}"),
@@ -183,11 +186,24 @@ def sequence_ids(labels: Tensor, cu: Optional[Tensor]):
 def rollout_is_weights(old: Tensor, rollout: Tensor, seq: Optional[Tensor], n_seq: int, policy: PolicyLoss) -> Tensor:
     """float64 [n]: TRL's vLLM importance-sampling ratio of the scored tokens (``PolicyLoss.rollout_is``)."""
     diff = old - rollout
-    if policy.rollout_is.startswith("sequence"):
+    sequence = policy.rollout_is.startswith("sequence")
+    if sequence:
         diff = diff.new_zeros(n_seq).index_add_(0, seq, diff)[seq]
-    rho = diff.exp()
+    # verl clamps the log-ratio to +-20 (TRL does not: the same weights unless exp(+-20) is inside the band)
+    rho = diff.clamp(-ROLLOUT_LOG_CLAMP, ROLLOUT_LOG_CLAMP).exp()
     lo = -math.inf if policy.rollout_is_min is None else policy.rollout_is_min
     hi = math.inf if policy.rollout_is_max is None else policy.rollout_is_max
     if policy.rollout_is.endswith("truncate"):
-        return rho.clamp(min=policy.rollout_is_min, max=hi)
-    return rho.masked_fill((rho < lo) | (rho > hi), 0.0)
+        rho = rho.clamp(min=policy.rollout_is_min, max=hi)
+    else:
+        rho = rho.masked_fill((rho < lo) | (rho > hi), 0.0)
+    if policy.rollout_is_batch_normalize and rho.numel():
+        # verl's rollout_is_batch_normalize: the mean weight over the tokens (or the sequences) made 1
+        if sequence:
+            per_seq = rho.new_zeros(n_seq).index_add_(0, seq, rho)
+            count = rho.new_zeros(n_seq).index_add_(0, seq, torch.ones_like(rho))
+            mean = (per_seq / count.clamp_min(1e-8))[count > 0].mean()
+        else:
+            mean = rho.mean()
+        rho = torch.where(mean > 1e-8, rho / mean, rho)
+    return rho
