@@ -27,7 +27,8 @@ GRAD_TOL = 1e-4
 # GRPOConfig overrides; "_train": model.train() with 2 accumulation steps; "_vllm": TRL's vLLM importance-
 # sampling correction with this mode (the trainer's flags set after construction: no vLLM on CPU; the
 # batch gets sampling log-probs and TRL's importance_sampling_ratio computed from them as TRL does);
-# "_sampling": the batch carries sampling_per_token_logps (the off-policy mask reads them)
+# "_sampling": the batch carries sampling_per_token_logps (the off-policy mask reads them); "_mask": some
+# completions masked whole or in part
 CONFIGS = {
     "grpo-k3-bias_corrected": dict(loss_type="grpo", beta=0.1),                  # TRL's defaults with a KL
     "grpo-k3-uncorrected-dual_clip": dict(loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7,
@@ -55,6 +56,10 @@ CONFIGS = {
     "vllm_is-sequence_truncate": dict(loss_type="bnpo", _vllm="sequence_truncate"),
     "vllm_is-sequence_mask": dict(loss_type="dr_grpo", _vllm="sequence_mask"),
     "cast_lm_head_to_fp32": dict(loss_type="grpo", cast_lm_head_to_fp32=True, beta=0.02),
+    # what mask_truncated_completions and EOS padding do to the batch (the tiny model never emits EOS within
+    # 8 tokens, so TRL's generation would mask every completion): whole completions and tails masked
+    "masked_completions-grpo": dict(loss_type="grpo", beta=0.02, _mask=True),
+    "masked_completions-dapo-sequence": dict(loss_type="dapo", importance_sampling_level="sequence", _mask=True),
 }
 
 
@@ -112,6 +117,7 @@ def _run(trainer, inputs, compute):
 def _setup(folder, tmp_path, seed, config):
     config = dict(config)
     train, vllm, sampling = config.pop("_train", False), config.pop("_vllm", None), config.pop("_sampling", False)
+    masked = config.pop("_mask", False)
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **config)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
@@ -122,6 +128,12 @@ def _setup(folder, tmp_path, seed, config):
         _vllm_batch(trainer, inputs, vllm, gen)
     if sampling:
         inputs["sampling_per_token_logps"] = _sampling_logps(inputs, gen)
+    if masked:
+        mask = inputs["completion_mask"].clone()
+        mask[0] = 0                                  # a truncated completion, masked whole
+        mask[1, 5:] = 0                              # a completion that ended early: its padding
+        mask[3, 2:] = 0
+        inputs["completion_mask"] = mask
     _perturb(trainer.model, gen)                   # ratios away from 1, some clipped
     if train:
         trainer.model.train()
