@@ -16,5 +16,5 @@ from .forward import (
     unwrap_model,
 )
 
-__all__ = ["fused_forward", "fused_policy_loss", "head_in_fp32", "patch_model", "unpatch_model", "is_patched", "unwrap_model",
-           "FusedCausalLMOutput"]
+__all__ = ["fused_forward", "fused_policy_loss", "head_in_fp32", "patch_model", "unpatch_model", "is_patched",
+           "unwrap_model", "FusedCausalLMOutput"]
