@@ -62,7 +62,7 @@ def _check_model(trainer):
 def head_context(trainer):
     """The context the head runs in: float32 under TRL's cast_lm_head_to_fp32 (TRL computes the logits
     from float32 hidden states and weight outside autocast), else the trainer's own (autocast) dtype."""
-    from ..transformers.forward import head_in_fp32
+    from ..transformers import head_in_fp32
     return head_in_fp32(bool(getattr(trainer.args, "cast_lm_head_to_fp32", False)))
 
 
