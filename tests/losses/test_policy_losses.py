@@ -307,3 +307,36 @@ def test_missing_inputs_are_named():
                           ratio_level="sequence")
     with pytest.raises(TypeError, match="made_up"):
         fused_policy_loss(hidden, weight, labels, adv, old, made_up=1.0)
+
+
+@pytest.mark.parametrize("settings", [dict(ratio_level="sequence", kl_coef=0.2, kl_ratio=True),
+                                      dict(surrogate="vespo"), dict(off_policy_threshold=0.01),
+                                      dict(rollout_is="sequence_mask", rollout_is_min=0.5, rollout_is_max=1.5),
+                                      dict(surrogate="geo_mean")])
+def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chunks):
+    """The sequences of a coupled loss from cu_seqlens (packed 1-D labels) and from [b, s] labels with
+    [s, b] hidden states (seq_first, Megatron's layout): the same loss and gradients as the [b, s] rows."""
+    hidden, weight, labels, adv, old, ref, rollout = batch()
+    settings = dict(settings, rollout_logprobs=rollout, ref_logprobs=ref, loss_agg="seq-mean-token-mean")
+    grads = []
+    for layout in ("rows", "packed", "seq_first"):
+        h = hidden.clone()
+        if layout == "seq_first":
+            h = h.transpose(0, 1).contiguous()
+        h.requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        per_token = dict(advantages=adv, old_logprobs=old, **settings)
+        lab = labels
+        if layout == "packed":
+            per_token = {k: v.reshape(-1) if torch.is_tensor(v) else v for k, v in per_token.items()}
+            per_token["cu_seqlens"] = torch.arange(0, B * S + 1, S)
+            lab = labels.reshape(-1)
+        out = policy_loss(PolicyLoss(**per_token), h.reshape(-1, H) if layout == "packed" else h, w, lab,
+                          seq_first=layout == "seq_first")
+        out.loss.backward()
+        dh = h.grad.transpose(0, 1) if layout == "seq_first" else h.grad.reshape(B, S, H)
+        grads.append((out.loss.item(), dh, w.grad))
+    for loss, dh, dw in grads[1:]:
+        assert abs(loss - grads[0][0]) <= 1e-6 * max(1.0, abs(grads[0][0]))
+        assert torch.allclose(dh, grads[0][1], rtol=1e-5, atol=1e-7)
+        assert torch.allclose(dw, grads[0][2], rtol=1e-5, atol=1e-7)
