@@ -340,3 +340,40 @@ def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chu
         assert abs(loss - grads[0][0]) <= 1e-6 * max(1.0, abs(grads[0][0]))
         assert torch.allclose(dh, grads[0][1], rtol=1e-5, atol=1e-7)
         assert torch.allclose(dw, grads[0][2], rtol=1e-5, atol=1e-7)
+
+
+SEQUENCE_COUPLED = ["verl-gspo", "verl-geo_mean", "trl-gspo-bias_corrected_kl", "trl-cispo-sequence", "trl-vespo",
+                    "trl-vespo-rollout_weights", "trl-off_policy_mask"]
+
+
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
+@pytest.mark.parametrize("case", SEQUENCE_COUPLED)
+def test_sequence_coupled_losses_keep_the_one_pass(backend, case, monkeypatch):
+    """Chunks that hold whole sequences (8 rows on the chunked backend: several chunks cut at sequence
+    boundaries; the triton one's 16-row token tile: one chunk; sequences of at most 7 tokens): the loss
+    is coupled within sequences only, so it takes the one fused pass, exact."""
+    import logitless.losses.api as api
+
+    monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(8 * V))
+    monkeypatch.setenv("LOGITLESS_POLICY_WORKSPACE_BYTES", "1")
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the two-pass path ran")
+    monkeypatch.setattr(api, "_reference", no_second_pass)
+    cuts = []
+    original = api._sequence_bounds
+    monkeypatch.setattr(api, "_sequence_bounds", lambda *a: cuts.append(original(*a)) or cuts[-1])
+    settings, fn = CASES[case]
+    inputs = batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    torch.manual_seed(1234)
+    want = truth(inputs, fn, temperature=0.9)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    settings = dict(settings)
+    if "rollout_is" in settings or settings.get("off_policy_threshold") is not None:
+        settings["rollout_logprobs"] = rollout
+    out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend, **settings)
+    check(out, h, w, want, labels != -100)
+    assert len(cuts) == 1 and cuts[0] is not None
+    if backend == "chunked":
+        assert len(cuts[0]) > 2          # several chunks, cut at sequence boundaries (triton: one 16-row tile)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import checks
 from ..api import check_head, fused_logprobs, vocab_layout
-from ..ops.policy import policy_pass_for, policy_terms_for
+from ..ops.policy import max_chunk_rows_for, policy_pass_for, policy_terms_for
 from ..ops.policy_terms import weighted_terms
 from ..ops.registry import choose_backend
 from ..record import record_backend
@@ -77,26 +77,57 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
     final_logit_softcapping), as in ``fused_logprobs``.
 
     Which pass runs: a token-local loss with no softcap takes the one fused pass (three GEMMs, gradients
-    formed in the forward). A loss that couples tokens (``TermSpec.coupled``: sequence-level ratios,
-    VESPO, the off-policy and entropy masks) or a softcapped head takes the statistics of every token
-    first (``fused_logprobs``' forward), forms the per-token coefficients dL/dlogprob, dL/dentropy of the
-    whole batch in float64 (``terms.py``), and a second pass for the gradients (``fused_logprobs``'
-    backward): exact, four GEMMs."""
+    formed in the forward). So does a loss coupled within sequences only (``TermSpec.sequence_coupled``:
+    sequence-level ratios, VESPO, geo_mean, the off-policy mask) when every sequence fits one chunk of the
+    backend: the chunks are then cut at sequence boundaries and each chunk's terms are differentiated
+    whole. Otherwise a loss that couples tokens (``TermSpec.coupled``, including the batch-level entropy
+    mask, clip_cov, kl_cov), a softcapped head, or the sequence-first layout with a coupled loss, take the
+    statistics of every token first (``fused_logprobs``' forward), form the per-token coefficients
+    dL/dlogprob, dL/dentropy of the whole batch in float64 (``ops/policy_terms.py``), and a second pass
+    for the gradients (``fused_logprobs``' backward): exact, four GEMMs."""
     if softcap is not None:
         softcap = checks.finite_float(softcap, "softcap", minimum=0.0, above=True)
     hidden, weight, tokens, mod, tp = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
                                                tp_group, reduce_grad_hidden, backend, seq_first)
     spec = policy.term_spec()
-    if not fused or spec.coupled or softcap is not None:
+    bounds = None
+    if fused and softcap is None and spec.sequence_coupled:
+        bounds = _sequence_bounds(tokens, mod.name, weight, tp, hidden, seq_first)
+    if not fused or softcap is not None or (spec.coupled and bounds is None):
         return _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden,
                           mod.name, labels, seq_first, softcap)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     grad = torch.is_grad_enabled()
     options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
-                          need_dh=grad and hidden.requires_grad, need_dw=grad and weight.requires_grad)
+                          need_dh=grad and hidden.requires_grad, need_dw=grad and weight.requires_grad,
+                          bounds=bounds)
     loss, lp, ent, clipped, kl = FusedPolicyLossFunction.apply(h2, weight, tokens, spec, options)
     record_backend(mod.name)
     return _finish(tokens, loss, lp, ent, clipped, kl, spec.has_ref, seq_first)
+
+
+def _sequence_bounds(tokens: ScoredTokens, backend_name: str, weight: Tensor, tp, hidden: Tensor,
+                     seq_first: bool) -> Optional[list]:
+    """Chunk boundaries [0, ..., n] at sequence boundaries, each chunk at most the backend's rows, so that
+    a sequence-coupled loss keeps the one fused pass; None when that cannot be (a sequence longer than a
+    chunk, sequences not contiguous in the rows: seq_first). One host read (the sequences' lengths)."""
+    n = tokens.count
+    seq = tokens.inputs.seq
+    if seq_first or seq is None or n == 0:
+        return None
+    plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
+    limit = max_chunk_rows_for(backend_name)(n, plan_vocab, hidden.dtype, hidden.device)
+    bounds, size, pos = [0], 0, 0
+    for count in torch.unique_consecutive(seq, return_counts=True)[1].tolist():
+        if count > limit:
+            return None
+        if size + count > limit:
+            bounds.append(pos)
+            size = 0
+        size += count
+        pos += count
+    bounds.append(n)
+    return bounds
 
 
 def _reference(hidden, weight, tokens, spec, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,

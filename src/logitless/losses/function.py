@@ -39,6 +39,7 @@ class PassOptions:
     tp: Optional["VocabParallel"]
     need_dh: bool
     need_dw: bool
+    bounds: Optional[list] = None     # the chunks' boundaries when groups of tokens must stay whole
 
 
 class _Chunks:
@@ -103,7 +104,8 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         chunks = _Chunks(tokens, spec, options, dev)
         if n:
             plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
-            options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab)
+            cut = {} if options.bounds is None else {"bounds": options.bounds}
+            options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab, **cut)
         else:
             if dh is not None:
                 dh.zero_()

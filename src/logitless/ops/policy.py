@@ -23,3 +23,13 @@ def policy_terms_for(backend_name: str, spec=None):
         if spec is None or policy_terms.supports(spec):
             return policy_terms
     return None
+
+
+def max_chunk_rows_for(backend_name: str):
+    """The backend's ``max_chunk_rows(n, plan_vocab, dtype, device)``: the most token rows one chunk of its
+    pass may hold, to which a caller cuts the ``bounds`` it passes (chunks that keep groups of tokens whole)."""
+    if backend_name == "triton":
+        from .triton import policy_backend
+        return policy_backend.max_chunk_rows
+    from . import policy_chunked
+    return policy_chunked.max_chunk_rows_whole if backend_name == "reference" else policy_chunked.max_chunk_rows

@@ -110,6 +110,13 @@ class TermSpec:
                 or self.off_policy_threshold is not None or self.entropy_quantile < 1.0)
 
     @property
+    def sequence_coupled(self) -> bool:
+        """Coupled through sums over a sequence only (not over the batch): a chunk of whole sequences holds
+        everything its tokens' terms depend on."""
+        return (self.coupled and self.entropy_quantile >= 1.0
+                and self.surrogate not in ("clip_cov", "kl_cov"))
+
+    @property
     def uses_entropy(self) -> bool:
         return self.entropy_coef != 0.0
 
