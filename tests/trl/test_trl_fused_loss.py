@@ -199,6 +199,10 @@ def test_unmappable_settings_are_named(folder, tmp_path):
     trainer.loss_type, trainer.epsilon_high = "cispo", 0.5
     with pytest.raises(ValueError, match="epsilon_high=0.5"):
         lt.enable(trainer, fused_loss=True)
+    trainer.loss_type, trainer.epsilon_high = "sapo", 0.28
+    trainer.args.sapo_temperature_neg = -1.0
+    with pytest.raises(ValueError, match="sapo_tau_neg"):                # checked at enable(), not the first step
+        lt.enable(trainer, fused_loss=True)
     trainer.loss_type = "grpo"
     trainer.aux_loss_enabled = True
     with pytest.raises(ValueError, match="aux_loss_enabled"):

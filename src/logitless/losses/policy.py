@@ -159,6 +159,11 @@ class PolicyLoss:
             set_(self, name, checks.finite_float(getattr(self, name), name))
         if self.dro_beta is not None:
             set_(self, "dro_beta", checks.finite_float(self.dro_beta, "dro_beta", minimum=0.0, above=True))
+        if self.delta is not None and self.surrogate != "ppo":
+            raise ValueError(f"delta caps the ratio of the clipped surrogate; surrogate={self.surrogate!r} has none")
+        if self.dual_clip is not None and self.surrogate not in ("ppo", "dppo_tv", "dppo_kl"):
+            raise ValueError(f"dual_clip applies to surrogate 'ppo' (and is the ratio cap of 'dppo_*'); "
+                             f"surrogate={self.surrogate!r} has no use for it")
         if self.surrogate == "dro" and self.dro_beta is None:
             raise ValueError("surrogate='dro' needs dro_beta > 0 (DRO's quadratic log-ratio penalty)")
         r = checks.finite_float(self.cov_ratio, "cov_ratio", minimum=0.0, above=True)

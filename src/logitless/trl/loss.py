@@ -70,6 +70,8 @@ def unmappable(trainer) -> list:
                    "processes (TRL's quantile spans every process's entropies; logitless' is per process)")
     if getattr(trainer, "aux_loss_enabled", False):
         bad.append("aux_loss_enabled (the MoE load-balancing loss needs router logits)")
+    if not bad:
+        bad += _invalid_settings(trainer)
     return bad
 
 
@@ -122,6 +124,47 @@ def applied_entropy_coef(trainer) -> float:
     return trainer.entropy_coef
 
 
+def scalar_settings(trainer) -> dict:
+    """The trainer's loss settings as ``PolicyLoss`` scalar settings (the table of the module docstring);
+    the entropy bonus, which depends on the batch's scale, apart."""
+    args = trainer.args
+    kind = trainer.loss_type
+    settings = dict(clip_low=float(trainer.epsilon_low), clip_high=float(trainer.epsilon_high), loss_agg=LOSS_AGG[kind],
+                    surrogate=SURROGATE.get(kind, "ppo"),
+                    ratio_level=getattr(trainer, "importance_sampling_level", "token"))
+    if kind in PPO_TYPES and getattr(args, "delta", None) is not None:      # TRL's two-sided clip: ppo types only
+        settings["delta"] = float(args.delta)
+    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
+        settings.update(clip_low=1.0, clip_high=float(trainer.epsilon_high) - 1.0)
+    elif kind == "sapo":
+        settings.update(sapo_tau_pos=float(args.sapo_temperature_pos), sapo_tau_neg=float(args.sapo_temperature_neg))
+    elif kind == "vespo":
+        settings.update(vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
+                        vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg))
+    if trainer.beta != 0.0:
+        settings.update(kl_coef=float(trainer.beta), kl_type="k3_unclamped",
+                        kl_ratio=bool(getattr(args, "use_bias_correction_kl", False)))
+    if trainer.top_entropy_quantile < 1.0:
+        settings["entropy_quantile"] = float(trainer.top_entropy_quantile)
+    if trainer.off_policy_mask_threshold is not None:
+        settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
+    return settings
+
+
+def _invalid_settings(trainer) -> list:
+    """The mapped settings' own checks (PolicyLoss's), run at enable() on a stand-in advantage."""
+    from ..losses import PolicyLoss
+
+    settings = scalar_settings(trainer)
+    if trainer.beta != 0.0:
+        settings["ref_logprobs"] = torch.zeros(())
+    try:
+        PolicyLoss(advantages=torch.zeros(()), **settings)
+    except (TypeError, ValueError) as exc:
+        return [f"{exc} (from the trainer's loss settings)"]
+    return []
+
+
 @dataclass
 class PolicyInputs:
     """One GRPO batch in fused_policy_loss's terms: per position of input_ids [B, s] (position t scores
@@ -165,27 +208,12 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
 
     advantages = inputs["advantages"]
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    args = trainer.args
     kind = trainer.loss_type
-    settings = dict(advantages=at_positions(advantages), old_logprobs=at_positions(inputs.get("old_per_token_logps")),
-                    clip_low=float(trainer.epsilon_low), clip_high=float(trainer.epsilon_high),
-                    delta=getattr(args, "delta", None), loss_agg=LOSS_AGG[kind], temperature=trainer.temperature,
-                    surrogate=SURROGATE.get(kind, "ppo"),
-                    ratio_level=getattr(trainer, "importance_sampling_level", "token"))
-    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
-        settings.update(clip_low=1.0, clip_high=float(trainer.epsilon_high) - 1.0, delta=None)
-    elif kind == "sapo":
-        settings.update(sapo_tau_pos=float(args.sapo_temperature_pos), sapo_tau_neg=float(args.sapo_temperature_neg))
-    elif kind == "vespo":
-        settings.update(vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
-                        vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg))
+    settings = dict(scalar_settings(trainer), advantages=at_positions(advantages),
+                    old_logprobs=at_positions(inputs.get("old_per_token_logps")), temperature=trainer.temperature)
     if trainer.beta != 0.0:
-        settings.update(ref_logprobs=at_positions(inputs["ref_per_token_logps"]), kl_coef=float(trainer.beta),
-                        kl_type="k3_unclamped", kl_ratio=bool(getattr(args, "use_bias_correction_kl", False)))
-    if trainer.top_entropy_quantile < 1.0:
-        settings["entropy_quantile"] = float(trainer.top_entropy_quantile)
+        settings["ref_logprobs"] = at_positions(inputs["ref_per_token_logps"])
     if trainer.off_policy_mask_threshold is not None:
-        settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
         settings["rollout_logprobs"] = at_positions(inputs.get("sampling_per_token_logps"))
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         settings["rollout_weights"] = at_positions(inputs["importance_sampling_ratio"])
