@@ -124,6 +124,8 @@ def test_terms_equal_written_out_definition():
     policy = PolicyLoss(advantages=adv, old_logprobs=old, ref_logprobs=ref, **spec)
     tokens = TokenInputs(adv, old, ref, torch.ones_like(adv))
     f, clipped, kl = per_token_terms(lp, ent, tokens, policy.term_spec())
+    # per_token_terms leaves the entropy bonus to weighted_terms (it has weights of its own)
+    f = f - spec["entropy_coef"] * ent
     f64, clipped64, kl64_ = term64(lp, ent, adv, old, ref, **spec)
     assert torch.allclose(f, f64, rtol=1e-14, atol=1e-14) and torch.equal(clipped, clipped64)
     assert torch.allclose(kl, kl64_, rtol=1e-14, atol=1e-14)

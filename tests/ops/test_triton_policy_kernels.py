@@ -110,6 +110,39 @@ def test_terms_kernel_matches_autograd(has_old, has_ref, kl_type, dual_clip, kl_
     assert (want.clipped > 0) == has_old      # on-policy: ratio 1, never clipped
 
 
+TRL_SETTINGS = [  # (kl_type, kl_ratio, delta, rollout weights, entropy weights of their own, dual_clip)
+    ("k3_unclamped", True, None, False, False, None), ("k3_unclamped", False, 1.1, True, False, None),
+    ("k3_unclamped+", True, 1.25, True, True, 3.0), ("k3", True, None, False, True, None),
+    ("k2", True, 1.1, True, True, 2.0), ("k1+", False, None, True, False, None)]
+
+
+@pytest.mark.parametrize("kl_type, kl_ratio, delta, with_rho, with_u, dual_clip", TRL_SETTINGS)
+def test_terms_kernel_trl_settings_match_autograd(kl_type, kl_ratio, delta, with_rho, with_u, dual_clip):
+    """TRL's unclamped k3, the KL times the ratio, the delta cap, rollout weights (some 0: masked) and the
+    entropy bonus's own weights, against the autograd of the definitions."""
+    import dataclasses
+    n = 150 if INTERPRETING else 3000
+    (lp, ent), inputs = term_inputs(n, True, True)
+    g = torch.Generator().manual_seed(7)
+    old = inputs.old_logprobs.clone()
+    old[20:26] = lp[20:26].double().to(old.device) - 0.15      # ratios just above 1.1: the delta cap binds
+    rho = (torch.rand(n, generator=g, dtype=torch.float64) * 2).to(DEVICE) if with_rho else None
+    if rho is not None:
+        rho[::7] = 0.0
+    u = torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE) if with_u else None
+    inputs = dataclasses.replace(inputs, old_logprobs=old, rollout_weights=rho, ent_weights=u)
+    spec = TermSpec(0.2, 0.28, dual_clip, 0.3, kl_type, 0.05, True, True, delta=delta, kl_ratio=kl_ratio,
+                    has_rollout_weights=with_rho, entropy_agg="token-mean" if with_u else None)
+    assert policy_terms.supports(spec)
+    want = TermTotals.zeros(DEVICE, True)
+    g_lp, g_ent = chunk_gradients(lp, ent, inputs, spec, want)
+    got = torch.zeros(3, dtype=torch.float64, device=DEVICE)
+    k_lp, k_ent = policy_terms.chunk_terms(lp, ent, inputs, policy_terms.TermSettings.make(spec, DEVICE), got)
+    assert (k_lp - g_lp).abs().max() <= 1e-6 * g_lp.abs().max()
+    assert torch.equal(k_ent, g_ent)
+    assert (got - want.sums).abs().max() <= 1e-12 * want.sums.abs().max()
+
+
 def test_terms_kernel_no_tokens():
     spec = TermSpec(0.2, 0.2, None, 0.0, "k3", 0.1, True, False)
     settings = policy_terms.TermSettings.make(spec, DEVICE)

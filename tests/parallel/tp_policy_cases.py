@@ -99,6 +99,39 @@ def case_policy_triton_interpreted(ctx):
     ck.done()
 
 
+def case_policy_coupled(ctx):
+    """Losses that couple a sequence's tokens (GSPO's sequence ratio with TRL's bias-corrected KL) and the
+    batch's (the entropy mask), across the group: the one fused pass with chunks cut at sequence boundaries
+    (CHUNK_ELEMENTS of 8 rows here), and the two-pass path (the entropy mask); every rank's loss and
+    gradients equal the same loss on the unsharded head (itself held to float64 in tests/losses)."""
+    ck = Checks()
+    os.environ["LOGITLESS_CHUNK_ELEMENTS"] = str(8 * V)
+    try:
+        for tag, kw in (("sequence ratio", dict(ratio_level="sequence", kl_coef=0.1, kl_type="k3_unclamped",
+                                                 kl_ratio=True)),
+                        ("entropy mask", dict(entropy_quantile=0.5, entropy_coef=0.05))):
+            torch.manual_seed(ctx.seed + 11)
+            hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, old_noise=0.5)
+            sizes = uneven_sizes(V, ctx.world)
+            off, w_local = shard(ctx, weight, sizes)
+            outs = []
+            for w, group in ((w_local, ctx.group), (weight, None)):
+                h_in = hidden.clone().requires_grad_(True)
+                w_in = w.clone().requires_grad_(True)
+                out = fused_policy_loss(h_in, w_in, labels, adv, old, ref_logprobs=ref, tp_group=group,
+                                        backend="chunked", loss_agg="seq-mean-token-mean", **kw)
+                out.loss.backward()
+                outs.append((out.loss.detach().reshape(1), h_in.grad, w_in.grad))
+            (loss, dh, dw_local), (loss_full, dh_full, dw_full) = outs
+            valid = labels != -100
+            ck.abs_le(f"[{tag}] loss", loss, loss_full, 2e-6)
+            ck.rel_le(f"[{tag}] d_hidden", dh[valid], dh_full[valid].double(), 1e-5)
+            ck.rel_le(f"[{tag}] d_weight (local shard)", dw_local, dw_full[off: off + sizes[ctx.rank]].double(), 1e-5)
+    finally:
+        os.environ["LOGITLESS_CHUNK_ELEMENTS"] = str(3 * 600)
+    ck.done()
+
+
 def _named(fns):
     return [(fn.__name__[len("case_"):], fn) for fn in fns]
 
@@ -109,4 +142,4 @@ def pre_init_cases():
 
 def cases_for(world: int):
     return _named([case_policy_chunked_and_reference, case_policy_reference_path, case_policy_bfloat16,
-                   case_policy_triton_interpreted])
+                   case_policy_triton_interpreted, case_policy_coupled])

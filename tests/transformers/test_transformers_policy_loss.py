@@ -1,6 +1,6 @@
 """logitless.transformers.fused_policy_loss on real tiny models built from configs: the policy loss and
 every parameter gradient against the same loss computed in float64 from the model's own logits (verl's
-definitions, tests/policy64.py), with padding, a packed row, a wrapper, and a softcapped head refused."""
+definitions, tests/policy64.py), with padding, a packed row, a wrapper, and a softcapped head (Gemma 2)."""
 from __future__ import annotations
 
 import pytest
@@ -115,8 +115,19 @@ def test_through_a_wrapper_and_labels_given():
     assert wrapped.calls == 1
 
 
-def test_softcapped_head_is_refused():
-    model = tiny_model("gemma2", final_logit_softcapping=30.0)
-    ids, mask = padded_batch(2, 6, "right")
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        fused_policy_loss(model, ids, mask, advantages=torch.randn(2, 1))
+def test_softcapped_head_matches_the_model():
+    """Gemma 2's final_logit_softcapping (a small cap, so it binds) through the exact two-pass path, against
+    the model's own (capped) logits: loss, log-probs and every parameter gradient; and with a sequence-level
+    ratio (a coupled loss) given by name in loss_settings."""
+    model = tiny_model("gemma2", final_logit_softcapping=2.0)
+    ids, mask = padded_batch(3, 8, "right")
+    targets = expected_targets(ids, mask)
+    old, ref = old_and_ref(model, ids, mask, None, targets, 0.8)
+    adv = torch.randn(3, 1)
+    compare(model, lambda: fused_policy_loss(model, ids, mask, advantages=adv, old_logprobs=old, ref_logprobs=ref,
+                                             temperature=0.8, **SPEC),
+            ids, mask, None, targets, 0.8, adv, old, ref, "token-mean")
+    model.zero_grad(set_to_none=True)
+    out = fused_policy_loss(model, ids, mask, advantages=adv, old_logprobs=old, temperature=0.8,
+                            loss_settings=dict(ratio_level="sequence"))
+    assert torch.isfinite(out.loss)

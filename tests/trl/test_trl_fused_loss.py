@@ -1,7 +1,8 @@
-"""enable(trainer, fused_loss=True): TRL's loss settings mapped onto logitless' fused policy loss.
-Settings that cannot be mapped are refused by name; the mapped loss (logitless.losses.fused_policy_loss
-on the policy's last hidden states) equals TRL's own _compute_loss on the same batch, value and
-gradients, for every mappable loss type."""
+"""enable(trainer, fused_loss=True): every GRPOTrainer loss setting mapped onto logitless' fused policy loss,
+one test per setting on a real trl.GRPOTrainer (tiny Qwen2, CPU, float32): the enabled trainer's
+_compute_loss against TRL's own GRPOTrainer._compute_loss on the same batch: the loss within 1e-5, every
+parameter gradient within 1e-4 (relative), and every metric TRL logs (same names, values within 1e-5)."""
+import copy
 import os
 import sys
 
@@ -11,12 +12,9 @@ import torch
 from required import import_or_skip
 
 import_or_skip("trl", "the test extra installs trl")
-try:                                    # part of logitless itself, not an optional integration
-    from logitless import losses
-except ImportError as exc:
-    pytest.skip(f"logitless.losses is not in this build ({exc})", allow_module_level=True)
 
 import logitless.trl as lt  # noqa: E402
+from logitless import losses  # noqa: E402
 from logitless.trl.loss import policy_inputs  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
@@ -26,38 +24,42 @@ import trl_tiny  # noqa: E402
 TOL = 1e-5
 GRAD_TOL = 1e-4
 
-
-UNMAPPABLE = [("loss_type", "cispo"), ("loss_type", "sapo"), ("loss_type", "vespo"), ("loss_type", "luspo"),
-              ("importance_sampling_level", "sequence"), ("top_entropy_quantile", 0.2),
-              ("off_policy_mask_threshold", 0.5), ("use_adaptive_entropy", True), ("epsilon_low", 1.0)]
-
-
-def test_unmappable_settings_are_named(folder, tmp_path):
-    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path))
-    for name, value in UNMAPPABLE:
-        saved = getattr(trainer, name)
-        setattr(trainer, name, value)
-        with pytest.raises(ValueError, match=name):
-            lt.enable(trainer, fused_loss=True)
-        setattr(trainer, name, saved)
-        assert not lt.is_enabled(trainer)
-    trainer.entropy_coef = 0.01                        # a bonus only matches bnpo's token weights
-    with pytest.raises(ValueError, match="entropy_coef"):
-        lt.enable(trainer, fused_loss=True)
-    trainer.loss_type = "bnpo"
-    trainer.args.delta = 1.1                           # < 1 + epsilon_high: not a dual clip
-    trainer.beta, trainer.args.use_bias_correction_kl = 0.04, True
-    with pytest.raises(ValueError) as err:
-        lt.enable(trainer, fused_loss=True)
-    assert "delta=1.1" in str(err.value) and "use_bias_correction_kl" in str(err.value)
-    assert "entropy_coef" not in str(err.value)
-
-
+# GRPOConfig overrides; "_train": model.train() with 2 accumulation steps; "_vllm": TRL's vLLM importance-
+# sampling correction with this mode (the trainer's flags set after construction: no vLLM on CPU; the
+# batch gets sampling log-probs and TRL's importance_sampling_ratio computed from them as TRL does);
+# "_sampling": the batch carries sampling_per_token_logps (the off-policy mask reads them); "_mask": some
+# completions masked whole or in part
 CONFIGS = {
-    "grpo-kl-dual_clip": dict(loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7, use_bias_correction_kl=False),
+    "grpo-k3-bias_corrected": dict(loss_type="grpo", beta=0.1),                  # TRL's defaults with a KL
+    "grpo-k3-uncorrected-dual_clip": dict(loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7,
+                                          use_bias_correction_kl=False),
+    "bnpo-two_sided_delta": dict(loss_type="bnpo", delta=1.1, epsilon=0.1),      # delta < 1 + epsilon_high
     "bnpo-entropy_bonus": dict(loss_type="bnpo", entropy_coef=0.02, epsilon=0.1),
-    "dr_grpo": dict(loss_type="dr_grpo", beta=0.02, temperature=1.3, use_bias_correction_kl=False),
-    "dapo-clip_high": dict(loss_type="dapo", epsilon_high=0.28),
+    "grpo-entropy_bonus-train": dict(loss_type="grpo", entropy_coef=0.05, beta=0.02, _train=True),
+    "dr_grpo": dict(loss_type="dr_grpo", beta=0.02, temperature=1.3),
+    "dapo-entropy_bonus": dict(loss_type="dapo", epsilon_high=0.28, entropy_coef=0.03),
+    "luspo-sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "gspo-sequence-kl": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05,
+                             epsilon=3e-4, epsilon_high=4e-4),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.3, beta=0.02),
+    "sapo": dict(loss_type="sapo", sapo_temperature_pos=1.2, sapo_temperature_neg=0.9),
+    "sapo-sequence": dict(loss_type="sapo", importance_sampling_level="sequence", entropy_coef=0.01),
+    "vespo": dict(loss_type="vespo"),
+    "vespo-vllm_is": dict(loss_type="vespo", _vllm="token_truncate"),
+    "top_entropy_quantile": dict(loss_type="grpo", top_entropy_quantile=0.4, entropy_coef=0.02),
+    "adaptive_entropy-train": dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.01,
+                                   entropy_target=100.0, _train=True),
+    "off_policy_mask": dict(loss_type="grpo", off_policy_mask_threshold=0.05),
+    "off_policy_mask-sampling": dict(loss_type="bnpo", off_policy_mask_threshold=0.05, _sampling=True),
+    "vllm_is-token_truncate": dict(loss_type="grpo", _vllm="token_truncate", beta=0.02),
+    "vllm_is-token_mask": dict(loss_type="dapo", _vllm="token_mask"),
+    "vllm_is-sequence_truncate": dict(loss_type="bnpo", _vllm="sequence_truncate"),
+    "vllm_is-sequence_mask": dict(loss_type="dr_grpo", _vllm="sequence_mask"),
+    "cast_lm_head_to_fp32": dict(loss_type="grpo", cast_lm_head_to_fp32=True, beta=0.02),
+    # what mask_truncated_completions and EOS padding do to the batch (the tiny model never emits EOS within
+    # 8 tokens, so TRL's generation would mask every completion): whole completions and tails masked
+    "masked_completions-grpo": dict(loss_type="grpo", beta=0.02, _mask=True),
+    "masked_completions-dapo-sequence": dict(loss_type="dapo", importance_sampling_level="sequence", _mask=True),
 }
 
 
@@ -71,41 +73,160 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_mapped_loss_equals_trl(folder, tmp_path, seed, config):
+def _sampling_logps(inputs, gen, noise=0.3):
+    old = inputs["old_per_token_logps"]
+    return old + noise * torch.randn(old.shape, generator=gen)
+
+
+def _vllm_batch(trainer, inputs, mode, gen):
+    """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions' formula) from
+    sampling log-probs drawn around the old ones."""
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.6, 1.8
+    sampling = _sampling_logps(inputs, gen, 0.2 if mode.startswith("token") else 0.05)
+    mask = inputs["completion_mask"]
+    diff = (inputs["old_per_token_logps"] - sampling) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=0.6, max=1.8)
+    else:
+        ratio = ratio.masked_fill((ratio < 0.6) | (ratio > 1.8), 0.0)
+    inputs["sampling_per_token_logps"] = sampling
+    inputs["importance_sampling_ratio"] = ratio
+
+
+def _state(trainer):
+    return {k: copy.deepcopy(getattr(trainer, k)) for k in ("entropy_coef", "_last_world_entropy",
+                                                            "_entropy_window_stats")}
+
+
+def _run(trainer, inputs, compute):
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    trainer._metrics["eval"].clear()
+    loss = compute(model, inputs)
+    loss.backward()
+    metrics = {mode: {k: list(v) for k, v in trainer._metrics[mode].items()} for mode in ("train", "eval")}
+    return loss.detach(), _grads(model), metrics
+
+
+def _setup(folder, tmp_path, seed, config):
+    config = dict(config)
+    train, vllm, sampling = config.pop("_train", False), config.pop("_vllm", None), config.pop("_sampling", False)
+    masked = config.pop("_mask", False)
     gen = torch.Generator().manual_seed(seed)
-    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **CONFIGS[config])
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **config)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
     # signed advantages whatever the rewards drew: a group whose completions all score the same has
     # advantages 0 and a loss of 0, which would compare nothing
     inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=gen)
+    if vllm is not None:
+        _vllm_batch(trainer, inputs, vllm, gen)
+    if sampling:
+        inputs["sampling_per_token_logps"] = _sampling_logps(inputs, gen)
+    if masked:
+        mask = inputs["completion_mask"].clone()
+        mask[0] = 0                                  # a truncated completion, masked whole
+        mask[1, 5:] = 0                              # a completion that ended early: its padding
+        mask[3, 2:] = 0
+        inputs["completion_mask"] = mask
     _perturb(trainer.model, gen)                   # ratios away from 1, some clipped
-    model = trainer.model
+    if train:
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 2
+    else:
+        trainer.model.eval()
+    return trainer, inputs
 
-    model.zero_grad(set_to_none=True)
-    loss_trl = GRPOTrainer._compute_loss(trainer, model, inputs)
-    loss_trl.backward()
-    g_trl = _grads(model)
 
-    p = policy_inputs(trainer, inputs)
-    model.zero_grad(set_to_none=True)
-    hidden = model.model(input_ids=p.input_ids, attention_mask=p.attention_mask).last_hidden_state
-    out = losses.fused_policy_loss(hidden, model.lm_head.weight, p.labels, **p.settings)
-    loss = out.loss * p.scale
-    loss.backward()
-    g = _grads(model)
-    print(f"{config}: fused {loss.item():.8f} TRL {loss_trl.item():.8f} clip_fraction {out.clip_fraction.item():.3f}")
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, config):
+    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS[config])
+    state = _state(trainer)
+    loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
+    state_trl = _state(trainer)
+    for k, v in state.items():
+        setattr(trainer, k, v)
+    lt.enable(trainer, fused_loss=True)
+    loss, g, m = _run(trainer, inputs, trainer._compute_loss)
+    print(f"{config}: fused {loss.item():.8f} TRL {loss_trl.item():.8f}; metrics {m_trl}")
     assert loss_trl.abs() > 0
     assert abs(loss.item() - loss_trl.item()) <= TOL
     assert g.keys() == g_trl.keys() and g_trl
     for name, gt in g_trl.items():
         assert float((g[name] - gt).norm() / gt.norm().clamp_min(1e-30)) <= GRAD_TOL, name
+    for mode in ("train", "eval"):
+        assert m[mode].keys() == m_trl[mode].keys(), mode
+        for key, want in m_trl[mode].items():
+            assert len(m[mode][key]) == len(want), key
+            for got_v, want_v in zip(m[mode][key], want, strict=True):
+                assert abs(got_v - want_v) <= TOL * max(1.0, abs(want_v)), (key, got_v, want_v)
+    assert _state(trainer).keys() == state_trl.keys()
+    assert trainer.entropy_coef == state_trl["entropy_coef"]
+    lt.disable(trainer)
+
+
+def test_the_metrics_of_an_entropy_bonus_are_logged(folder, tmp_path, seed):
+    """TRL logs policy_loss and entropy_coef with an entropy bonus (train mode, at an optimizer step)."""
+    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS["grpo-entropy_bonus-train"])
+    lt.enable(trainer, fused_loss=True)
+    _, _, m = _run(trainer, inputs, trainer._compute_loss)
+    assert {"policy_loss", "entropy_coef", "entropy", "kl", "clip_ratio/region_mean"} <= m["train"].keys()
+
+
+def test_low_level_mapping_equals_trl(folder, tmp_path, seed):
+    """policy_inputs' settings given to logitless.losses.fused_policy_loss on the policy's hidden states."""
+    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS["grpo-k3-bias_corrected"])
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    loss_trl = GRPOTrainer._compute_loss(trainer, model, inputs)
+    p = policy_inputs(trainer, inputs)
+    hidden = model.model(input_ids=p.input_ids, attention_mask=p.attention_mask).last_hidden_state
+    out = losses.fused_policy_loss(hidden, model.lm_head.weight, p.labels, **p.settings)
+    assert abs((out.loss * p.scale).item() - loss_trl.item()) <= TOL
+
+
+def test_unmappable_settings_are_named(folder, tmp_path):
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path))
+    trainer.loss_type = "made_up"
+    with pytest.raises(ValueError, match="loss_type='made_up'"):
+        lt.enable(trainer, fused_loss=True)
+    assert not lt.is_enabled(trainer)
+    trainer.loss_type, trainer.epsilon_high = "cispo", 0.5
+    with pytest.raises(ValueError, match="epsilon_high=0.5"):
+        lt.enable(trainer, fused_loss=True)
+    trainer.loss_type, trainer.epsilon_high = "sapo", 0.28
+    trainer.args.sapo_temperature_neg = -1.0
+    with pytest.raises(ValueError, match="sapo_tau_neg"):                # checked at enable(), not the first step
+        lt.enable(trainer, fused_loss=True)
+    trainer.loss_type = "grpo"
+    trainer.aux_loss_enabled = True
+    with pytest.raises(ValueError, match="aux_loss_enabled"):
+        lt.enable(trainer, fused_loss=True)
+    trainer.aux_loss_enabled = False
+    trainer.epsilon_low = 1.5                                            # TRL's epsilon is clip_low, in [0, 1]
+    with pytest.raises(ValueError, match="epsilon_low=1.5"):
+        lt.enable(trainer, fused_loss=True)
+    assert not lt.is_enabled(trainer)
+
+
+def test_a_head_logitless_cannot_compute_is_refused_at_enable(folder, tmp_path):
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path))
+    head = trainer.model.lm_head
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    with pytest.raises(ValueError, match="trainer.model .*bias"):
+        lt.enable(trainer, fused_loss=True)
+    assert not lt.is_enabled(trainer)
 
 
 def test_enable_fused_loss_trains_and_matches_trl(folder, tmp_path, seed):
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, beta=0.04, num_iterations=2,
-                                    use_bias_correction_kl=False)
+                                    entropy_coef=0.01)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
     inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=gen)    # never all 0
     _perturb(trainer.model, gen)
@@ -117,6 +238,7 @@ def test_enable_fused_loss_trains_and_matches_trl(folder, tmp_path, seed):
     steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     assert [h["step"] for h in steps] == [1, 2, 3]        # num_iterations=2: rewards are logged on steps 1 and 3
     for h in steps:
-        assert all(abs(h[key]) < 1e3 for key in ("loss", "entropy", "kl", "clip_ratio/region_mean")), h
+        assert all(abs(h[key]) < 1e3 for key in ("loss", "entropy", "kl", "clip_ratio/region_mean", "policy_loss",
+                                                  "entropy_coef")), h
     lt.disable(trainer)
     assert "_compute_loss" not in trainer.__dict__

@@ -154,11 +154,23 @@ def test_bad_input(folder, tmp_path):
     trainer.aux_loss_enabled = True
     with pytest.raises(ValueError, match="aux_loss_enabled"):
         lt.enable(trainer)
-    trainer.aux_loss_enabled = False
-    trainer.args.cast_lm_head_to_fp32, trainer.args.bf16 = True, True
-    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
-        lt.enable(trainer)
     assert not lt.is_enabled(trainer)
+
+
+def test_cast_lm_head_to_fp32_under_bf16_autocast(folder, tmp_path, seed):
+    """TRL's cast_lm_head_to_fp32 with bf16 autocast: the backbone in bf16, the head in float32 (logitless'
+    head_in_fp32), as TRL's patched head computes it; the log-probs as TRL's within bf16's backbone noise
+    (both read the same bf16-autocast hidden states, so the difference is the head's float32 rounding)."""
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, bf16=True, cast_lm_head_to_fp32=True)
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    ids = torch.randint(3, 500, (3, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        lp_trl, ent_trl, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5,
+                                                                       compute_entropy=True)
+        lt.enable(trainer)
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5, compute_entropy=True)
+    assert float((lp - lp_trl).abs().max()) <= TOL and float((ent - ent_trl).abs().max()) <= TOL
 
 
 def _peak(mode: str) -> int:

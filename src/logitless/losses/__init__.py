@@ -1,6 +1,9 @@
-"""Fused policy losses: the whole PPO / GRPO head (log-probs, entropy, clipped surrogate, KL, entropy
-bonus, aggregation) from the last hidden states and the LM-head weight, with gradients formed in the
-same pass that computes the statistics (three GEMMs), never building the logits.
+"""Fused policy losses: the whole PPO / GRPO head (log-probs, entropy, the policy-gradient surrogate, KL,
+entropy bonus, masks, rollout correction, aggregation) from the last hidden states and the LM-head weight,
+never building the logits. Token-local losses form their gradients in the pass that computes the
+statistics (three GEMMs); losses that couple tokens (sequence-level ratios, batch-level selections) take
+a statistics pass, the per-token coefficients in float64, and a gradient pass. docs/policy-loss.md defines
+every loss by name.
 
 Modules: ``api`` (``fused_policy_loss``, ``policy_loss_reference``, ``PolicyLossOutput``), ``policy``
 (``PolicyLoss``: inputs and settings, checked once), ``aggregate`` (the per-token weights of each
@@ -8,10 +11,11 @@ Modules: ``api`` (``fused_policy_loss``, ``policy_loss_reference``, ``PolicyLoss
 term, written once with its derivatives, is ``logitless.ops.policy_terms`` (read by every pass); the pass
 itself is ``logitless.ops.policy_parts``.
 """
-from ..ops.policy_terms import KL_TYPES
+from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, SURROGATES
 from .aggregate import LOSS_AGGS
 from .api import PolicyLossOutput, fused_policy_loss, policy_loss, policy_loss_reference
-from .policy import PolicyLoss
+from .policy import ROLLOUT_IS_MODES, VERL_POLICY_LOSSES, PolicyLoss, verl_loss_settings
 
 __all__ = ["fused_policy_loss", "policy_loss_reference", "policy_loss", "PolicyLoss", "PolicyLossOutput",
-           "LOSS_AGGS", "KL_TYPES"]
+           "LOSS_AGGS", "KL_TYPES", "SURROGATES", "RATIO_LEVELS", "ROLLOUT_IS_MODES", "VERL_POLICY_LOSSES",
+           "verl_loss_settings"]

@@ -6,6 +6,7 @@ return a ``PolicyLossOutput``; they agree within the op's tolerances.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from .. import checks
 from ..api import check_head, fused_logprobs, inv_temperature, tp_group_name, vocab_layout
+from ..ops.policy import max_chunk_rows_for
 from ..ops.policy_terms import weighted_terms
 from ..ops.registry import choose_backend
 from .function import fused_policy_loss_op
@@ -55,40 +57,97 @@ def _prepare(hidden, weight, labels, policy, temperature, ignore_index, reduce_g
 def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tensor, *,
                 temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                 reduce_grad_hidden: bool = True, backend: str = "auto", fused: bool = True,
-                seq_first: bool = False, check_inputs: bool = True) -> PolicyLossOutput:
+                seq_first: bool = False, softcap: Optional[float] = None,
+                check_inputs: bool = True) -> PolicyLossOutput:
     """``fused_policy_loss`` (fused=True) or ``policy_loss_reference`` (False) of a ``PolicyLoss``.
 
     seq_first: hidden is [s, b, H] while labels and the policy's per-token inputs are [b, s] (Megatron's
     layout; the outputs come back [b, s] and sequences are the rows of labels).
-    check_inputs: as in ``fused_policy_loss`` (the fused loss only; the reference path always checks)."""
+    softcap: None, or c in [1e-6, 1e6]: the logits are c * tanh(raw / c) before the temperature (Gemma 2's
+    final_logit_softcapping), as in ``fused_logprobs``.
+    check_inputs: as in ``fused_policy_loss`` (the fused pass of a token-local loss only; the other paths
+    always check).
+
+    Which pass runs: a token-local loss with no softcap takes the one fused pass (three GEMMs, gradients
+    formed in the forward), the custom op ``logitless::fused_policy_loss``. So does a loss coupled within
+    sequences only (``TermSpec.sequence_coupled``: sequence-level ratios, VESPO, geo_mean, the off-policy
+    mask) when every sequence fits one chunk of the backend: the chunks are then cut at sequence boundaries
+    and each chunk's terms are differentiated whole. Otherwise a loss that couples tokens (``TermSpec.coupled``,
+    including the batch-level entropy mask, clip_cov, kl_cov), a softcapped head, or the sequence-first layout
+    with a coupled loss, take the statistics of every token first (``fused_logprobs``' forward), form the
+    per-token coefficients dL/dlogprob, dL/dentropy of the whole batch in float64 (``ops/policy_terms.py``),
+    and a second pass for the gradients (``fused_logprobs``' backward): exact, four GEMMs. The fused pass
+    compiles under torch.compile(fullgraph=True); the coupled losses' routing reads the sequences' lengths on
+    the host (a graph break)."""
     checks.boolean(check_inputs, "check_inputs")
+    softcap = checks.softcap(softcap)
     hidden, weight, labels, inv_temp, mod = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
                                                      reduce_grad_hidden, backend, seq_first)
-    if not fused:
+    spec = policy.term_spec()
+    if fused and not check_inputs and (spec.coupled or softcap is not None or policy.rollout_is is not None):
+        what = ("a softcap" if softcap is not None else "rollout_is" if policy.rollout_is is not None
+                else "a loss that couples tokens")
+        raise ValueError(f"check_inputs=False (no host synchronisation) covers the fused pass of a token-local "
+                         f"loss without softcap; {what} needs check_inputs=True")
+    bounds = None
+    if fused and softcap is None and spec.sequence_coupled:
+        tokens = _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
+        bounds = _sequence_bounds(tokens, mod.name, weight, tp_group, hidden, seq_first)
+    if not fused or softcap is not None or (spec.coupled and bounds is None):
         return _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group,
-                          reduce_grad_hidden, mod.name, seq_first)
+                          reduce_grad_hidden, mod.name, seq_first, softcap)
     grad = torch.is_grad_enabled()
     loss, lp, ent, clip_fraction, kl = fused_policy_loss_op(
         hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels, inv_temp, policy, backend=mod.name,
         ignore_index=ignore_index, tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
         seq_first=seq_first, check_inputs=check_inputs, need_dh=grad and hidden.requires_grad,
-        need_dw=grad and weight.requires_grad)
+        need_dw=grad and weight.requires_grad, bounds=bounds)
     return PolicyLossOutput(loss, lp, ent, clip_fraction, kl if policy.ref_logprobs is not None else None)
 
 
+def _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first):
+    _, vocab = vocab_layout(weight, tp_group)
+    return score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=ignore_index, vocab=vocab,
+                        seq_first=seq_first)
+
+
+def _sequence_bounds(tokens, backend_name: str, weight: Tensor, tp_group, hidden: Tensor,
+                     seq_first: bool) -> Optional[list]:
+    """Chunk boundaries [0, ..., n] at sequence boundaries, each chunk at most the backend's rows, so that
+    a sequence-coupled loss keeps the one fused pass; None when that cannot be (a sequence longer than a
+    chunk, sequences not contiguous in the rows: seq_first). One host read (the sequences' lengths)."""
+    n = tokens.count
+    seq = tokens.inputs.seq
+    if seq_first or seq is None or n == 0:
+        return None
+    tp, _ = vocab_layout(weight, tp_group)
+    plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
+    limit = max_chunk_rows_for(backend_name)(n, plan_vocab, hidden.dtype, hidden.device)
+    bounds, size, pos = [0], 0, 0
+    for count in torch.unique_consecutive(seq, return_counts=True)[1].tolist():
+        if count > limit:
+            return None
+        if size + count > limit:
+            bounds.append(pos)
+            size = 0
+        size += count
+        pos += count
+    bounds.append(n)
+    return bounds
+
+
 def _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group, reduce_grad_hidden,
-               backend, seq_first):
-    """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd."""
-    tp, vocab = vocab_layout(weight, tp_group)
-    tokens = score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=ignore_index, vocab=vocab,
-                          seq_first=seq_first)
+               backend, seq_first, softcap=None):
+    """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd: the
+    statistics pass, the whole batch's float64 terms and their per-token coefficients, the gradient pass."""
+    tokens = _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
     labels_rows = labels.t() if seq_first else labels
     temp = temperature
     if seq_first and torch.is_tensor(temperature) and temperature.dim() == 2:
         temp = temperature.t()     # [b, s] or [b, 1] -> the rows' [s, b] layout
     out = fused_logprobs(hidden, weight, labels_rows, temperature=temp, with_entropy=True,
                          ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
-                         backend=backend)
+                         backend=backend, softcap=softcap)
     lp, ent = out.logprobs.reshape(-1), out.entropy.reshape(-1)
     if tokens.rows is not None:
         lp, ent = lp.index_select(0, tokens.rows), ent.index_select(0, tokens.rows)
@@ -108,8 +167,8 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                       kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                       loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
-                      reduce_grad_hidden: bool = True, backend: str = "auto",
-                      check_inputs: bool = True) -> PolicyLossOutput:
+                      reduce_grad_hidden: bool = True, backend: str = "auto", check_inputs: bool = True,
+                      **loss_settings) -> PolicyLossOutput:
     """The PPO / GRPO policy loss straight from the LM head, in three GEMMs, without the logits.
 
     Args:
@@ -124,7 +183,13 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
             synchronisation, inside the op (``torch.compile`` sees none). False: none at all, so a whole
             step can be captured in a CUDA graph; nothing is checked, every row is computed, and the rows
             that are not scored get no label, inputs and weights 0, and outputs 0 (NaN padding in the
-            per-token inputs there is harmless; a non-finite hidden state there reaches d_weight).
+            per-token inputs there is harmless; a non-finite hidden state there reaches d_weight). Token-local
+            losses only (no softcap, no rollout_is): others raise ValueError.
+        loss_settings: the other ``PolicyLoss`` settings, by name: surrogate ("ppo", "cispo", "sapo",
+            "gpg", "dro", "vespo", "dppo_tv", "dppo_kl"), ratio_level, delta, kl_ratio, the masks
+            (entropy_quantile, off_policy_threshold), rollout correction (rollout_logprobs, rollout_is,
+            rollout_is_min / _max, rollout_weights), entropy_agg and each surrogate's parameters; an
+            unknown name is a TypeError naming it. docs/policy-loss.md defines each.
 
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, clip_fraction, kl): ``loss`` is 0-d float32, to be
@@ -134,18 +199,35 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
         Under torch.autocast hidden and weight are cast as F.linear casts them, then computed on exactly;
         a function calling this compiles with torch.compile(fullgraph=True) (docs/contexts.md).
 
-    The loss is sum_i w_i f_i over the scored tokens (``terms.py`` for f, ``aggregate.py`` for w). Knowing
-    it, the pass forms each token chunk's gradient as soon as its statistics are known: the logits are
-    never recomputed (three GEMMs, against the four of fused_logprobs plus a loss). Memory beyond the
-    gradient buffers: a per-chunk workspace (LOGITLESS_POLICY_WORKSPACE_BYTES on the triton backend,
+    The loss is sum_i w_i f_i over the scored tokens (``ops/policy_terms.py`` for f, ``aggregate.py`` for
+    w). For a token-local f (each token's term depends on its own log-prob and entropy only), the pass
+    forms each token chunk's gradient as soon as its statistics are known: the logits are never
+    recomputed (three GEMMs, against the four of fused_logprobs plus a loss). Memory beyond the gradient
+    buffers: a per-chunk workspace (LOGITLESS_POLICY_WORKSPACE_BYTES on the triton backend,
     LOGITLESS_CHUNK_ELEMENTS on the chunked one). The gradient buffers are allocated in the forward.
+    A loss that couples tokens (sequence-level ratios, VESPO, the masks) is exact too, in four GEMMs: see
+    ``policy_loss``.
     """
-    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    policy = _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
+                     entropy_coef, loss_agg, cu_seqlens, loss_settings)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
                        check_inputs=check_inputs)
+
+
+# read once here: torch.compile does not trace dataclasses.fields
+_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyLoss))
+
+
+def _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef,
+            loss_agg, cu_seqlens, loss_settings) -> PolicyLoss:
+    unknown = sorted(set(loss_settings) - _POLICY_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown policy-loss setting(s) {', '.join(unknown)}; PolicyLoss takes "
+                        f"{sorted(_POLICY_FIELDS)}")
+    return PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_type=kl_type,
+                      entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens, **loss_settings)
 
 
 def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
@@ -154,11 +236,11 @@ def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advant
                           kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                           loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                           temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
-                          reduce_grad_hidden: bool = True, backend: str = "auto") -> PolicyLossOutput:
+                          reduce_grad_hidden: bool = True, backend: str = "auto", **loss_settings
+                          ) -> PolicyLossOutput:
     """``fused_policy_loss``'s loss through ``fused_logprobs`` (on ``backend``) and torch autograd: the same
     definition (``terms.py``), the usual four GEMMs. The baseline the fused loss is measured against."""
-    policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+    policy = _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
+                     entropy_coef, loss_agg, cu_seqlens, loss_settings)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend, fused=False)

@@ -52,20 +52,22 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------------- PolicyLoss <-> op arguments
 # A custom op takes tensors, numbers and strings, not a PolicyLoss: its fields travel by kind, in the order of
 # its definition (so a field added to PolicyLoss travels without a change here). Numbers (float, int, bool
-# fields, by their annotation) travel as floats, None as NaN (PolicyLoss refuses NaN values); strings joined
-# by a separator no setting contains.
+# fields, by their annotation) travel as floats, None as NaN (PolicyLoss refuses NaN values); strings (str and
+# Optional[str] fields, None as a marker no setting equals) joined by a separator no setting contains.
 _FIELDS = dataclasses.fields(PolicyLoss)
 _TENSORS = tuple(f.name for f in _FIELDS if "Tensor" in str(f.type))
-_STRINGS = tuple(f.name for f in _FIELDS if str(f.type) == "str")
+_STRINGS = tuple(f.name for f in _FIELDS if str(f.type) in ("str", "Optional[str]"))
 _NUMBERS = tuple(f.name for f in _FIELDS if f.name not in _TENSORS and f.name not in _STRINGS)
 _SEPARATOR = "\x1f"
+_NONE = "\x1e"
 
 
 def pack_policy(policy: PolicyLoss) -> tuple[list, list, str]:
     """(tensors, numbers, strings): the op's arguments for ``policy``."""
     tensors = [getattr(policy, name) for name in _TENSORS]
     numbers = [math.nan if getattr(policy, name) is None else float(getattr(policy, name)) for name in _NUMBERS]
-    return tensors, numbers, _SEPARATOR.join(getattr(policy, name) for name in _STRINGS)
+    strings = (_NONE if getattr(policy, name) is None else getattr(policy, name) for name in _STRINGS)
+    return tensors, numbers, _SEPARATOR.join(strings)
 
 
 _NUMBER_TYPES = {f.name: {"bool": bool, "int": int}.get(str(f.type), float) for f in _FIELDS if f.name in _NUMBERS}
@@ -75,7 +77,8 @@ def unpack_policy(tensors: list, numbers: list, strings: str) -> PolicyLoss:
     fields = dict(zip(_TENSORS, tensors, strict=True))
     fields.update((name, None if math.isnan(v) else _NUMBER_TYPES[name](v))
                   for name, v in zip(_NUMBERS, numbers, strict=True))
-    fields.update(zip(_STRINGS, strings.split(_SEPARATOR), strict=True))
+    fields.update((name, None if v == _NONE else v)
+                  for name, v in zip(_STRINGS, strings.split(_SEPARATOR), strict=True))
     return PolicyLoss(**fields)
 
 
@@ -91,6 +94,7 @@ class PassOptions:
     tp: Optional["VocabParallel"]
     need_dh: bool
     need_dw: bool
+    bounds: Optional[list] = None     # the chunks' boundaries when groups of tokens must stay whole
 
 
 @functools.lru_cache(maxsize=64)
@@ -167,7 +171,8 @@ def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpe
     chunks = _Chunks(tokens, spec, options, dev)
     if n:
         plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
-        options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab)
+        cut = {} if options.bounds is None else {"bounds": options.bounds}
+        options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab, **cut)
     else:
         if dh is not None:
             dh.zero_()
@@ -193,8 +198,8 @@ def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpe
 @torch.library.custom_op("logitless::fused_policy_loss", mutates_args=())
 def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, inputs: list[Optional[Tensor]], *,
                numbers: list[float], strings: str, backend: str, ignore_index: int, tp_group: Optional[str],
-               reduce_grad_hidden: bool, seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+               reduce_grad_hidden: bool, seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool,
+               bounds: Optional[list[int]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         policy = unpack_policy(inputs, numbers, strings)
         mod = load_backend(backend)
@@ -202,9 +207,10 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
         tokens = score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=ignore_index,
                               vocab=tp.vocab_size if tp is not None else weight.shape[0], seq_first=seq_first,
                               check_inputs=check_inputs)
-        options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name), tp=tp,
-                              need_dh=need_dh, need_dw=need_dw)
-        (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, policy.term_spec(), options)
+        spec = policy.term_spec()
+        options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
+                              need_dh=need_dh, need_dw=need_dw, bounds=bounds)
+        (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, spec, options)
         record_backend(mod.name)
 
         def shaped(x: Tensor) -> Tensor:     # a fresh tensor in the labels' layout (outputs may not alias)
@@ -216,7 +222,7 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
 
 @_policy_op.register_fake
 def _policy_fake(hidden, weight, labels, inv_temp, inputs, *, numbers, strings, backend, ignore_index, tp_group,
-                 reduce_grad_hidden, seq_first, check_inputs, need_dh, need_dw):
+                 reduce_grad_hidden, seq_first, check_inputs, need_dh, need_dw, bounds=None):
     def scalar():
         return hidden.new_empty((), dtype=torch.float32)
     return (scalar(), hidden.new_empty(labels.shape, dtype=torch.float32),
@@ -263,12 +269,14 @@ _policy_op.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_policy_loss_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, policy: PolicyLoss, *,
                          backend: str, ignore_index: int, tp_group: Optional[str], reduce_grad_hidden: bool,
-                         seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool):
+                         seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool,
+                         bounds: Optional[list] = None):
     """(loss, logprobs, entropy, clip_fraction, kl) of the op; hidden [N, H] in the rows' order, labels and
-    inv_temp (float32) in the labels' layout; the arguments as checked by ``losses.api``."""
+    inv_temp (float32) in the labels' layout; the arguments as checked by ``losses.api``. bounds: the chunks'
+    boundaries among the scored tokens (a sequence-coupled loss: ``api._sequence_bounds``), or None."""
     tensors, numbers, strings = pack_policy(policy)
     out = torch.ops.logitless.fused_policy_loss(
         hidden, weight, labels, inv_temp, tensors, numbers=numbers, strings=strings, backend=backend,
         ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, seq_first=seq_first,
-        check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw)
+        check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw, bounds=bounds)
     return out[:5]

@@ -12,8 +12,10 @@ from typing import Optional
 from torch import Tensor
 
 from .. import checks
-from ..ops.policy_terms import KL_TYPES, TermSpec
+from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, SURROGATES, TermSpec
 from .aggregate import check_loss_agg
+
+ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _optional_tensor(value, name: str) -> Optional[Tensor]:
@@ -34,15 +36,52 @@ class PolicyLoss:
         means on-policy (ratio 1 in value; the gradient is that of -A * logprob).
     ref_logprobs: log-probs under the reference policy, for the KL term and metric; None for none.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher when
-        they differ); clip_low in [0, 1), clip_high >= 0.
+        they differ); clip_low in [0, 1] (1: no lower clip), clip_high >= 0.
     dual_clip: None, or c > 1: for negative advantages the term is at most -A * c (dual-clip PPO).
     kl_coef: weight of the KL estimate in the loss (needs ref_logprobs when not 0).
-    kl_type: "k1" ("kl"), "k2" ("mse"), "k3" ("low_var_kl"), "abs", or "k1+" / "k3+" (value of k1 / k3,
-        gradient of k2), as verl names them.
+    kl_type: "k1" ("kl"), "k2" ("mse"), "k3" ("low_var_kl", clamped as verl clamps it), "abs", or "k1+" /
+        "k3+" (value of k1 / k3, gradient of k2), as verl names them; "k3_unclamped" ("k3_unclamped+"):
+        exp(ref - lp) - (ref - lp) - 1 without verl's clamps (TRL's estimator).
     entropy_coef: the loss subtracts entropy_coef * entropy (an entropy bonus when > 0).
     loss_agg: "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
         "seq-mean-token-sum-norm" (verl's meanings; see ``aggregate.py``).
     cu_seqlens: for packed 1-D labels, int [k + 1] sequence boundaries (the sequence aggregations need them).
+
+    The policy-gradient term (definitions: ``logitless.ops.policy_terms``; docs/policy-loss.md):
+    surrogate: "ppo" (the clipped surrogate, default), "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv",
+        "dppo_kl", "geo_mean" (GMPO), "clip_cov", "kl_cov". verl's policy_loss names map onto these settings
+        with ``verl_loss_settings``.
+    cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_coef: clip_cov / kl_cov's share of selected tokens, clip_cov's
+        covariance band, kl_cov's coefficient of |lp - old| (verl's clip_cov_ratio / kl_cov_ratio, clip_cov_lb,
+        clip_cov_ub, ppo_kl_coef).
+    ratio_level: "token" (default), "sequence" (GSPO's length-normalised sequence ratio, the gradient
+        through the sequence mean: TRL's importance_sampling_level="sequence"), "sequence-token" (its value
+        with a per-token gradient: verl's "gspo").
+    delta: None, or > 1: the unclipped ratio is capped at delta (TRL's two-sided clipping).
+    kl_ratio: multiply the KL estimate by the importance ratio (TRL's use_bias_correction_kl).
+    sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0) for positive / other advantages.
+    dro_beta: DRO's penalty (> 0; needed by surrogate "dro").
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weighting (TRL's names).
+    off_policy_threshold: None, or the off-policy sequence mask's threshold on the sequence's mean
+        sampling-minus-current log-prob (DeepSeek-V3.2, TRL's off_policy_mask_threshold).
+    entropy_quantile: in (0, 1]; below 1 only the tokens with the top ``entropy_quantile`` share of
+        entropies carry the policy-gradient term and the entropy bonus (TRL's top_entropy_quantile).
+    entropy_agg: None (the entropy bonus aggregated like the loss) or a ``loss_agg`` name for the bonus.
+    rollout_logprobs: the rollout engine's log-probs of the labels (per token), for ``rollout_is`` and the
+        off-policy mask (which otherwise uses old_logprobs).
+    rollout_is: None, or "token_truncate" / "sequence_truncate" (TIS: the weight exp(old - rollout), per
+        token or of the sequence's sum, clamped to [rollout_is_min, rollout_is_max]) or "token_mask" /
+        "sequence_mask" (MIS: the weight set to 0 outside that band), multiplying the policy-gradient term
+        (TRL's vllm_importance_sampling_mode); needs rollout_logprobs and old_logprobs.
+    rollout_is_min, rollout_is_max: the band (None: unbounded on that side; truncation needs a maximum).
+        verl's rollout_correction: rollout_is="token" / "sequence" with rollout_is_threshold=u is
+        "token_truncate" / "sequence_truncate" with rollout_is_max=u; a threshold "l_u" (IcePop) is
+        "token_mask" / "sequence_mask" with rollout_is_min=l, rollout_is_max=u. The log-ratio is clamped to
+        +-20 before exp, as verl does.
+    rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
+        sequences, at sequence level), as verl's rollout_is_batch_normalize.
+    rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]), when
+        computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
     """
     advantages: Tensor
     old_logprobs: Optional[Tensor] = None
@@ -55,6 +94,30 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     cu_seqlens: Optional[Tensor] = None
+    surrogate: str = "ppo"
+    ratio_level: str = "token"
+    delta: Optional[float] = None
+    kl_ratio: bool = False
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dro_beta: Optional[float] = None
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_threshold: Optional[float] = None
+    entropy_quantile: float = 1.0
+    entropy_agg: Optional[str] = None
+    rollout_logprobs: Optional[Tensor] = None
+    rollout_is: Optional[str] = None
+    rollout_is_min: Optional[float] = None
+    rollout_is_max: Optional[float] = None
+    rollout_weights: Optional[Tensor] = None
+    rollout_is_batch_normalize: bool = False
+    cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
 
     def __post_init__(self):
         checks.tensor(self.advantages, "advantages")
@@ -65,8 +128,8 @@ class PolicyLoss:
             checks.index_tensor(self.cu_seqlens, "cu_seqlens")
         set_ = object.__setattr__
         set_(self, "clip_low", checks.finite_float(self.clip_low, "clip_low", minimum=0.0))
-        if self.clip_low >= 1.0:
-            raise ValueError(f"clip_low must lie in [0, 1) (the ratio's lower bound is 1 - clip_low > 0), "
+        if self.clip_low > 1.0:
+            raise ValueError(f"clip_low must lie in [0, 1] (the ratio's lower bound 1 - clip_low >= 0; 1: none), "
                              f"got {self.clip_low!r}")
         set_(self, "clip_high", checks.finite_float(self.clip_high, "clip_high", minimum=0.0))
         if self.dual_clip is not None:
@@ -81,8 +144,118 @@ class PolicyLoss:
         if self.kl_coef != 0.0 and self.ref_logprobs is None:
             raise ValueError(f"kl_coef={self.kl_coef} needs ref_logprobs (the reference policy's log-probs)")
         check_loss_agg(self.loss_agg)
+        self._check_loss_settings()
+
+    def _check_loss_settings(self):
+        set_ = object.__setattr__
+        _optional_tensor(self.rollout_logprobs, "rollout_logprobs")
+        _optional_tensor(self.rollout_weights, "rollout_weights")
+        _choice(self.surrogate, "surrogate", SURROGATES)
+        _choice(self.ratio_level, "ratio_level", RATIO_LEVELS)
+        checks.boolean(self.kl_ratio, "kl_ratio")
+        checks.boolean(self.rollout_is_batch_normalize, "rollout_is_batch_normalize")
+        if self.delta is not None:
+            set_(self, "delta", checks.finite_float(self.delta, "delta", minimum=1.0, above=True))
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            set_(self, name, checks.finite_float(getattr(self, name), name, minimum=0.0, above=True))
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            set_(self, name, checks.finite_float(getattr(self, name), name))
+        if self.dro_beta is not None:
+            set_(self, "dro_beta", checks.finite_float(self.dro_beta, "dro_beta", minimum=0.0, above=True))
+        if self.delta is not None and self.surrogate != "ppo":
+            raise ValueError(f"delta caps the ratio of the clipped surrogate; surrogate={self.surrogate!r} has none")
+        if self.dual_clip is not None and self.surrogate not in ("ppo", "dppo_tv", "dppo_kl"):
+            raise ValueError(f"dual_clip applies to surrogate 'ppo' (and is the ratio cap of 'dppo_*'); "
+                             f"surrogate={self.surrogate!r} has no use for it")
+        if self.surrogate == "dro" and self.dro_beta is None:
+            raise ValueError("surrogate='dro' needs dro_beta > 0 (DRO's quadratic log-ratio penalty)")
+        r = checks.finite_float(self.cov_ratio, "cov_ratio", minimum=0.0, above=True)
+        if r > 1.0:
+            raise ValueError(f"cov_ratio must be in (0, 1], got {r!r}")
+        set_(self, "cov_ratio", r)
+        for name in ("clip_cov_lb", "clip_cov_ub", "kl_cov_coef"):
+            set_(self, name, checks.finite_float(getattr(self, name), name))
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}")
+        if self.surrogate == "geo_mean" and (self.off_policy_threshold is not None or self.entropy_quantile < 1.0):
+            raise ValueError("surrogate='geo_mean' is a loss per sequence: off_policy_threshold and entropy_quantile "
+                             "(token masks) do not apply to it")
+        if self.surrogate in ("vespo", "geo_mean", "clip_cov", "kl_cov") and self.ratio_level != "token":
+            raise ValueError(f"surrogate={self.surrogate!r} forms its own ratios; ratio_level={self.ratio_level!r} "
+                             "must be 'token'")
+        if self.off_policy_threshold is not None:
+            set_(self, "off_policy_threshold", checks.finite_float(self.off_policy_threshold,
+                                                                   "off_policy_threshold"))
+        q = checks.finite_float(self.entropy_quantile, "entropy_quantile", minimum=0.0, above=True)
+        if q > 1.0:
+            raise ValueError(f"entropy_quantile must be in (0, 1], got {q!r}")
+        set_(self, "entropy_quantile", q)
+        if self.entropy_agg is not None:
+            check_loss_agg(self.entropy_agg)
+        if self.rollout_is is not None:
+            _choice(self.rollout_is, "rollout_is", ROLLOUT_IS_MODES)
+            if self.rollout_logprobs is None:
+                raise ValueError(f"rollout_is={self.rollout_is!r} needs rollout_logprobs (the rollout engine's "
+                                 "log-probs of the labels)")
+            if self.old_logprobs is None:
+                raise ValueError(f"rollout_is={self.rollout_is!r} needs old_logprobs (the weight is "
+                                 "exp(old_logprobs - rollout_logprobs))")
+            if self.rollout_weights is not None:
+                raise ValueError("give rollout_weights or rollout_is, not both")
+        for name in ("rollout_is_min", "rollout_is_max"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, checks.finite_float(value, name, minimum=0.0))
+        if self.rollout_is is not None and self.rollout_is.endswith("truncate") and self.rollout_is_max is None:
+            raise ValueError(f"rollout_is={self.rollout_is!r} (truncated importance sampling) needs rollout_is_max")
+        if (self.rollout_is_min is not None and self.rollout_is_max is not None
+                and self.rollout_is_min > self.rollout_is_max):
+            raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
 
     def term_spec(self) -> TermSpec:
         return TermSpec(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
                         kl_coef=self.kl_coef, kl_type=KL_TYPES[self.kl_type], entropy_coef=self.entropy_coef,
-                        has_old=self.old_logprobs is not None, has_ref=self.ref_logprobs is not None)
+                        has_old=self.old_logprobs is not None, has_ref=self.ref_logprobs is not None,
+                        surrogate=self.surrogate, ratio_level=self.ratio_level, delta=self.delta,
+                        kl_ratio=self.kl_ratio, sapo_tau=(self.sapo_tau_pos, self.sapo_tau_neg),
+                        dro_beta=self.dro_beta or 0.0, vespo_pos=(self.vespo_k_pos, self.vespo_lambda_pos),
+                        vespo_neg=(self.vespo_k_neg, self.vespo_lambda_neg),
+                        off_policy_threshold=self.off_policy_threshold, entropy_quantile=self.entropy_quantile,
+                        entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
+                        has_rollout=self.rollout_logprobs is not None,
+                        has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
+                        cov_ratio=self.cov_ratio, cov_bounds=(self.clip_cov_lb, self.clip_cov_ub),
+                        cov_kl_coef=self.kl_cov_coef)
+
+
+def _choice(value, name: str, allowed) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+# verl's actor.policy_loss.loss_mode names -> PolicyLoss settings (verl's clip_ratio_c is dual_clip for
+# "vanilla" and the ratio cap of "dppo_*"; its policy_loss.clip_cov_ratio / kl_cov_ratio are cov_ratio,
+# clip_cov_lb / _ub the same, ppo_kl_coef is kl_cov_coef, dro_beta the same)
+VERL_POLICY_LOSSES = {
+    "vanilla": {"surrogate": "ppo"},
+    "gspo": {"surrogate": "ppo", "ratio_level": "sequence-token"},
+    "sapo": {"surrogate": "sapo"},
+    "gpg": {"surrogate": "gpg"},
+    "cispo": {"surrogate": "cispo"},
+    "dro": {"surrogate": "dro"},
+    "dppo_tv": {"surrogate": "dppo_tv"},
+    "dppo_kl": {"surrogate": "dppo_kl"},
+    "geo_mean": {"surrogate": "geo_mean"},
+    "clip_cov": {"surrogate": "clip_cov"},
+    "kl_cov": {"surrogate": "kl_cov"},
+}
+
+
+def verl_loss_settings(loss_mode: str) -> dict:
+    """PolicyLoss keyword arguments for verl's ``policy_loss.loss_mode`` (a copy; ValueError for others)."""
+    if loss_mode not in VERL_POLICY_LOSSES:
+        raise ValueError(f"loss_mode must be one of {tuple(VERL_POLICY_LOSSES)}, got {loss_mode!r}")
+    return dict(VERL_POLICY_LOSSES[loss_mode])

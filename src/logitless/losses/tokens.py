@@ -79,9 +79,16 @@ def check_layout(labels: Tensor, policy: PolicyLoss, seq_first: bool = False):
         raise ValueError(f"labels must be [b, s] here, got shape {tuple(labels.shape)}")
     named = [(name, checks.per_token_tensor(value, name, labels))
              for name, value in (("advantages", policy.advantages), ("old_logprobs", policy.old_logprobs),
-                                 ("ref_logprobs", policy.ref_logprobs)) if value is not None]
+                                 ("ref_logprobs", policy.ref_logprobs), ("rollout_logprobs", policy.rollout_logprobs),
+                                 ("rollout_weights", policy.rollout_weights)) if value is not None]
     cu, cu_ok = (None, None) if policy.cu_seqlens is None else check_cu_seqlens(policy.cu_seqlens, labels)
     check_agg_layout(labels, policy.loss_agg, cu)
+    if policy.entropy_agg is not None:
+        check_agg_layout(labels, policy.entropy_agg, cu)
+    for needs, what in sequence_needs(policy):
+        if needs and (labels.dim() == 0 or (labels.dim() == 1 and cu is None)):
+            raise ValueError(f"{what} needs sequences: give labels [b, s] (a sequence per row) or cu_seqlens for "
+                             "packed 1-D labels")
     return named, cu, cu_ok
 
 
@@ -157,9 +164,18 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
 
     def make_inputs() -> TokenInputs:
         weights = rows_order(token_weights(valid, policy.loss_agg, cu))
+        ent_weights = None
+        if policy.entropy_agg is not None and policy.entropy_agg != policy.loss_agg:
+            ent_weights = pick(rows_order(token_weights(valid, policy.entropy_agg, cu)), torch.float64)
         given = {name: pick(t, torch.float64) for name, t in flat_inputs.items()}
+        seq, n_seq, horizon = sequence_ids(labels, cu)
+        seq = None if seq is None else pick(rows_order(seq), torch.long)
+        rollout_weights = given.get("rollout_weights")
+        if policy.rollout_is is not None:
+            rollout_weights = rollout_is_weights(given["old_logprobs"], given["rollout_logprobs"], seq, n_seq, policy)
         return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"),
-                           pick(weights, torch.float64))
+                           pick(weights, torch.float64), seq=seq, n_seq=n_seq, ent_weights=ent_weights,
+                           rollout=given.get("rollout_logprobs"), rollout_weights=rollout_weights, horizon=horizon)
     return ScoredTokens(rows=rows, total=total, labels=pick(flat_labels, torch.long),
                         inv_temp=pick(rows_order(inv_t), torch.float32), make_inputs=make_inputs,
                         row_shape=row_shape)
@@ -176,7 +192,68 @@ def _unchecked(labels, valid, flat_labels, flat_valid, flat_inputs, flat_inv_t, 
     def make_inputs() -> TokenInputs:
         weights = rows_order(token_weights(valid, policy.loss_agg, cu)).double()
         given = {name: t.double().masked_fill(unscored, 0.0) for name, t in flat_inputs.items()}
-        return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"), weights)
+        ent_weights = None
+        if policy.entropy_agg is not None and policy.entropy_agg != policy.loss_agg:
+            ent_weights = rows_order(token_weights(valid, policy.entropy_agg, cu)).double()
+        seq, n_seq, horizon = sequence_ids(labels, cu)
+        seq = None if seq is None else rows_order(seq)
+        return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"), weights,
+                           seq=seq, n_seq=n_seq, ent_weights=ent_weights, rollout=given.get("rollout_logprobs"),
+                           rollout_weights=given.get("rollout_weights"), horizon=horizon)
     return ScoredTokens(rows=None, total=flat_labels.numel(), labels=flat_labels.masked_fill(~in_range, -1),
                         inv_temp=flat_inv_t.float().masked_fill(unscored, 1.0), make_inputs=make_inputs,
                         row_shape=row_shape, unscored=unscored)
+
+
+
+ROLLOUT_LOG_CLAMP = 20.0     # verl's SAFETY_BOUND on the rollout log-ratio
+
+
+def sequence_needs(policy: PolicyLoss) -> list:
+    """(whether the setting is on, its name) for the settings that need the labels to delimit sequences."""
+    return [(policy.ratio_level != "token", f"ratio_level={policy.ratio_level!r}"),
+            (policy.surrogate in ("vespo", "geo_mean"), f"surrogate={policy.surrogate!r}"),
+            (policy.off_policy_threshold is not None, "off_policy_threshold"),
+            (policy.rollout_is is not None and policy.rollout_is.startswith("sequence"),
+             f"rollout_is={policy.rollout_is!r}")]
+
+
+def sequence_ids(labels: Tensor, cu: Optional[Tensor]):
+    """(int64 sequence index of every position in the labels' layout or None, the number of sequences,
+    the horizon: the sequence axis' size, or the longest packed sequence)."""
+    if cu is not None:
+        lengths = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=labels.device), lengths)
+        return seq, lengths.numel(), lengths.max().clamp_min(1).double()   # a tensor: no host read
+    if labels.dim() < 2:
+        return None, 0, 1.0
+    s = labels.shape[-1]
+    n_seq = labels.numel() // max(s, 1)
+    seq = torch.arange(n_seq, device=labels.device).repeat_interleave(s).view(labels.shape)
+    return seq, n_seq, float(s)
+
+
+def rollout_is_weights(old: Tensor, rollout: Tensor, seq: Optional[Tensor], n_seq: int, policy: PolicyLoss) -> Tensor:
+    """float64 [n]: TRL's vLLM importance-sampling ratio of the scored tokens (``PolicyLoss.rollout_is``)."""
+    diff = old - rollout
+    sequence = policy.rollout_is.startswith("sequence")
+    if sequence:
+        diff = diff.new_zeros(n_seq).index_add_(0, seq, diff)[seq]
+    # verl clamps the log-ratio to +-20 (TRL does not: the same weights unless exp(+-20) is inside the band)
+    rho = diff.clamp(-ROLLOUT_LOG_CLAMP, ROLLOUT_LOG_CLAMP).exp()
+    lo = -math.inf if policy.rollout_is_min is None else policy.rollout_is_min
+    hi = math.inf if policy.rollout_is_max is None else policy.rollout_is_max
+    if policy.rollout_is.endswith("truncate"):
+        rho = rho.clamp(min=policy.rollout_is_min, max=hi)
+    else:
+        rho = rho.masked_fill((rho < lo) | (rho > hi), 0.0)
+    if policy.rollout_is_batch_normalize and rho.numel():
+        # verl's rollout_is_batch_normalize: the mean weight over the tokens (or the sequences) made 1
+        if sequence:
+            per_seq = rho.new_zeros(n_seq).index_add_(0, seq, rho)
+            count = rho.new_zeros(n_seq).index_add_(0, seq, torch.ones_like(rho))
+            mean = (per_seq / count.clamp_min(1e-8))[count > 0].mean()
+        else:
+            mean = rho.mean()
+        rho = torch.where(mean > 1e-8, rho / mean, rho)
+    return rho

@@ -48,19 +48,26 @@ def _shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return m, m + log_s, log_s - t / s
 
 
+def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most token rows one chunk of ``policy_pass`` may hold (``bounds`` are cut to it)."""
+    return _chunk_rows(n, plan_vocab, device)
+
+
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
-                rows_per_chunk: Optional[int] = None) -> None:
-    """See ``policy.py``. plan_vocab: the largest vocabulary shard of the tensor-parallel group (every rank
-    must cut the same chunks; None: this weight's). rows_per_chunk: None for the knob's budget."""
+                rows_per_chunk: Optional[int] = None, bounds: Optional[list] = None) -> None:
+    """See ``policy_parts.py``. plan_vocab: the largest vocabulary shard of the tensor-parallel group (every
+    rank must cut the same chunks; None: this weight's). rows_per_chunk: None for the knob's budget.
+    bounds: the chunks' boundaries [0, ..., n] (each chunk at most ``max_chunk_rows``), None for even chunks."""
     n = hidden.shape[0]
     step = rows_per_chunk or _chunk_rows(n, plan_vocab or weight.shape[0], hidden.device)
+    if bounds is None:
+        bounds = list(range(0, n, step)) + [n]
     acc = dw
     if dw is not None and dw.dtype != torch.float32:
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dw.device)
     half_gemms = hidden.is_cuda and hidden.dtype != torch.float32
-    for start in range(0, n, step):
-        stop = min(start + step, n)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         h = hidden[start:stop]
         it = inv_temp[start:stop]
         z, _ = logits_from_products(mm_fp32(h, weight.t()), it, None)
@@ -88,7 +95,13 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         dw.copy_(acc)
 
 
+def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    return max(1, n)
+
+
 def policy_pass_whole(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
-                      dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None) -> None:
-    """The "reference" backend: one chunk of every token (float32 logits [n, V])."""
+                      dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
+                      bounds: Optional[list] = None) -> None:
+    """The "reference" backend: one chunk of every token (float32 logits [n, V]); ``bounds`` (any cut of
+    the tokens) are all inside it."""
     policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, rows_per_chunk=max(1, hidden.shape[0]))

@@ -25,6 +25,11 @@ dh ([n, H], hidden.dtype, or float32 under tensor parallelism) and dw ([V, H], w
 are the caller's buffers, or None when that gradient is not wanted (then neither is touched). With
 neither, only the statistics are computed. The backend writes every element of dh and of dw.
 
+bounds (optional keyword): the chunks' boundaries [0, ..., n] instead of the backend's even chunks, each
+chunk at most the backend's ``max_chunk_rows`` rows (``policy.max_chunk_rows_for``): a caller whose loss
+couples groups of tokens (the tokens of a sequence) cuts chunks that keep each group whole, so that
+``combine`` sees every token of a group at once.
+
 plan_vocab: the vocabulary size the chunk plan is made for (None: this weight's rows). Under tensor
 parallelism every rank passes the largest shard, so every rank cuts the same token chunks and calls
 ``combine`` (a collective) the same number of times with the same rows.

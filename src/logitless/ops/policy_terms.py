@@ -1,44 +1,82 @@
-"""The per-token policy-loss term, defined here in torch: the reference path evaluates it, and so does the
-fused pass on the CPU backends, taking its derivatives with torch.autograd. The triton backend evaluates the
-same formulas, derivatives written out, in one kernel per chunk (``ops/triton/policy_terms.py``), which the
-tests hold to this module for every setting.
+"""The policy-loss terms, defined here once in torch (float64, on vectors of one value per scored token):
+the fused pass differentiates them with torch.autograd (per chunk, or on the whole batch when they couple
+tokens), the reference path evaluates them on the whole batch, and the triton backend's kernel
+(``ops/triton/policy_terms.py``) writes out the derivatives of the token-local subset, held to this module
+by the tests.
 
-For one scored token with log-prob lp and entropy H of the current policy, advantage A, behaviour
-log-prob old and reference log-prob ref (verl's ``compute_policy_loss_vanilla`` and ``kl_penalty``):
+For one scored token with log-prob lp and entropy H of the current policy, advantage A, behaviour log-prob
+old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, TRL's ``_compute_loss``):
 
-    ratio = exp(clamp(lp - old, -20, 20))                      (old = lp, detached, when on-policy: ratio 1)
-    pg1   = -A * ratio
-    pg2   = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)
-    pg    = max(pg1, pg2)
-    pg    = min(pg, -A * dual_clip)  where A < 0               (dual-clip PPO; only when dual_clip is set)
-    kl    = k1: lp - ref | k2: (lp - ref)^2 / 2 | abs: |lp - ref|
-            k3: r = clamp(ref - lp, -20, 20), clamp(exp(r) - r - 1, -10, 10)
-            "+" suffix (k1+, k3+): that value, with the gradient of k2 (verl's straight-through estimator)
-    f     = pg + kl_coef * kl - entropy_coef * H
+    ratio level (``ratio_level``; d = lp - old, old = lp detached when on-policy: ratio 1):
+        "token"           r = exp(clamp(d, -20, 20))                                  (verl, TRL)
+        "sequence"        r = exp(clamp(mean_{t in i} d_t, -20, 20)) for every token of i   (GSPO; TRL's
+                          importance_sampling_level="sequence": the gradient flows through the mean)
+        "sequence-token"  r = exp(min(lp - sg(lp) + sg(mean_{t in i} d_t), 10))  (verl's "gspo", GSPO-token:
+                          the sequence ratio's value, a per-token gradient)
+    surrogate (``surrogate``):
+        "ppo"     max(-A min(r, delta), -A clamp(r, 1 - clip_low, 1 + clip_high)), then for A < 0 at most
+                  -A dual_clip (delta: TRL's two-sided clip, INTELLECT-2; dual_clip: verl's clip_ratio_c)
+        "cispo"   -sg(clamp(r, 1 - clip_low, 1 + clip_high)) A lp
+        "sapo"    -A sigmoid(tau (r - 1)) 4 / tau,  tau = tau_pos where A > 0 else tau_neg
+        "gpg"     -A lp
+        "dro"     -(A lp - dro_beta / 2 (lp - old)^2)
+        "vespo"   -sg(phi_i) A lp,  phi_i = exp(lam + k log w_i - lam w_i), log w_i = clamp(sum_{t in i}
+                  clamp(d_t, -20, 20) + sum_{t in i} log clamp(rho_t), log 1e-8, 20); (k, lam) = vespo_pos
+                  where A >= 0 else vespo_neg; rho the rollout weights (TRL's get_gamma_weights)
+        "dppo_tv" -A sg(min(r, cap)) lp keep,  keep = p - p_old <= clip_high where A > 0 else >= -clip_low
+        "dppo_kl" the same with keep = binary KL(p_old || p) <= clip_high or p <= p_old (A > 0),
+                  <= clip_low or p >= p_old (A <= 0)                         (cap = dual_clip, or 20)
+    masks and weights of the surrogate, pg <- pg * mask * rho:
+        off-policy sequence mask (DeepSeek-V3.2, TRL): keep the sequence where A >= 0 or
+            mean_{t in i} (sampling_t - sg(lp_t)) <= off_policy_threshold (sampling: rollout log-probs,
+            else old)
+        entropy mask (TRL's top_entropy_quantile q < 1): keep tokens whose entropy is at least the
+            (1 - q) quantile of the scored tokens' entropies
+        rho: the rollout-correction weights (``rollout_weights``), given per token (0 where masked)
+    KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
+        k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
+        low_var_kl) | k3_unclamped: exp(-x) + x - 1 (TRL's) | "+" suffix: that value with the gradient of k2
+        kl_ratio (TRL's use_bias_correction_kl): the estimate times r (with its gradient)
+    f = pg + kl_coef * kl,  and the loss is  sum_i w_i f_i - entropy_coef * sum_i u_i H_i
 
-The loss is sum_i w_i f_i over the scored tokens, with weights w_i fixed by the aggregation
-(``losses/aggregate.py``). It is minimised. Every token's term depends on that token's lp and H only, which is
-what lets the fused pass form the gradient of a chunk of tokens as soon as their statistics are known.
-Terms are evaluated in float64 (vectors of one value per token: the cost is nil).
+with w the aggregation weights (``losses/aggregate.py``) and u the entropy bonus's (the same, or those of
+``entropy_agg`` over the tokens the entropy mask keeps). It is minimised.
+
+Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms
+the gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO and
+the two masks make f_i depend on other tokens' values (through sums over a sequence, or a quantile over
+the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on all tokens at once: the
+statistics of every token first, the group reductions and the per-token coefficients dL/dlp_i, dL/dH_i
+from the float64 autograd of this module on [n] vectors, and a second pass over the head for the
+gradients (``logitless.losses.api``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-# verl's names for the same estimators
+# verl's names for its estimators (k3 / low_var_kl clamped as verl does), and TRL's unclamped k3
 KL_TYPES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
-            "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+"}
+            "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+",
+            "k3_unclamped": "k3_unclamped", "k3_unclamped+": "k3_unclamped+"}
+SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov")
+# surrogates whose terms depend on other tokens' values (a sequence's, or the batch's)
+COUPLED_SURROGATES = ("vespo", "geo_mean", "clip_cov", "kl_cov")
+RATIO_LEVELS = ("token", "sequence", "sequence-token")
 RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp
 K3_CLAMP = 10.0             # and the k3 estimate to +-10
+GSPO_TOKEN_LOG_MAX = 10.0   # verl's gspo clamps its log-ratio at 10 (above only)
+DPPO_CAP = 20.0             # verl's dppo: the detached ratio is truncated at clip_ratio_c, 20 by default
+VESPO_LOG_MIN = math.log(1e-8)
 
 
 @dataclass(frozen=True)
 class TermSpec:
-    """The scalar settings of the per-token term (validated by ``PolicyLoss``)."""
+    """The scalar settings of the terms (validated by ``PolicyLoss``)."""
     clip_low: float
     clip_high: float
     dual_clip: Optional[float]
@@ -47,25 +85,72 @@ class TermSpec:
     entropy_coef: float
     has_old: bool
     has_ref: bool
+    surrogate: str = "ppo"
+    ratio_level: str = "token"
+    delta: Optional[float] = None
+    kl_ratio: bool = False
+    sapo_tau: tuple = (1.0, 1.05)            # (positive, negative) advantages
+    dro_beta: float = 0.0
+    vespo_pos: tuple = (2.0, 3.0)            # (k, lambda) for A >= 0
+    vespo_neg: tuple = (3.0, 2.0)            # and for A < 0
+    off_policy_threshold: Optional[float] = None
+    entropy_quantile: float = 1.0
+    entropy_agg: Optional[str] = None        # None: the entropy bonus has the loss's weights
+    loss_agg: str = "token-mean"
+    has_rollout: bool = False                # rollout (sampling) log-probs given
+    has_rollout_weights: bool = False        # rollout-correction weights given
+    cov_ratio: float = 2e-4                  # clip_cov / kl_cov: the share of tokens selected
+    cov_bounds: tuple = (1.0, 5.0)           # clip_cov: the covariance band of the candidates
+    cov_kl_coef: float = 1.0                 # kl_cov: verl's ppo_kl_coef
+
+    @property
+    def coupled(self) -> bool:
+        """Whether a token's term depends on other tokens' log-probs or entropies (see the module)."""
+        return (self.ratio_level != "token" or self.surrogate in COUPLED_SURROGATES
+                or self.off_policy_threshold is not None or self.entropy_quantile < 1.0)
+
+    @property
+    def sequence_coupled(self) -> bool:
+        """Coupled through sums over a sequence only (not over the batch): a chunk of whole sequences holds
+        everything its tokens' terms depend on."""
+        return (self.coupled and self.entropy_quantile >= 1.0
+                and self.surrogate not in ("clip_cov", "kl_cov"))
+
+    @property
+    def uses_entropy(self) -> bool:
+        return self.entropy_coef != 0.0
 
 
 @dataclass(frozen=True)
 class TokenInputs:
-    """Per-token inputs of the scored tokens, float64 [n] (old / ref None when not given)."""
+    """Per-token inputs of the scored tokens, float64 [n] (old / ref None when not given).
+
+    weights: the aggregation weights w. seq: int64 [n], the sequence of each token (0 .. n_seq - 1;
+    None where the labels delimit no sequences). ent_weights: the entropy bonus's weights (None: the
+    same as w). rollout: the rollout engine's log-probs; rollout_weights: the rollout-correction
+    weights rho. horizon: the sequence axis' size (for entropy weights of seq-mean-token-sum-norm)."""
     advantages: Tensor
     old_logprobs: Optional[Tensor]
     ref_logprobs: Optional[Tensor]
     weights: Tensor
+    seq: Optional[Tensor] = None
+    n_seq: int = 0
+    ent_weights: Optional[Tensor] = None
+    rollout: Optional[Tensor] = None
+    rollout_weights: Optional[Tensor] = None
+    horizon: object = 1.0      # float, or a 0-d float64 tensor
 
     def rows(self, start: int, stop: int) -> "TokenInputs":
         def cut(t):
             return None if t is None else t[start:stop]
-        return TokenInputs(cut(self.advantages), cut(self.old_logprobs), cut(self.ref_logprobs),
-                           cut(self.weights))
+        return TokenInputs(cut(self.advantages), cut(self.old_logprobs), cut(self.ref_logprobs), cut(self.weights),
+                           cut(self.seq), self.n_seq, cut(self.ent_weights), cut(self.rollout),
+                           cut(self.rollout_weights), self.horizon)
 
 
 def kl_estimate(lp: Tensor, ref: Tensor, kl_type: str) -> Tensor:
-    """Per-token KL(current || reference) estimate of ``kl_type`` (canonical name), verl's formulas."""
+    """Per-token KL(current || reference) estimate of ``kl_type`` (canonical name): verl's formulas, and
+    TRL's unclamped k3."""
     base = kl_type.rstrip("+")
     if base == "k1":
         kl = lp - ref
@@ -73,6 +158,9 @@ def kl_estimate(lp: Tensor, ref: Tensor, kl_type: str) -> Tensor:
         kl = (lp - ref).abs()
     elif base == "k2":
         kl = 0.5 * (lp - ref).square()
+    elif base == "k3_unclamped":
+        r = ref - lp
+        kl = r.exp() - r - 1.0
     else:
         r = (ref - lp).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         kl = (r.exp() - r - 1.0).clamp(-K3_CLAMP, K3_CLAMP)
@@ -83,27 +171,201 @@ def kl_estimate(lp: Tensor, ref: Tensor, kl_type: str) -> Tensor:
     return kl
 
 
+# ---- group reductions (sequences) ----
+
+def _need_seq(tokens: TokenInputs, what: str) -> Tensor:
+    if tokens.seq is None:
+        raise ValueError(f"{what} needs sequences: give labels [b, s] (a sequence per row) or cu_seqlens for "
+                         "packed 1-D labels")
+    return tokens.seq
+
+
+def seq_sum(x: Tensor, tokens: TokenInputs, what: str) -> Tensor:
+    """float64 [n_seq]: the sum of x [n] over each sequence's scored tokens (differentiable)."""
+    seq = _need_seq(tokens, what)
+    return x.new_zeros(tokens.n_seq).index_add(0, seq, x)
+
+
+def seq_mean(x: Tensor, tokens: TokenInputs, what: str) -> Tensor:
+    """float64 [n_seq]: the mean of x over each sequence's scored tokens (0 for a sequence with none)."""
+    count = seq_sum(torch.ones_like(x), tokens, what)
+    return seq_sum(x, tokens, what) / count.clamp_min(1.0)
+
+
+def mask_weights(keep: Tensor, tokens: TokenInputs, agg: str) -> Tensor:
+    """float64 [n]: the weights of aggregation ``agg`` (``aggregate.py``'s modes) over the scored tokens
+    that ``keep`` (bool [n]) keeps, as if the others were not scored."""
+    v = keep.double()
+    if agg == "token-sum":
+        return v
+    if agg == "token-mean":
+        return v / v.sum().clamp_min(1.0)
+    per_seq = seq_sum(v, tokens, f"loss_agg={agg!r}")
+    n_seq = (per_seq > 0).sum().double().clamp_min(1.0)
+    if agg == "seq-mean-token-mean":
+        return v / (n_seq * per_seq[tokens.seq].clamp_min(1.0))
+    if agg == "seq-mean-token-sum":
+        return v / n_seq
+    return v / (n_seq * tokens.horizon)
+
+
+# ---- the terms ----
+
+def _ratio(lp: Tensor, d: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    if spec.ratio_level == "token":
+        return d.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+    mean = seq_mean(d, tokens, f"ratio_level={spec.ratio_level!r}")[tokens.seq]
+    if spec.ratio_level == "sequence":
+        return mean.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+    return (lp - lp.detach() + mean.detach()).clamp(max=GSPO_TOKEN_LOG_MAX).exp()
+
+
+def _vespo_phi(d: Tensor, adv: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """TRL's get_gamma_weights, per token (its sequence's phi), detached."""
+    d = d.detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    if tokens.rollout_weights is not None:
+        d = d + tokens.rollout_weights.log().clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)
+    log_w = seq_sum(d, tokens, "surrogate='vespo'").clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)[tokens.seq]
+    w = log_w.exp()
+    pos = adv >= 0
+    k = torch.where(pos, spec.vespo_pos[0], spec.vespo_neg[0])
+    lam = torch.where(pos, spec.vespo_pos[1], spec.vespo_neg[1]).clamp_min(1e-4)
+    return (lam + k * log_w - lam * w).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _surrogate(lp: Tensor, old: Tensor, ratio: Tensor, d: Tensor, adv: Tensor, tokens: TokenInputs,
+               spec: TermSpec) -> tuple[Tensor, Tensor]:
+    """(pg, clipped) per token before masks and rollout weights; clipped is verl's pg_clipfrac event."""
+    lo, hi = 1.0 - spec.clip_low, 1.0 + spec.clip_high
+    no_clip = torch.zeros_like(adv, dtype=torch.bool)
+    if spec.surrogate == "ppo":
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(lo, hi)
+        clipped = pg2 > pg1
+        if spec.delta is not None:
+            pg1 = -adv * ratio.clamp(max=spec.delta)
+        pg = torch.maximum(pg1, pg2)
+        if spec.dual_clip is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * spec.dual_clip), pg)
+        return pg, clipped
+    if spec.surrogate == "cispo":
+        clamped = ratio.clamp(lo, hi)
+        return -clamped.detach() * adv * lp, ratio != clamped
+    if spec.surrogate == "sapo":
+        tau = torch.where(adv > 0, spec.sapo_tau[0], spec.sapo_tau[1])
+        return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, no_clip
+    if spec.surrogate == "gpg":
+        return -adv * lp, no_clip
+    if spec.surrogate == "dro":
+        return -(lp * adv - 0.5 * spec.dro_beta * (lp - old).square()), no_clip
+    if spec.surrogate == "vespo":
+        return -_vespo_phi(d, adv, tokens, spec) * adv * lp, no_clip
+    if spec.surrogate == "geo_mean":           # a loss per sequence: ``geo_mean_loss``
+        d_clamped = d.detach().clamp(-spec.clip_low, spec.clip_high)
+        return torch.zeros_like(lp), d.detach() != d_clamped
+    if spec.surrogate in ("clip_cov", "kl_cov"):
+        return _covariance_surrogate(lp, ratio, d, adv, spec)
+    # dppo_tv, dppo_kl (verl): a detached truncated ratio, tokens outside the trust region dropped
+    cap = DPPO_CAP if spec.dual_clip is None else spec.dual_clip
+    lpd = lp.detach()
+    p, p_old = lpd.exp(), old.exp()
+    if spec.surrogate == "dppo_tv":
+        keep = torch.where(adv > 0, p - p_old <= spec.clip_high, p - p_old >= -spec.clip_low)
+    else:
+        bkl = p_old * (old - lpd) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        keep = torch.where(adv > 0, (bkl <= spec.clip_high) | (p <= p_old), (bkl <= spec.clip_low) | (p >= p_old))
+    return -adv * ratio.detach().clamp(max=cap) * lp * keep.double(), ~keep
+
+
+def _covariance_surrogate(lp: Tensor, ratio: Tensor, d: Tensor, adv: Tensor, spec: TermSpec) -> tuple[Tensor, Tensor]:
+    """verl's clip_cov and kl_cov (Entropy-Mechanism-of-RL): tokens chosen by the covariance of advantage and
+    log-prob over the batch. clip_cov: among the tokens the clip did not bind whose covariance lies in
+    (lb, ub), ``cov_ratio`` of the batch's tokens drawn at random (torch.randperm on the default CPU
+    generator, as verl draws them) get no policy-gradient term. kl_cov: the ``cov_ratio`` share with the
+    largest covariance get ``cov_kl_coef`` |lp - old| added; no clipping."""
+    n = adv.numel()
+    lpd = lp.detach()
+    cov = (adv - adv.mean()) * (lpd - lpd.mean())
+    pg1 = -adv * ratio
+    count = max(int(spec.cov_ratio * n), 1)
+    if spec.surrogate == "kl_cov":
+        chosen = torch.zeros_like(adv, dtype=torch.bool)
+        if n:
+            chosen[torch.topk(cov, min(count, n), largest=True).indices] = True
+        return torch.where(chosen, pg1 + spec.cov_kl_coef * d.abs(), pg1), torch.zeros_like(chosen)
+    pg2 = -adv * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    lb, ub = spec.cov_bounds
+    candidates = torch.nonzero((cov < ub) & (cov > lb) & ~(pg2 > pg1)).squeeze(1)
+    chosen = torch.zeros_like(adv, dtype=torch.bool)
+    if candidates.numel():
+        perm = torch.randperm(candidates.numel())
+        chosen[candidates[perm[:min(count, candidates.numel())].to(candidates.device)]] = True
+    return torch.maximum(pg1, pg2) * (~chosen).double(), chosen
+
+
+def geo_mean_loss(lp: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """verl's geo_mean (GMPO): the mean over the batch's sequences of -mean(A) exp(mean of the token
+    log-ratios, each clipped to [-clip_low, clip_high] on the side the advantage's sign selects); it
+    ignores loss_agg, as verl does. With rollout weights, times their geometric mean per sequence."""
+    old = tokens.old_logprobs if spec.has_old else lp.detach()
+    adv = tokens.advantages
+    d = lp - old
+    sign = torch.sign(adv)
+    d_min = sign * torch.minimum(sign * d, sign * d.clamp(-spec.clip_low, spec.clip_high))
+    length = seq_sum(torch.ones_like(d), tokens, "surrogate='geo_mean'") + 1e-8
+    ratio = torch.exp(seq_sum(d_min, tokens, "surrogate='geo_mean'") / length)
+    pg = -(seq_sum(adv, tokens, "surrogate='geo_mean'") / length) * ratio
+    if spec.has_rollout_weights:
+        pg = pg * torch.exp(seq_sum(torch.log(tokens.rollout_weights + 1e-10), tokens, "rollout_weights") / length)
+    return pg.sum() / max(tokens.n_seq, 1)
+
+
+def entropy_mask(ent: Tensor, quantile: float) -> Tensor:
+    """bool [n]: TRL's get_high_entropy_mask over these tokens (float32, as TRL computes it): the tokens
+    whose entropy is at least the (1 - quantile) quantile."""
+    e = ent.detach().float()
+    if e.numel() == 0:
+        return torch.zeros_like(e, dtype=torch.bool)
+    return e >= torch.quantile(e, 1.0 - quantile)
+
+
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
                     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(f, clipped, kl) per token: the term f of the module docstring, whether the clipped surrogate was
-    the larger (verl's clip fraction counts these), and the KL estimate (None without ref_logprobs).
-    lp, ent: [n] float64 (differentiable); tokens: the same n tokens."""
+    """(f, clipped, kl) per token: the term f = pg + kl_coef kl of the module docstring (the entropy bonus
+    apart: ``weighted_terms`` adds it with its own weights), verl's clip event, and the KL term as it
+    enters the loss (None without ref_logprobs). lp, ent: [n] float64 (differentiable); tokens: the same
+    n tokens (all of the batch when ``spec.coupled``)."""
     adv = tokens.advantages
     old = tokens.old_logprobs if spec.has_old else lp.detach()
-    ratio = (lp - old).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
-    pg = torch.maximum(pg1, pg2)
-    clipped = pg2 > pg1
-    if spec.dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * spec.dual_clip), pg)
+    d = lp - old
+    ratio = _ratio(lp, d, tokens, spec)
+    pg, clipped = _surrogate(lp, old, ratio, d, adv, tokens, spec)
+    if spec.off_policy_threshold is not None:
+        sampling = tokens.rollout if spec.has_rollout else old
+        mean_kl = seq_mean(sampling - lp.detach(), tokens, "off_policy_threshold")[tokens.seq]
+        pg = pg * ((adv >= 0) | (mean_kl <= spec.off_policy_threshold)).double()
+    if spec.entropy_quantile < 1.0:
+        pg = pg * entropy_mask(ent, spec.entropy_quantile).double()
+    if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
+        pg = pg * tokens.rollout_weights
     f = pg
-    kl = kl_estimate(lp, tokens.ref_logprobs, spec.kl_type) if spec.has_ref else None
-    if kl is not None and spec.kl_coef != 0.0:
-        f = f + spec.kl_coef * kl
-    if spec.entropy_coef != 0.0:
-        f = f - spec.entropy_coef * ent
+    kl = None
+    if spec.has_ref:
+        kl = kl_estimate(lp, tokens.ref_logprobs, spec.kl_type)
+        if spec.kl_ratio:
+            kl = kl * ratio
+        if spec.kl_coef != 0.0:
+            f = f + spec.kl_coef * kl
     return f, clipped, kl
+
+
+def entropy_weights(ent: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """float64 [n]: u, the entropy bonus's weights: those of ``entropy_agg`` (or the loss's aggregation)
+    over the scored tokens, or, with the entropy mask, over the tokens it keeps (TRL's effective mask)."""
+    if spec.entropy_quantile >= 1.0:
+        return tokens.weights if tokens.ent_weights is None else tokens.ent_weights
+    keep = entropy_mask(ent, spec.entropy_quantile)
+    return mask_weights(keep, tokens, spec.entropy_agg or spec.loss_agg)
 
 
 @dataclass
@@ -113,6 +375,7 @@ class TermTotals:
     clipped: Tensor
     kl: Optional[Tensor]
     sums: Tensor          # float64 [3]: the three above are its views (kl's slot stays 0 without it)
+    extra: dict = field(default_factory=dict)
 
     @classmethod
     def zeros(cls, device, with_kl: bool) -> "TermTotals":
@@ -121,20 +384,26 @@ class TermTotals:
 
 
 def weighted_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec):
-    """(sum_i w_i f_i, number clipped, sum_i w_i kl_i or None), from float64 lp / ent [n]; differentiable
-    in lp and ent. The reference path calls this on the whole batch, the fused pass on each chunk."""
+    """(sum_i w_i f_i - entropy_coef sum_i u_i H_i, number clipped, sum_i w_i kl_i or None), from float64
+    lp / ent [n]; differentiable in lp and ent. The reference path and coupled losses call this on the
+    whole batch, the fused pass of a token-local loss on each chunk."""
     f, clipped, kl = per_token_terms(lp, ent, tokens, spec)
     w = tokens.weights
-    return (w * f).sum(), clipped.sum(dtype=torch.float64), None if kl is None else (w * kl.detach()).sum()
+    loss = (w * f).sum()
+    if spec.surrogate == "geo_mean":
+        loss = loss + geo_mean_loss(lp, tokens, spec)
+    if spec.uses_entropy:
+        loss = loss - spec.entropy_coef * (entropy_weights(ent, tokens, spec) * ent).sum()
+    return loss, clipped.sum(dtype=torch.float64), None if kl is None else (w * kl.detach()).sum()
 
 
 def chunk_gradients(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec, totals: TermTotals
                     ) -> tuple[Tensor, Optional[Tensor]]:
-    """d(sum_i w_i f_i)/d lp_i and /d ent_i (float32 [n]; the entropy one None when the loss does not
-    depend on the entropy), for float32 lp / ent [n] of one chunk; adds the chunk's sums to ``totals``."""
+    """d(loss)/d lp_i and /d ent_i (float32 [n]; the entropy one None when the loss does not depend on
+    the entropy), for float32 lp / ent [n] of one chunk; adds the chunk's sums to ``totals``."""
     with torch.enable_grad():
         lp64 = lp.detach().double().requires_grad_(True)
-        ent64 = ent.detach().double().requires_grad_(spec.entropy_coef != 0.0)
+        ent64 = ent.detach().double().requires_grad_(spec.uses_entropy)
         loss, clipped, kl = weighted_terms(lp64, ent64, tokens, spec)
         wanted = (lp64, ent64) if ent64.requires_grad else (lp64,)
         grads = torch.autograd.grad(loss, wanted, allow_unused=True)

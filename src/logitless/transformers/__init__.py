@@ -10,11 +10,12 @@ from .forward import (
     FusedCausalLMOutput,
     fused_forward,
     fused_policy_loss,
+    head_in_fp32,
     is_patched,
     patch_model,
     unpatch_model,
     unwrap_model,
 )
 
-__all__ = ["fused_forward", "fused_policy_loss", "patch_model", "unpatch_model", "is_patched", "unwrap_model",
-           "FusedCausalLMOutput"]
+__all__ = ["fused_forward", "fused_policy_loss", "head_in_fp32", "patch_model", "unpatch_model", "is_patched",
+           "unwrap_model", "FusedCausalLMOutput"]

@@ -20,6 +20,7 @@ cannot work are refused by name (sharded_head.py, fsdp.py).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import types
 from dataclasses import dataclass
@@ -100,6 +101,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+# set by ``head_in_fp32()``: the LM head computed from float32 hidden states and weight under any autocast
+_HEAD_FP32 = contextvars.ContextVar("logitless_head_fp32", default=False)
+
+
+@contextlib.contextmanager
+def head_in_fp32(enabled: bool = True):
+    """Within this context, fused_forward / fused_policy_loss compute the LM head in float32 (the hidden
+    states and the head's weight cast to float32) even under a bf16 / fp16 autocast: what a model whose
+    head was cast to float32 computes (TRL's ``cast_lm_head_to_fp32``)."""
+    token = _HEAD_FP32.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _HEAD_FP32.reset(token)
+
+
 def _backbone(core: nn.Module) -> nn.Module:
     """The module that turns input ids into final (normed) hidden states: the base model."""
     prefix = getattr(core, "base_model_prefix", "") or ""
@@ -132,9 +149,6 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     b, s = targets.shape
     shape = head_shape(plan.weight)   # [V, H] also while sharded (None for a flat FSDP1 shard)
     device = plan.weight.device
-    if policy is not None and plan.softcap is not None:
-        raise ValueError(f"{type(core).__name__} caps its logits (final_logit_softcapping={plan.softcap}); the fused "
-                         "policy loss does not implement the cap: use fused_forward and your own loss")
     # checked before the backbone runs, so a bad temperature costs no forward pass
     temp = per_token_temperature(temperature, (b, s), position_ids, device)
     temp = temp / plan.logit_scale  # softmax(scale * z / T) == softmax(z / (T / scale))
@@ -155,7 +169,7 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     h = hidden.reshape(b * s, hidden.shape[-1])
 
     if policy is not None:
-        return _policy_loss(core, head, policy, h, targets, temp, position_ids, ignore_index), out
+        return _policy_loss(core, head, policy, h, targets, temp, position_ids, ignore_index, plan.softcap), out
 
     flat = targets.reshape(-1)
     keep = flat != ignore_index
@@ -201,9 +215,12 @@ def _on(temp, device):
 
 
 def _head_operands(h: Tensor, weight: Tensor):
-    """(hidden, weight) as the head's F.linear would multiply them: the autocast dtype under autocast,
-    else hidden in the weight's dtype."""
+    """(hidden, weight) as the head's F.linear would multiply them: float32 inside ``head_in_fp32()`` (TRL's
+    cast_lm_head_to_fp32) whatever the autocast, the autocast dtype under autocast, else hidden in the
+    weight's dtype."""
     dev_type = h.device.type
+    if _HEAD_FP32.get():
+        return h.float(), weight.float()
     if torch.is_autocast_enabled(dev_type):
         dtype = torch.get_autocast_dtype(dev_type)
         return h.to(dtype), weight.to(dtype)
@@ -213,7 +230,7 @@ def _head_operands(h: Tensor, weight: Tensor):
 
 
 def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor, targets: Tensor, temperature,
-                 position_ids, ignore_index: int) -> PolicyLossOutput:
+                 position_ids, ignore_index: int, softcap: Optional[float] = None) -> PolicyLossOutput:
     """The fused policy loss of the rows h [b * s, H] against targets [b, s], run as the head's forward.
     Sequences are the rows, or, in one padding-free packed row, the packed sequences (from position_ids,
     unless the policy has its own cu_seqlens); the per-token inputs are in the [b, s] layout either way."""
@@ -224,7 +241,9 @@ def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor
             return None if t is None else checks.per_token_tensor(t, name, targets).reshape(-1)
         policy = dataclasses.replace(policy, advantages=flat(policy.advantages, "advantages"),
                                      old_logprobs=flat(policy.old_logprobs, "old_logprobs"),
-                                     ref_logprobs=flat(policy.ref_logprobs, "ref_logprobs"), cu_seqlens=cu)
+                                     ref_logprobs=flat(policy.ref_logprobs, "ref_logprobs"),
+                                     rollout_logprobs=flat(policy.rollout_logprobs, "rollout_logprobs"),
+                                     rollout_weights=flat(policy.rollout_weights, "rollout_weights"), cu_seqlens=cu)
         labels = targets.reshape(-1)
         if isinstance(temperature, Tensor):
             temperature = temperature.reshape(-1)
@@ -236,7 +255,7 @@ def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor
         rows = x if cu is not None else x.view(b, s, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             return tuple(policy_loss(policy, rows, weight, labels.to(x.device), temperature=_on(temperature, x.device),
-                                     ignore_index=ignore_index, tp_group=tp_group))
+                                     ignore_index=ignore_index, tp_group=tp_group, softcap=softcap))
 
     out = PolicyLossOutput(*call_head(head, h, compute, owner=core))
     if cu is not None:
@@ -433,7 +452,7 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
                       ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_type: str = "k3",
                       entropy_coef: float = 0.0, loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100,
-                      **model_kwargs) -> PolicyLossOutput:
+                      loss_settings: Optional[dict] = None, **model_kwargs) -> PolicyLossOutput:
     """The PPO / GRPO policy loss of a transformers causal LM (``logitless.losses.fused_policy_loss``
     from its final hidden states and output embedding): no logits, three GEMMs.
 
@@ -442,14 +461,18 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     (advantages, old_logprobs, ref_logprobs) are in that same [b, s] layout: position t holds the values of
     the token it is scored against (per sequence: [b, 1]). Sequences for ``loss_agg`` are the rows, or, in
     one padding-free packed row, the packed sequences found from ``position_ids``. The other arguments are
-    ``logitless.losses.PolicyLoss``'s. Heads with final_logit_softcapping (Gemma 2 / 3) are refused.
+    ``logitless.losses.PolicyLoss``'s (the other settings by name in ``loss_settings``). Heads with
+    final_logit_softcapping (Gemma 2 / 3) take the exact two-pass path (``logitless.losses.policy_loss``).
 
     Returns a PolicyLossOutput (loss 0-d, differentiable once to every parameter that produced the
     hidden states and the head; logprobs / entropy [b, s]; clip_fraction; kl).
     """
+    if loss_settings is not None and not isinstance(loss_settings, dict):
+        raise TypeError(f"loss_settings must be a dict of PolicyLoss settings, got {type(loss_settings).__name__}")
     policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens)
+                        kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
+                        **(loss_settings or {}))
     core = unwrap_model(model)
     _check_settings(temperature, True, ignore_index)
     shape = _batch_shape(input_ids, labels, "labels")

@@ -39,12 +39,31 @@ def _check_supported(trainer):
         raise ValueError("trainer.aux_loss_enabled (router_aux_loss_coef != 0 on an MoE model): the MoE "
                          "load-balancing loss needs router logits, which logitless' fused forward does not return; "
                          "set router_aux_loss_coef=0 or leave logitless disabled")
-    args = trainer.args
-    mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    if getattr(args, "cast_lm_head_to_fp32", False) and mixed:
-        raise ValueError("args.cast_lm_head_to_fp32=True with bf16/fp16 autocast: TRL runs the head in float32 "
-                         "outside autocast, logitless would run it in the autocast dtype; logitless already "
-                         "accumulates the logits in float32, so set cast_lm_head_to_fp32=False")
+    _check_model(trainer)
+
+
+def _check_model(trainer):
+    """The policy's (and the reference model's) head, checked now rather than at the first step: a head
+    logitless cannot compute exactly (a bias, an adapter on it, a softcap without a rule) is a ValueError
+    here. A softcapped head (Gemma 2 / 3's final_logit_softcapping) is computed exactly, cap included."""
+    from ..transformers import unwrap_model
+    from ..transformers.heads import plan_head
+
+    for name in ("model", "ref_model"):
+        model = getattr(trainer, name, None)
+        if model is None:
+            continue
+        try:
+            plan_head(unwrap_model(model))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"logitless.trl.enable: trainer.{name} cannot be scored by logitless: {exc}") from exc
+
+
+def head_context(trainer):
+    """The context the head runs in: float32 under TRL's cast_lm_head_to_fp32 (TRL computes the logits
+    from float32 hidden states and weight outside autocast), else the trainer's own (autocast) dtype."""
+    from ..transformers import head_in_fp32
+    return head_in_fp32(bool(getattr(trainer.args, "cast_lm_head_to_fp32", False)))
 
 
 def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -79,7 +98,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
         kwargs = {}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids[start:end]
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), head_context(self):
             out = fused_forward(model, ids, mask, labels=targets, temperature=self.temperature,
                                 with_entropy=bool(compute_entropy), **kwargs)
         # TRL's log_probs has seq_len - 1 columns (position t for t < s - 1); it keeps the last logits_to_keep
@@ -98,9 +117,12 @@ def enable(trainer, *, fused_loss: bool = False):
     every other trainer keep TRL's computation. Idempotent (enabling again only updates the
     settings); ``disable(trainer)`` restores TRL's method exactly. Returns ``trainer``.
 
-    fused_loss: also compute the policy loss with ``logitless.losses.fused_policy_loss`` (TRL's
-        epsilon, epsilon_high, beta and loss_type mapped onto it); settings that cannot be mapped raise
-        ValueError naming them.
+    fused_loss: also compute the policy loss with ``logitless.losses``' fused policy loss (every TRL loss
+        setting mapped onto it: ``logitless.trl.loss``, docs/trl.md), logging TRL's metrics; settings that
+        cannot be mapped raise ValueError naming them.
+
+    The model's head is checked here (ValueError for one logitless cannot compute exactly), not at the
+    first step; a softcapped head is supported, and ``cast_lm_head_to_fp32`` computes the head in float32.
     """
     _check_trainer(trainer)
     checks.boolean(fused_loss, "fused_loss")

@@ -1,30 +1,36 @@
 """``enable(trainer, fused_loss=True)``: GRPOTrainer's policy loss computed by logitless' fused policy
-loss (log-probs, entropy, clipped surrogate, KL and aggregation in one pass over the LM head, no logits).
+loss (log-probs, entropy, the surrogate, KL and aggregation from the LM head, no logits).
 
-TRL's settings map onto ``fused_policy_loss`` as follows (TRL's own formulas in its ``_compute_loss``):
+TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own formulas in its
+``_compute_loss``; docs/trl.md has the table):
 
-    epsilon, epsilon_high      -> clip_low, clip_high (the ratio is clipped to [1 - eps, 1 + eps_high])
-    delta (two-sided clipping) -> dual_clip = delta (identical when delta >= 1 + epsilon_high)
-    beta                       -> kl_coef, kl_type "k3" (TRL's exp(ref - lp) - (ref - lp) - 1), ref_logprobs;
-                                  with beta != 0 only under use_bias_correction_kl=False (TRL's default True
-                                  multiplies the KL by the ratio)
-    temperature                -> temperature
-    loss_type "grpo"           -> "seq-mean-token-mean", times (sequences with a scored token) / (all sequences)
-    loss_type "bnpo"           -> "token-mean"
-    loss_type "dr_grpo"        -> "token-sum" / (sequences x max_completion_length)
-    loss_type "dapo"           -> "token-sum" / TRL's normaliser (num_items_in_batch, per process and step)
-    entropy_coef (loss "bnpo") -> entropy_coef (TRL's bonus is a token mean, so only bnpo's weights match)
+    epsilon, epsilon_high           -> clip_low, clip_high (the ratio clipped to [1 - eps, 1 + eps_high])
+    delta (two-sided clipping)      -> delta (the unclipped ratio capped at delta)
+    beta                            -> kl_coef, kl_type "k3_unclamped" (TRL's exp(ref - lp) - (ref - lp) - 1)
+    use_bias_correction_kl          -> kl_ratio (the KL term times the importance ratio)
+    importance_sampling_level       -> ratio_level ("token" / "sequence": GSPO's sequence ratio)
+    loss_type grpo, bnpo, dr_grpo,
+              dapo, luspo           -> surrogate "ppo"
+    loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high
+    loss_type sapo                  -> surrogate "sapo" (sapo_temperature_pos / _neg)
+    loss_type vespo                 -> surrogate "vespo" (vespo_k_pos, vespo_lambda_pos, ...)
+    the aggregation of each type    -> a loss_agg times a constant (``loss_scale``), with TRL's
+                                       gradient-accumulation scaling
+    top_entropy_quantile            -> entropy_quantile
+    off_policy_mask_threshold       -> off_policy_threshold (rollout_logprobs: the batch's
+                                       sampling_per_token_logps, when present)
+    vllm_importance_sampling_*      -> rollout_weights: the batch's importance_sampling_ratio
+    entropy_coef, use_adaptive_entropy -> entropy_coef with entropy_agg "token-mean" (TRL's bonus is a token
+                                       mean over the tokens the entropy mask keeps), TRL's adaptive
+                                       controller run on the pass's entropies
+    temperature                     -> temperature; cast_lm_head_to_fp32: the head in float32
 
-and the gradient-accumulation scaling is TRL's. Everything else TRL can do is refused by
-``check_mappable`` with a ValueError naming the settings: the other loss types (cispo, sapo, vespo, luspo
-have other per-token terms or couple tokens), sequence-level importance sampling, entropy masking
-(``top_entropy_quantile < 1``: the mask depends on this pass's entropies), an entropy bonus with another
-loss type or adaptive, ``use_bias_correction_kl``, the off-policy mask, vLLM importance-sampling correction.
-Like verl, the fused loss clamps log-ratios to +-20 and the k3 estimate to +-10 (TRL does not): equal
-values unless a token's log-ratio to the old or reference policy is that large.
-
-Metrics: TRL's (entropy, kl, clip ratios, policy_loss) are logged from the pass's detached log-probs and
-entropies.
+The metrics TRL logs from ``_compute_loss`` (entropy, kl, clip ratios, cispo_clip_ratio,
+vespo/phi_seq_mean, policy_loss, entropy_coef) are logged under TRL's names, computed as TRL computes them
+from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, the
+entropy mask across several processes, cispo with epsilon_high < 1) is refused by ``check_mappable``.
+The fused loss clamps log-ratios to +-20 before exp, as verl does (TRL does not): equal values unless a
+token's log-ratio to the old policy is that large.
 """
 from __future__ import annotations
 
@@ -34,43 +40,40 @@ import torch
 
 from .names import VISION_ARGS
 
-LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "token-sum", "dapo": "token-sum"}
+PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+LOSS_TYPES = PPO_TYPES + ("cispo", "sapo", "vespo")
+# the loss_agg whose weights, times loss_scale, are TRL's normaliser of each loss type
+LOSS_AGG = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
+            "dr_grpo": "token-sum", "dapo": "token-sum", "cispo": "token-sum", "vespo": "token-sum",
+            "luspo": "token-sum"}
+SURROGATE = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
+# types whose policy_loss metric TRL records before dividing by the accumulation steps
+ACCUMULATION_DIVIDED = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
+# keyword arguments of logitless.transformers.fused_policy_loss itself (the rest go in loss_settings)
+BASE_SETTINGS = ("advantages", "old_logprobs", "clip_low", "clip_high", "dual_clip", "ref_logprobs", "kl_coef",
+                 "kl_type", "entropy_coef", "loss_agg", "temperature")
 
 
 def unmappable(trainer) -> list:
     """TRL settings of ``trainer`` that the fused policy loss cannot reproduce, as "name=value (why)"."""
-    args = trainer.args
     bad = []
-    if trainer.loss_type not in LOSS_AGG:
-        bad.append(f"loss_type={trainer.loss_type!r} (only {', '.join(LOSS_AGG)} have the clipped per-token "
-                   "surrogate with fixed token weights)")
-    if getattr(trainer, "importance_sampling_level", "token") != "token":
-        bad.append(f"importance_sampling_level={trainer.importance_sampling_level!r} (a sequence-level ratio couples "
-                   "the tokens of a sequence)")
-    if trainer.top_entropy_quantile < 1.0:
-        bad.append(f"top_entropy_quantile={trainer.top_entropy_quantile} (the entropy mask depends on the entropies "
-                   "of the same pass)")
-    if not 0.0 <= trainer.epsilon_low < 1.0:
-        bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1))")
-    delta = getattr(args, "delta", None)
-    if delta is not None and delta < 1.0 + trainer.epsilon_high:
-        bad.append(f"delta={delta} (equals dual_clip only when delta >= 1 + epsilon_high = "
-                   f"{1.0 + trainer.epsilon_high})")
-    if trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False):
-        bad.append("use_bias_correction_kl=True, TRL's default (the KL term times the ratio is not one of the fused KL "
-                   "estimators; set it to False for beta != 0)")
-    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
-        bad.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold} (the mask depends on this pass's "
-                   "log-probs)")
-    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
-        bad.append("vllm_importance_sampling_correction=True (a per-token weight on the policy term only)")
-    if getattr(trainer, "use_adaptive_entropy", False):
-        bad.append("use_adaptive_entropy=True (its coefficient follows the entropies of each step)")
-    elif getattr(trainer, "entropy_coef", 0.0) != 0.0 and trainer.loss_type != "bnpo":
-        bad.append(f"entropy_coef={trainer.entropy_coef} with loss_type={trainer.loss_type!r} (TRL's bonus is a "
-                   "token mean, which only bnpo's weights match)")
+    if trainer.loss_type not in LOSS_TYPES:
+        bad.append(f"loss_type={trainer.loss_type!r} (logitless maps {', '.join(LOSS_TYPES)})")
+    level = getattr(trainer, "importance_sampling_level", "token")
+    if level not in ("token", "sequence"):
+        bad.append(f"importance_sampling_level={level!r}")
+    if trainer.loss_type == "cispo" and trainer.epsilon_high < 1.0:
+        bad.append(f"epsilon_high={trainer.epsilon_high} with loss_type='cispo' (CISPO's ratio is clamped to at most "
+                   "epsilon_high; logitless takes a bound >= 1)")
+    if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
+        bad.append(f"top_entropy_quantile={trainer.top_entropy_quantile} on {trainer.accelerator.num_processes} "
+                   "processes (TRL's quantile spans every process's entropies; logitless' is per process)")
+    if not 0.0 <= trainer.epsilon_low <= 1.0:
+        bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1])")
     if getattr(trainer, "aux_loss_enabled", False):
         bad.append("aux_loss_enabled (the MoE load-balancing loss needs router logits)")
+    if not bad:
+        bad += _invalid_settings(trainer)
     return bad
 
 
@@ -83,25 +86,85 @@ def check_mappable(trainer) -> None:
                          "TRL's loss) instead")
 
 
+def _mode(trainer) -> str:
+    return "train" if trainer.model.training else "eval"
+
+
+def _accumulation(trainer) -> float:
+    return trainer.current_gradient_accumulation_steps if _mode(trainer) == "train" else 1.0
+
+
 def loss_scale(trainer, inputs, scored: torch.Tensor) -> float:
     """The constant that turns the mapped aggregation into TRL's loss (gradient accumulation included).
 
     scored: bool [B, T], the completion tokens the loss sees."""
-    mode = "train" if trainer.model.training else "eval"
-    accum = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    accum = _accumulation(trainer)
     b = scored.shape[0]
-    if trainer.loss_type == "grpo":
+    kind = trainer.loss_type
+    if kind in ("grpo", "sapo"):
         # TRL averages over every sequence; the fused seq-mean counts sequences with a scored token
         return float(scored.any(dim=-1).sum().clamp(min=1).item()) / b / accum
-    if trainer.loss_type == "bnpo":
+    if kind == "bnpo":
         return 1.0 / accum
-    if trainer.loss_type == "dr_grpo":
+    if kind == "dr_grpo":
         return 1.0 / (b * trainer.max_completion_length) / accum
-    # dapo: TRL's normaliser spans the generation batch, rescaled to one accumulation window
+    if kind == "luspo":
+        return 1.0 / b / accum
+    # dapo, cispo, vespo: TRL's normaliser spans the generation batch, rescaled to one accumulation window
     normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-    if mode == "train":
+    if _mode(trainer) == "train":
         normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
     return 1.0 / float(normalizer)
+
+
+def applied_entropy_coef(trainer) -> float:
+    """The entropy coefficient TRL applies in this step (the adaptive one is gated by last step's entropy)."""
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    if trainer.use_adaptive_entropy:
+        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
+    return trainer.entropy_coef
+
+
+def scalar_settings(trainer) -> dict:
+    """The trainer's loss settings as ``PolicyLoss`` scalar settings (the table of the module docstring);
+    the entropy bonus, which depends on the batch's scale, apart."""
+    args = trainer.args
+    kind = trainer.loss_type
+    settings = dict(clip_low=float(trainer.epsilon_low), clip_high=float(trainer.epsilon_high), loss_agg=LOSS_AGG[kind],
+                    surrogate=SURROGATE.get(kind, "ppo"),
+                    ratio_level=getattr(trainer, "importance_sampling_level", "token"))
+    if kind in PPO_TYPES and getattr(args, "delta", None) is not None:      # TRL's two-sided clip: ppo types only
+        settings["delta"] = float(args.delta)
+    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
+        settings.update(clip_low=1.0, clip_high=float(trainer.epsilon_high) - 1.0)
+    elif kind == "sapo":
+        settings.update(sapo_tau_pos=float(args.sapo_temperature_pos), sapo_tau_neg=float(args.sapo_temperature_neg))
+    elif kind == "vespo":
+        settings.update(vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
+                        vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg))
+    if trainer.beta != 0.0:
+        settings.update(kl_coef=float(trainer.beta), kl_type="k3_unclamped",
+                        kl_ratio=bool(getattr(args, "use_bias_correction_kl", False)))
+    if trainer.top_entropy_quantile < 1.0:
+        settings["entropy_quantile"] = float(trainer.top_entropy_quantile)
+    if trainer.off_policy_mask_threshold is not None:
+        settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
+    return settings
+
+
+def _invalid_settings(trainer) -> list:
+    """The mapped settings' own checks (PolicyLoss's), run at enable() on a stand-in advantage."""
+    from ..losses import PolicyLoss
+
+    settings = scalar_settings(trainer)
+    if trainer.beta != 0.0:
+        settings["ref_logprobs"] = torch.zeros(())
+    try:
+        PolicyLoss(advantages=torch.zeros(()), **settings)
+    except (TypeError, ValueError) as exc:
+        return [f"{exc} (from the trainer's loss settings)"]
+    return []
 
 
 @dataclass
@@ -114,6 +177,7 @@ class PolicyInputs:
     settings: dict
     scale: float
     scored: torch.Tensor        # bool [B, k]: the completion tokens in the loss
+    entropy_coef: float         # TRL's coefficient of its (token-mean) entropy bonus in this step
 
 
 def policy_inputs(trainer, inputs) -> PolicyInputs:
@@ -135,61 +199,140 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
     labels[:, first:s - 1] = completion_ids.masked_fill(~scored, -100)
 
     def at_positions(x):
+        if x is None:
+            return None
+        x = x.detach().float()
+        if x.shape[1] == 1:                          # one value per sequence
+            return x
         out = torch.zeros(b, s, dtype=torch.float32, device=x.device)
-        out[:, first:s - 1] = x.detach().float()
+        out[:, first:s - 1] = x
         return out
 
     advantages = inputs["advantages"]
-    advantages = advantages.detach().float().unsqueeze(1) if advantages.dim() == 1 else at_positions(advantages)
-    old = inputs.get("old_per_token_logps")
-    ref = inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None
-    settings = dict(advantages=advantages, old_logprobs=None if old is None else at_positions(old),
-                    ref_logprobs=None if ref is None else at_positions(ref), clip_low=float(trainer.epsilon_low),
-                    clip_high=float(trainer.epsilon_high), dual_clip=getattr(trainer.args, "delta", None),
-                    kl_coef=float(trainer.beta), kl_type="k3", entropy_coef=float(trainer.entropy_coef),
-                    loss_agg=LOSS_AGG[trainer.loss_type], temperature=trainer.temperature)
-    return PolicyInputs(input_ids, attention_mask, labels, settings, loss_scale(trainer, inputs, scored), scored)
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    kind = trainer.loss_type
+    settings = dict(scalar_settings(trainer), advantages=at_positions(advantages),
+                    old_logprobs=at_positions(inputs.get("old_per_token_logps")), temperature=trainer.temperature)
+    if trainer.beta != 0.0:
+        settings["ref_logprobs"] = at_positions(inputs["ref_per_token_logps"])
+    if trainer.off_policy_mask_threshold is not None:
+        settings["rollout_logprobs"] = at_positions(inputs.get("sampling_per_token_logps"))
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
+        settings["rollout_weights"] = at_positions(inputs["importance_sampling_ratio"])
+    scale = loss_scale(trainer, inputs, scored)
+    coef = applied_entropy_coef(trainer)
+    if coef != 0.0:
+        # TRL subtracts coef * (token mean of the entropy) / accumulation, whatever the loss type; the fused
+        # loss is multiplied by ``scale`` afterwards
+        settings["entropy_coef"] = coef / (_accumulation(trainer) * scale)
+        if LOSS_AGG[kind] != "token-mean":
+            settings["entropy_agg"] = "token-mean"
+    return PolicyInputs(input_ids, attention_mask, labels, settings, scale, scored, coef)
 
 
 def compute_loss(self, model, inputs):
     """logitless in place of GRPOTrainer._compute_loss when enabled with fused_loss=True."""
-    from ..transformers import fused_policy_loss
+    from ..transformers import fused_policy_loss, head_in_fp32
 
     p = policy_inputs(self, inputs)
-    with self.accelerator.autocast():
-        out = fused_policy_loss(model, p.input_ids, p.attention_mask, labels=p.labels, **p.settings)
-    _log_metrics(self, out, inputs, p)
-    return out.loss * p.scale
+    base = {name: p.settings[name] for name in BASE_SETTINGS if name in p.settings}
+    others = {name: value for name, value in p.settings.items() if name not in BASE_SETTINGS}
+    with self.accelerator.autocast(), head_in_fp32(bool(getattr(self.args, "cast_lm_head_to_fp32", False))):
+        out = fused_policy_loss(model, p.input_ids, p.attention_mask, labels=p.labels, loss_settings=others, **base)
+    loss = out.loss * p.scale
+    log_metrics(self, out.logprobs, out.entropy, inputs, p, loss.detach())
+    return loss
 
 
-def _log_metrics(self, out, inputs, p: PolicyInputs):
-    """TRL's metrics of _compute_loss, from the pass's detached log-probs and entropies."""
-    mode = "train" if self.model.training else "eval"
-    maskf = p.scored.float()
+def log_metrics(self, logprobs, entropy, inputs, p: PolicyInputs, loss):
+    """TRL's metrics of _compute_loss (same names, same values), from the pass's detached log-probs and
+    entropies ([B, s] at the input positions) and the loss returned; TRL's adaptive entropy controller."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    mode = _mode(self)
+    metrics = self._metrics[mode]
+    mask = p.scored.to(torch.float32)
     s, k = p.input_ids.shape[1], p.scored.shape[1]
-    lp = out.logprobs[:, s - 1 - k:s - 1].detach()
-    ent = out.entropy[:, s - 1 - k:s - 1].detach()
-
-    def global_masked_mean(x):
-        totals = self.accelerator.reduce(torch.stack([(x * maskf).sum(), maskf.sum()]), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
+    lp = logprobs[:, s - 1 - k:s - 1].detach()
+    ent = entropy[:, s - 1 - k:s - 1].detach()
+    advantages = inputs["advantages"]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    old = inputs.get("old_per_token_logps")
+    old = lp if old is None else old
+    log_ratio = lp - old
+    if self.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
 
     def masked_seq_mean(x):
-        return (x * maskf).sum(-1) / maskf.sum(-1)
+        if x.shape[1] == 1:
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)
+
+    def global_masked_mean(x):
+        if x.shape[1] == 1:
+            local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if self._entropy_bonus_enabled:
+        effective = mask
+        if self.top_entropy_quantile < 1.0:
+            effective = mask * self.get_high_entropy_mask(ent, mask, 1 - self.top_entropy_quantile)
+        bonus = (ent * effective).sum() / effective.sum().clamp(min=1.0)
+        accum = _accumulation(self)
+        policy_loss = loss + p.entropy_coef * bonus / accum
+        if self.loss_type in ACCUMULATION_DIVIDED:
+            policy_loss = policy_loss * accum
+        metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        _adaptive_entropy_update(self, mode, ent, effective)
+        if mode == "train" and self.accelerator.sync_gradients:
+            metrics["entropy_coef"].append(self.entropy_coef)
 
     if self.beta != 0.0:
         d = inputs["ref_per_token_logps"] - lp
-        self._metrics[mode]["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
-    self._metrics[mode]["entropy"].append(global_masked_mean(ent))
-    old = inputs.get("old_per_token_logps")
-    coef_1 = torch.exp(lp - (lp if old is None else old))
-    advantages = inputs["advantages"]
-    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
-    high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
-    self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
-    self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
-    self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(((low + high) > 0).float()))
-    from trl.trainer.utils import nanmax, nanmin
-    self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
-    self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+        kl = torch.exp(d) - d - 1
+        if self.args.use_bias_correction_kl:
+            kl = kl * coef_1
+        metrics["kl"].append(global_masked_mean(kl))
+    metrics["entropy"].append(global_masked_mean(ent))
+    if self.loss_type in PPO_TYPES:
+        if self.args.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=self.args.delta)
+        low = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
+        high = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
+        metrics["clip_ratio/low_mean"].append(global_masked_mean(low.float()))
+        metrics["clip_ratio/high_mean"].append(global_masked_mean(high.float()))
+        metrics["clip_ratio/region_mean"].append(global_masked_mean((low | high).float()))
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low.float()))).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high.float()))).item())
+    elif self.loss_type == "cispo":
+        clipped = (coef_1 > self.epsilon_high) & (advantages > 0)
+        metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
+    elif self.loss_type == "vespo":
+        phi = self.get_gamma_weights(advantages=advantages, log_ratio_per_token=lp - old, mask=mask,
+                                     importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                                     k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
+                                     k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+        metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi))
+
+
+def _adaptive_entropy_update(self, mode, ent, effective):
+    """TRL's adaptive entropy controller (GRPOTrainer._compute_loss), on the pass's entropies."""
+    if not (self.use_adaptive_entropy and mode == "train"):
+        return
+    stats = torch.stack([(ent * effective).sum(), effective.sum()]).detach()
+    self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+    if self.accelerator.sync_gradients:
+        window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+

@@ -59,22 +59,35 @@ def chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, block_m: int, block_
     return balanced_chunks(n, max(block_m, budget // per_row), block_m)
 
 
+def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most token rows one chunk (with gradients) may hold: the workspace budget, unbalanced."""
+    tiles = choose_tiles("POLICY", dtype, device)
+    per_row = row_stride(plan_vocab) * workspace_dtype(dtype).itemsize
+    return max(tiles.block_m, knobs.policy_workspace_bytes(DEFAULT_WORKSPACE_BYTES) // per_row)
+
+
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
-                dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None) -> None:
+                dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
+                bounds: Optional[list] = None) -> None:
     """See ``logitless.ops.policy_parts``. plan_vocab: the largest vocabulary shard of the tensor-parallel group
-    (every rank must cut the same chunks); None: this weight's."""
+    (every rank must cut the same chunks); None: this weight's. bounds: the chunks' boundaries [0, ..., n],
+    each chunk at most ``max_chunk_rows`` rows; None: balanced chunks."""
     ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
     with ctx:   # triton launches on the current device
-        _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0])
+        _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0], bounds)
 
 
-def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab):
+def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds=None):
     n = hidden.shape[0]
     vocab = weight.shape[0]
     dev = hidden.device
     tiles = choose_tiles("POLICY", hidden.dtype, dev)
     with_grad = dh is not None or dw is not None
-    step = chunk_rows(n, plan_vocab, hidden.dtype, tiles.block_m, tiles.block_n, with_grad)
+    if bounds is None:
+        step = chunk_rows(n, plan_vocab, hidden.dtype, tiles.block_m, tiles.block_n, with_grad)
+        bounds = list(range(0, n, step)) + [n]
+    else:
+        step = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     n_tiles = triton.cdiv(vocab, tiles.block_n)
     # the three per-tile statistics and the label logits of a chunk, in one allocation
     stats = torch.empty(3 * n_tiles * step + step, dtype=torch.float32, device=dev)
@@ -86,8 +99,7 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab):
     acc = dw
     if dw is not None and dw.dtype != torch.float32 and knobs.policy_dw_fp32():
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dev)
-    for start in range(0, n, step):
-        stop = min(start + step, n)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         c = stop - start
         h, lab, it = hidden[start:stop], labels[start:stop], inv_temp[start:stop]
         part_m, part_s, part_t = (parts[i, :n_tiles * c].view(n_tiles, c) for i in range(3))

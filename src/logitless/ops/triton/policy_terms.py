@@ -9,8 +9,12 @@ Per token, in float64, with d = lp - old (0 on-policy):
     ratio = exp(clamp(d, -20, 20)),                   dratio = ratio where -20 <= d <= 20, else 0
     pg1 = -A ratio,  pg2 = -A clamp(ratio, lo, hi),   clipped = pg2 > pg1
     pg  = max(pg1, pg2)                                (a tie passes half the gradient each way, as torch does)
+    delta (TRL's two-sided clip): pg1 = -A min(ratio, delta) after the clip count
     dual clip (A < 0): pg = min(pg, -A c)              (again half the gradient on a tie)
-    f   = pg + kl_coef kl - entropy_coef H,   g_lp = w df/dlp,   g_ent = -w entropy_coef
+    rollout weights rho: pg = rho pg
+    kl_ratio: kl = kl ratio,  dkl = dkl ratio + kl dratio
+    f   = pg + kl_coef kl,  loss = sum w f - entropy_coef sum u H,   g_lp = w df/dlp,   g_ent = -u entropy_coef
+    (u: the entropy bonus's own weights when given, else w)
 and a clamp passes the gradient where its input lies inside its bounds, ends included (torch.clamp).
 Each program writes its block's sums (w f, clipped count, w kl) to one row of ``partial``; the caller adds
 the rows up in a fixed order (deterministic, no atomics).
@@ -32,7 +36,8 @@ BLOCK = 64 if INTERPRETING else 1024
 # the clamps of the definition, as compile-time constants of the kernel
 RATIO_LOG_CLAMP = tl.constexpr(terms.RATIO_LOG_CLAMP)
 K3_CLAMP = tl.constexpr(terms.K3_CLAMP)
-KL_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}     # the canonical KL names of terms.KL_TYPES, "+" stripped
+# the canonical KL names of terms.KL_TYPES, "+" stripped
+KL_CODES = {"k1": 0, "abs": 1, "k2": 2, "k3": 3, "k3_unclamped": 4}
 
 
 @triton.jit
@@ -65,6 +70,10 @@ def _kl(lp, ref, KL_TYPE: tl.constexpr, STRAIGHT: tl.constexpr):
     elif KL_TYPE == 2:
         kl = 0.5 * (x * x)
         dkl = x
+    elif KL_TYPE == 4:
+        er = tl.exp(ref - lp)
+        kl = er - (ref - lp) - 1.0
+        dkl = 1.0 - er
     else:
         r = tl.minimum(tl.maximum(ref - lp, -RATIO_LOG_CLAMP), RATIO_LOG_CLAMP)
         er = tl.exp(r)
@@ -79,9 +88,11 @@ def _kl(lp, ref, KL_TYPE: tl.constexpr, STRAIGHT: tl.constexpr):
 
 
 @triton.jit
-def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, params_ptr, g_lp_ptr, g_ent_ptr, partial_ptr,
-                  n, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr, STRAIGHT: tl.constexpr,
-                  USE_KL: tl.constexpr, DUAL: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_ptr, params_ptr, g_lp_ptr, g_ent_ptr,
+                  partial_ptr, n, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr,
+                  STRAIGHT: tl.constexpr, USE_KL: tl.constexpr, DUAL: tl.constexpr, WITH_ENT: tl.constexpr,
+                  DELTA: tl.constexpr, KL_RATIO: tl.constexpr, HAS_RHO: tl.constexpr, HAS_U: tl.constexpr,
+                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -103,6 +114,10 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, params_ptr,
     dpg1 = neg_adv * dratio
     dpg2 = neg_adv * tl.where(_inside(ratio, lo, hi), dratio, 0.0)
     clipped = (pg2 > pg1) & ok
+    if DELTA:
+        delta = tl.load(params_ptr + 5)
+        pg1 = neg_adv * tl.minimum(ratio, delta)
+        dpg1 = neg_adv * tl.where(ratio <= delta, dratio, 0.0)
     f = tl.maximum(pg1, pg2)
     df = _tie_split(pg1, pg2, dpg1, dpg2, True)
     if DUAL:
@@ -112,23 +127,44 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, params_ptr,
         df_dual = _tie_split(f, cap, df, zero, False)
         f = tl.where(adv < 0, f_dual, f)
         df = tl.where(adv < 0, df_dual, df)
+    if HAS_RHO:
+        rho = tl.load(rho_ptr + offs, mask=ok, other=0.0)
+        f = f * rho
+        df = df * rho
     kl_sum = 0.0
     if HAS_REF:
         kl, dkl = _kl(lp, tl.load(ref_ptr + offs, mask=ok, other=0.0), KL_TYPE, STRAIGHT)
+        if KL_RATIO:
+            dkl = dkl * ratio + kl * dratio
+            kl = kl * ratio
         if USE_KL:
             kl_coef = tl.load(params_ptr + 3)
             f = f + kl_coef * kl
             df = df + kl_coef * dkl
         kl_sum = tl.sum(tl.where(ok, w * kl, 0.0), axis=0)
+    loss = w * f
     if WITH_ENT:
         ent_coef = tl.load(params_ptr + 4)
-        f = f - ent_coef * tl.load(ent_ptr + offs, mask=ok, other=0.0).to(tl.float64)
-        tl.store(g_ent_ptr + offs, (-(w * ent_coef)).to(tl.float32), mask=ok)
+        if HAS_U:
+            u = tl.load(u_ptr + offs, mask=ok, other=0.0)
+        else:
+            u = w
+        loss = loss - u * ent_coef * tl.load(ent_ptr + offs, mask=ok, other=0.0).to(tl.float64)
+        tl.store(g_ent_ptr + offs, (-(u * ent_coef)).to(tl.float32), mask=ok)
     tl.store(g_lp_ptr + offs, (w * df).to(tl.float32), mask=ok)
     row = partial_ptr + pid * 3
-    tl.store(row, tl.sum(tl.where(ok, w * f, 0.0), axis=0))
+    tl.store(row, tl.sum(tl.where(ok, loss, 0.0), axis=0))
     tl.store(row + 1, tl.sum(clipped.to(tl.float64), axis=0))
     tl.store(row + 2, kl_sum)
+
+
+def supports(spec: terms.TermSpec) -> bool:
+    """Whether this kernel computes ``spec``'s terms: the clipped surrogate at token level (dual clip, TRL's
+    delta cap), every KL estimator (with TRL's kl_ratio), rollout weights, the entropy bonus with its own
+    weights. Other settings (the other surrogates, coupled losses) take the torch derivatives of
+    ``policy_terms.py`` instead (the same definition, exact)."""
+    return (spec.surrogate == "ppo" and spec.ratio_level == "token" and not spec.coupled
+            and spec.kl_type.rstrip("+") in KL_CODES)
 
 
 @dataclass(frozen=True)
@@ -140,7 +176,8 @@ class TermSettings:
 
     @classmethod
     def make(cls, spec: terms.TermSpec, device) -> "TermSettings":
-        values = [1.0 - spec.clip_low, 1.0 + spec.clip_high, spec.dual_clip or 0.0, spec.kl_coef, spec.entropy_coef]
+        values = [1.0 - spec.clip_low, 1.0 + spec.clip_high, spec.dual_clip or 0.0, spec.kl_coef, spec.entropy_coef,
+                  spec.delta or 0.0]
         params = torch.tensor(values, dtype=torch.float64)
         if torch.device(device).type == "cuda":
             # from pinned memory without waiting: a copy from pageable memory would hold the host until the
@@ -150,7 +187,9 @@ class TermSettings:
             params = params.to(device)
         switches = dict(HAS_OLD=spec.has_old, HAS_REF=spec.has_ref, KL_TYPE=KL_CODES[spec.kl_type.rstrip("+")],
                         STRAIGHT=spec.kl_type.endswith("+"), USE_KL=spec.has_ref and spec.kl_coef != 0.0,
-                        DUAL=spec.dual_clip is not None, WITH_ENT=spec.entropy_coef != 0.0)
+                        DUAL=spec.dual_clip is not None, WITH_ENT=spec.entropy_coef != 0.0,
+                        DELTA=spec.delta is not None, KL_RATIO=spec.has_ref and spec.kl_ratio,
+                        HAS_RHO=spec.has_rollout_weights)
         return cls(params, switches)
 
 
@@ -169,9 +208,10 @@ def chunk_terms(lp: Tensor, ent: Tensor, tokens: terms.TokenInputs, settings: Te
     grid = triton.cdiv(n, BLOCK)
     partial = torch.empty((grid, 3), dtype=torch.float64, device=dev)
     adv = tokens.advantages
+    u = tokens.ent_weights
     _terms_kernel[(grid,)](
         lp, ent, adv, tokens.old_logprobs if sw["HAS_OLD"] else adv, tokens.ref_logprobs if sw["HAS_REF"] else adv,
-        tokens.weights, settings.params, g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw,
-        BLOCK=BLOCK, num_warps=4)
+        tokens.weights, tokens.rollout_weights if sw["HAS_RHO"] else adv, adv if u is None else u, settings.params,
+        g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw, HAS_U=u is not None, BLOCK=BLOCK, num_warps=4)
     sums += partial.sum(dim=0)
     return g_lp, g_ent
