@@ -258,3 +258,15 @@ def test_second_order_gradients_are_refused():
     (g,) = torch.autograd.grad(out.logprobs.sum(), h, create_graph=True)
     with pytest.raises(RuntimeError, match="grad"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_without_entropy_in_the_labels_shape(backend):
+    """with_entropy=False on [b, s] labels: log-probs in that shape, entropy None (the MTP path calls it so)."""
+    torch.manual_seed(11)
+    hidden, weight = torch.randn(3, 7, 96), torch.randn(4099, 96)
+    labels = torch.randint(0, 4099, (3, 7))
+    out = fused_logprobs(hidden, weight, labels, with_entropy=False, backend=backend)
+    assert out.entropy is None and out.logprobs.shape == (3, 7)
+    want = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, labels[..., None])[..., 0]
+    assert torch.allclose(out.logprobs.double(), want, atol=1e-5)

@@ -185,5 +185,6 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     h2 = hidden.reshape(-1, hidden.shape[-1])
     lp, ent = function.fused_logprobs(h2, weight, labels.reshape(-1).long(), inv_temp, options)
     if lp.shape != labels.shape:   # no view when the shape is already right: FSDP2 warns on a module returning views
-        lp, ent = lp.view(labels.shape), ent.view(labels.shape)
+        lp = lp.view(labels.shape)
+        ent = None if ent is None else ent.view(labels.shape)
     return TokenLogProbs(lp, ent if with_entropy else None)
