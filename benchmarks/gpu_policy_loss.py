@@ -255,7 +255,8 @@ def stage_times(inputs, res):
 
     def prep():
         policy = PolicyLoss(advantages=adv, old_logprobs=old, ref_logprobs=ref, **{k: LOSS[k] for k in LOSS})
-        return policy, score_tokens(labels, policy, temperature=1.0, ignore_index=-100, vocab=v)
+        inv_temp = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)     # temperature 1
+        return policy, score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=-100, vocab=v)
     for _ in range(2):
         policy, tokens = prep()
     sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)

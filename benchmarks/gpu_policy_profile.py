@@ -186,7 +186,8 @@ class StageEvents:
     def __enter__(self):
         from logitless.ops.triton import stages
         # the loss's preparation of the scored tokens, clocked on the host beside the pass
-        self._ctx = stages.instrument_policy_pass(self._wrap, self._clock, (("logitless.losses.api", "score_tokens"),))
+        host_steps = (("logitless.losses.function", "score_tokens"),)
+        self._ctx = stages.instrument_policy_pass(self._wrap, self._clock, host_steps)
         self._ctx.__enter__()
         return self
 

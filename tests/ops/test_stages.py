@@ -91,7 +91,7 @@ def test_instrument_policy_pass_sees_every_stage_and_restores(seed):
         return inner
 
     before = {n: getattr(policy_backend, n) for n in stages.POLICY_STAGES + ("policy_pass",)}
-    with stages.instrument_policy_pass(counted, counted, (("logitless.losses.api", "score_tokens"),)):
+    with stages.instrument_policy_pass(counted, counted, (("logitless.losses.function", "score_tokens"),)):
         out = fused_policy_loss(hidden, weight, labels, torch.randn(23, device=DEV), backend="triton")
         out.loss.backward()
     assert {n: getattr(policy_backend, n) for n in before} == before
