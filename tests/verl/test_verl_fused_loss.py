@@ -158,3 +158,20 @@ def test_unfusable_setting_falls_back_recorded(actor, caplog, setting, batch, na
     logged = [r for r in caplog.records if named in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in caplog.records]
     assert_same_update(actor, got, want)
+
+
+def test_every_other_registered_mode_is_refused_under_strict(actor):
+    """Every policy-loss mode verl registers besides vanilla (until the fused loss defines its term):
+    strict mode raises before the model runs, naming the mode."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    modes = sorted(set(POLICY_LOSS_REGISTRY) - {"vanilla"})
+    assert {"gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro", "cispo",
+            "bypass_mode"} <= set(modes)
+    gen = torch.Generator().manual_seed(9)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir)
+    for mode in modes:
+        extra = ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if mode == "dro" else []
+        with pytest.raises(FusedPathUnavailable, match=f"loss_mode='{mode}'"):
+            run(actor, tensors, meta, [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", *extra], fused=True,
+                strict=True)
+        assert lv.last_path().reason.startswith(f"policy_loss.loss_mode='{mode}'")

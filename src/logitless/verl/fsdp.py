@@ -94,9 +94,9 @@ def _make_kernel(original):
         """logitless in place of verl's Triton ``linear_cross_entropy`` (same arguments and outputs)."""
         def compute(h, w):
             if reduction == "none":
-                fused = fused_loss.head(h, w, labels, temperature)
+                fused = fused_loss.head(h, w, labels, temperature, flat=True)
                 if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
-                    return fused[0].reshape(-1), fused[1].reshape(-1)
+                    return fused
             return linear_cross_entropy(h, w, labels, temperature, reduction, dist_process_group,
                                         reduce_grad_hidden=True)
 

@@ -76,11 +76,12 @@ def fallback(reason: str) -> None:
         logger.warning("logitless.verl: verl computes the policy loss itself (unfused): %s", reason)
 
 
-def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature):
+def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature, flat: bool = False):
     """For the FSDP head sites: under a pending plan, the fused policy loss of ``hidden`` [..., H] against
     ``labels`` (the model's next-token labels, [1, n] packed or [b, S]); returns (log-probs, entropy)
-    float32, detached, shaped like labels, 0 at positions outside the loss. None when no plan is pending
-    (or it cannot use these rows: the plan records why and the head computes the log-probs as usual)."""
+    float32 shaped like labels (flat: 1-D), 0 at positions outside the loss, the log-probs carrying the
+    loss (see below). None when no plan is pending (or it cannot use these rows: the plan records why and
+    the head computes the log-probs as usual)."""
     plan = _pending.plan
     if plan is None or plan.result is not None or plan.failure:
         return None
@@ -104,7 +105,8 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     # register on the model's outputs (FSDP's pre-backward unshard of the root's parameters) run before
     # the backward reaches the head, as for verl's own loss.
     carrier = out.loss - out.loss.detach()
-    return out.logprobs.view(labels.shape) + carrier, out.entropy.view(labels.shape)
+    shape = (-1,) if flat else labels.shape
+    return out.logprobs.reshape(shape) + carrier, out.entropy.reshape(shape)
 
 
 def _policy_config(loss_function):
