@@ -133,6 +133,29 @@ def test_matches_verl_without_fused_kernels(model_dir, actor):
         run(plain, tensors, meta, overrides, fused=True, strict=True)
 
 
+def test_untied_head_under_fsdp2(tmp_path):
+    """An untied lm_head is an FSDP2 unit of its own whose weight verl's fused forward reads sharded (verl's
+    own fused kernels fail on that DTensor): the fused loss runs as that unit's forward, and the update and
+    verl's compute_log_prob match verl's unfused actor."""
+    ve.save_tiny_qwen2(str(tmp_path), seed=4, tied=False)
+    plain = ve.Actor(str(tmp_path))
+    fused = ve.Actor(str(tmp_path), ["actor_rollout_ref.model.use_fused_kernels=True"])
+    gen = torch.Generator().manual_seed(13)
+    tensors, meta = ve.rollout_batch(gen, str(tmp_path))
+    overrides = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01"]
+    want = run(plain, tensors, meta, overrides, fused=False)
+    got = run(fused, tensors, meta, overrides, fused=True, strict=True)
+    assert lv.last_path().path == "fsdp"
+    assert "lm_head.weight" in want[1]
+    assert_same_update(fused, got, want)
+    lp_want, ent_want = ve.infer_logprobs(plain, tensors, meta)
+    lv.install()
+    lp, ent = ve.infer_logprobs(fused, tensors, meta)
+    assert float((lp - lp_want).abs().max()) <= 2e-5 and float((ent - ent_want).abs().max()) <= 2e-5
+    head = fused.worker.engine.module.lm_head
+    assert hasattr(head.weight, "full_tensor"), "the gathered head weight was not resharded after the no-grad forward"
+
+
 @pytest.mark.parametrize("setting, batch, named", [
     (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], {}, "policy_loss.loss_mode='gspo'"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},

@@ -223,6 +223,27 @@ class Actor:
         return tu.get(out, "metrics"), params
 
 
+def infer_logprobs(actor: "Actor", tensors, meta):
+    """verl's compute_log_prob on the actor (``TrainingWorker.infer_batch``, no loss): (log-probs, entropy)
+    of every position but each sequence's last (whose label verl's fused and unfused paths take from
+    different places: the padded row's next column or the next sequence; no loss reads it)."""
+    from verl.utils import tensordict_utils as tu
+
+    from transformers import Qwen2ForCausalLM
+    data = to_actor_input(tensors, meta, calculate_entropy=True, mini_batch_size=len(tensors["input_ids"]))
+    tu.assign_non_tensor(data, compute_loss=False, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    plain = Qwen2ForCausalLM.forward
+    Qwen2ForCausalLM.forward = actor.forward
+    try:
+        out = actor.worker.infer_batch(data)
+    finally:
+        Qwen2ForCausalLM.forward = plain
+    offsets = out["log_probs"].offsets()
+    keep = torch.ones(int(offsets[-1]), dtype=torch.bool)
+    keep[offsets[1:] - 1] = False
+    return out["log_probs"].values()[keep], out["entropy"].values()[keep]
+
+
 def current_logprobs(model_dir: str, input_ids, attention_mask, position_ids, response: int, temperature: float):
     """The saved model's log-probs of the response tokens [b, response] (plain transformers, float64 softmax)."""
     from transformers import Qwen2ForCausalLM
