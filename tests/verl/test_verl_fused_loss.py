@@ -74,12 +74,14 @@ def assert_same_update(actor, got, want):
         got_v = m_got[key]
         want_l, got_l = (list(v) if isinstance(v, list) else [v] for v in (want_v, got_v))
         assert len(got_l) == len(want_l), key
+        tol = STEP_TOL if key == "grad_norm" else METRIC_TOL     # a gradient's norm: the step's tolerance
         for g, w in zip(got_l, want_l, strict=True):
-            assert abs(float(g) - float(w)) <= METRIC_TOL * max(1.0, abs(float(w))), (key, g, w)
+            assert abs(float(g) - float(w)) <= tol * max(1.0, abs(float(w))), (key, g, w)
 
 
-# (loss_agg_mode, actor settings, engine settings): every token-weighted aggregation, each KL estimator,
-# dual clip active (clip_ratio_c 1.2), packed and padded micro-batches, fixed and dynamic micro-batch sizes
+# (loss_agg_mode, actor settings, engine settings): vanilla under each aggregation, dual clip active
+# (clip_ratio_c 1.2), entropy bonus of either sign, packed and padded micro-batches, fixed and dynamic
+# micro-batch sizes (test_every_mode_matches_verl_update covers the KL estimators and the other modes)
 CASES = [
     ("token-mean", ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
                     "actor_rollout_ref.actor.entropy_coeff=0.01"], {"use_remove_padding": True}),
@@ -89,15 +91,8 @@ CASES = [
                              "actor_rollout_ref.actor.entropy_coeff=-0.02",
                              "actor_rollout_ref.actor.clip_ratio_high=0.28"],
      {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
-    ("seq-mean-token-sum", ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=abs",
-                            "actor_rollout_ref.actor.kl_loss_coef=0.2"], {"use_remove_padding": False}),
-    ("seq-mean-token-sum-norm", ["actor_rollout_ref.actor.use_kl_loss=True",
-                                 "actor_rollout_ref.actor.kl_loss_type=low_var_kl+",
-                                 "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.actor.clip_ratio_c=1.2",
-                                 "actor_rollout_ref.actor.entropy_coeff=0.05"], {"use_remove_padding": True}),
     ("seq-mean-token-sum-norm", ["actor_rollout_ref.actor.loss_scale_factor=5"],
      {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
-    ("token-mean", [], {"use_remove_padding": False, "micro_batch_size_per_gpu": 6}),
 ]
 
 
@@ -157,10 +152,11 @@ def test_untied_head_under_fsdp2(tmp_path):
 
 
 @pytest.mark.parametrize("setting, batch, named", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], {}, "policy_loss.loss_mode='gspo'"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], {}, "policy_loss.loss_mode='geo_mean'"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
+     "loss_agg_mode='token-mean' and a KL loss"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
      "kl_loss_type='full'"),
-    ([], {"is_weights": True}, "rollout_is_weights"),
 ])
 def test_unfusable_setting_falls_back_recorded(actor, caplog, setting, batch, named):
     """A setting the fused loss cannot reproduce: verl's own loss runs (same update), recorded and logged
@@ -183,18 +179,55 @@ def test_unfusable_setting_falls_back_recorded(actor, caplog, setting, batch, na
     assert_same_update(actor, got, want)
 
 
-def test_every_other_registered_mode_is_refused_under_strict(actor):
-    """Every policy-loss mode verl registers besides vanilla (until the fused loss defines its term):
-    strict mode raises before the model runs, naming the mode."""
+def test_modes_not_fused_are_refused_under_strict(actor):
+    """The registered modes the fused loss does not reproduce (policy.REFUSED): strict mode raises before the
+    model runs, naming the mode. Every other registered mode is fused (test_every_mode_matches_verl_update)."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-    modes = sorted(set(POLICY_LOSS_REGISTRY) - {"vanilla"})
-    assert {"gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro", "cispo",
-            "bypass_mode"} <= set(modes)
+
+    from logitless.verl import policy
+    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | set(policy.REFUSED)
     gen = torch.Generator().manual_seed(9)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir)
-    for mode in modes:
-        extra = ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if mode == "dro" else []
+    for mode in policy.REFUSED:
         with pytest.raises(FusedPathUnavailable, match=f"loss_mode='{mode}'"):
-            run(actor, tensors, meta, [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", *extra], fused=True,
+            run(actor, tensors, meta, [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"], fused=True,
                 strict=True)
         assert lv.last_path().reason.startswith(f"policy_loss.loss_mode='{mode}'")
+
+
+P = "actor_rollout_ref.actor."
+FUSED_MODES = {
+    "vanilla": [f"{P}clip_ratio_c=1.2"],
+    "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
+    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
+    "gpg": [],
+    "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
+    "dro": [f"{P}policy_loss.dro_beta=0.3"],
+    "dppo_tv": [f"{P}clip_ratio_low=0.05", f"{P}clip_ratio_high=0.08", f"{P}clip_ratio_c=1.3"],
+    "dppo_kl": [f"{P}clip_ratio_low=0.01", f"{P}clip_ratio_high=0.02"],
+    "clip_cov": [f"{P}policy_loss.clip_cov_ratio=0.3", f"{P}policy_loss.clip_cov_lb=0.05",
+                 f"{P}policy_loss.clip_cov_ub=3.0"],
+    "kl_cov": [f"{P}policy_loss.kl_cov_ratio=0.2", f"{P}policy_loss.ppo_kl_coef=0.5"],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FUSED_MODES))
+def test_every_mode_matches_verl_update(actor, mode):
+    """Each fused loss mode, with a KL loss, an entropy bonus and (every other mode) verl's rollout_is_weights,
+    against verl's update; the modes cycle through the aggregations, the KL estimators and packed / padded
+    micro-batches."""
+    i = sorted(FUSED_MODES).index(mode)
+    gen = torch.Generator().manual_seed(20 + i)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=i % 2 == 0, greedy=mode.startswith("dppo"))
+    agg = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum-norm"][i % 5]
+    kl = ["low_var_kl", "mse", "kl", "abs", "low_var_kl+"][(i + i // 5) % 5]
+    overrides = [f"{P}policy_loss.loss_mode={mode}", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type={kl}", f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02", *FUSED_MODES[mode]]
+    engine = {"use_remove_padding": i % 2 == 1}
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    if mode in ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "clip_cov"):
+        assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"

@@ -208,6 +208,7 @@ class Actor:
             for p, p0 in zip(module.parameters(), self.initial, strict=True):
                 p.copy_(p0)
         self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
         data = to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
         tu.assign_non_tensor(data, **(engine or {}))
         plain = Qwen2ForCausalLM.forward
@@ -254,12 +255,30 @@ def current_logprobs(model_dir: str, input_ids, attention_mask, position_ids, re
     return logp.gather(-1, input_ids[:, -response:, None]).squeeze(-1).float()
 
 
+def greedy_responses(model_dir: str, prompts, responses, attention_mask, position_ids):
+    """responses [b, r] replaced by the saved model's greedy continuation of the prompts (masked
+    positions kept), so their probabilities are large, as sampled responses' are."""
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    p = prompts.shape[1]
+    responses = responses.clone()
+    with torch.no_grad():
+        for j in range(responses.shape[1]):
+            ids = torch.cat([prompts, responses], 1)
+            logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            keep = attention_mask[:, p + j].bool()
+            responses[:, j] = torch.where(keep, logits[:, p + j - 1].argmax(-1), responses[:, j])
+    return responses
+
+
 def rollout_batch(gen: torch.Generator, model_dir: str, b: int = 6, prompt: int = 5, response: int = 7, *,
-                  ref: bool = True, is_weights: bool = False, temperature: float = 0.9, spread: float = 0.3):
+                  ref: bool = True, is_weights: bool = False, temperature: float = 0.9, spread: float = 0.3,
+                  greedy: bool = False):
     """A rollout batch as ``RayPPOTrainer._update_actor`` hands it to the actor, before its
     left_right_2_no_padding: prompts left-padded, responses right-padded, a response mask with a hole
     (a tool token) and one fully masked sequence; old / ref log-probs the current policy's plus noise of
-    ``spread`` (so ratios both inside and outside the clip range)."""
+    ``spread`` (so ratios both inside and outside the clip range). Random response tokens, or (greedy) the
+    model's greedy continuation."""
     prompt_len = torch.randint(2, prompt + 1, (b,), generator=gen)
     resp_len = torch.randint(2, response + 1, (b,), generator=gen)
     resp_len[0] = response
@@ -275,15 +294,17 @@ def rollout_batch(gen: torch.Generator, model_dir: str, b: int = 6, prompt: int 
     response_mask[1, 1] = False                     # a tool token inside a response
     response_mask[b - 1] = False                    # a sequence with no scored token
     position = (attention.cumsum(-1) - 1).clamp_min(0)
+    if greedy:
+        responses = greedy_responses(model_dir, prompts, responses, attention, position)
     input_ids = torch.cat([prompts, responses], 1)
     lp = current_logprobs(model_dir, input_ids, attention, position, response, temperature)
     adv = torch.randn(b, response, generator=gen)
-    old = lp + spread * torch.randn(b, response, generator=gen)
+    old = (lp + spread * torch.randn(b, response, generator=gen)).clamp(max=-1e-3)     # log-probs stay < 0
     tensors = {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention,
                "position_ids": position, "response_mask": response_mask.long(), "old_log_probs": old,
                "advantages": adv}
     if ref:
-        tensors["ref_log_prob"] = lp + spread * torch.randn(b, response, generator=gen)
+        tensors["ref_log_prob"] = (lp + spread * torch.randn(b, response, generator=gen)).clamp(max=-1e-3)
     if is_weights:
         tensors["rollout_is_weights"] = 0.5 + torch.rand(b, response, generator=gen)
     return tensors, {"temperature": temperature}

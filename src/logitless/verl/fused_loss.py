@@ -18,7 +18,7 @@ metric keeps verl's name, aggregation type and formula (pg_loss, pg_clipfrac, pg
 entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, dynamic batch size,
 remove-padding and loss scaling run unchanged around it.
 
-A micro-batch that cannot run fused (a loss mode other than vanilla, rollout-correction weights, Ulysses
+A micro-batch that cannot run fused (loss modes geo_mean and bypass_mode, Ulysses
 sequence parallelism, ``use_fused_kernels=False``, ...; ``policy.unfusable`` and ``make_plan`` list them)
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
@@ -37,7 +37,7 @@ import torch
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
 from .core import head_dtypes
-from .policy import Settings, loss_scale, settings, unfusable
+from .policy import loss_scale, settings, unfusable
 from .sites import Site, SiteState, strict_mode
 from .tokens import ResponseTokens, for_rows, response_tokens
 
@@ -52,10 +52,12 @@ class Plan:
     """One micro-batch's fused loss: its inputs, settings and scale; ``result`` once the head ran, or
     ``failure`` saying why it could not (then verl's own loss runs)."""
     tokens: ResponseTokens
-    settings: Settings
+    settings: dict            # PolicyLoss keyword arguments but the per-token tensors
+    use_ref: bool
     scale: float
     result: Optional[PolicyLossOutput] = None
     failure: str = ""
+    rng: Optional[torch.Tensor] = None     # the CPU generator's state when the loss drew (clip_cov's randperm)
 
 
 class _Pending(threading.local):
@@ -90,12 +92,11 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     except ValueError as exc:
         plan.failure = str(exc)
         return None
-    s = plan.settings
     policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
-                        ref_logprobs=rows.ref_logprobs if s.use_ref else None, clip_low=s.clip_low,
-                        clip_high=s.clip_high, dual_clip=s.dual_clip, kl_coef=s.kl_coef, kl_type=s.kl_type,
-                        entropy_coef=s.entropy_coef, loss_agg=s.loss_agg, cu_seqlens=rows.cu_seqlens)
+                        ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
+                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **plan.settings)
     h, w = head_dtypes(hidden.reshape(-1, hidden.shape[-1]), weight)
+    plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
         out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
                           temperature=float(temperature))
@@ -131,7 +132,8 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     if config is None:
         name = getattr(getattr(loss_function, "func", loss_function), "__qualname__", type(loss_function).__name__)
         return None, f"the loss function {name} is not verl's ppo_loss"
-    bad = unfusable(config, rollout_is_weights="rollout_is_weights" in micro_batch.keys())
+    entropy = bool(get("calculate_entropy", False))
+    bad = unfusable(config, with_entropy=entropy)
     if not get("use_fused_kernels", False):
         bad.append("use_fused_kernels=False (the model would build the logits; set "
                    "actor_rollout_ref.model.use_fused_kernels=True)")
@@ -146,11 +148,11 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     tokens, why = response_tokens(micro_batch, with_ref=bool(config.use_kl_loss))
     if tokens is None:
         return None, why
-    s = settings(config, calculate_entropy=bool(get("calculate_entropy", False)))
+    kwargs = settings(config, calculate_entropy=entropy)
     scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
                        global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
                        scored_sequences=tokens.sequences, response_width=tokens.width)
-    return Plan(tokens, s, scale), ""
+    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale), ""
 
 
 def _through_output(model_output, loss: torch.Tensor) -> torch.Tensor:
@@ -171,8 +173,15 @@ def _fused_loss_function(plan: Plan, verl_loss):
             fallback(plan.failure or "the model's forward did not reach the fused head (is it verl's fused "
                      "forward, use_fused_kernels=True?)")
             return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
-        with torch.no_grad():
-            _, metrics = verl_loss(model_output=model_output, data=data, dp_group=dp_group)
+        # verl's metrics draw what the loss drew (clip_cov's random token choice): the generator is set back
+        # to its state when the fused loss drew, and then to where the fused loss left it
+        after = torch.get_rng_state()
+        torch.set_rng_state(plan.rng)
+        try:
+            with torch.no_grad():
+                _, metrics = verl_loss(model_output=model_output, data=data, dp_group=dp_group)
+        finally:
+            torch.set_rng_state(after)
         write_record("fsdp", last_backend(), ENTRY)
         return _through_output(model_output, plan.result.loss) * plan.scale, metrics
     return loss_function

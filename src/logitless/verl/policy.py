@@ -17,78 +17,97 @@ fixed weight per token, here ``scale * w_i`` with ``w_i`` the fused pass's own w
     seq-mean-token-mean        seq-mean-token-mean  scale = dp * n_seq / G
 
 with G = ``global_batch_size`` (or, without it, n_seq: the micro-batch's sequences that have a scored token)
-and the response width verl's padded response axis. Loss mode "vanilla" is PPO's clipped surrogate with
-dual clip (``clip_ratio_c``, always on in verl): ``fused_policy_loss``'s per-token term exactly.
-``unfusable`` names every setting that has no such mapping.
+and the response width verl's padded response axis.
+
+The loss modes (``policy_loss.loss_mode``) are ``logitless.losses.verl_loss_settings``' surrogates, with verl's
+parameters: clip_ratio_low / clip_ratio_high (else clip_ratio) as clip_low / clip_high; ``clip_ratio_c`` as
+vanilla's dual clip (always on in verl) and dppo's ratio cap; tau_pos / tau_neg (sapo); dro_beta (dro);
+clip_cov_ratio / clip_cov_lb / clip_cov_ub (clip_cov); kl_cov_ratio / ppo_kl_coef (kl_cov). verl's
+``rollout_is_weights`` multiply the policy term (``rollout_weights``). sapo aggregates its policy term by
+seq-mean-token-mean whatever ``loss_agg_mode`` says (verl does), so with a KL loss or an entropy bonus it fuses
+only under that mode. ``unfusable`` names every setting that has no such mapping.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from ..losses import KL_TYPES
+from ..losses import KL_TYPES, VERL_POLICY_LOSSES, verl_loss_settings
 
-# verl's policy-loss modes that fused_policy_loss expresses exactly
-FUSED_MODES = ("vanilla",)
 AGG = {"token-mean": "token-sum", "token-sum": "token-sum", "seq-mean-token-sum": "token-sum",
        "seq-mean-token-sum-norm": "token-sum", "seq-mean-token-mean": "seq-mean-token-mean"}
+# loss modes not fused, and why
+REFUSED = {
+    "geo_mean": "a mean of per-sequence losses over the micro-batch's sequences, outside loss_agg_mode and verl's "
+                "mini-batch normalisation, which the KL loss and entropy bonus keep",
+    "bypass_mode": "its rollout-correction weights and rejection mask are computed from this pass's log-probs",
+}
 
 
 def loss_mode(config) -> str:
     return config.policy_loss.get("loss_mode", "vanilla")
 
 
-def unfusable(config, *, rollout_is_weights: bool) -> list:
+def pg_agg_mode(config) -> str:
+    """The aggregation verl gives the policy term: loss_agg_mode, except sapo's fixed seq-mean-token-mean."""
+    return "seq-mean-token-mean" if loss_mode(config) == "sapo" else config.loss_agg_mode
+
+
+def unfusable(config, *, with_entropy: bool) -> list:
     """verl actor settings (``ActorConfig``) the fused policy loss cannot reproduce, as "setting (why)"."""
     bad = []
     mode = loss_mode(config)
-    if mode not in FUSED_MODES:
-        bad.append(f"policy_loss.loss_mode={mode!r} (its per-token term is not one fused_policy_loss computes; "
-                   f"fused: {', '.join(FUSED_MODES)})")
+    if mode in REFUSED:
+        bad.append(f"policy_loss.loss_mode={mode!r} ({REFUSED[mode]})")
+    elif mode not in VERL_POLICY_LOSSES:
+        bad.append(f"policy_loss.loss_mode={mode!r} (not a loss mode logitless knows: "
+                   f"{', '.join(m for m in VERL_POLICY_LOSSES if m not in REFUSED)})")
     if config.loss_agg_mode not in AGG:
         bad.append(f"loss_agg_mode={config.loss_agg_mode!r} (not one of verl's token-weighted aggregations)")
-    if rollout_is_weights:
-        bad.append("rollout_is_weights in the batch (algorithm.rollout_correction's importance weights multiply "
-                   "the policy term alone)")
+    elif pg_agg_mode(config) != config.loss_agg_mode and (config.use_kl_loss or with_entropy):
+        bad.append(f"policy_loss.loss_mode={mode!r} with loss_agg_mode={config.loss_agg_mode!r} and a KL loss or "
+                   f"entropy bonus (verl aggregates {mode}'s policy term by {pg_agg_mode(config)} and the others "
+                   "by loss_agg_mode)")
     if config.use_kl_loss and config.kl_loss_type not in KL_TYPES:
         bad.append(f"kl_loss_type={config.kl_loss_type!r} (fused KL estimators: {', '.join(KL_TYPES)})")
     return bad
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The scalar settings of ``PolicyLoss`` for a verl actor (per-token inputs come from the batch)."""
-    clip_low: float
-    clip_high: float
-    dual_clip: float
-    kl_coef: float
-    kl_type: str
-    entropy_coef: float
-    loss_agg: str
-    use_ref: bool
-
-
-def settings(config, *, calculate_entropy: bool) -> Settings:
-    """verl's ``compute_policy_loss_vanilla`` / ``ppo_loss`` settings (call ``unfusable`` first).
-
-    The entropy bonus is in verl's loss only when the engine computed the entropy (``calculate_entropy``,
-    which the trainer sets when ``entropy_coeff != 0``); the KL loss only with ``use_kl_loss``."""
+def settings(config, *, calculate_entropy: bool) -> dict:
+    """``PolicyLoss`` keyword arguments (all but the per-token tensors) for verl's actor settings (call
+    ``unfusable`` first). The entropy bonus is in verl's loss only when the engine computed the entropy
+    (``calculate_entropy``, which the trainer sets when ``entropy_coeff != 0``); the KL loss only with
+    ``use_kl_loss``."""
+    mode = loss_mode(config)
+    pl = config.policy_loss
+    out = verl_loss_settings(mode)
     clip = config.clip_ratio
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else clip
-    return Settings(clip_low=float(low), clip_high=float(high), dual_clip=float(config.get("clip_ratio_c", 3.0)),
-                    kl_coef=float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
-                    kl_type=config.kl_loss_type if config.use_kl_loss else "k3",
-                    entropy_coef=float(config.entropy_coeff) if calculate_entropy else 0.0,
-                    loss_agg=AGG[config.loss_agg_mode], use_ref=bool(config.use_kl_loss))
+    out.update(clip_low=float(config.clip_ratio_low if config.clip_ratio_low is not None else clip),
+               clip_high=float(config.clip_ratio_high if config.clip_ratio_high is not None else clip),
+               dual_clip=None,
+               kl_coef=float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
+               kl_type=config.kl_loss_type if config.use_kl_loss else "k3",
+               entropy_coef=float(config.entropy_coeff) if calculate_entropy else 0.0,
+               loss_agg=AGG[pg_agg_mode(config)])
+    if mode in ("vanilla", "dppo_tv", "dppo_kl"):
+        out["dual_clip"] = float(config.get("clip_ratio_c", 3.0))
+    if mode == "sapo":
+        out.update(sapo_tau_pos=float(config.tau_pos), sapo_tau_neg=float(config.tau_neg))
+    if mode == "dro":
+        out["dro_beta"] = pl.get("dro_beta")
+    if mode == "clip_cov":
+        out.update(cov_ratio=float(pl.clip_cov_ratio), clip_cov_lb=float(pl.clip_cov_lb),
+                   clip_cov_ub=float(pl.clip_cov_ub))
+    if mode == "kl_cov":
+        out.update(cov_ratio=float(pl.kl_cov_ratio), kl_cov_coef=float(pl.ppo_kl_coef))
+    return out
 
 
 def loss_scale(config, *, dp_size: int, batch_num_tokens: Optional[float], global_batch_size: Optional[float],
                scored_tokens: int, scored_sequences: int, response_width: int) -> float:
-    """The constant that turns the fused loss (weights of ``settings().loss_agg``) into verl's ``agg_loss``
+    """The constant that turns the fused loss (weights of ``settings()["loss_agg"]``) into verl's ``agg_loss``
     (see the module docstring). scored_*: the micro-batch's response tokens in the loss and the sequences
     that have one; response_width: the size of verl's padded response axis."""
-    mode = config.loss_agg_mode
+    mode = pg_agg_mode(config)
     dp = float(dp_size)
     if mode == "token-mean":
         tokens = float(batch_num_tokens) if batch_num_tokens is not None else float(scored_tokens)

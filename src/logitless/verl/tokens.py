@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 IGNORE = -100
-FIELDS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob")
+FIELDS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights")
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,15 @@ class ResponseTokens:
     """The micro-batch's scored response tokens, by packed position.
 
     scored: bool [total]; advantages, old_logprobs: float32 [total] (0 where not scored);
-    ref_logprobs: float32 [total] or None; offsets: int64 [b + 1], the sequences' packed boundaries;
+    ref_logprobs, rollout_weights: float32 [total] or None (verl's ref_log_prob, rollout_is_weights);
+    offsets: int64 [b + 1], the sequences' packed boundaries;
     count / sequences: scored tokens / sequences with one (host ints); width: verl's padded response
     axis (its ``loss_mask.shape[-1]``)."""
     scored: Tensor
     advantages: Tensor
     old_logprobs: Tensor
     ref_logprobs: Optional[Tensor]
+    rollout_weights: Optional[Tensor]
     offsets: Tensor
     count: int
     sequences: int
@@ -74,7 +76,9 @@ def response_tokens(data, *, with_ref: bool) -> tuple[Optional[ResponseTokens], 
     scored = torch.zeros(total, dtype=torch.bool, device=dev)
     scored[pos] = True
     return ResponseTokens(scored=scored, advantages=scatter("advantages"), old_logprobs=scatter("old_log_probs"),
-                          ref_logprobs=scatter("ref_log_prob") if with_ref else None, offsets=offsets,
+                          ref_logprobs=scatter("ref_log_prob") if with_ref else None,
+                          rollout_weights=scatter("rollout_is_weights") if "rollout_is_weights" in names else None,
+                          offsets=offsets,
                           count=int(pos.numel()), sequences=int(mask.any(dim=-1).sum()),
                           width=int(mask.shape[-1])), ""
 
@@ -88,6 +92,7 @@ class Rows:
     advantages: Tensor
     old_logprobs: Tensor
     ref_logprobs: Optional[Tensor]
+    rollout_weights: Optional[Tensor]
     cu_seqlens: Optional[Tensor]
 
 
@@ -113,7 +118,8 @@ def for_rows(tokens: ResponseTokens, labels: Tensor) -> Rows:
         scored = lay(tokens.scored, False)
         cu = tokens.offsets if not pad else torch.cat([tokens.offsets, tokens.offsets.new_tensor([n])])
         return Rows(torch.where(scored, labels.reshape(-1), IGNORE), lay(tokens.advantages, 0.0),
-                    lay(tokens.old_logprobs, 0.0), lay(tokens.ref_logprobs, 0.0), move(cu))
+                    lay(tokens.old_logprobs, 0.0), lay(tokens.ref_logprobs, 0.0), lay(tokens.rollout_weights, 0.0),
+                    move(cu))
     lengths = tokens.offsets.diff()
     if labels.dim() == 2 and labels.shape[0] == b and labels.shape[1] >= int(lengths.max()):
         s = labels.shape[1]
@@ -125,6 +131,6 @@ def for_rows(tokens: ResponseTokens, labels: Tensor) -> Rows:
             return move(torch.nested.to_padded_tensor(nested, fill, output_size=(b, s)))
         scored = lay(tokens.scored.float(), 0.0).bool()
         return Rows(torch.where(scored, labels, IGNORE), lay(tokens.advantages, 0.0), lay(tokens.old_logprobs, 0.0),
-                    lay(tokens.ref_logprobs, 0.0), None)
+                    lay(tokens.ref_logprobs, 0.0), lay(tokens.rollout_weights, 0.0), None)
     raise ValueError(f"labels of shape {tuple(labels.shape)} match neither the packed layout [1, >= {tokens.total}] "
                      f"nor the padded one [{b}, >= {int(lengths.max())}] of this micro-batch")
