@@ -231,3 +231,19 @@ def test_every_mode_matches_verl_update(actor, mode):
     assert_same_update(actor, got, want)
     if mode in ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "clip_cov"):
         assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
+
+
+def test_triton_backend_head(model_dir, actor):
+    """verl's fused forward with impl_backend "triton" (its Triton linear_cross_entropy, CUDA only, which
+    logitless replaces): the fused loss enters there too; against verl's own update on the "torch" backend."""
+    triton_actor = ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True",
+                                        "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"])
+    assert triton_actor.forward.__name__ == "forward_with_triton_backend"
+    gen = torch.Generator().manual_seed(17)
+    tensors, meta = ve.rollout_batch(gen, model_dir)
+    overrides = [f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.01", f"{P}loss_agg_mode=seq-mean-token-mean"]
+    engine = {"use_remove_padding": True}
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(triton_actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    assert lv.last_path().path == "fsdp"
+    assert_same_update(actor, got, want)
