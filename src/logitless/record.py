@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 from . import checks, knobs
 
-PATHS = ("hook", "legacy", "schedule-plan", "unfused")
+PATHS = ("hook", "legacy", "schedule-plan", "fsdp", "unfused")
 _state = threading.local()
 _serial = itertools.count(1)
 
@@ -47,10 +47,14 @@ class PathRecord:
     path: "hook" (Megatron's native output_processor hook in the model's forward), "legacy"
         (logitless' instance patch for models without the hook), "schedule-plan" (the processor run
         by the post-process node of megatron-core's ``build_schedule_plan``, the combined 1F1B
-        schedule) or "unfused" (logits materialised by the model).
+        schedule), "fsdp" (verl's FSDP engine forward, the policy loss fused into its head) or "unfused"
+        (logits materialised by the model; for entry "verl.policy_loss": verl computed the policy loss
+        itself from the log-probs).
     backend: the fused op's backend that ran ("chunked", "triton", ...), None where no fused op ran
         (the unfused path; a labels=None forward, which returns the model's own output).
-    entry: what was called: "processor", "forward_padded", "forward_packed", "schedule_plan" or "verl".
+    entry: what was called: "processor", "forward_padded", "forward_packed", "schedule_plan", "verl"
+        (verl's fused head) or "verl.policy_loss" (verl's actor loss under
+        ``logitless.verl.install(fused_loss=True)``).
     reason: why this path was taken (empty for the fused paths).
     serial: increases by one per record, so a caller can tell a fresh record from an old one.
     model: the class name of the Megatron model that ran ("GPTModel", "HybridModel", ...), None where

@@ -13,6 +13,7 @@ TARGETS = {
     "fsdp.FusedLinearForPPO.forward": ("verl.utils.experimental.torch_functional", "FusedLinearForPPO", "forward"),
     "fsdp.kernel.linear_cross_entropy": ("verl.utils.kernel.linear_cross_entropy", None, "linear_cross_entropy"),
     "fsdp.patch_forward_with_backends": ("verl.models.transformers.monkey_patch", None, "patch_forward_with_backends"),
+    "fsdp.engine.forward_step": ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "forward_step"),
     "megatron.linear_cross_entropy": ("verl.models.mcore.model_forward_fused", None, "linear_cross_entropy"),
     "megatron.1f1b_overlap.linear_cross_entropy": ("verl.models.mcore.model_forward_1f1b_overlap", None,
                                                    "linear_cross_entropy"),
@@ -78,6 +79,8 @@ def test_bad_arguments():
         lv.install(strict="yes")
     with pytest.raises(TypeError, match="strict"):
         lv.install(strict=1)
+    with pytest.raises(TypeError, match="fused_loss"):
+        lv.install(fused_loss="yes")
     assert not lv.is_installed()
 
 

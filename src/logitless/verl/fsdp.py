@@ -28,6 +28,7 @@ import sys
 
 from ..record import FusedPathUnavailable
 from ..sharded_head import call_head, is_dtensor
+from . import fused_loss
 from .core import fused_linear_for_ppo, linear_cross_entropy
 from .sites import Site, strict_mode
 
@@ -72,6 +73,10 @@ def _make_forward(original):
         backend = getattr(self, "impl_backend", "torch")
 
         def compute(h, w):
+            fused = fused_loss.head(h, w, input_ids, temperature)
+            if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
+                lp, ent = fused
+                return lp, (ent.to(hidden_states.dtype) if backend == "torch" else ent)
             out = fused_linear_for_ppo(h, w, input_ids, temperature,
                                        entropy_dtype=hidden_states.dtype if backend == "torch" else None)
             return out.logprobs, out.entropy
@@ -88,6 +93,10 @@ def _make_kernel(original):
                                        dist_process_group=None):
         """logitless in place of verl's Triton ``linear_cross_entropy`` (same arguments and outputs)."""
         def compute(h, w):
+            if reduction == "none":
+                fused = fused_loss.head(h, w, labels, temperature, flat=True)
+                if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
+                    return fused
             return linear_cross_entropy(h, w, labels, temperature, reduction, dist_process_group,
                                         reduce_grad_hidden=True)
 

@@ -20,8 +20,8 @@ from .sites import LOCK, MARK, Site, SiteState
 
 
 def _all_sites() -> Tuple[Site, ...]:
-    from . import fsdp, megatron
-    return fsdp.SITES + megatron.SITES
+    from . import fsdp, fused_loss, megatron
+    return fsdp.SITES + fused_loss.SITES + megatron.SITES
 
 
 def _owner(site: Site):
@@ -33,20 +33,25 @@ def _owner(site: Site):
     return owner
 
 
-def install(strict: bool = False) -> Tuple[str, ...]:
+def install(strict: bool = False, fused_loss: bool = False) -> Tuple[str, ...]:
     """Route verl's fused-kernel paths through logitless. Idempotent; calling it again only updates
-    ``strict``. Returns the names of the replaced sites (see ``sites()``).
+    ``strict`` and ``fused_loss``. Returns the names of the replaced sites (see ``sites()``).
 
     strict: True makes verl's silent fallbacks to its non-fused path raise
-        ``logitless.megatron.FusedPathUnavailable`` (so does LOGITLESS_STRICT=1).
+        ``logitless.FusedPathUnavailable`` (so does LOGITLESS_STRICT=1).
+    fused_loss: True makes the actor's policy loss (with its KL loss and entropy bonus) run as one
+        ``fused_policy_loss`` inside the model's forward (see ``logitless.verl.fused_loss``); False
+        leaves verl's loss on the log-probs logitless computes.
     """
     checks.boolean(strict, "strict")
+    checks.boolean(fused_loss, "fused_loss")
     try:
         importlib.import_module("verl")
     except Exception as exc:  # noqa: BLE001 - any failure means verl cannot be used here
         raise ImportError(f"logitless.verl.install: verl does not import ({type(exc).__name__}: {exc})") from exc
     with LOCK:
         SiteState.strict = strict
+        SiteState.fused_loss = fused_loss
         # Import every site's module before replacing anything: a module that imports a replaced
         # function by name (model_forward_fused imports the kernel's linear_cross_entropy) must bind
         # verl's original, not logitless' replacement.
@@ -82,6 +87,7 @@ def uninstall() -> None:
             setattr(owner, _site_attr(name), original)
         SiteState.skipped.clear()
         SiteState.strict = False
+        SiteState.fused_loss = False
 
 
 def _site_attr(name: str) -> str:

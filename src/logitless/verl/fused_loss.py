@@ -1,0 +1,213 @@
+"""``install(fused_loss=True)`` on verl's FSDP engine: the actor's policy loss, KL loss and entropy bonus
+computed by ``fused_policy_loss`` inside the model's forward, from the final hidden states and the LM head.
+
+verl's actor update (``TrainingWorker.train_batch`` -> ``FSDPEngine.forward_backward_batch``) calls, per
+micro-batch, ``FSDPEngineWithLMHead.forward_step(micro_batch, loss_function, forward_only)``: the model's
+forward (verl's fused forward with ``use_fused_kernels=True``: backbone, then the fused head on the hidden
+states), ``prepare_model_outputs`` (log-probs and entropy per token), then ``loss_function`` =
+``partial(verl.workers.utils.losses.ppo_loss, config=actor_config)``, which sees only those log-probs.
+
+Here ``forward_step`` is replaced. For a micro-batch whose settings map onto the fused loss (``policy.py``)
+it lays out the response tokens' inputs (``tokens.py``) and runs verl's own ``forward_step`` with a plan
+pending on this thread: the fused head (``fsdp.py``'s sites call ``head``) then computes
+``fused_policy_loss`` instead of the log-probs alone (its gradients are formed in that pass) and returns
+its detached log-probs and entropies, from which verl builds its model output as usual. The loss function
+verl then calls returns that loss, times the constant that gives verl's normalisation, and verl's own
+metrics: ``ppo_loss`` itself, run without gradients on those detached log-probs and entropies, so every
+metric keeps verl's name, aggregation type and formula (pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl,
+entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, dynamic batch size,
+remove-padding and loss scaling run unchanged around it.
+
+A micro-batch that cannot run fused (loss modes geo_mean and bypass_mode, Ulysses
+sequence parallelism, ``use_fused_kernels=False``, ...; ``policy.unfusable`` and ``make_plan`` list them)
+runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
+logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
+micro-batch records path "fsdp" with the backend that ran.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
+from ..record import FusedPathUnavailable, last_backend, write_record
+from .core import head_dtypes
+from .policy import loss_scale, settings, unfusable
+from .sites import Site, SiteState, strict_mode
+from .tokens import ResponseTokens, for_rows, response_tokens
+
+ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+ENTRY = "verl.policy_loss"
+logger = logging.getLogger("logitless.verl")
+_logged: set = set()
+
+
+@dataclass
+class Plan:
+    """One micro-batch's fused loss: its inputs, settings and scale; ``result`` once the head ran, or
+    ``failure`` saying why it could not (then verl's own loss runs)."""
+    tokens: ResponseTokens
+    settings: dict            # PolicyLoss keyword arguments but the per-token tensors
+    use_ref: bool
+    scale: float
+    result: Optional[PolicyLossOutput] = None
+    failure: str = ""
+    rng: Optional[torch.Tensor] = None     # the CPU generator's state when the loss drew (clip_cov's randperm)
+
+
+class _Pending(threading.local):
+    plan: Optional[Plan] = None
+
+
+_pending = _Pending()
+
+
+def fallback(reason: str) -> None:
+    """verl computes this micro-batch's policy loss itself: record, then raise (strict) or log once."""
+    write_record("unfused", None, ENTRY, reason)
+    if strict_mode():
+        raise FusedPathUnavailable(f"verl's policy loss cannot run fused: {reason} (logitless.verl strict mode: "
+                                   "install(strict=True) or LOGITLESS_STRICT=1)")
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("logitless.verl: verl computes the policy loss itself (unfused): %s", reason)
+
+
+def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature, flat: bool = False):
+    """For the FSDP head sites: under a pending plan, the fused policy loss of ``hidden`` [..., H] against
+    ``labels`` (the model's next-token labels, [1, n] packed or [b, S]); returns (log-probs, entropy)
+    float32 shaped like labels (flat: 1-D), 0 at positions outside the loss, the log-probs carrying the
+    loss (see below). None when no plan is pending (or it cannot use these rows: the plan records why and
+    the head computes the log-probs as usual)."""
+    plan = _pending.plan
+    if plan is None or plan.result is not None or plan.failure:
+        return None
+    try:
+        rows = for_rows(plan.tokens, labels)
+    except ValueError as exc:
+        plan.failure = str(exc)
+        return None
+    policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
+                        ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
+                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **plan.settings)
+    h, w = head_dtypes(hidden.reshape(-1, hidden.shape[-1]), weight)
+    plan.rng = torch.get_rng_state()
+    with torch.autocast(h.device.type, enabled=False):
+        out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
+                          temperature=float(temperature))
+    plan.result = out
+    # The loss leaves the model through its output: the log-probs carry it (+ L - L, exactly 0 in value),
+    # and the loss function takes its gradient path through them, so the backward hooks that wrappers
+    # register on the model's outputs (FSDP's pre-backward unshard of the root's parameters) run before
+    # the backward reaches the head, as for verl's own loss.
+    carrier = out.loss - out.loss.detach()
+    shape = (-1,) if flat else labels.shape
+    return out.logprobs.reshape(shape) + carrier, out.entropy.reshape(shape)
+
+
+def _policy_config(loss_function):
+    """The ActorConfig of ``partial(verl.workers.utils.losses.ppo_loss, config=...)``, else None."""
+    from verl.workers.utils import losses
+    if isinstance(loss_function, functools.partial) and loss_function.func is losses.ppo_loss:
+        return loss_function.keywords.get("config")
+    return None
+
+
+def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
+    """(Plan, "") when this micro-batch's loss runs fused; (None, why) when it cannot; (None, "") when
+    there is no policy loss to fuse (a critic's value loss)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+    if isinstance(engine, FSDPEngineWithValueHead):
+        return None, ""
+
+    def get(key, default=None):
+        return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+    config = _policy_config(loss_function)
+    if config is None:
+        name = getattr(getattr(loss_function, "func", loss_function), "__qualname__", type(loss_function).__name__)
+        return None, f"the loss function {name} is not verl's ppo_loss"
+    entropy = bool(get("calculate_entropy", False))
+    bad = unfusable(config, with_entropy=entropy)
+    if not get("use_fused_kernels", False):
+        bad.append("use_fused_kernels=False (the model would build the logits; set "
+                   "actor_rollout_ref.model.use_fused_kernels=True)")
+    if getattr(engine, "use_ulysses_sp", False):
+        bad.append(f"ulysses_sequence_parallel_size={engine.ulysses_sequence_parallel_size}")
+    if get("distillation_use_topk", False) or get("distillation_only", False):
+        bad.append("top-k distillation (its loss needs the logits)")
+    if get("return_model_output", False):
+        bad.append("return_model_output=True (the fused loss computes the log-probs of the response tokens only)")
+    if bad:
+        return None, "; ".join(bad)
+    tokens, why = response_tokens(micro_batch, with_ref=bool(config.use_kl_loss))
+    if tokens is None:
+        return None, why
+    kwargs = settings(config, calculate_entropy=entropy)
+    scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
+                       global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
+                       scored_sequences=tokens.sequences, response_width=tokens.width)
+    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale), ""
+
+
+def _through_output(model_output, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` in value, with its gradient path through the model's output log-probs (which carry it,
+    see ``head``) rather than straight to the head."""
+    lp = model_output["log_probs"]
+    first = (lp.values() if lp.is_nested else lp).reshape(-1)[:1].sum()
+    if not first.requires_grad:
+        raise RuntimeError("logitless.verl: the model's log-probs lost the fused loss they carry (verl's "
+                           "prepare_model_outputs detached them?)")
+    return first - first.detach() + loss.detach()
+
+
+def _fused_loss_function(plan: Plan, verl_loss):
+    def loss_function(model_output, data, dp_group=None):
+        """The fused loss in verl's normalisation, and verl's metrics of the same log-probs."""
+        if plan.result is None:
+            fallback(plan.failure or "the model's forward did not reach the fused head (is it verl's fused "
+                     "forward, use_fused_kernels=True?)")
+            return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
+        # verl's metrics draw what the loss drew (clip_cov's random token choice): the generator is set back
+        # to its state when the fused loss drew, and then to where the fused loss left it
+        after = torch.get_rng_state()
+        torch.set_rng_state(plan.rng)
+        try:
+            with torch.no_grad():
+                _, metrics = verl_loss(model_output=model_output, data=data, dp_group=dp_group)
+        finally:
+            torch.set_rng_state(after)
+        write_record("fsdp", last_backend(), ENTRY)
+        return _through_output(model_output, plan.result.loss) * plan.scale, metrics
+    return loss_function
+
+
+def _make_forward_step(original):
+    @functools.wraps(original)
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if not SiteState.fused_loss or forward_only or loss_function is None:
+            return original(self, micro_batch, loss_function, forward_only)
+        plan, why = make_plan(self, micro_batch, loss_function)
+        if plan is None:
+            if why:
+                fallback(why)
+            return original(self, micro_batch, loss_function, forward_only)
+        outer, _pending.plan = _pending.plan, plan
+        try:
+            return original(self, micro_batch, _fused_loss_function(plan, loss_function), forward_only)
+        finally:
+            _pending.plan = outer
+
+    return forward_step
+
+
+SITES = (
+    Site("fsdp.engine.forward_step", ENGINE, "FSDPEngineWithLMHead", "forward_step", _make_forward_step,
+         "the FSDP engine's forward step: the actor's policy loss fused into the head under "
+         "install(fused_loss=True)"),
+)

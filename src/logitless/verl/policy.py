@@ -1,0 +1,124 @@
+"""verl's actor loss settings in ``fused_policy_loss``'s terms (verl 0.9: ``verl.workers.utils.losses.ppo_loss``
+and ``verl.trainer.ppo.core_algos``).
+
+verl's loss for one micro-batch, over its response tokens (``response_mask``):
+
+    policy_loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl_penalty(lp, ref, kl_loss_type))
+
+with ``pg`` the loss mode's per-token term and ``agg`` its ``agg_loss`` of ``loss_agg_mode``, normalised by
+the *mini-batch's* totals the engine passes in (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+``loss_scale_factor``), so the micro-batches' gradients add up to the mini-batch's. Every aggregation is a
+fixed weight per token, here ``scale * w_i`` with ``w_i`` the fused pass's own weights of ``loss_agg``:
+
+    token-mean                 token-sum            scale = dp / batch_num_tokens
+    token-sum                  token-sum            scale = dp
+    seq-mean-token-sum         token-sum            scale = dp / G
+    seq-mean-token-sum-norm    token-sum            scale = dp / (G * (loss_scale_factor or response width))
+    seq-mean-token-mean        seq-mean-token-mean  scale = dp * n_seq / G
+
+with G = ``global_batch_size`` (or, without it, n_seq: the micro-batch's sequences that have a scored token)
+and the response width verl's padded response axis.
+
+The loss modes (``policy_loss.loss_mode``) are ``logitless.losses.verl_loss_settings``' surrogates, with verl's
+parameters: clip_ratio_low / clip_ratio_high (else clip_ratio) as clip_low / clip_high; ``clip_ratio_c`` as
+vanilla's dual clip (always on in verl) and dppo's ratio cap; tau_pos / tau_neg (sapo); dro_beta (dro);
+clip_cov_ratio / clip_cov_lb / clip_cov_ub (clip_cov); kl_cov_ratio / ppo_kl_coef (kl_cov). verl's
+``rollout_is_weights`` multiply the policy term (``rollout_weights``). sapo aggregates its policy term by
+seq-mean-token-mean whatever ``loss_agg_mode`` says (verl does), so with a KL loss or an entropy bonus it fuses
+only under that mode. ``unfusable`` names every setting that has no such mapping.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..losses import KL_TYPES, VERL_POLICY_LOSSES, verl_loss_settings
+
+AGG = {"token-mean": "token-sum", "token-sum": "token-sum", "seq-mean-token-sum": "token-sum",
+       "seq-mean-token-sum-norm": "token-sum", "seq-mean-token-mean": "seq-mean-token-mean"}
+# loss modes not fused, and why
+REFUSED = {
+    "geo_mean": "a mean of per-sequence losses over the micro-batch's sequences, outside loss_agg_mode and verl's "
+                "mini-batch normalisation, which the KL loss and entropy bonus keep",
+    "bypass_mode": "its rollout-correction weights and rejection mask are computed from this pass's log-probs",
+}
+
+
+def loss_mode(config) -> str:
+    return config.policy_loss.get("loss_mode", "vanilla")
+
+
+def pg_agg_mode(config) -> str:
+    """The aggregation verl gives the policy term: loss_agg_mode, except sapo's fixed seq-mean-token-mean."""
+    return "seq-mean-token-mean" if loss_mode(config) == "sapo" else config.loss_agg_mode
+
+
+def unfusable(config, *, with_entropy: bool) -> list:
+    """verl actor settings (``ActorConfig``) the fused policy loss cannot reproduce, as "setting (why)"."""
+    bad = []
+    mode = loss_mode(config)
+    if mode in REFUSED:
+        bad.append(f"policy_loss.loss_mode={mode!r} ({REFUSED[mode]})")
+    elif mode not in VERL_POLICY_LOSSES:
+        bad.append(f"policy_loss.loss_mode={mode!r} (not a loss mode logitless knows: "
+                   f"{', '.join(m for m in VERL_POLICY_LOSSES if m not in REFUSED)})")
+    if config.loss_agg_mode not in AGG:
+        bad.append(f"loss_agg_mode={config.loss_agg_mode!r} (not one of verl's token-weighted aggregations)")
+    elif pg_agg_mode(config) != config.loss_agg_mode and (config.use_kl_loss or with_entropy):
+        bad.append(f"policy_loss.loss_mode={mode!r} with loss_agg_mode={config.loss_agg_mode!r} and a KL loss or "
+                   f"entropy bonus (verl aggregates {mode}'s policy term by {pg_agg_mode(config)} and the others "
+                   "by loss_agg_mode)")
+    if config.use_kl_loss and config.kl_loss_type not in KL_TYPES:
+        bad.append(f"kl_loss_type={config.kl_loss_type!r} (fused KL estimators: {', '.join(KL_TYPES)})")
+    return bad
+
+
+def settings(config, *, calculate_entropy: bool) -> dict:
+    """``PolicyLoss`` keyword arguments (all but the per-token tensors) for verl's actor settings (call
+    ``unfusable`` first). The entropy bonus is in verl's loss only when the engine computed the entropy
+    (``calculate_entropy``, which the trainer sets when ``entropy_coeff != 0``); the KL loss only with
+    ``use_kl_loss``."""
+    mode = loss_mode(config)
+    pl = config.policy_loss
+    out = verl_loss_settings(mode)
+    clip = config.clip_ratio
+    out.update(clip_low=float(config.clip_ratio_low if config.clip_ratio_low is not None else clip),
+               clip_high=float(config.clip_ratio_high if config.clip_ratio_high is not None else clip),
+               dual_clip=None,
+               kl_coef=float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
+               kl_type=config.kl_loss_type if config.use_kl_loss else "k3",
+               entropy_coef=float(config.entropy_coeff) if calculate_entropy else 0.0,
+               loss_agg=AGG[pg_agg_mode(config)])
+    if mode in ("vanilla", "dppo_tv", "dppo_kl"):
+        out["dual_clip"] = float(config.get("clip_ratio_c", 3.0))
+    if mode == "sapo":
+        out.update(sapo_tau_pos=float(config.tau_pos), sapo_tau_neg=float(config.tau_neg))
+    if mode == "dro":
+        out["dro_beta"] = pl.get("dro_beta")
+    if mode == "clip_cov":
+        out.update(cov_ratio=float(pl.clip_cov_ratio), clip_cov_lb=float(pl.clip_cov_lb),
+                   clip_cov_ub=float(pl.clip_cov_ub))
+    if mode == "kl_cov":
+        out.update(cov_ratio=float(pl.kl_cov_ratio), kl_cov_coef=float(pl.ppo_kl_coef))
+    return out
+
+
+def loss_scale(config, *, dp_size: int, batch_num_tokens: Optional[float], global_batch_size: Optional[float],
+               scored_tokens: int, scored_sequences: int, response_width: int) -> float:
+    """The constant that turns the fused loss (weights of ``settings()["loss_agg"]``) into verl's ``agg_loss``
+    (see the module docstring). scored_*: the micro-batch's response tokens in the loss and the sequences
+    that have one; response_width: the size of verl's padded response axis."""
+    mode = pg_agg_mode(config)
+    dp = float(dp_size)
+    if mode == "token-mean":
+        tokens = float(batch_num_tokens) if batch_num_tokens is not None else float(scored_tokens)
+        return dp / tokens if tokens else 0.0
+    if mode == "token-sum":
+        return dp
+    seqs = float(global_batch_size) if global_batch_size is not None else float(scored_sequences)
+    if mode == "seq-mean-token-mean":
+        return dp * scored_sequences / seqs if seqs else 0.0
+    scale = dp / seqs if seqs else 0.0
+    if mode == "seq-mean-token-sum-norm":
+        factor = config.loss_scale_factor if config.loss_scale_factor is not None else response_width
+        scale /= float(factor)
+    return scale

@@ -1,0 +1,249 @@
+"""``logitless.verl.install(fused_loss=True)`` on verl 0.9.1's real actor update: ``TrainingWorker.train_mini_batch``
+-> ``FSDPEngineWithLMHead.train_batch`` (FSDP2 on a 1-rank gloo group, see verl_engine.py), one optimizer step
+(SGD, so the step is the gradient itself) on the same batch and from the same parameters as verl's own loss
+(``verl.workers.utils.losses.ppo_loss`` on verl's own fused-kernel log-probs, logitless not installed):
+parameters after the step, every metric verl logs, and ``last_path()``.
+
+Packed (remove-padding) micro-batches run eager attention here: transformers separates the packed sequences
+by their position ids, the same in both runs."""
+import logging
+import math
+
+import pytest
+import torch
+import verl_engine as ve
+
+from required import import_or_skip
+
+ve.stub_server_modules()
+import_or_skip("verl.workers.engine_workers", "make setup installs verl (--no-deps) and its import deps")
+
+import logitless.verl as lv  # noqa: E402
+from logitless.verl import FusedPathUnavailable, fused_loss  # noqa: E402
+
+PARAM_TOL = 1e-4       # relative, per parameter, after the step
+STEP_TOL = 1e-4        # relative to the whole step's norm, per parameter's step
+METRIC_TOL = 1e-5      # relative, or absolute below 1
+TIMING = ("perf/", "mfu")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    ve.save_tiny_qwen2(path, seed=3, tied=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def actor(model_dir):
+    """An actor built with verl's fused kernels (use_fused_kernels=True, backend "torch")."""
+    return ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True"])
+
+
+@pytest.fixture(autouse=True)
+def uninstalled():
+    lv.uninstall()
+    yield
+    lv.uninstall()
+
+
+def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entropy=True, engine=None):
+    if fused:
+        lv.install(fused_loss=True, strict=strict)
+    try:
+        return actor.update(tensors, meta, overrides, calculate_entropy=calculate_entropy, mini_batch_size=6,
+                            engine=engine)
+    finally:
+        lv.uninstall()
+
+
+def assert_same_update(actor, got, want):
+    (m_got, p_got), (m_want, p_want) = got, want
+    step = {n: p_want[n] - p0 for n, p0 in zip(p_want, (p.full_tensor() for p in actor.initial), strict=True)}
+    step_norm = math.sqrt(sum(float(s.square().sum()) for s in step.values()))
+    assert step_norm > 1e-3, "the step moved nothing: the comparison would be empty"
+    for n, p in p_want.items():
+        assert float((p_got[n] - p).norm()) <= PARAM_TOL * float(p.norm()) + 1e-12, n
+        s_got = p_got[n] - (p - step[n])
+        assert float((s_got - step[n]).norm()) <= STEP_TOL * step_norm, n
+    missing = set(m_want) - set(m_got)
+    assert not missing, f"metrics verl logs but the fused run does not: {missing}"
+    for key, want_v in m_want.items():
+        if key.startswith(TIMING):
+            continue
+        got_v = m_got[key]
+        want_l, got_l = (list(v) if isinstance(v, list) else [v] for v in (want_v, got_v))
+        assert len(got_l) == len(want_l), key
+        tol = STEP_TOL if key == "grad_norm" else METRIC_TOL     # a gradient's norm: the step's tolerance
+        for g, w in zip(got_l, want_l, strict=True):
+            assert abs(float(g) - float(w)) <= tol * max(1.0, abs(float(w))), (key, g, w)
+
+
+# (loss_agg_mode, actor settings, engine settings): vanilla under each aggregation, dual clip active
+# (clip_ratio_c 1.2), entropy bonus of either sign, packed and padded micro-batches, fixed and dynamic
+# micro-batch sizes (test_every_mode_matches_verl_update covers the KL estimators and the other modes)
+CASES = [
+    ("token-mean", ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                    "actor_rollout_ref.actor.entropy_coeff=0.01"], {"use_remove_padding": True}),
+    ("token-sum", ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=mse",
+                   "actor_rollout_ref.actor.clip_ratio_c=1.2"], {"use_remove_padding": False}),
+    ("seq-mean-token-mean", ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=kl",
+                             "actor_rollout_ref.actor.entropy_coeff=-0.02",
+                             "actor_rollout_ref.actor.clip_ratio_high=0.28"],
+     {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ("seq-mean-token-sum-norm", ["actor_rollout_ref.actor.loss_scale_factor=5"],
+     {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
+]
+
+
+@pytest.mark.parametrize("agg, settings, engine", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_fused_loss_matches_verl_update(actor, agg, settings, engine):
+    gen = torch.Generator().manual_seed(7 + len(settings))
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir)
+    overrides = [f"actor_rollout_ref.actor.loss_agg_mode={agg}", *settings]
+    entropy = any("entropy_coeff" in s for s in settings)
+    want = run(actor, tensors, meta, overrides, fused=False, calculate_entropy=entropy, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, calculate_entropy=entropy, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert rec.backend in ("chunked", "triton")
+    assert_same_update(actor, got, want)
+    if any("clip_ratio_c=1.2" in s for s in settings):
+        assert max(want[0]["actor/pg_clipfrac_lower"]) > 0, "dual clip never active: the case tests nothing"
+
+
+def test_matches_verl_without_fused_kernels(model_dir, actor):
+    """Against verl's fully unfused update (use_fused_kernels=False: the model's logits, verl's
+    log-softmax and entropy), on an actor built without fused kernels."""
+    plain = ve.Actor(model_dir)
+    gen = torch.Generator().manual_seed(11)
+    tensors, meta = ve.rollout_batch(gen, model_dir)
+    overrides = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01"]
+    want = run(plain, tensors, meta, overrides, fused=False)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True)
+    assert lv.last_path().path == "fsdp"
+    assert_same_update(actor, got, want)
+    # and the fused loss on the actor without fused kernels: the model builds logits, so verl's loss runs
+    with pytest.raises(FusedPathUnavailable, match="use_fused_kernels=False"):
+        run(plain, tensors, meta, overrides, fused=True, strict=True)
+
+
+def test_untied_head_under_fsdp2(tmp_path):
+    """An untied lm_head is an FSDP2 unit of its own whose weight verl's fused forward reads sharded (verl's
+    own fused kernels fail on that DTensor): the fused loss runs as that unit's forward, and the update and
+    verl's compute_log_prob match verl's unfused actor."""
+    ve.save_tiny_qwen2(str(tmp_path), seed=4, tied=False)
+    plain = ve.Actor(str(tmp_path))
+    fused = ve.Actor(str(tmp_path), ["actor_rollout_ref.model.use_fused_kernels=True"])
+    gen = torch.Generator().manual_seed(13)
+    tensors, meta = ve.rollout_batch(gen, str(tmp_path))
+    overrides = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01"]
+    want = run(plain, tensors, meta, overrides, fused=False)
+    got = run(fused, tensors, meta, overrides, fused=True, strict=True)
+    assert lv.last_path().path == "fsdp"
+    assert "lm_head.weight" in want[1]
+    assert_same_update(fused, got, want)
+    lp_want, ent_want = ve.infer_logprobs(plain, tensors, meta)
+    lv.install()
+    lp, ent = ve.infer_logprobs(fused, tensors, meta)
+    assert float((lp - lp_want).abs().max()) <= 2e-5 and float((ent - ent_want).abs().max()) <= 2e-5
+    head = fused.worker.engine.module.lm_head
+    assert hasattr(head.weight, "full_tensor"), "the gathered head weight was not resharded after the no-grad forward"
+
+
+@pytest.mark.parametrize("setting, batch, named", [
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], {}, "policy_loss.loss_mode='geo_mean'"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
+     "loss_agg_mode='token-mean' and a KL loss"),
+    (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
+     "kl_loss_type='full'"),
+])
+def test_unfusable_setting_falls_back_recorded(actor, caplog, setting, batch, named):
+    """A setting the fused loss cannot reproduce: verl's own loss runs (same update), recorded and logged
+    once; under strict mode FusedPathUnavailable names the setting."""
+    gen = torch.Generator().manual_seed(5)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, **batch)
+    with pytest.raises(FusedPathUnavailable, match=named.replace("(", r"\(")):
+        run(actor, tensors, meta, setting, fused=True, strict=True)
+    if "kl_loss_type='full'" in named:
+        return            # verl's own loss raises NotImplementedError for "full": nothing to compare
+    want = run(actor, tensors, meta, setting, fused=False)
+    fused_loss._logged.clear()          # "logged once" counts from here
+    with caplog.at_level(logging.WARNING, logger="logitless.verl"):
+        got = run(actor, tensors, meta, setting, fused=True)
+        run(actor, tensors, meta, setting, fused=True)
+    rec = lv.last_path()
+    assert rec.path == "unfused" and rec.entry == "verl.policy_loss" and named in rec.reason
+    logged = [r for r in caplog.records if named in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+    assert_same_update(actor, got, want)
+
+
+def test_modes_not_fused_are_refused_under_strict(actor):
+    """The registered modes the fused loss does not reproduce (policy.REFUSED): strict mode raises before the
+    model runs, naming the mode. Every other registered mode is fused (test_every_mode_matches_verl_update)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from logitless.verl import policy
+    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | set(policy.REFUSED)
+    gen = torch.Generator().manual_seed(9)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir)
+    for mode in policy.REFUSED:
+        with pytest.raises(FusedPathUnavailable, match=f"loss_mode='{mode}'"):
+            run(actor, tensors, meta, [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"], fused=True,
+                strict=True)
+        assert lv.last_path().reason.startswith(f"policy_loss.loss_mode='{mode}'")
+
+
+P = "actor_rollout_ref.actor."
+FUSED_MODES = {
+    "vanilla": [f"{P}clip_ratio_c=1.2"],
+    "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
+    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
+    "gpg": [],
+    "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
+    "dro": [f"{P}policy_loss.dro_beta=0.3"],
+    "dppo_tv": [f"{P}clip_ratio_low=0.05", f"{P}clip_ratio_high=0.08", f"{P}clip_ratio_c=1.3"],
+    "dppo_kl": [f"{P}clip_ratio_low=0.01", f"{P}clip_ratio_high=0.02"],
+    "clip_cov": [f"{P}policy_loss.clip_cov_ratio=0.3", f"{P}policy_loss.clip_cov_lb=0.05",
+                 f"{P}policy_loss.clip_cov_ub=3.0"],
+    "kl_cov": [f"{P}policy_loss.kl_cov_ratio=0.2", f"{P}policy_loss.ppo_kl_coef=0.5"],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FUSED_MODES))
+def test_every_mode_matches_verl_update(actor, mode):
+    """Each fused loss mode, with a KL loss, an entropy bonus and (every other mode) verl's rollout_is_weights,
+    against verl's update; the modes cycle through the aggregations, the KL estimators and packed / padded
+    micro-batches."""
+    i = sorted(FUSED_MODES).index(mode)
+    gen = torch.Generator().manual_seed(20 + i)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=i % 2 == 0, greedy=mode.startswith("dppo"))
+    agg = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum-norm"][i % 5]
+    kl = ["low_var_kl", "mse", "kl", "abs", "low_var_kl+"][(i + i // 5) % 5]
+    overrides = [f"{P}policy_loss.loss_mode={mode}", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type={kl}", f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02", *FUSED_MODES[mode]]
+    engine = {"use_remove_padding": i % 2 == 1}
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    if mode in ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "clip_cov"):
+        assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
+
+
+def test_triton_backend_head(model_dir, actor):
+    """verl's fused forward with impl_backend "triton" (its Triton linear_cross_entropy, CUDA only, which
+    logitless replaces): the fused loss enters there too; against verl's own update on the "torch" backend."""
+    triton_actor = ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True",
+                                        "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"])
+    assert triton_actor.forward.__name__ == "forward_with_triton_backend"
+    gen = torch.Generator().manual_seed(17)
+    tensors, meta = ve.rollout_batch(gen, model_dir)
+    overrides = [f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.01", f"{P}loss_agg_mode=seq-mean-token-mean"]
+    engine = {"use_remove_padding": True}
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(triton_actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    assert lv.last_path().path == "fsdp"
+    assert_same_update(actor, got, want)

@@ -1,0 +1,322 @@
+"""verl 0.9.1's actor update, run for real in one CPU process: ``TrainingWorker.train_mini_batch`` ->
+``FSDPEngineWithLMHead.train_batch`` (strategy fsdp2) with ``verl.workers.utils.losses.ppo_loss``,
+built the way ``ActorRolloutRefWorker.init_model`` builds it, on a tiny Qwen2 saved to a temp dir.
+
+What CPU needs (verl targets accelerators): a CPU platform through verl's own platform registry, a
+1-rank gloo process group, stand-ins for uvicorn / fastapi when they are not installed (only verl's
+rollout server imports them; the update never calls them), trl's value-head patch turned off (trl 1.16
+no longer has the class verl imports for critics), strategy fsdp2 (FSDP1 refuses CPU parameters),
+eager attention. verl patches the model class's forward and never restores it: ``build_actor`` puts
+it back on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import types
+from functools import partial
+
+import torch
+
+VOCAB = 263
+HIDDEN = 40
+
+
+def _stub_missing(name: str) -> None:
+    try:
+        __import__(name)
+    except ImportError:
+        mod = types.ModuleType(name)
+
+        def attr(n):
+            if n.startswith("__"):
+                raise AttributeError(n)
+            return type(n, (), {"__init__": lambda self, *a, **k: None})
+        mod.__getattr__ = attr
+        sys.modules[name] = mod
+
+
+def _cpu_platform():
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class PlatformCPU(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = torch.cpu
+
+        def is_available(self): return True
+        def current_device(self): return "cpu"
+        def device_count(self): return 1
+        def set_device(self, device_index): pass
+        def synchronize(self, device_index=None): pass
+        def manual_seed(self, seed): torch.manual_seed(seed)
+        def manual_seed_all(self, seed): torch.manual_seed(seed)
+        def set_allocator_settings(self, settings): pass
+        def empty_cache(self): pass
+        def get_device_capability(self, device_index=0): return (None, None)
+        def communication_backend_name(self): return "gloo"
+        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+        def nvtx_range(self, msg): return contextlib.nullcontext()
+        def profiler_start(self): pass
+        def profiler_stop(self): pass
+        def ray_resource_name(self): return "CPU"
+        def ray_noset_envvars(self): return []
+        def is_ipc_supported(self): return False
+        def cudart(self): return None
+    return PlatformCPU()
+
+
+_READY = False
+
+
+def stub_server_modules() -> None:
+    """Stand-ins for uvicorn / fastapi when not installed (before importing verl's engine workers)."""
+    for name in ("uvicorn", "fastapi", "fastapi.responses"):
+        _stub_missing(name)
+
+
+def setup() -> None:
+    """Once per process: the CPU platform, the 1-rank gloo group and the import workarounds."""
+    global _READY
+    if _READY:
+        return
+    stub_server_modules()
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")    # the engine registry's key for its FSDP engine
+    from verl.plugin.platform import platform_manager
+    platform_manager.set_platform(_cpu_platform())
+    for cpu_module in (torch.cpu,):
+        for fn in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
+                   "reset_peak_memory_stats"):
+            if not hasattr(cpu_module, fn):
+                setattr(cpu_module, fn, lambda *a, **k: 0)
+    import verl.models.transformers.monkey_patch as mp
+    mp.is_trl_available = lambda: False
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    _READY = True
+
+
+def save_tiny_qwen2(path: str, seed: int, tied: bool = True) -> None:
+    """A 2-layer Qwen2 with random weights (logits spread so log-probs and entropies vary)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tied, attn_implementation="eager")
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)
+        if not tied:
+            model.model.embed_tokens.weight.mul_(15.0)
+    model.save_pretrained(path)
+
+
+def compose(model_dir: str, overrides=()):
+    """verl's ppo_trainer config with command-line style overrides (as the trainer's hydra main)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import verl
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    GlobalHydra.instance().clear()
+    base = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "+actor_rollout_ref.model.load_tokenizer=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.optim.optimizer=SGD",
+        "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.optim.lr=0.5",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.clip_grad=1000.0",
+        "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.model.use_remove_padding=False",
+    ]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose("ppo_trainer", overrides=base + list(overrides))
+
+
+def actor_config(model_dir: str, overrides=()):
+    """verl's ActorConfig from the composed config, as ActorRolloutRefWorker.init_model makes it."""
+    from verl.utils.config import omega_conf_to_dataclass
+    cfg = compose(model_dir, overrides)
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    config.model_config = model_config
+    return cfg, config
+
+
+class Actor:
+    """A built actor (``TrainingWorker``) whose update can be run repeatedly from the same starting
+    parameters with another loss config (``set_loss_fn``, as init_model does) and other engine settings
+    (passed in the batch, where ``TrainingWorker.train_batch`` reads them first).
+
+    verl patches the model *class*'s forward for its fused kernels (``use_fused_kernels``): each Actor
+    keeps the class forward its build left and sets it around its own updates, so actors built with and
+    without fused kernels live side by side in one process."""
+
+    def __init__(self, model_dir: str, overrides=()):
+        setup()
+        from verl.workers.config import TrainingWorkerConfig
+        from verl.workers.engine_workers import TrainingWorker
+
+        from transformers import Qwen2ForCausalLM
+        plain = Qwen2ForCausalLM.forward
+        self.model_dir = model_dir
+        try:
+            cfg, config = actor_config(model_dir, overrides)
+            training = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
+                                            engine_config=config.engine, optimizer_config=config.optim,
+                                            checkpoint_config=config.checkpoint, profiler_config=None)
+            actor = cfg.actor_rollout_ref.actor
+            training.engine_config.use_dynamic_bsz = actor.use_dynamic_bsz
+            training.engine_config.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+            training.engine_config.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+            training.engine_config.use_remove_padding = config.model_config.get("use_remove_padding", False)
+            self.worker = TrainingWorker(config=training)
+            self.worker.reset()
+            self.forward = Qwen2ForCausalLM.forward
+        finally:
+            Qwen2ForCausalLM.forward = plain
+        self.initial = [p.detach().clone() for p in self.worker.engine.module.parameters()]
+
+    def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
+        """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
+        ``overrides``; engine settings (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz,
+        max_token_len_per_gpu) from ``engine``. Returns (metrics, {name: parameter after the step})."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.losses import ppo_loss
+
+        from transformers import Qwen2ForCausalLM
+        _, config = actor_config(self.model_dir, overrides)
+        module = self.worker.engine.module
+        with torch.no_grad():
+            for p, p0 in zip(module.parameters(), self.initial, strict=True):
+                p.copy_(p0)
+        self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
+        data = to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
+        tu.assign_non_tensor(data, **(engine or {}))
+        plain = Qwen2ForCausalLM.forward
+        Qwen2ForCausalLM.forward = self.forward
+        try:
+            out = self.worker.train_mini_batch(data)
+        finally:
+            Qwen2ForCausalLM.forward = plain
+        params = {}
+        for name, p in module.named_parameters():
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p
+            params[name] = p.detach().clone()
+        return tu.get(out, "metrics"), params
+
+
+def infer_logprobs(actor: "Actor", tensors, meta):
+    """verl's compute_log_prob on the actor (``TrainingWorker.infer_batch``, no loss): (log-probs, entropy)
+    of every position but each sequence's last (whose label verl's fused and unfused paths take from
+    different places: the padded row's next column or the next sequence; no loss reads it)."""
+    from verl.utils import tensordict_utils as tu
+
+    from transformers import Qwen2ForCausalLM
+    data = to_actor_input(tensors, meta, calculate_entropy=True, mini_batch_size=len(tensors["input_ids"]))
+    tu.assign_non_tensor(data, compute_loss=False, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    plain = Qwen2ForCausalLM.forward
+    Qwen2ForCausalLM.forward = actor.forward
+    try:
+        out = actor.worker.infer_batch(data)
+    finally:
+        Qwen2ForCausalLM.forward = plain
+    offsets = out["log_probs"].offsets()
+    keep = torch.ones(int(offsets[-1]), dtype=torch.bool)
+    keep[offsets[1:] - 1] = False
+    return out["log_probs"].values()[keep], out["entropy"].values()[keep]
+
+
+def current_logprobs(model_dir: str, input_ids, attention_mask, position_ids, response: int, temperature: float):
+    """The saved model's log-probs of the response tokens [b, response] (plain transformers, float64 softmax)."""
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logp = torch.log_softmax(logits.double() / temperature, -1)[:, -response - 1:-1]
+    return logp.gather(-1, input_ids[:, -response:, None]).squeeze(-1).float()
+
+
+def greedy_responses(model_dir: str, prompts, responses, attention_mask, position_ids):
+    """responses [b, r] replaced by the saved model's greedy continuation of the prompts (masked
+    positions kept), so their probabilities are large, as sampled responses' are."""
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    p = prompts.shape[1]
+    responses = responses.clone()
+    with torch.no_grad():
+        for j in range(responses.shape[1]):
+            ids = torch.cat([prompts, responses], 1)
+            logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            keep = attention_mask[:, p + j].bool()
+            responses[:, j] = torch.where(keep, logits[:, p + j - 1].argmax(-1), responses[:, j])
+    return responses
+
+
+def rollout_batch(gen: torch.Generator, model_dir: str, b: int = 6, prompt: int = 5, response: int = 7, *,
+                  ref: bool = True, is_weights: bool = False, temperature: float = 0.9, spread: float = 0.3,
+                  greedy: bool = False):
+    """A rollout batch as ``RayPPOTrainer._update_actor`` hands it to the actor, before its
+    left_right_2_no_padding: prompts left-padded, responses right-padded, a response mask with a hole
+    (a tool token) and one fully masked sequence; old / ref log-probs the current policy's plus noise of
+    ``spread`` (so ratios both inside and outside the clip range). Random response tokens, or (greedy) the
+    model's greedy continuation."""
+    prompt_len = torch.randint(2, prompt + 1, (b,), generator=gen)
+    resp_len = torch.randint(2, response + 1, (b,), generator=gen)
+    resp_len[0] = response
+    prompts = torch.randint(1, VOCAB, (b, prompt), generator=gen)
+    responses = torch.randint(1, VOCAB, (b, response), generator=gen)
+    cols_p, cols_r = torch.arange(prompt), torch.arange(response)
+    pmask = cols_p[None] >= prompt - prompt_len[:, None]
+    rmask = cols_r[None] < resp_len[:, None]
+    prompts = prompts.masked_fill(~pmask, 0)
+    responses = responses.masked_fill(~rmask, 0)
+    attention = torch.cat([pmask, rmask], 1).long()
+    response_mask = rmask.clone()
+    response_mask[1, 1] = False                     # a tool token inside a response
+    response_mask[b - 1] = False                    # a sequence with no scored token
+    position = (attention.cumsum(-1) - 1).clamp_min(0)
+    if greedy:
+        responses = greedy_responses(model_dir, prompts, responses, attention, position)
+    input_ids = torch.cat([prompts, responses], 1)
+    lp = current_logprobs(model_dir, input_ids, attention, position, response, temperature)
+    adv = torch.randn(b, response, generator=gen)
+    old = (lp + spread * torch.randn(b, response, generator=gen)).clamp(max=-1e-3)     # log-probs stay < 0
+    tensors = {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention,
+               "position_ids": position, "response_mask": response_mask.long(), "old_log_probs": old,
+               "advantages": adv}
+    if ref:
+        tensors["ref_log_prob"] = (lp + spread * torch.randn(b, response, generator=gen)).clamp(max=-1e-3)
+    if is_weights:
+        tensors["rollout_is_weights"] = 0.5 + torch.rand(b, response, generator=gen)
+    return tensors, {"temperature": temperature}
+
+
+def to_actor_input(tensors, meta, *, calculate_entropy: bool, mini_batch_size: int, epochs: int = 1):
+    """What _update_actor sends to update_actor: the no-padding TensorDict and its settings."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+    td = tu.get_tensordict(tensor_dict={k: v.clone() for k, v in tensors.items()}, non_tensor_dict=dict(meta))
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=mini_batch_size, mini_batch_size=mini_batch_size, epochs=epochs, seed=1,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    return td
