@@ -20,7 +20,7 @@ from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import last_backend, processor_path, write_record
 from .temperature import check_temperature, temperature_bs
-from .unlabelled import WITHOUT_LABELS, megatron_logits
+from .unlabelled import WITHOUT_LABELS, log_outputs, megatron_logits
 
 _SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)
 
@@ -97,22 +97,6 @@ def model_name(hook_kwargs: dict) -> Optional[str]:
     return type(owner).__name__ if owner is not None else None
 
 
-def _log_payload(config, kwargs, lp: Tensor, ent: Optional[Tensor]) -> None:
-    """Megatron's config logger: the same payload as its unfused path, logprobs for logits."""
-    try:
-        from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
-    except ImportError:
-        return
-    if config is None or not has_config_logger_enabled(config):
-        return
-    from collections import OrderedDict
-    payload = OrderedDict({k: kwargs.get(k) for k in ("input_ids", "position_ids", "attention_mask",
-                                                       "decoder_input")})
-    payload["logprobs"] = lp
-    payload["entropy"] = ent
-    log_config_to_disk(config, payload, prefix="input_and_logprobs")
-
-
 def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight: Optional[Tensor],
                            labels: Optional[Tensor], context: Optional[FusedOutputProcessorContext] = None,
                            config=None, **kwargs) -> Union[TokenLogProbs, PolicyLossOutput]:
@@ -181,7 +165,7 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
                           ignore_index=context.ignore_index, tp_group=group if tp_size > 1 else None,
                           reduce_grad_hidden=reduce_grad_hidden, backend=context.backend, seq_first=True)
         write_record(processor_path(), last_backend(), "processor", model=model_name(kwargs))
-        _log_payload(config, kwargs, out.logprobs, out.entropy)
+        log_outputs(config, kwargs, "input_and_logprobs", logprobs=out.logprobs, entropy=out.entropy)
         return out
     if isinstance(temperature, Tensor) and temperature.dim() == 2:
         temperature = temperature.t()  # the [s, b] token order of hidden
@@ -195,5 +179,5 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     lp = out.logprobs.t().contiguous()
     ent = out.entropy.t().contiguous() if out.entropy is not None else None
     write_record(processor_path(), last_backend(), "processor", model=model_name(kwargs))
-    _log_payload(config, kwargs, lp, ent)
+    log_outputs(config, kwargs, "input_and_logprobs", logprobs=lp, entropy=ent)
     return TokenLogProbs(lp, ent)

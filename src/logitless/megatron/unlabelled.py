@@ -54,11 +54,13 @@ def megatron_logits(*, hidden_states: Tensor, output_layer, output_weight, runti
             output_layer.sequence_parallel = True
     if scale_logits is not None:
         logits = scale_logits(logits)
-    _log_logits(config, kwargs, logits)
+    log_outputs(config, kwargs, "input_and_logits", logits=logits)
     return logits.transpose(0, 1).contiguous()
 
 
-def _log_logits(config, kwargs, logits: Tensor) -> None:
+def log_outputs(config, kwargs, prefix: str, **outputs) -> None:
+    """Megatron's config logger (when it is on): the payload of its unfused path, with ``outputs`` (logits, or
+    the fused path's logprobs and entropy) in place of the logits, under ``prefix``."""
     try:
         from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
     except ImportError:
@@ -67,5 +69,5 @@ def _log_logits(config, kwargs, logits: Tensor) -> None:
         return
     payload = OrderedDict({k: kwargs.get(k) for k in ("input_ids", "position_ids", "attention_mask",
                                                        "decoder_input")})
-    payload["logits"] = logits
-    log_config_to_disk(config, payload, prefix="input_and_logits")
+    payload.update(outputs)
+    log_config_to_disk(config, payload, prefix=prefix)
