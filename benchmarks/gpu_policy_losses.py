@@ -9,7 +9,8 @@ and autograd, four GEMMs), their peak memory beyond the gradient buffers, which 
 or the two-pass path), the fused loss's relative error against the reference path, and Liger-Kernel's
 LigerFusedLinearGRPOLoss where it has the loss and is installed. Writes DIR/gpu_policy_losses.json and prints
 a markdown table. --dry-run: tiny shapes on the CPU (triton's interpreter, slow: a few minutes a shape):
-a check of the script only, not a measurement. Not yet run on a GPU.
+a check of the script only, not a measurement. First GPU run (partial, cut off by a timeout):
+benchmarks/results/gpu-policy-losses-2026-12-04-partial.md.
 """
 from __future__ import annotations
 
