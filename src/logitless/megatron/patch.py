@@ -150,19 +150,8 @@ def _forward_with_processor(gpt, original, args, kwargs, processor, context) -> 
 
     def postprocess(*a, **kw):
         named = dict(post_params.bind(*a, **kw).arguments)
-        tap = _OutputLayerTap(gpt.output_layer, is_main)
-        tap.open()
-        try:
-            result = post_orig(*a, **kw)
-        except _MainHidden as got:
-            return _call_processor(gpt, processor, context, named, got)
-        finally:
-            tap.close()
-        if getattr(gpt, "post_process", True):
-            raise RuntimeError("logitless legacy patch: this megatron-core's _postprocess never made the "
-                               "main-model logits call that the processor replaces; the output is not "
-                               "what the processor would return")
-        return result
+        return _tapped(gpt, is_main, lambda: post_orig(*a, **kw), named, processor, context,
+                       "this megatron-core's _postprocess")
 
     gpt.__dict__["_postprocess"] = postprocess
     try:
@@ -177,18 +166,25 @@ def _forward_tapping_output_layer(model, original, args, kwargs, processor, cont
     processor returns instead of the logits / loss."""
     named = dict(inspect.signature(type(model).forward).bind(model, *args, **kwargs).arguments)
     named.update(named.pop("kwargs", None) or {})
-    tap = _OutputLayerTap(model.output_layer, _not_from_mtp_loss)
+    return _tapped(model, _not_from_mtp_loss, lambda: original(*args, **kwargs), named, processor, context,
+                   f"{type(model).__name__}.forward")
+
+
+def _tapped(model, is_main, run, named: dict, processor, context, where: str) -> Any:
+    """``run()`` with the model's output layer tapped: its main-model logits call (``is_main``) stops the run
+    and the processor returns instead. A run that never made that call is an error on a post-process stage
+    (its output is not what the processor would return); elsewhere its output stands."""
+    tap = _OutputLayerTap(model.output_layer, is_main)
     tap.open()
     try:
-        result = original(*args, **kwargs)
+        result = run()
     except _MainHidden as got:
         return _call_processor(model, processor, context, named, got)
     finally:
         tap.close()
     if getattr(model, "post_process", True):
-        raise RuntimeError(f"logitless legacy patch: {type(model).__name__}.forward never made the main-model "
-                           "logits call that the processor replaces; the output is not what the processor "
-                           "would return")
+        raise RuntimeError(f"logitless legacy patch: {where} never made the main-model logits call that the "
+                           "processor replaces; the output is not what the processor would return")
     return result
 
 
