@@ -67,6 +67,16 @@ def autocast_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     return cast(hidden), cast(weight)
 
 
+def head_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(hidden, weight) as a model's LM head multiplies them: ``autocast_operands`` under autocast; outside it,
+    hidden cast to the weight's dtype (hidden states that reach the head in another dtype). The integrations
+    call this before the fused ops, which refuse mixed dtypes outside autocast."""
+    hidden, weight = autocast_operands(hidden, weight)
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    return hidden, weight
+
+
 def check_head(hidden, weight, labels) -> tuple[Tensor, Tensor, Tensor]:
     """The checks every fused entry point makes on (hidden [..., H], weight [V, H], labels [...]).
     Under autocast hidden and weight come back as ``autocast_operands`` makes them."""

@@ -33,7 +33,7 @@ from transformers.utils import ModelOutput
 from transformers import PreTrainedModel
 
 from .. import checks
-from ..api import TokenLogProbs, fused_logprobs
+from ..api import TokenLogProbs, fused_logprobs, head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..sharded_head import call_head, check_layout, head_shape, replicated
 from .fsdp import check_head_in_root_unit, fsdp_units
@@ -218,15 +218,9 @@ def _head_operands(h: Tensor, weight: Tensor):
     """(hidden, weight) as the head's F.linear would multiply them: float32 inside ``head_in_fp32()`` (TRL's
     cast_lm_head_to_fp32) whatever the autocast, the autocast dtype under autocast, else hidden in the
     weight's dtype."""
-    dev_type = h.device.type
     if _HEAD_FP32.get():
         return h.float(), weight.float()
-    if torch.is_autocast_enabled(dev_type):
-        dtype = torch.get_autocast_dtype(dev_type)
-        return h.to(dtype), weight.to(dtype)
-    if h.dtype != weight.dtype:
-        h = h.to(weight.dtype)
-    return h, weight
+    return head_operands(h, weight)
 
 
 def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor, targets: Tensor, temperature,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import TokenLogProbs, fused_logprobs
+from ..api import TokenLogProbs, fused_logprobs, head_operands
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -36,18 +36,6 @@ def group_or_none(group):
     if not dist.is_available() or not dist.is_initialized():
         return None
     return group if dist.get_world_size(group) > 1 else None
-
-
-def head_dtypes(hidden: Tensor, weight: Tensor):
-    """hidden and weight as the head's matmul would see them: the autocast dtype under autocast,
-    else hidden cast to the weight's dtype."""
-    dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        return hidden.to(dtype), weight.to(dtype)
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
-    return hidden, weight
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, temperature=1.0,
@@ -72,7 +60,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     if flat.numel() != h.shape[0]:
         raise ValueError(f"labels has {flat.numel()} elements but hidden has {h.shape[0]} rows "
                          f"(hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)})")
-    h, w = head_dtypes(h, weight)
+    h, w = head_operands(h, weight)
     group = group_or_none(dist_process_group)
     with torch.autocast(h.device.type, enabled=False):
         out = fused_logprobs(h, w, flat, temperature=t, tp_group=group,
@@ -99,7 +87,7 @@ def fused_linear_for_ppo(hidden_states: Tensor, vocab_weights: Tensor, input_ids
     if tuple(input_ids.shape) != tuple(hidden_states.shape[:-1]):
         raise ValueError(f"input_ids shape {tuple(input_ids.shape)} must match hidden_states shape "
                          f"{tuple(hidden_states.shape[:-1])}")
-    h, w = head_dtypes(hidden_states, vocab_weights)
+    h, w = head_operands(hidden_states, vocab_weights)
     with torch.autocast(h.device.type, enabled=False):
         out = fused_logprobs(h, w, input_ids.to(torch.int64), temperature=t)
     entropy = out.entropy

@@ -34,9 +34,9 @@ from typing import Optional
 
 import torch
 
+from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
-from .core import head_dtypes
 from .policy import loss_scale, settings, unfusable
 from .sites import Site, SiteState, strict_mode
 from .tokens import ResponseTokens, for_rows, response_tokens
@@ -95,7 +95,7 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
                         ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
                         rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **plan.settings)
-    h, w = head_dtypes(hidden.reshape(-1, hidden.shape[-1]), weight)
+    h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
     plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
         out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
