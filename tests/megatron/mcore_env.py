@@ -21,6 +21,8 @@ warnings.filterwarnings("ignore")
 
 import torch.distributed as dist  # noqa: E402
 
+from ranks import close_group  # noqa: E402
+
 _saved_current_device = None
 
 
@@ -44,9 +46,10 @@ def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file
 def teardown_cpu_megatron() -> None:
     global _saved_current_device
     from megatron.core import parallel_state
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()   # every rank done before any group is torn down (see tests/ranks.py)
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close_group()
     if _saved_current_device is not None:
         torch.cuda.current_device = _saved_current_device
         _saved_current_device = None

@@ -4,12 +4,12 @@ unfused head; a tied embedding in its own unit is refused (it reshards before th
 Every case runs in the one spawn (spawning is the slow part); each rank writes {case: [ok, message]}
 as JSON. Each rank scores its own batch, so the gradients FSDP reduce-scatters are a real average."""
 import copy
-import json
-import os
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from ranks import finish
 
 # (model kind, use_orig_params, lm_head in its own unit): Llama's head is its own weight, GPT-2's is tied to
 # the input embedding
@@ -124,6 +124,4 @@ def run(rank: int, init_file: str, seed: int, out_dir: str) -> None:
             except Exception:  # recorded per case, so one failure does not hide the others
                 results[case] = [False, traceback.format_exc()[-2000:]]
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+        finish(results, out_dir, rank)

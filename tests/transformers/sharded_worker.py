@@ -10,12 +10,13 @@ TP suite (2 or 3 ranks, the same batch everywhere): the head sharded over the vo
 ColwiseParallel (uneven shards), against the unsharded model; a Shard(1) head refused."""
 import copy
 import datetime
-import json
 import os
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from ranks import finish
 
 TOL_LP = TOL_ENT = 2e-5
 TOL_GRAD = 1e-4
@@ -275,6 +276,4 @@ def run(rank: int, world: int, suite: str, init_file: str, seed: int, out_dir: s
             except Exception:  # recorded per case, so one failure does not hide the others
                 results[case] = [False, traceback.format_exc()[-3000:]]
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+        finish(results, out_dir, rank)

@@ -5,12 +5,13 @@ so it is gathered and its gradient partitioned as for the unfused head. Each ran
 full gradients (``safe_get_full_grad``) are compared with the unsharded model's, averaged over the ranks."""
 import copy
 import datetime
-import json
 import os
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from ranks import finish
 
 CASES = ["llama fused_forward", "llama fused_policy_loss", "gpt2 (tied) fused_forward", "gpt2 (tied) fused_policy_loss"]
 
@@ -86,6 +87,4 @@ def run(rank: int, init_file: str, seed: int, out_dir: str) -> None:
             except Exception:  # recorded per case, so one failure does not hide the others
                 results[case] = [False, traceback.format_exc()[-3000:]]
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+        finish(results, out_dir, rank)

@@ -7,12 +7,13 @@ a real GRPOTrainer on the same tiny Qwen2, makes its own rollout with TRL's code
 != 1), shards it, and compares on its batch TRL's own per-token log-probs / entropies, loss and the gradients
 FSDP2 reduces with ``logitless.trl.enable(trainer)`` and ``enable(trainer, fused_loss=True)``."""
 import datetime
-import json
 import os
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from ranks import finish
 
 CASES = ["log-probs and entropies", "enable(trainer): loss and reduced gradients",
          "enable(trainer, fused_loss=True): loss and reduced gradients"]
@@ -97,6 +98,4 @@ def run(rank: int, folder: str, seed: int, out_dir: str) -> None:
     except Exception:
         results["setup"] = [False, traceback.format_exc()[-3000:]]
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+        finish(results, out_dir, rank)

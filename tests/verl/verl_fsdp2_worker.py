@@ -5,12 +5,12 @@ Without logitless verl's fused head fails on the sharded head weight; with ``log
 and its values and the gradients FSDP2 reduces equal verl's unfused path on the unsharded model."""
 import copy
 import datetime
-import json
-import os
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from ranks import finish
 
 CASES = ["verl's own fused head fails on the sharded lm_head", "backend torch", "backend triton"]
 TEMPERATURE = 0.8
@@ -101,6 +101,4 @@ def run(rank: int, init_file: str, seed: int, out_dir: str) -> None:
             finally:
                 Qwen2ForCausalLM.forward = cls_forward   # verl patches the class: give it back
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+        finish(results, out_dir, rank)
