@@ -5,10 +5,11 @@
 Shapes (bf16, H=4096, V=151936, about 12% of tokens unscored at the start of each sequence): S = 16
 sequences x 1024 tokens, L = 4 x 8192. Per shape: the 4-GEMM cuBLAS floor (``GemmFloor``) before and after;
 then per loss: fused_policy_loss forward+backward on the triton backend, policy_loss_reference (fused_logprobs
-and autograd, four GEMMs), their peak memory beyond the gradient buffers, which pass ran (one fused pass
-or the two-pass path), the fused loss's relative error against the reference path, and Liger-Kernel's
-LigerFusedLinearGRPOLoss where it has the loss and is installed. Writes DIR/gpu_policy_losses.json and prints
-a markdown table. --dry-run: tiny shapes on the CPU (triton's interpreter, slow: a few minutes a shape):
+and autograd, four GEMMs), the fused loss's peak memory beyond the inputs less the gradient buffers, which
+pass ran (one fused pass or the two-pass path), the fused loss's relative error against the reference path,
+and Liger-Kernel's LigerFusedLinearGRPOLoss where it has the loss and is installed. Writes
+DIR/gpu_policy_losses.json and a markdown table after each shape (a run cut off keeps what it did).
+--dry-run: tiny shapes on the CPU (triton's interpreter, slow: a few minutes a shape):
 a check of the script only, not a measurement. First GPU run (partial, cut off by a timeout):
 benchmarks/results/gpu-policy-losses-2026-12-04-partial.md.
 """
@@ -25,7 +26,7 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import logitless.losses.api as policy_api  # noqa: E402
-from logitless.losses import fused_policy_loss, policy_loss_reference  # noqa: E402
+from logitless.losses import PolicyLoss, fused_policy_loss, policy_loss_reference  # noqa: E402
 from logitless.tools.common import GemmFloor, markdown_table, peak_extra_bytes, time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -44,6 +45,7 @@ LOSSES = {
     "gpg": (dict(surrogate="gpg"), None),
     "dro": (dict(surrogate="dro", dro_beta=0.1), None),
     "dppo_tv": (dict(surrogate="dppo_tv", clip_low=0.02, clip_high=0.02), None),
+    "dppo_kl": (dict(surrogate="dppo_kl", clip_low=0.02, clip_high=0.02), None),
     "rollout_is-token_truncate": (dict(rollout_is="token_truncate", rollout_is_max=2.0), None),
     "gspo-sequence": (dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
                              loss_agg="seq-mean-token-mean"), None),
@@ -128,6 +130,8 @@ def run_shape(tag, shape, dev, dtype, names, dry):
     reps = 2 if dry else 7
     floor = GemmFloor(x[0].reshape(-1, h), x[1])
     floor_ms = [time_cuda(floor.forward_backward, 1, reps, device=dev)[0]]
+    print(tag, "4-GEMM floor (before)", floor_ms[0], flush=True)
+    grad_bytes = (x[0].numel() + x[1].numel()) * x[0].element_size()   # d_hidden and d_weight, kept by the caller
     rows = {}
     for name in names:
         settings, liger_type = LOSSES[name]
@@ -136,7 +140,7 @@ def run_shape(tag, shape, dev, dtype, names, dry):
         path = which_pass(fused)
         fused_mem, got = peak_extra_bytes(fused, dev)
         ref_mem, want = peak_extra_bytes(ref, dev)
-        row = {"pass": path, "fused_ms": time_cuda(fused, 1, reps, device=dev)[0],
+        row = {"coupling": coupling(settings), "pass": path, "fused_ms": time_cuda(fused, 1, reps, device=dev)[0],
                "reference_ms": time_cuda(ref, 1, reps, device=dev)[0], "fused_extra_bytes": fused_mem,
                "reference_extra_bytes": ref_mem,
                "loss_rel_vs_reference": abs(got[0].item() - want[0].item()) / max(abs(want[0].item()), 1e-30),
@@ -147,8 +151,19 @@ def run_shape(tag, shape, dev, dtype, names, dry):
         rows[name] = row
         print(tag, name, row, flush=True)
     floor_ms.append(time_cuda(floor.forward_backward, 1, reps, device=dev)[0])
+    print(tag, "4-GEMM floor (after)", floor_ms[1], flush=True)
     floor.close()
-    return {"shape": dict(b=b, s=s, H=h, V=v), "floor4_ms": floor_ms, "losses": rows}
+    return {"shape": dict(b=b, s=s, H=h, V=v), "floor4_ms": floor_ms, "gradient_bytes": grad_bytes, "losses": rows}
+
+
+def coupling(settings):
+    """Which target of the issue a loss is held to, as the library classifies it (``TermSpec``): token-local
+    (<= 0.75x the floor), sequence-coupled (<= 0.80x when sequences fit a chunk) or batch-coupled (no
+    slower than the reference path)."""
+    t = torch.zeros(1, 2)
+    kw = dict(BASE, **settings)
+    spec = PolicyLoss(advantages=t, old_logprobs=t, ref_logprobs=t, rollout_logprobs=t, **kw).term_spec()
+    return "batch" if spec.coupled and not spec.sequence_coupled else "sequence" if spec.coupled else "token"
 
 
 def main():
@@ -166,20 +181,25 @@ def main():
         raise SystemExit(f"unknown losses {unknown}; known: {list(LOSSES)}")
     shapes = DRY_SHAPES if a.dry_run else SHAPES
     results = {"machine": machine(), "versions": versions(), "dry_run": a.dry_run, "shapes": {}}
-    for tag in a.shapes.split(","):
-        results["shapes"][tag] = run_shape(tag, shapes[tag], dev, dtype, names, a.dry_run)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gpu_policy_losses.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    for tag, res in results["shapes"].items():
-        floor = sum(res["floor4_ms"]) / len(res["floor4_ms"])
-        table = [[name, r["pass"], f"{r['fused_ms']:.1f}", f"{r['fused_ms'] / floor:.2f}",
-                  f"{r['reference_ms']:.1f}", f"{r['liger_ms']:.1f}" if "liger_ms" in r else "-",
-                  "-" if r["fused_extra_bytes"] is None else f"{r['fused_extra_bytes'] / 2**30:.2f}"]
-                 for name, r in res["losses"].items()]
-        print(f"\nshape {tag} {res['shape']}: 4-GEMM floor {floor:.1f} ms")
-        print(markdown_table(["loss", "pass", "fused ms", "x floor", "reference ms", "Liger ms", "extra GiB"],
-                             table))
+    for tag in a.shapes.split(","):      # the JSON and the table after each shape: a cut-off run keeps what it did
+        res = results["shapes"][tag] = run_shape(tag, shapes[tag], dev, dtype, names, a.dry_run)
+        with open(os.path.join(a.out, "gpu_policy_losses.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        print_table(tag, res)
+
+
+def print_table(tag, res):
+    floor = sum(res["floor4_ms"]) / len(res["floor4_ms"])
+    table = [[name, r["coupling"], r["pass"], f"{r['fused_ms']:.1f}", f"{r['fused_ms'] / floor:.2f}",
+              f"{r['reference_ms']:.1f}", f"{r['fused_ms'] / r['reference_ms']:.2f}",
+              f"{r['liger_ms']:.1f}" if "liger_ms" in r else "-",
+              "-" if r["fused_extra_bytes"] is None else
+              f"{(r['fused_extra_bytes'] - res['gradient_bytes']) / 2**30:.2f}"]
+             for name, r in res["losses"].items()]
+    print(f"\nshape {tag} {res['shape']}: 4-GEMM floor {floor:.1f} ms (mean of before and after)")
+    print(markdown_table(["loss", "coupling", "pass", "fused ms", "x floor", "reference ms", "x reference",
+                          "Liger ms", "GiB over gradients"], table), flush=True)
 
 
 if __name__ == "__main__":
