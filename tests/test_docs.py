@@ -72,7 +72,13 @@ PORT_TAKEN = ("address already in use", "EADDRINUSE")
 def run_ranks(code: str, tmp_path: Path, world: int = 2, attempts: int = 3) -> None:
     script = tmp_path / "block.py"
     # a fresh seed per run, the same on every rank (a block may rely on ranks building the same model)
-    script.write_text(f"import torch\ntorch.manual_seed({int.from_bytes(os.urandom(4), 'little')})\n" + code)
+    # The block's last line destroys its group; the rank then leaves without interpreter finalization. A
+    # block's module globals (a DeviceMesh, an FSDP2 model) hold gloo process groups; freed during
+    # finalization, their worker threads aborted the process about 1 exit in 30 ("terminate called without an
+    # active exception", no Python frame left: torch's teardown after every assertion had passed).
+    exit_now = "\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_sys.stderr.flush()\n_os._exit(0)\n"
+    script.write_text(f"import torch\ntorch.manual_seed({int.from_bytes(os.urandom(4), 'little')})\n" + code
+                      + exit_now)
     for attempt in range(attempts):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
