@@ -1,10 +1,37 @@
-"""How a test's gloo rank ends: its results written, then the group torn down only once every
-rank is done. A rank that destroys its group while a peer still has traffic in flight can abort
-at exit ("terminate called without an active exception", about 1 run in 15 without the barrier)."""
+"""Tests on several gloo ranks on CPU: spawn the ranks, let each write its per-case results, read them back.
+
+A worker's ``run(rank, *args, out_dir)`` runs every case of its suite, records each as [ok, message]
+(one failure does not hide the others) and ends through ``finish``: results written, then the group torn
+down only once every rank is done. A rank that destroys its group while a peer still has traffic in
+flight can abort at exit ("terminate called without an active exception", about 1 run in 15 without the
+barrier)."""
 import json
 import os
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def fresh_seed() -> int:
+    """A fresh seed per spawn (printed; LOGITLESS_SEED replays one), the same on every rank."""
+    seed = int(os.environ.get("LOGITLESS_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"seed={seed}")
+    return seed
+
+
+def spawn(run, args: tuple, world: int, out_dir) -> list[dict]:
+    """``run(rank, *args)`` on ``world`` spawned ranks (args ends with ``out_dir``); each rank's results."""
+    mp.spawn(run, args=args, nprocs=world)
+    return [json.loads(open(os.path.join(out_dir, f"rank{r}.json")).read()) for r in range(world)]
+
+
+def check(results: list[dict], case: str) -> None:
+    """Every rank reached ``case`` and passed it."""
+    for rank, res in enumerate(results):
+        assert "setup" not in res, f"rank {rank}: {res['setup'][1]}"
+        assert case in res, f"rank {rank} did not reach {case}"
+        ok, msg = res[case]
+        assert ok, f"rank {rank}: {msg}"
 
 
 def finish(results: dict, out_dir: str, rank: int) -> None:

@@ -21,9 +21,7 @@ from logitless.megatron import (
     supports_output_processor_hook,
     unpatch_fused_forward,
 )
-from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL
-
-BACKUP = "_logitless_forward_backup"
+from mcore_env import BACKUP, ENT_TOL, GRAD_TOL, LP_TOL
 
 
 def _release():

@@ -4,7 +4,6 @@ HybridModel.forward has no output_processor hook: logitless' instance patch inte
 output-layer call. Every number against the same model's own unfused outputs and gradients."""
 import pytest
 import torch
-from torch import nn
 
 from logitless.losses import PolicyLoss, PolicyLossOutput
 from logitless.megatron import (
@@ -19,18 +18,7 @@ from logitless.megatron import (
     supports_output_processor_hook,
     unpatch_fused_forward,
 )
-from mcore_env import ENT_TOL, GRAD_TOL, LP_TOL
-
-BACKUP = "_logitless_forward_backup"
-
-
-class Wrapper(nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *a, **k):
-        return self.module(*a, **k)
+from mcore_env import BACKUP, ENT_TOL, GRAD_TOL, LP_TOL, Wrapper
 
 
 def test_legacy_patch_idempotent_cached_and_exact_undo(megatron_tp1, seed):

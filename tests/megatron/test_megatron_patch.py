@@ -12,19 +12,7 @@ from logitless.megatron import (
     supports_output_processor_hook,
     unpatch_fused_forward,
 )
-
-BACKUP = "_logitless_forward_backup"
-
-
-class Wrapper(nn.Module):
-    """A DDP/FSDP-style wrapper: holds the model as ``.module`` and forwards everything."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+from mcore_env import BACKUP, Wrapper
 
 
 class Multimodal(nn.Module):

@@ -4,20 +4,14 @@ reshard_after_forward True / False, bf16 mixed precision) on 2 ranks, and tensor
 sharded over the vocabulary by ``ColwiseParallel``, uneven shards) on 2 and 3 ranks. Values and the
 gradients FSDP2 reduces against the unsharded model; layouts that cannot work refused by name. Every case
 of a suite runs in one spawn (sharded_worker.py)."""
-import json
-import os
-
 import pytest
-import torch.multiprocessing as mp
 
 import sharded_worker
+from ranks import check, fresh_seed, spawn
 
 
 def _spawn(tmp, suite, world):
-    seed = int(os.environ.get("LOGITLESS_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed}")
-    mp.spawn(sharded_worker.run, args=(world, suite, str(tmp / "store"), seed, str(tmp)), nprocs=world)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    return spawn(sharded_worker.run, (world, suite, str(tmp / "store"), fresh_seed(), str(tmp)), world, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +24,11 @@ def tp_results(request, tmp_path_factory):
     return _spawn(tmp_path_factory.mktemp(f"tp{request.param}"), "tp", request.param)
 
 
-def _check(results, case):
-    for rank, res in enumerate(results):
-        assert case in res, f"rank {rank} did not reach {case}"
-        ok, msg = res[case]
-        assert ok, f"rank {rank}: {msg}"
-
-
 @pytest.mark.parametrize("case", sharded_worker.FSDP2_CASES)
 def test_fsdp2_two_ranks(fsdp2_results, case):
-    _check(fsdp2_results, case)
+    check(fsdp2_results, case)
 
 
 @pytest.mark.parametrize("case", sharded_worker.TP_CASES)
 def test_tensor_parallel_head(tp_results, case):
-    _check(tp_results, case)
+    check(tp_results, case)
