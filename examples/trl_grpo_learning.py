@@ -55,10 +55,10 @@ import torch
 MODES = ("trl", "fused", "liger")
 # per-size defaults; every one can be overridden by its flag
 SIZES = {
-    "cpu": dict(vocab=4099, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, prompts=8, generations=8,
-                completion_length=12, prompt_words=4, lr=3e-3, steps=100, dtype="float32"),
+    "cpu": dict(vocab=2053, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, prompts=8, generations=8,
+                completion_length=8, prompt_words=4, lr=5e-3, steps=100, dtype="float32"),
     "gpu": dict(vocab=151936, hidden=1024, layers=4, heads=16, kv_heads=4, intermediate=2816, prompts=16,
-                generations=8, completion_length=256, prompt_words=16, lr=1e-4, steps=100, dtype="bfloat16"),
+                generations=8, completion_length=256, prompt_words=16, lr=3e-4, steps=100, dtype="bfloat16"),
     # what the test runs: the smallest shapes that still make a GRPO step
     "tiny": dict(vocab=509, hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, prompts=4, generations=4,
                  completion_length=6, prompt_words=3, lr=3e-3, steps=3, dtype="float32"),
@@ -260,15 +260,15 @@ class StepMeter:
 # ---------------------------------------------------------------- one run
 
 def versions() -> dict:
+    import logitless
     import transformers
     import trl
-
-    import logitless
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "trl": trl.__version__, "logitless": getattr(logitless, "__version__", "?")}
     try:
-        import liger_kernel  # noqa: F401
         from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401
         out["liger-kernel"] = version("liger-kernel")
     except Exception:  # noqa: BLE001 - not installed: not recorded
         pass
@@ -352,23 +352,29 @@ def run_one(args, mode: str, seed: int) -> dict:
     s = record["summary"]
     print(f"{mode} seed {seed}: reward {s['first_reward']:.3f} -> {s['final_reward']:.3f}, "
           f"step {s['median_step_s']:.3f} s (median), peak {s['peak_mib']:.1f} MiB "
-          f"(+{s['peak_over_start_mib']:.1f} over a step's start); {path}")
+          f"(+{s['rise_median_mib']:.1f} over a step's start, median); {path}")
     return record
 
 
 def summarise(steps, window: int = 10) -> dict:
-    """Rewards of the generation batches in the first / last ``window`` steps; the median step time; the
-    largest peak over the run (and the largest rise over a step's start)."""
+    """Rewards of the generation batches in the first / last ``window`` steps; the first step whose batch
+    reached a reward of 0.5 and of 0.9; the median step time; the largest peak over the run; a step's peak
+    rise over its start (median over the steps, and the largest after step 1, whose first calls allocate
+    workspaces that later steps reuse)."""
     rewards = [(s["step"], s["reward"]) for s in steps if "reward" in s]
     last = steps[-1]["step"] if steps else 0
     first = [r for st, r in rewards if st <= window]
     final = [r for st, r in rewards if st > last - window]
     mib = 2.0 ** 20
+    rises = [s["peak_over_start_bytes"] for s in steps]
     return {"first_reward": statistics.fmean(first) if first else float("nan"),
             "final_reward": statistics.fmean(final) if final else float("nan"),
+            "step_to_0.5": next((st for st, r in rewards if r >= 0.5), None),
+            "step_to_0.9": next((st for st, r in rewards if r >= 0.9), None),
             "median_step_s": statistics.median(s["step_time_s"] for s in steps) if steps else float("nan"),
             "peak_mib": max((s["peak_bytes"] for s in steps), default=0) / mib,
-            "peak_over_start_mib": max((s["peak_over_start_bytes"] for s in steps), default=0) / mib}
+            "rise_median_mib": statistics.median(rises) / mib if rises else float("nan"),
+            "rise_max_mib": max(rises[1:] or rises or [0]) / mib}
 
 
 def _write(path, record):
@@ -431,15 +437,18 @@ def curve_distance(a, b):
 
 
 def table(runs) -> str:
-    lines = ["| mode | seed | reward, first 10 steps | reward, last 10 steps | step time (median) | peak memory | "
-             "peak over a step's start |", "|---|---|---|---|---|---|---|"]
+    """One row per run; ``peak`` is CUDA's max_memory_allocated on a GPU, the process's peak RSS on CPU."""
+    lines = ["| mode | seed | reward, first 10 steps | reward, last 10 steps | first step >= 0.5 / 0.9 | "
+             "step time (median) | peak memory | a step's peak over its start: median (max after step 1) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "skipped" in r:
-            lines.append(f"| {r['mode']} | {r['seed']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['mode']} | {r['seed']} | skipped: {r['skipped']} | | | | | |")
             continue
-        s = r["summary"]
+        s = summarise(r["steps"])
         lines.append(f"| {r['mode']} | {r['seed']} | {s['first_reward']:.3f} | {s['final_reward']:.3f} | "
-                     f"{s['median_step_s']:.3f} s | {s['peak_mib']:.1f} MiB | {s['peak_over_start_mib']:.1f} MiB |")
+                     f"{s['step_to_0.5']} / {s['step_to_0.9']} | {s['median_step_s']:.3f} s | "
+                     f"{s['peak_mib']:.1f} MiB | {s['rise_median_mib']:.1f} MiB ({s['rise_max_mib']:.1f} MiB) |")
     return "\n".join(lines)
 
 
@@ -454,9 +463,12 @@ def distances(runs) -> list[str]:
     for r in done:
         if r is ref:
             continue
-        out.append(f"mean |reward difference| per generation, {r['mode']} seed {r['seed']} vs trl seed {ref['seed']}: "
-                   f"{curve_distance(r, ref):.4f}; final rewards {r['summary']['final_reward']:.3f} vs "
-                   f"{ref['summary']['final_reward']:.3f}")
+        ca, cb = reward_curve(r), reward_curve(ref)
+        apart = next((st for st in sorted(set(ca) & set(cb)) if ca[st] != cb[st]), None)
+        out.append(f"{r['mode']} seed {r['seed']} vs trl seed {ref['seed']}: mean |reward difference| per generation "
+                   f"{curve_distance(r, ref):.4f}, final rewards {summarise(r['steps'])['final_reward']:.3f} vs "
+                   f"{summarise(ref['steps'])['final_reward']:.3f}, first generation whose reward differs: "
+                   f"step {apart}")
     return out
 
 
@@ -465,22 +477,25 @@ def plot(runs, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-    styles = {"trl": dict(color="tab:blue"), "fused": dict(color="tab:orange"), "liger": dict(color="tab:green")}
+    # the same-seed curves coincide for many steps: wide pale trl, fused on top, liger dotted, so all show
+    styles = {"trl": dict(color="tab:blue", linewidth=4, alpha=0.45), "fused": dict(color="tab:orange", linewidth=1.4),
+              "liger": dict(color="tab:green", linewidth=1.4, linestyle=":")}
     for r in runs:
         if "skipped" in r:
             continue
         c = reward_curve(r)
         style = dict(styles.get(r["mode"], {}))
         if r["mode"] == "trl" and r["seed"] != runs[0]["seed"]:
-            style.update(color="tab:gray", linestyle="--")
+            style.update(color="tab:gray", linestyle="--", linewidth=1.1, alpha=1.0)
         label = {"trl": "TRL's loss", "fused": "logitless fused_loss=True", "liger": "Liger's GRPO loss"}[r["mode"]]
-        ax.plot(list(c), list(c.values()), linewidth=1.2, label=f"{label} (seed {r['seed']})", **style)
+        ax.plot(list(c), list(c.values()), label=f"{label} (seed {r['seed']})", **style)
     done = [r for r in runs if "skipped" not in r]
     s = done[0]["settings"] if done else {}
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward of the generation batch")
+    where = done[0]["machine"].split(",")[0].split(":")[0] if done else ""
     ax.set_title(f"TRL GRPOTrainer, loss_type {s.get('loss_type')}, beta {s.get('beta')}, V={s.get('vocab')}, "
-                 f"{s.get('dtype')}", fontsize=9)
+                 f"{s.get('dtype')}, {where}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
