@@ -1,6 +1,6 @@
 """Does GRPO still learn with logitless' fused loss? TRL's GRPOTrainer, the same seed, three losses.
 
-    python examples/trl_grpo_learning.py --out runs/cpu --plot                 # CPU, about 10 minutes
+    python examples/trl_grpo_learning.py --out runs/cpu --plot                 # CPU: 3 runs, 2-4 min each
     python examples/trl_grpo_learning.py --size gpu --out runs/gpu --plot      # CUDA: bf16, V = 151936
     python examples/trl_grpo_learning.py --mode fused --steps 3 --out runs/x   # one run, in this process
     python examples/trl_grpo_learning.py --plot-only --out runs/cpu            # plot runs already made
