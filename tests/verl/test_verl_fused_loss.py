@@ -152,7 +152,7 @@ def test_untied_head_under_fsdp2(tmp_path):
 
 
 @pytest.mark.parametrize("setting, batch, named", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], {}, "policy_loss.loss_mode='geo_mean'"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], {}, "policy_loss.loss_mode='bypass_mode'"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
      "loss_agg_mode='token-mean' and a KL loss"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
@@ -185,7 +185,7 @@ def test_modes_not_fused_are_refused_under_strict(actor):
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     from logitless.verl import policy
-    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | set(policy.REFUSED)
+    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | {"geo_mean"} | set(policy.REFUSED)
     gen = torch.Generator().manual_seed(9)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir)
     for mode in policy.REFUSED:
@@ -247,3 +247,32 @@ def test_triton_backend_head(model_dir, actor):
     got = run(triton_actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
     assert lv.last_path().path == "fsdp"
     assert_same_update(actor, got, want)
+
+
+AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_geo_mean_matches_verl_update(actor, agg):
+    """verl's geo_mean (a plain mean over the micro-batch's sequences of per-sequence losses, the KL loss and
+    the entropy bonus aggregated by loss_agg_mode over the mini-batch) under every loss_agg_mode, with
+    rollout_is_weights (their geometric mean per sequence) on every other one, packed and padded micro-batches,
+    fixed and dynamic micro-batch sizes (a mini-batch of three micro-batches: the micro-batch means add up)."""
+    i = AGGS.index(agg)
+    gen = torch.Generator().manual_seed(40 + i)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=i % 2 == 0)
+    kl = ["low_var_kl", "mse", "kl", "abs", "low_var_kl+"][i]
+    overrides = [f"{P}policy_loss.loss_mode=geo_mean", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type={kl}", f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02",
+                 f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.15", f"{P}loss_scale_factor=5" if i == 3 else
+                 f"{P}clip_ratio=0.2"]
+    engine = [{"use_remove_padding": True}, {"use_remove_padding": False},
+              {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30},
+              {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}, {"use_remove_padding": True}][i]
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    assert max(want[0]["actor/pg_clipfrac"]) + max(want[0]["actor/pg_clipfrac_lower"]) > 0, \
+        "no clipped log-ratio: the case does not test the clipping"

@@ -18,7 +18,7 @@ metric keeps verl's name, aggregation type and formula (pg_loss, pg_clipfrac, pg
 entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, dynamic batch size,
 remove-padding and loss scaling run unchanged around it.
 
-A micro-batch that cannot run fused (loss modes geo_mean and bypass_mode, Ulysses
+A micro-batch that cannot run fused (loss mode bypass_mode with a rejection mask or IS weights, Ulysses
 sequence parallelism, ``use_fused_kernels=False``, ...; ``policy.unfusable`` and ``make_plan`` list them)
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
@@ -37,7 +37,7 @@ import torch
 from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
-from .policy import loss_scale, settings, unfusable
+from .policy import MICRO_BATCH_MEAN, loss_mode, loss_scale, micro_batch_mean, settings, unfusable
 from .sites import Site, SiteState, strict_mode
 from .tokens import ResponseTokens, for_rows, response_tokens
 
@@ -54,7 +54,8 @@ class Plan:
     tokens: ResponseTokens
     settings: dict            # PolicyLoss keyword arguments but the per-token tensors
     use_ref: bool
-    scale: float
+    scale: float              # the fused loss times this is verl's (a micro-batch-mean mode: set by ``head``)
+    micro_batch_mean: bool = False     # policy.MICRO_BATCH_MEAN (geo_mean): settings and scale follow the rows
     result: Optional[PolicyLossOutput] = None
     failure: str = ""
     rng: Optional[torch.Tensor] = None     # the CPU generator's state when the loss drew (clip_cov's randperm)
@@ -92,9 +93,13 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     except ValueError as exc:
         plan.failure = str(exc)
         return None
+    kwargs = plan.settings
+    if plan.micro_batch_mean:
+        kwargs, plan.scale = micro_batch_mean(kwargs, plan.scale, loss_sequences=rows.sequences,
+                                              batch_sequences=plan.tokens.batch)
     policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
                         ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
-                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **plan.settings)
+                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **kwargs)
     h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
     plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
@@ -152,7 +157,7 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
                        global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
                        scored_sequences=tokens.sequences, response_width=tokens.width)
-    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale), ""
+    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale, loss_mode(config) in MICRO_BATCH_MEAN), ""
 
 
 def _through_output(model_output, loss: torch.Tensor) -> torch.Tensor:

@@ -37,10 +37,12 @@ AGG = {"token-mean": "token-sum", "token-sum": "token-sum", "seq-mean-token-sum"
        "seq-mean-token-sum-norm": "token-sum", "seq-mean-token-mean": "seq-mean-token-mean"}
 # loss modes not fused, and why
 REFUSED = {
-    "geo_mean": "a mean of per-sequence losses over the micro-batch's sequences, outside loss_agg_mode and verl's "
-                "mini-batch normalisation, which the KL loss and entropy bonus keep",
     "bypass_mode": "its rollout-correction weights and rejection mask are computed from this pass's log-probs",
 }
+# loss modes whose policy term verl takes as a plain mean over the micro-batch's sequences (torch.mean, fully
+# masked ones included), outside loss_agg_mode and the mini-batch normalisation the KL loss and the entropy
+# bonus keep: ``micro_batch_mean`` rescales the fused loss's terms to match
+MICRO_BATCH_MEAN = ("geo_mean",)
 
 
 def loss_mode(config) -> str:
@@ -100,6 +102,22 @@ def settings(config, *, calculate_entropy: bool) -> dict:
     if mode == "kl_cov":
         out.update(cov_ratio=float(pl.kl_cov_ratio), kl_cov_coef=float(pl.ppo_kl_coef))
     return out
+
+
+def micro_batch_mean(kwargs: dict, agg_scale: float, *, loss_sequences: int, batch_sequences: int
+                     ) -> tuple[dict, float]:
+    """(settings, scale) for a ``MICRO_BATCH_MEAN`` loss mode (geo_mean). verl's loss there is
+
+        mean_{b sequences of the micro-batch} pg_i + agg_scale * (kl_loss_coef * sum_j w_j kl_j - entropy_coeff * ...)
+
+    while the fused loss's geo_mean term is the sum of pg_i over the ``loss_sequences`` sequences its rows
+    delimit (the same pg_i; a sequence with no scored token, the packed rows' tail padding included, adds 0)
+    divided by their number. Scaling the fused loss by s = loss_sequences / batch_sequences makes the policy
+    terms equal; the KL and entropy coefficients are multiplied by agg_scale / s so that theirs are too.
+    ``kwargs``: ``settings()``'s; agg_scale: ``loss_scale()``'s."""
+    s = loss_sequences / batch_sequences
+    ratio = agg_scale / s
+    return dict(kwargs, kl_coef=kwargs["kl_coef"] * ratio, entropy_coef=kwargs["entropy_coef"] * ratio), s
 
 
 def loss_scale(config, *, dp_size: int, batch_num_tokens: Optional[float], global_batch_size: Optional[float],
