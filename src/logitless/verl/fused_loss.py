@@ -26,6 +26,7 @@ micro-batch records path "fsdp" with the backend that ran.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -37,7 +38,15 @@ import torch
 from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
-from .policy import MICRO_BATCH_MEAN, loss_mode, loss_scale, micro_batch_mean, settings, unfusable
+from .policy import (
+    MICRO_BATCH_MEAN,
+    loss_mode,
+    loss_scale,
+    micro_batch_mean,
+    settings,
+    unfusable,
+    uses_batch_is_weights,
+)
 from .sites import Site, SiteState, strict_mode
 from .tokens import ResponseTokens, for_rows, response_tokens
 
@@ -153,6 +162,8 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     tokens, why = response_tokens(micro_batch, with_ref=bool(config.use_kl_loss))
     if tokens is None:
         return None, why
+    if not uses_batch_is_weights(config):
+        tokens = dataclasses.replace(tokens, rollout_weights=None)
     kwargs = settings(config, calculate_entropy=entropy)
     scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
                        global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,

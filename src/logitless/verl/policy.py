@@ -32,13 +32,13 @@ from __future__ import annotations
 from typing import Optional
 
 from ..losses import KL_TYPES, VERL_POLICY_LOSSES, verl_loss_settings
+from .bypass import MODE as BYPASS
+from .bypass import bypass_mapping
 
 AGG = {"token-mean": "token-sum", "token-sum": "token-sum", "seq-mean-token-sum": "token-sum",
        "seq-mean-token-sum-norm": "token-sum", "seq-mean-token-mean": "seq-mean-token-mean"}
-# loss modes not fused, and why
-REFUSED = {
-    "bypass_mode": "its rollout-correction weights and rejection mask are computed from this pass's log-probs",
-}
+# loss modes fused for some of their settings only (``unfusable`` names the others)
+PARTLY_FUSED = (BYPASS,)
 # loss modes whose policy term verl takes as a plain mean over the micro-batch's sequences (torch.mean, fully
 # masked ones included), outside loss_agg_mode and the mini-batch normalisation the KL loss and the entropy
 # bonus keep: ``micro_batch_mean`` rescales the fused loss's terms to match
@@ -47,6 +47,20 @@ MICRO_BATCH_MEAN = ("geo_mean",)
 
 def loss_mode(config) -> str:
     return config.policy_loss.get("loss_mode", "vanilla")
+
+
+def fused_mode(config) -> tuple[Optional[str], dict, str]:
+    """(the loss mode whose settings the fused loss takes, overrides of those settings, "") or (None, {}, why):
+    the configured mode itself, or for bypass_mode the mode it equals (``bypass.py``)."""
+    mode = loss_mode(config)
+    if mode == BYPASS:
+        return bypass_mapping(config)
+    return mode, {}, ""
+
+
+def uses_batch_is_weights(config) -> bool:
+    """Whether verl's policy term reads the batch's ``rollout_is_weights`` (bypass_mode ignores them)."""
+    return loss_mode(config) != BYPASS
 
 
 def pg_agg_mode(config) -> str:
@@ -58,11 +72,12 @@ def unfusable(config, *, with_entropy: bool) -> list:
     """verl actor settings (``ActorConfig``) the fused policy loss cannot reproduce, as "setting (why)"."""
     bad = []
     mode = loss_mode(config)
-    if mode in REFUSED:
-        bad.append(f"policy_loss.loss_mode={mode!r} ({REFUSED[mode]})")
-    elif mode not in VERL_POLICY_LOSSES:
+    mapped, _, why = fused_mode(config)
+    if why:
+        bad.append(f"policy_loss.loss_mode={mode!r} with {why}")
+    elif mapped not in VERL_POLICY_LOSSES:
         bad.append(f"policy_loss.loss_mode={mode!r} (not a loss mode logitless knows: "
-                   f"{', '.join(m for m in VERL_POLICY_LOSSES if m not in REFUSED)})")
+                   f"{', '.join((*VERL_POLICY_LOSSES, *PARTLY_FUSED))})")
     if config.loss_agg_mode not in AGG:
         bad.append(f"loss_agg_mode={config.loss_agg_mode!r} (not one of verl's token-weighted aggregations)")
     elif pg_agg_mode(config) != config.loss_agg_mode and (config.use_kl_loss or with_entropy):
@@ -79,7 +94,7 @@ def settings(config, *, calculate_entropy: bool) -> dict:
     ``unfusable`` first). The entropy bonus is in verl's loss only when the engine computed the entropy
     (``calculate_entropy``, which the trainer sets when ``entropy_coeff != 0``); the KL loss only with
     ``use_kl_loss``."""
-    mode = loss_mode(config)
+    mode, overrides, _ = fused_mode(config)
     pl = config.policy_loss
     out = verl_loss_settings(mode)
     clip = config.clip_ratio
@@ -101,6 +116,7 @@ def settings(config, *, calculate_entropy: bool) -> dict:
                    clip_cov_ub=float(pl.clip_cov_ub))
     if mode == "kl_cov":
         out.update(cov_ratio=float(pl.kl_cov_ratio), kl_cov_coef=float(pl.ppo_kl_coef))
+    out.update(overrides)
     return out
 
 
