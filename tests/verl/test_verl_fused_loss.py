@@ -68,7 +68,8 @@ def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entro
 
 def assert_same_update(actor, got, want):
     (m_got, p_got), (m_want, p_want) = got, want
-    step = {n: p_want[n] - p0 for n, p0 in zip(p_want, (p.full_tensor() for p in actor.initial), strict=True)}
+    initial = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in actor.initial)
+    step = {n: p_want[n] - p0 for n, p0 in zip(p_want, initial, strict=True)}
     step_norm = math.sqrt(sum(float(s.square().sum()) for s in step.values()))
     assert step_norm > 1e-3, "the step moved nothing: the comparison would be empty"
     for n, p in p_want.items():
@@ -335,3 +336,27 @@ def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
         # the truncation binds on some token (the weights' maximum before truncation is above the threshold)
         upper = 1.25 if "1.25" in " ".join(rc) else 1.1
         assert max(want[0]["rollout_corr/rollout_is_max"]) >= upper - 1e-6, sorted(want[0])
+
+
+FSDP1 = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_fsdp1_strategy(tmp_path, tied):
+    """Strategy fsdp (FSDP1, its flat parameters; built on CPU through verl_engine.cpu_fsdp1): the fused loss
+    against verl's own update on the same FSDP1 engine, gspo (sequence-coupled) with a KL loss and an entropy
+    bonus, packed micro-batches."""
+    ve.save_tiny_qwen2(str(tmp_path), seed=5, tied=tied)
+    actor = ve.Actor(str(tmp_path), ["actor_rollout_ref.model.use_fused_kernels=True", *FSDP1])
+    assert type(actor.worker.engine.module).__name__ == "FullyShardedDataParallel"
+    gen = torch.Generator().manual_seed(80 + tied)
+    tensors, meta = ve.rollout_batch(gen, str(tmp_path), is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=gspo", f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03",
+                 f"{P}loss_agg_mode=seq-mean-token-mean", f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.02", *FSDP1]
+    engine = {"use_remove_padding": True}
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    assert max(want[0]["actor/pg_clipfrac"]) > 0
