@@ -211,6 +211,10 @@ class Actor:
             Qwen2ForCausalLM.forward = plain
         self.initial = [p.detach().clone() for p in self.worker.engine.module.parameters()]
 
+    def initial_full(self):
+        """The initial parameters, whole (an FSDP2 shard's full tensor)."""
+        return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.initial]
+
     def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
         """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
         ``overrides``; engine settings (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz,
@@ -238,7 +242,8 @@ class Actor:
         for name, p in module.named_parameters():
             p = p.full_tensor() if hasattr(p, "full_tensor") else p
             params[name] = p.detach().clone()
-        return tu.get(out, "metrics"), params
+        # under Ulysses only the first rank of each sp group collects the output (the others: None)
+        return (tu.get(out, "metrics") if out is not None else None), params
 
 
 def infer_logprobs(actor: "Actor", tensors, meta):

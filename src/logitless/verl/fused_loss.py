@@ -38,6 +38,7 @@ import torch
 from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
+from . import ulysses
 from .policy import (
     MICRO_BATCH_MEAN,
     loss_mode,
@@ -65,6 +66,8 @@ class Plan:
     use_ref: bool
     scale: float              # the fused loss times this is verl's (a micro-batch-mean mode: set by ``head``)
     micro_batch_mean: bool = False     # policy.MICRO_BATCH_MEAN (geo_mean): settings and scale follow the rows
+    sequence_parallel: bool = False    # verl's Ulysses: the head gathers the sp group's rows (ulysses.py)
+    shard: Optional[object] = None     # then this rank's slice of them (ulysses.Shard), set by ``head``
     result: Optional[PolicyLossOutput] = None
     failure: str = ""
     rng: Optional[torch.Tensor] = None     # the CPU generator's state when the loss drew (clip_cov's randperm)
@@ -97,9 +100,18 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     plan = _pending.plan
     if plan is None or plan.result is not None or plan.failure:
         return None
+    h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
+    rows_labels, shard = labels, None
+    grp = ulysses.group() if plan.sequence_parallel else None
+    if grp is not None:
+        # the whole micro-batch's rows, on every sp rank (ulysses.py); every rank takes this branch
+        h, rows_labels, shard = ulysses.gather(h, labels.reshape(-1), grp)
+        rows_labels = rows_labels.view(1, -1)
     try:
-        rows = for_rows(plan.tokens, labels)
+        rows = for_rows(plan.tokens, rows_labels)
     except ValueError as exc:
+        if shard is not None:
+            raise          # the model's output would miss the gathered rows: no fallback after the gather
         plan.failure = str(exc)
         return None
     kwargs = plan.settings
@@ -109,19 +121,22 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
                         ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
                         rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **kwargs)
-    h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
     plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
         out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
                           temperature=float(temperature))
     plan.result = out
+    plan.shard = shard
+    lp, ent = out.logprobs, out.entropy
+    if shard is not None:
+        lp, ent = lp.reshape(-1)[shard.start:shard.stop], ent.reshape(-1)[shard.start:shard.stop]
     # The loss leaves the model through its output: the log-probs carry it (+ L - L, exactly 0 in value),
     # and the loss function takes its gradient path through them, so the backward hooks that wrappers
     # register on the model's outputs (FSDP's pre-backward unshard of the root's parameters) run before
     # the backward reaches the head, as for verl's own loss.
     carrier = out.loss - out.loss.detach()
     shape = (-1,) if flat else labels.shape
-    return out.logprobs.reshape(shape) + carrier, out.entropy.reshape(shape)
+    return lp.reshape(shape) + carrier, ent.reshape(shape)
 
 
 def _policy_config(loss_function):
@@ -151,8 +166,6 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     if not get("use_fused_kernels", False):
         bad.append("use_fused_kernels=False (the model would build the logits; set "
                    "actor_rollout_ref.model.use_fused_kernels=True)")
-    if getattr(engine, "use_ulysses_sp", False):
-        bad.append(f"ulysses_sequence_parallel_size={engine.ulysses_sequence_parallel_size}")
     if get("distillation_use_topk", False) or get("distillation_only", False):
         bad.append("top-k distillation (its loss needs the logits)")
     if get("return_model_output", False):
@@ -164,22 +177,32 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
         return None, why
     if not uses_batch_is_weights(config):
         tokens = dataclasses.replace(tokens, rollout_weights=None)
+    sequence_parallel = bool(getattr(engine, "use_ulysses_sp", False))
+    if sequence_parallel:
+        why = ulysses.empty_rank(tokens.total, int(engine.ulysses_sequence_parallel_size))
+        if why:
+            return None, why
     kwargs = settings(config, calculate_entropy=entropy)
     scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
                        global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
                        scored_sequences=tokens.sequences, response_width=tokens.width)
-    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale, loss_mode(config) in MICRO_BATCH_MEAN), ""
+    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale, loss_mode(config) in MICRO_BATCH_MEAN,
+                sequence_parallel), ""
 
 
-def _through_output(model_output, loss: torch.Tensor) -> torch.Tensor:
+def _through_output(model_output, loss: torch.Tensor, shard=None) -> torch.Tensor:
     """``loss`` in value, with its gradient path through the model's output log-probs (which carry it,
-    see ``head``) rather than straight to the head."""
+    see ``head``) rather than straight to the head: their first element, or under Ulysses (``shard``) the
+    first element of this rank's slice over the sp size (verl's gather multiplies its gradient back)."""
     lp = model_output["log_probs"]
-    first = (lp.values() if lp.is_nested else lp).reshape(-1)[:1].sum()
+    flat = (lp.values() if lp.is_nested else lp).reshape(-1)
+    start = 0 if shard is None else shard.start
+    first = flat[start:start + 1].sum()
     if not first.requires_grad:
         raise RuntimeError("logitless.verl: the model's log-probs lost the fused loss they carry (verl's "
                            "prepare_model_outputs detached them?)")
-    return first - first.detach() + loss.detach()
+    carried = first - first.detach()
+    return (carried if shard is None else carried / shard.size) + loss.detach()
 
 
 def _fused_loss_function(plan: Plan, verl_loss):
@@ -199,7 +222,7 @@ def _fused_loss_function(plan: Plan, verl_loss):
         finally:
             torch.set_rng_state(after)
         write_record("fsdp", last_backend(), ENTRY)
-        return _through_output(model_output, plan.result.loss) * plan.scale, metrics
+        return _through_output(model_output, plan.result.loss, plan.shard) * plan.scale, metrics
     return loss_function
 
 
