@@ -16,10 +16,11 @@ verl then calls returns that loss, times the constant that gives verl's normalis
 metrics: ``ppo_loss`` itself, run without gradients on those detached log-probs and entropies, so every
 metric keeps verl's name, aggregation type and formula (pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl,
 entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, dynamic batch size,
-remove-padding and loss scaling run unchanged around it.
+remove-padding and loss scaling run unchanged around it; under Ulysses sequence parallelism the head gathers
+the sp group's rows first (``ulysses.py``).
 
-A micro-batch that cannot run fused (loss mode bypass_mode with a rejection mask or IS weights, Ulysses
-sequence parallelism, ``use_fused_kernels=False``, ...; ``policy.unfusable`` and ``make_plan`` list them)
+A micro-batch that cannot run fused (bypass_mode's rejection sampling and its sequence-level IS weights,
+``use_fused_kernels=False``, ...; ``policy.unfusable``, ``bypass.py`` and ``make_plan`` list them)
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
 micro-batch records path "fsdp" with the backend that ran.
