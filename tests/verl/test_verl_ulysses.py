@@ -32,6 +32,8 @@ CASES = [
     ("kl_cov", [f"{P}policy_loss.loss_mode=kl_cov", f"{P}policy_loss.kl_cov_ratio=0.2",
                 f"{P}policy_loss.ppo_kl_coef=0.5", f"{P}loss_agg_mode=token-sum", f"{P}entropy_coeff=0.02"],
      PACKED, 74),
+    ("triton-seq-mean-token-sum-norm", [f"{P}loss_agg_mode=seq-mean-token-sum-norm", f"{P}use_kl_loss=True",
+                                        f"{P}kl_loss_type=abs", f"{P}entropy_coeff=0.02"], PACKED, 75),
 ]
 PARAM_TOL, STEP_TOL, METRIC_TOL = 1e-4, 1e-4, 1e-5
 
@@ -53,6 +55,8 @@ def test_ulysses_fused_matches_verl_update(runs, case):
         ok, out = res[name]
         assert ok, f"rank {rank}: {out}"
         assert out["record"][:3] == ["fsdp", "verl.policy_loss", ""], out["record"]
+        assert out["forward"] == ("forward_with_triton_backend" if name.startswith("triton")
+                                  else "forward_with_torch_backend"), out["forward"]
         params = out["params"]
         step_norm = math.sqrt(sum(p["step"] ** 2 for p in params.values()))
         assert step_norm > 1e-3
@@ -83,3 +87,12 @@ def test_ulysses_engine_matches_single_rank(runs):
     assert moved > 1e-3
     for n, p in single.items():
         assert float((sp2[n] - p).norm()) <= 1e-5 * float(p.norm()) + 1e-12, n
+
+
+def test_empty_rank_falls_back():
+    """A packed micro-batch too short for every sp rank to hold a token: named (make_plan falls back)."""
+    from logitless.verl import ulysses
+    assert ulysses.empty_rank(6, 2) is None and ulysses.empty_rank(2, 2) is None
+    assert ulysses.empty_rank(7, 4) is None                 # slices of 2: the last holds token 7
+    assert "6 packed tokens" in ulysses.empty_rank(6, 4)    # slices of 2: the last is padding only
+    assert ulysses.empty_rank(1, 2) is not None

@@ -69,7 +69,8 @@ def register() -> None:
 
 def run(rank: int, init_file: str, model_dir: str, out_dir: str, cases) -> None:
     """Each case: (name, actor overrides, engine settings, seed); per case the unfused update (verl's loss) and
-    the fused one on the sp=2 engine, both ranks writing their parameters' norms of difference and metrics."""
+    the fused one on the sp=2 engine (a name starting "triton": on verl's "triton" fused-kernel backend), both
+    ranks writing their parameters' norms of difference and metrics."""
     import os
     torch.set_num_threads(1)
     # verl's Worker reads the launcher's variables (the group itself is initialised from init_file)
@@ -83,10 +84,14 @@ def run(rank: int, init_file: str, model_dir: str, out_dir: str, cases) -> None:
         ve.setup()
         register()
         import logitless.verl as lv
-        actor = ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True",
-                                     "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                                     "actor_rollout_ref.model.use_remove_padding=True",
-                                     f"actor_rollout_ref.model.override_config.attn_implementation={NAME}"])
+        built = ["actor_rollout_ref.model.use_fused_kernels=True",
+                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                 "actor_rollout_ref.model.use_remove_padding=True",
+                 f"actor_rollout_ref.model.override_config.attn_implementation={NAME}"]
+        actor = ve.Actor(model_dir, built)
+        # a case named "triton...": the fused run on verl's "triton" fused-kernel backend (the kernel site)
+        triton = (ve.Actor(model_dir, [*built, "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"])
+                  if any(c[0].startswith("triton") for c in cases) else None)
         for name, overrides, engine, seed in cases:
             try:
                 gen = torch.Generator().manual_seed(seed)
@@ -97,12 +102,13 @@ def run(rank: int, init_file: str, model_dir: str, out_dir: str, cases) -> None:
                     torch.save(want[1], f"{out_dir}/{name}.pt")      # for the single-rank comparison
                 lv.install(fused_loss=True, strict=True)
                 try:
-                    got = actor.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6,
+                    fused = triton if name.startswith("triton") else actor
+                    got = fused.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6,
                                        engine=engine)
                     rec = lv.last_path()
                 finally:
                     lv.uninstall()
-                results[name] = [True, summary(actor, got, want, rec)]
+                results[name] = [True, {**summary(actor, got, want, rec), "forward": fused.forward.__name__}]
             except Exception:  # recorded per case, so one failure does not hide the others
                 results[name] = [False, traceback.format_exc()[-3000:]]
     except Exception:
