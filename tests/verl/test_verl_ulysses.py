@@ -32,6 +32,8 @@ CASES = [
     ("kl_cov", [f"{P}policy_loss.loss_mode=kl_cov", f"{P}policy_loss.kl_cov_ratio=0.2",
                 f"{P}policy_loss.ppo_kl_coef=0.5", f"{P}loss_agg_mode=token-sum", f"{P}entropy_coeff=0.02"],
      PACKED, 74),
+    ("untied-token-mean", [f"{P}use_kl_loss=True", f"{P}kl_loss_type=low_var_kl+", f"{P}entropy_coeff=-0.02"],
+     PACKED, 76),
     ("triton-seq-mean-token-sum-norm", [f"{P}loss_agg_mode=seq-mean-token-sum-norm", f"{P}use_kl_loss=True",
                                         f"{P}kl_loss_type=abs", f"{P}entropy_coeff=0.02"], PACKED, 75),
 ]
@@ -42,6 +44,7 @@ PARAM_TOL, STEP_TOL, METRIC_TOL = 1e-4, 1e-4, 1e-5
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verl_ulysses")
     ve.save_tiny_qwen2(str(tmp), seed=3, tied=True)
+    ve.save_tiny_qwen2(str(tmp / "untied"), seed=4, tied=False)
     mp.spawn(verl_ulysses.run, args=(str(tmp / "store"), str(tmp), str(tmp), CASES), nprocs=2)
     return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -57,6 +60,8 @@ def test_ulysses_fused_matches_verl_update(runs, case):
         assert out["record"][:3] == ["fsdp", "verl.policy_loss", ""], out["record"]
         assert out["forward"] == ("forward_with_triton_backend" if name.startswith("triton")
                                   else "forward_with_torch_backend"), out["forward"]
+        if name.startswith("untied"):
+            assert "lm_head.weight" in out["params"]
         params = out["params"]
         step_norm = math.sqrt(sum(p["step"] ** 2 for p in params.values()))
         assert step_norm > 1e-3

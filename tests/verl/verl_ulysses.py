@@ -69,8 +69,9 @@ def register() -> None:
 
 def run(rank: int, init_file: str, model_dir: str, out_dir: str, cases) -> None:
     """Each case: (name, actor overrides, engine settings, seed); per case the unfused update (verl's loss) and
-    the fused one on the sp=2 engine (a name starting "triton": on verl's "triton" fused-kernel backend), both
-    ranks writing their parameters' norms of difference and metrics."""
+    the fused one on the sp=2 engine (a name starting "triton": on verl's "triton" fused-kernel backend;
+    "untied": an untied head, against verl's logits path), both ranks writing their parameters' norms of
+    difference and metrics."""
     import os
     torch.set_num_threads(1)
     # verl's Worker reads the launcher's variables (the group itself is initialised from init_file)
@@ -92,23 +93,29 @@ def run(rank: int, init_file: str, model_dir: str, out_dir: str, cases) -> None:
         # a case named "triton...": the fused run on verl's "triton" fused-kernel backend (the kernel site)
         triton = (ve.Actor(model_dir, [*built, "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"])
                   if any(c[0].startswith("triton") for c in cases) else None)
+        # a case named "untied...": the untied model in model_dir/untied, whose lm_head FSDP2 shards as a unit of
+        # its own; verl's own fused head fails on it, so the reference is verl's logits path (no fused kernels)
+        untied = None
+        if any(c[0].startswith("untied") for c in cases):
+            untied = (ve.Actor(f"{model_dir}/untied", built[1:]), ve.Actor(f"{model_dir}/untied", built))
         for name, overrides, engine, seed in cases:
             try:
+                reference, fused = untied if name.startswith("untied") else (actor, actor)
+                fused = triton if name.startswith("triton") else fused
                 gen = torch.Generator().manual_seed(seed)
-                tensors, meta = ve.rollout_batch(gen, model_dir, is_weights=True)
-                want = actor.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6,
-                                    engine=engine)
+                tensors, meta = ve.rollout_batch(gen, reference.model_dir, is_weights=True)
+                want = reference.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6,
+                                        engine=engine)
                 if rank == 0:
                     torch.save(want[1], f"{out_dir}/{name}.pt")      # for the single-rank comparison
                 lv.install(fused_loss=True, strict=True)
                 try:
-                    fused = triton if name.startswith("triton") else actor
                     got = fused.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6,
                                        engine=engine)
                     rec = lv.last_path()
                 finally:
                     lv.uninstall()
-                results[name] = [True, {**summary(actor, got, want, rec), "forward": fused.forward.__name__}]
+                results[name] = [True, {**summary(reference, got, want, rec), "forward": fused.forward.__name__}]
             except Exception:  # recorded per case, so one failure does not hide the others
                 results[name] = [False, traceback.format_exc()[-3000:]]
     except Exception:
