@@ -4,14 +4,13 @@ against the fused loss on the same engine and batch (verl_ulysses.py; its CPU at
 all-to-alls around an exact attention, since verl's own Ulysses attention is a patch of flash-attention). The
 engine's unfused update is also held to the single-rank engine's (no sequence parallelism) on the same batch,
 so the harness is checked too."""
-import json
 import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import verl_engine as ve
 
+from ranks import check, spawn
 from required import import_or_skip
 
 ve.stub_server_modules()
@@ -45,18 +44,16 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verl_ulysses")
     ve.save_tiny_qwen2(str(tmp), seed=3, tied=True)
     ve.save_tiny_qwen2(str(tmp / "untied"), seed=4, tied=False)
-    mp.spawn(verl_ulysses.run, args=(str(tmp / "store"), str(tmp), str(tmp), CASES), nprocs=2)
-    return tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return tmp, spawn(verl_ulysses.run, (str(tmp / "store"), str(tmp), CASES, str(tmp)), 2, str(tmp))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_ulysses_fused_matches_verl_update(runs, case):
     tmp, results = runs
     name = case[0]
+    check(results, name)
     for rank, res in enumerate(results):
-        assert "setup" not in res, res.get("setup")
-        ok, out = res[name]
-        assert ok, f"rank {rank}: {out}"
+        out = res[name][1]
         assert out["record"][:3] == ["fsdp", "verl.policy_loss", ""], out["record"]
         assert out["forward"] == ("forward_with_triton_backend" if name.startswith("triton")
                                   else "forward_with_torch_backend"), out["forward"]

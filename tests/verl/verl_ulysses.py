@@ -67,7 +67,7 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, lambda *args, **kwargs: None)   # it builds its own mask
 
 
-def run(rank: int, init_file: str, model_dir: str, out_dir: str, cases) -> None:
+def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
     """Each case: (name, actor overrides, engine settings, seed); per case the unfused update (verl's loss) and
     the fused one on the sp=2 engine (a name starting "triton": on verl's "triton" fused-kernel backend;
     "untied": an untied head, against verl's logits path), both ranks writing their parameters' norms of
