@@ -98,3 +98,5 @@ def test_empty_rank_falls_back():
     assert ulysses.empty_rank(7, 4) is None                 # slices of 2: the last holds token 7
     assert "6 packed tokens" in ulysses.empty_rank(6, 4)    # slices of 2: the last is padding only
     assert ulysses.empty_rank(1, 2) is not None
+    assert "padded to 16" in ulysses.empty_rank(7, 2, bucket_pad=9)    # slices of 8: the second is padding
+    assert ulysses.empty_rank(9, 2, bucket_pad=7) is None

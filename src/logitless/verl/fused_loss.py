@@ -180,7 +180,9 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
         tokens = dataclasses.replace(tokens, rollout_weights=None)
     sequence_parallel = bool(getattr(engine, "use_ulysses_sp", False))
     if sequence_parallel:
-        why = ulysses.empty_rank(tokens.total, int(engine.ulysses_sequence_parallel_size))
+        bucket = getattr(engine, "_get_packed_pad_size", None)     # verl's pad_to_length bucket padding
+        why = ulysses.empty_rank(tokens.total, int(engine.ulysses_sequence_parallel_size),
+                                 int(bucket(tokens.total)) if bucket is not None else 0)
         if why:
             return None, why
     kwargs = settings(config, calculate_entropy=entropy)

@@ -51,11 +51,13 @@ def gather(hidden: torch.Tensor, labels: torch.Tensor, grp) -> tuple[torch.Tenso
     return full, torch.cat(parts), Shard(rank * local, (rank + 1) * local, size)
 
 
-def empty_rank(total: int, size: int) -> Optional[str]:
+def empty_rank(total: int, size: int, bucket_pad: int = 0) -> Optional[str]:
     """Why a packed micro-batch of ``total`` tokens cannot run fused over ``size`` sp ranks (a rank whose slice
-    holds only padding has no output element to carry its loss), else None."""
-    local = -(-total // size)
+    holds only padding has no output element to carry its loss), else None. bucket_pad: the engine's padding
+    to its length bucket (``pad_to_length``), added before the sp padding."""
+    local = -(-(total + bucket_pad) // size)
     if (size - 1) * local >= total:
-        return (f"ulysses_sequence_parallel_size={size} with a micro-batch of {total} packed tokens (the last "
-                "rank's slice is padding only)")
+        return (f"ulysses_sequence_parallel_size={size} with a micro-batch of {total} packed tokens"
+                f"{f' padded to {total + bucket_pad}' if bucket_pad else ''} (the last rank's slice is padding "
+                "only)")
     return None
