@@ -65,13 +65,23 @@ class Plan:
     tokens: ResponseTokens
     settings: dict            # PolicyLoss keyword arguments but the per-token tensors
     use_ref: bool
-    scale: float              # the fused loss times this is verl's (a micro-batch-mean mode: set by ``head``)
+    scale: float              # the fused loss times this is verl's (a micro-batch-mean mode: ``settings_for``)
     micro_batch_mean: bool = False     # policy.MICRO_BATCH_MEAN (geo_mean): settings and scale follow the rows
     sequence_parallel: bool = False    # verl's Ulysses: the head gathers the sp group's rows (ulysses.py)
     shard: Optional[object] = None     # then this rank's slice of them (ulysses.Shard), set by ``head``
     result: Optional[PolicyLossOutput] = None
     failure: str = ""
     rng: Optional[torch.Tensor] = None     # the CPU generator's state when the loss drew (clip_cov's randperm)
+
+    def settings_for(self, sequences: int) -> dict:
+        """The PolicyLoss settings for rows that delimit ``sequences`` sequences (packed: cu_seqlens' segments;
+        padded: the rows). Call once, as the head builds the loss: for a micro-batch-mean mode (geo_mean) this
+        also sets ``scale`` (``policy.micro_batch_mean``)."""
+        if not self.micro_batch_mean:
+            return self.settings
+        kwargs, self.scale = micro_batch_mean(self.settings, self.scale, loss_sequences=sequences,
+                                              batch_sequences=self.tokens.batch)
+        return kwargs
 
 
 class _Pending(threading.local):
@@ -115,13 +125,10 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
             raise          # the model's output would miss the gathered rows: no fallback after the gather
         plan.failure = str(exc)
         return None
-    kwargs = plan.settings
-    if plan.micro_batch_mean:
-        kwargs, plan.scale = micro_batch_mean(kwargs, plan.scale, loss_sequences=rows.sequences,
-                                              batch_sequences=plan.tokens.batch)
     policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
                         ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
-                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **kwargs)
+                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens,
+                        **plan.settings_for(rows.sequences))
     plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
         out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
