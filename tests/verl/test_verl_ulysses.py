@@ -33,6 +33,10 @@ CASES = [
      PACKED, 74),
     ("untied-token-mean", [f"{P}use_kl_loss=True", f"{P}kl_loss_type=low_var_kl+", f"{P}entropy_coeff=-0.02"],
      PACKED, 76),
+    ("fsdp1-seq-mean-token-mean", [f"{P}policy_loss.loss_mode=cispo", f"{P}clip_ratio_low=0.1",
+                                   f"{P}clip_ratio_high=0.2", f"{P}loss_agg_mode=seq-mean-token-mean",
+                                   f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.02", *verl_ulysses.FSDP1],
+     PACKED, 77),
     ("triton-seq-mean-token-sum-norm", [f"{P}loss_agg_mode=seq-mean-token-sum-norm", f"{P}use_kl_loss=True",
                                         f"{P}kl_loss_type=abs", f"{P}entropy_coeff=0.02"], PACKED, 75),
 ]
@@ -59,6 +63,7 @@ def test_ulysses_fused_matches_verl_update(runs, case):
                                   else "forward_with_torch_backend"), out["forward"]
         if name.startswith("untied"):
             assert "lm_head.weight" in out["params"]
+        assert (out["module"] == "FullyShardedDataParallel") == name.startswith("fsdp1"), out["module"]
         params = out["params"]
         step_norm = math.sqrt(sum(p["step"] ** 2 for p in params.values()))
         assert step_norm > 1e-3

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ranks import finish
 
 NAME = "ulysses_cpu"
+FSDP1 = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
 
 
 def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
@@ -70,8 +71,8 @@ def register() -> None:
 def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
     """Each case: (name, actor overrides, engine settings, seed); per case the unfused update (verl's loss) and
     the fused one on the sp=2 engine (a name starting "triton": on verl's "triton" fused-kernel backend;
-    "untied": an untied head, against verl's logits path), both ranks writing their parameters' norms of
-    difference and metrics."""
+    "untied": an untied head, against verl's logits path; "fsdp1": strategy fsdp), both ranks writing their
+    parameters' norms of difference and metrics."""
     import os
     torch.set_num_threads(1)
     # verl's Worker reads the launcher's variables (the group itself is initialised from init_file)
@@ -98,9 +99,13 @@ def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
         untied = None
         if any(c[0].startswith("untied") for c in cases):
             untied = (ve.Actor(f"{model_dir}/untied", built[1:]), ve.Actor(f"{model_dir}/untied", built))
+        # a case named "fsdp1...": strategy fsdp (FSDP1 over both ranks, verl_engine.cpu_fsdp1)
+        fsdp1 = (ve.Actor(model_dir, [*built, *FSDP1]) if any(c[0].startswith("fsdp1") for c in cases) else None)
         for name, overrides, engine, seed in cases:
             try:
                 reference, fused = untied if name.startswith("untied") else (actor, actor)
+                if name.startswith("fsdp1"):
+                    reference = fused = fsdp1
                 fused = triton if name.startswith("triton") else fused
                 gen = torch.Generator().manual_seed(seed)
                 tensors, meta = ve.rollout_batch(gen, reference.model_dir, is_weights=True)
@@ -115,7 +120,8 @@ def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
                     rec = lv.last_path()
                 finally:
                     lv.uninstall()
-                results[name] = [True, {**summary(reference, got, want, rec), "forward": fused.forward.__name__}]
+                results[name] = [True, {**summary(reference, got, want, rec), "forward": fused.forward.__name__,
+                                        "module": type(fused.worker.engine.module).__name__}]
             except Exception:  # recorded per case, so one failure does not hide the others
                 results[name] = [False, traceback.format_exc()[-3000:]]
     except Exception:
