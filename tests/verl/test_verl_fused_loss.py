@@ -8,6 +8,7 @@ Packed (remove-padding) micro-batches run eager attention here: transformers sep
 by their position ids, the same in both runs."""
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -25,6 +26,14 @@ PARAM_TOL = 1e-4       # relative, per parameter, after the step
 STEP_TOL = 1e-4        # relative to the whole step's norm, per parameter's step
 METRIC_TOL = 1e-5      # relative, or absolute below 1
 TIMING = ("perf/", "mfu")
+# verl's E[(prod_t rho_t)^2] - 1 over a sequence (bypass_mode's rollout_corr metrics): exp of twice the sum of a
+# sequence's log-ratios, so the float32 rounding of each log-prob (~1e-6, logitless' against verl's) grows by
+# twice the sequence's length: held to the step's tolerance
+SEQUENCE_PRODUCT = ("rollout_corr/chi2_seq",)
+# verl's entropy from its "torch" fused-kernel backend (float32, lse - sum p z) is off float64 by up to 5.2e-6 a
+# token on these batches, with a bias (-2.0e-5 over 50 tokens; logitless': 4e-7 and -5e-7): under token-sum the
+# entropy_loss metric adds that bias up, so it is held to 3e-5
+ENTROPY_TOL = 3e-5
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +68,8 @@ def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entro
 
 def assert_same_update(actor, got, want):
     (m_got, p_got), (m_want, p_want) = got, want
-    step = {n: p_want[n] - p0 for n, p0 in zip(p_want, (p.full_tensor() for p in actor.initial), strict=True)}
+    initial = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in actor.initial)
+    step = {n: p_want[n] - p0 for n, p0 in zip(p_want, initial, strict=True)}
     step_norm = math.sqrt(sum(float(s.square().sum()) for s in step.values()))
     assert step_norm > 1e-3, "the step moved nothing: the comparison would be empty"
     for n, p in p_want.items():
@@ -74,7 +84,9 @@ def assert_same_update(actor, got, want):
         got_v = m_got[key]
         want_l, got_l = (list(v) if isinstance(v, list) else [v] for v in (want_v, got_v))
         assert len(got_l) == len(want_l), key
-        tol = STEP_TOL if key == "grad_norm" else METRIC_TOL     # a gradient's norm: the step's tolerance
+        # a gradient's norm, and the exp of a sequence's summed log-ratios: the step's tolerance
+        tol = STEP_TOL if key == "grad_norm" or key in SEQUENCE_PRODUCT else METRIC_TOL
+        tol = ENTROPY_TOL if key == "actor/entropy_loss" else tol
         for g, w in zip(got_l, want_l, strict=True):
             assert abs(float(g) - float(w)) <= tol * max(1.0, abs(float(w))), (key, g, w)
 
@@ -151,8 +163,15 @@ def test_untied_head_under_fsdp2(tmp_path):
     assert hasattr(head.weight, "full_tensor"), "the gathered head weight was not resharded after the no-grad forward"
 
 
+RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
+
+
 @pytest.mark.parametrize("setting, batch, named", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], {}, "policy_loss.loss_mode='geo_mean'"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs=token_k1",
+      f"{RC}rollout_rs_threshold='0.7_1.4'"], {}, "loss_mode='bypass_mode' with rollout_correction.rollout_rs"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce",
+      f"{RC}rollout_is=sequence", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
+     "rollout_correction.rollout_is='sequence'"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
      "loss_agg_mode='token-mean' and a KL loss"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
@@ -179,20 +198,24 @@ def test_unfusable_setting_falls_back_recorded(actor, caplog, setting, batch, na
     assert_same_update(actor, got, want)
 
 
-def test_modes_not_fused_are_refused_under_strict(actor):
-    """The registered modes the fused loss does not reproduce (policy.REFUSED): strict mode raises before the
-    model runs, naming the mode. Every other registered mode is fused (test_every_mode_matches_verl_update)."""
+def test_every_registered_mode_is_mapped(actor):
+    """Every policy-loss mode verl registers runs fused (the tests below), bypass_mode for the settings
+    ``bypass.py`` maps; its other settings are refused under strict mode before the model runs, naming them."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     from logitless.verl import policy
-    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | set(policy.REFUSED)
+    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | {"geo_mean"} | set(policy.PARTLY_FUSED)
     gen = torch.Generator().manual_seed(9)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir)
-    for mode in policy.REFUSED:
-        with pytest.raises(FusedPathUnavailable, match=f"loss_mode='{mode}'"):
-            run(actor, tensors, meta, [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"], fused=True,
-                strict=True)
-        assert lv.last_path().reason.startswith(f"policy_loss.loss_mode='{mode}'")
+    for extra, named in [([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold='0.5_2.0'"],
+                          "rollout_is_threshold='0.5_2.0' (IcePop"),
+                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_batch_normalize=True"],
+                          "rollout_is_batch_normalize=True"),
+                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=0.8"],
+                          "below 1")]:
+        with pytest.raises(FusedPathUnavailable, match=re.escape(named)):
+            run(actor, tensors, meta, [f"{P}policy_loss.loss_mode=bypass_mode", *extra], fused=True, strict=True)
+        assert lv.last_path().reason.startswith("policy_loss.loss_mode='bypass_mode' with")
 
 
 P = "actor_rollout_ref.actor."
@@ -247,3 +270,93 @@ def test_triton_backend_head(model_dir, actor):
     got = run(triton_actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
     assert lv.last_path().path == "fsdp"
     assert_same_update(actor, got, want)
+
+
+AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_geo_mean_matches_verl_update(actor, agg):
+    """verl's geo_mean (a plain mean over the micro-batch's sequences of per-sequence losses, the KL loss and
+    the entropy bonus aggregated by loss_agg_mode over the mini-batch) under every loss_agg_mode, with
+    rollout_is_weights (their geometric mean per sequence) on every other one, packed and padded micro-batches,
+    fixed and dynamic micro-batch sizes (a mini-batch of three micro-batches: the micro-batch means add up)."""
+    i = AGGS.index(agg)
+    gen = torch.Generator().manual_seed(40 + i)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=i % 2 == 0)
+    kl = ["low_var_kl", "mse", "kl", "abs", "low_var_kl+"][i]
+    overrides = [f"{P}policy_loss.loss_mode=geo_mean", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type={kl}", f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02",
+                 f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.15", f"{P}loss_scale_factor=5" if i == 3 else
+                 f"{P}clip_ratio=0.2"]
+    engine = [{"use_remove_padding": True}, {"use_remove_padding": False},
+              {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30},
+              {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}, {"use_remove_padding": True}][i]
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    assert max(want[0]["actor/pg_clipfrac"]) + max(want[0]["actor/pg_clipfrac_lower"]) > 0, \
+        "no clipped log-ratio: the case does not test the clipping"
+
+
+# verl's bypass_mode (old_log_probs = the rollout's; IS weights / rejection mask from this pass's log-probs):
+# (rollout_correction settings, loss_agg_mode, engine settings), each with a KL loss, an entropy bonus and the
+# batch's rollout_is_weights (which bypass_mode ignores)
+BYPASS = [
+    ([], "token-mean", {"use_remove_padding": True}),            # ppo_clip, verl's default rollout_is (metrics only)
+    ([f"{RC}loss_type=ppo_clip", f"{RC}rollout_is=token", f"{P}clip_ratio_c=1.2"], "seq-mean-token-sum-norm",
+     {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=null"], "seq-mean-token-mean", {"use_remove_padding": False}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.25"], "token-sum",
+     {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.1"], "seq-mean-token-sum",
+     {"use_remove_padding": False}),
+]
+
+
+@pytest.mark.parametrize("rc, agg, engine", BYPASS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BYPASS)])
+def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
+    """bypass_mode's fused mappings (bypass.py: ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS
+    -> cispo) against verl's own compute_policy_loss_bypass_mode, every rollout_corr metric included."""
+    i = BYPASS.index((rc, agg, engine))
+    gen = torch.Generator().manual_seed(60 + i)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=bypass_mode", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02", f"{P}loss_scale_factor=5" if i == 1 else
+                 f"{P}clip_ratio=0.2", *rc]
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    assert any(k.startswith("rollout_corr/") for k in want[0]), sorted(want[0])
+    if "rollout_is=token" in " ".join(rc) and "reinforce" in " ".join(rc):
+        # the truncation binds on some token (the weights' maximum before truncation is above the threshold)
+        upper = 1.25 if "1.25" in " ".join(rc) else 1.1
+        assert max(want[0]["rollout_corr/rollout_is_max"]) >= upper - 1e-6, sorted(want[0])
+
+
+FSDP1 = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_fsdp1_strategy(tmp_path, tied):
+    """Strategy fsdp (FSDP1, its flat parameters; built on CPU through verl_engine.cpu_fsdp1): the fused loss
+    against verl's own update on the same FSDP1 engine, gspo (sequence-coupled) with a KL loss and an entropy
+    bonus, packed micro-batches."""
+    ve.save_tiny_qwen2(str(tmp_path), seed=5, tied=tied)
+    actor = ve.Actor(str(tmp_path), ["actor_rollout_ref.model.use_fused_kernels=True", *FSDP1])
+    assert type(actor.worker.engine.module).__name__ == "FullyShardedDataParallel"
+    gen = torch.Generator().manual_seed(80 + tied)
+    tensors, meta = ve.rollout_batch(gen, str(tmp_path), is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=gspo", f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03",
+                 f"{P}loss_agg_mode=seq-mean-token-mean", f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.02", *FSDP1]
+    engine = {"use_remove_padding": True}
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    assert max(want[0]["actor/pg_clipfrac"]) > 0

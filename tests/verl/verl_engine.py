@@ -1,13 +1,14 @@
 """verl 0.9.1's actor update, run for real in one CPU process: ``TrainingWorker.train_mini_batch`` ->
-``FSDPEngineWithLMHead.train_batch`` (strategy fsdp2) with ``verl.workers.utils.losses.ppo_loss``,
+``FSDPEngineWithLMHead.train_batch`` (strategy fsdp2, or fsdp) with ``verl.workers.utils.losses.ppo_loss``,
 built the way ``ActorRolloutRefWorker.init_model`` builds it, on a tiny Qwen2 saved to a temp dir.
 
 What CPU needs (verl targets accelerators): a CPU platform through verl's own platform registry, a
 1-rank gloo process group, stand-ins for uvicorn / fastapi when they are not installed (only verl's
 rollout server imports them; the update never calls them), trl's value-head patch turned off (trl 1.16
-no longer has the class verl imports for critics), strategy fsdp2 (FSDP1 refuses CPU parameters),
-eager attention. verl patches the model class's forward and never restores it: ``build_actor`` puts
-it back on exit.
+no longer has the class verl imports for critics), eager attention. Strategy fsdp2 by default; strategy fsdp
+(FSDP1) needs ``cpu_fsdp1``: verl wraps with ``sync_module_states=True`` and FSDP1 refuses any CPU tensor then
+(NCCL's broadcast wants GPU ones), while gloo broadcasts CPU tensors. verl patches the model class's forward
+and never restores it: ``Actor`` puts it back.
 """
 from __future__ import annotations
 
@@ -69,6 +70,21 @@ def _cpu_platform():
 
 
 _READY = False
+
+
+@contextlib.contextmanager
+def cpu_fsdp1():
+    """While verl builds an FSDP1 engine: FSDP1's check that ``sync_module_states=True`` sees no CPU tensor
+    (``torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states``, there for NCCL's
+    broadcast) is lifted; the broadcast itself runs, over gloo, which takes CPU tensors. Nothing else of
+    FSDP1 or verl changes."""
+    from torch.distributed.fsdp import _init_utils
+    check = _init_utils._check_module_states_for_sync_module_states
+    _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+    try:
+        yield
+    finally:
+        _init_utils._check_module_states_for_sync_module_states = check
 
 
 def stub_server_modules() -> None:
@@ -188,11 +204,16 @@ class Actor:
             training.engine_config.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
             training.engine_config.use_remove_padding = config.model_config.get("use_remove_padding", False)
             self.worker = TrainingWorker(config=training)
-            self.worker.reset()
+            with cpu_fsdp1():
+                self.worker.reset()
             self.forward = Qwen2ForCausalLM.forward
         finally:
             Qwen2ForCausalLM.forward = plain
         self.initial = [p.detach().clone() for p in self.worker.engine.module.parameters()]
+
+    def initial_full(self):
+        """The initial parameters, whole (an FSDP2 shard's full tensor)."""
+        return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.initial]
 
     def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
         """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
@@ -221,7 +242,8 @@ class Actor:
         for name, p in module.named_parameters():
             p = p.full_tensor() if hasattr(p, "full_tensor") else p
             params[name] = p.detach().clone()
-        return tu.get(out, "metrics"), params
+        # under Ulysses only the first rank of each sp group collects the output (the others: None)
+        return (tu.get(out, "metrics") if out is not None else None), params
 
 
 def infer_logprobs(actor: "Actor", tensors, meta):

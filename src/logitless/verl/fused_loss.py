@@ -16,16 +16,18 @@ verl then calls returns that loss, times the constant that gives verl's normalis
 metrics: ``ppo_loss`` itself, run without gradients on those detached log-probs and entropies, so every
 metric keeps verl's name, aggregation type and formula (pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl,
 entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, dynamic batch size,
-remove-padding and loss scaling run unchanged around it.
+remove-padding and loss scaling run unchanged around it; under Ulysses sequence parallelism the head gathers
+the sp group's rows first (``ulysses.py``).
 
-A micro-batch that cannot run fused (loss modes geo_mean and bypass_mode, Ulysses
-sequence parallelism, ``use_fused_kernels=False``, ...; ``policy.unfusable`` and ``make_plan`` list them)
+A micro-batch that cannot run fused (bypass_mode's rejection sampling and its sequence-level IS weights,
+``use_fused_kernels=False``, ...; ``policy.unfusable``, ``bypass.py`` and ``make_plan`` list them)
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
 micro-batch records path "fsdp" with the backend that ran.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -37,7 +39,16 @@ import torch
 from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
-from .policy import loss_scale, settings, unfusable
+from . import ulysses
+from .policy import (
+    MICRO_BATCH_MEAN,
+    loss_mode,
+    loss_scale,
+    micro_batch_mean,
+    settings,
+    unfusable,
+    uses_batch_is_weights,
+)
 from .sites import Site, SiteState, strict_mode
 from .tokens import ResponseTokens, for_rows, response_tokens
 
@@ -54,10 +65,23 @@ class Plan:
     tokens: ResponseTokens
     settings: dict            # PolicyLoss keyword arguments but the per-token tensors
     use_ref: bool
-    scale: float
+    scale: float              # the fused loss times this is verl's (a micro-batch-mean mode: ``settings_for``)
+    micro_batch_mean: bool = False     # policy.MICRO_BATCH_MEAN (geo_mean): settings and scale follow the rows
+    sequence_parallel: bool = False    # verl's Ulysses: the head gathers the sp group's rows (ulysses.py)
+    shard: Optional[object] = None     # then this rank's slice of them (ulysses.Shard), set by ``head``
     result: Optional[PolicyLossOutput] = None
     failure: str = ""
     rng: Optional[torch.Tensor] = None     # the CPU generator's state when the loss drew (clip_cov's randperm)
+
+    def settings_for(self, sequences: int) -> dict:
+        """The PolicyLoss settings for rows that delimit ``sequences`` sequences (packed: cu_seqlens' segments;
+        padded: the rows). Call once, as the head builds the loss: for a micro-batch-mean mode (geo_mean) this
+        also sets ``scale`` (``policy.micro_batch_mean``)."""
+        if not self.micro_batch_mean:
+            return self.settings
+        kwargs, self.scale = micro_batch_mean(self.settings, self.scale, loss_sequences=sequences,
+                                              batch_sequences=self.tokens.batch)
+        return kwargs
 
 
 class _Pending(threading.local):
@@ -87,27 +111,40 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
     plan = _pending.plan
     if plan is None or plan.result is not None or plan.failure:
         return None
+    h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
+    rows_labels, shard = labels, None
+    grp = ulysses.group() if plan.sequence_parallel else None
+    if grp is not None:
+        # the whole micro-batch's rows, on every sp rank (ulysses.py); every rank takes this branch
+        h, rows_labels, shard = ulysses.gather(h, labels.reshape(-1), grp)
+        rows_labels = rows_labels.view(1, -1)
     try:
-        rows = for_rows(plan.tokens, labels)
+        rows = for_rows(plan.tokens, rows_labels)
     except ValueError as exc:
+        if shard is not None:
+            raise          # the model's output would miss the gathered rows: no fallback after the gather
         plan.failure = str(exc)
         return None
     policy = PolicyLoss(advantages=rows.advantages, old_logprobs=rows.old_logprobs,
                         ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
-                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens, **plan.settings)
-    h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
+                        rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens,
+                        **plan.settings_for(rows.sequences))
     plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
         out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
                           temperature=float(temperature))
     plan.result = out
+    plan.shard = shard
+    lp, ent = out.logprobs, out.entropy
+    if shard is not None:
+        lp, ent = lp.reshape(-1)[shard.start:shard.stop], ent.reshape(-1)[shard.start:shard.stop]
     # The loss leaves the model through its output: the log-probs carry it (+ L - L, exactly 0 in value),
     # and the loss function takes its gradient path through them, so the backward hooks that wrappers
     # register on the model's outputs (FSDP's pre-backward unshard of the root's parameters) run before
     # the backward reaches the head, as for verl's own loss.
     carrier = out.loss - out.loss.detach()
     shape = (-1,) if flat else labels.shape
-    return out.logprobs.reshape(shape) + carrier, out.entropy.reshape(shape)
+    return lp.reshape(shape) + carrier, ent.reshape(shape)
 
 
 def _policy_config(loss_function):
@@ -137,8 +174,6 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     if not get("use_fused_kernels", False):
         bad.append("use_fused_kernels=False (the model would build the logits; set "
                    "actor_rollout_ref.model.use_fused_kernels=True)")
-    if getattr(engine, "use_ulysses_sp", False):
-        bad.append(f"ulysses_sequence_parallel_size={engine.ulysses_sequence_parallel_size}")
     if get("distillation_use_topk", False) or get("distillation_only", False):
         bad.append("top-k distillation (its loss needs the logits)")
     if get("return_model_output", False):
@@ -148,22 +183,36 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
     tokens, why = response_tokens(micro_batch, with_ref=bool(config.use_kl_loss))
     if tokens is None:
         return None, why
+    if not uses_batch_is_weights(config):
+        tokens = dataclasses.replace(tokens, rollout_weights=None)
+    sequence_parallel = bool(getattr(engine, "use_ulysses_sp", False))
+    if sequence_parallel:
+        bucket = getattr(engine, "_get_packed_pad_size", None)     # verl's pad_to_length bucket padding
+        why = ulysses.empty_rank(tokens.total, int(engine.ulysses_sequence_parallel_size),
+                                 int(bucket(tokens.total)) if bucket is not None else 0)
+        if why:
+            return None, why
     kwargs = settings(config, calculate_entropy=entropy)
     scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
                        global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
                        scored_sequences=tokens.sequences, response_width=tokens.width)
-    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale), ""
+    return Plan(tokens, kwargs, bool(config.use_kl_loss), scale, loss_mode(config) in MICRO_BATCH_MEAN,
+                sequence_parallel), ""
 
 
-def _through_output(model_output, loss: torch.Tensor) -> torch.Tensor:
+def _through_output(model_output, loss: torch.Tensor, shard=None) -> torch.Tensor:
     """``loss`` in value, with its gradient path through the model's output log-probs (which carry it,
-    see ``head``) rather than straight to the head."""
+    see ``head``) rather than straight to the head: their first element, or under Ulysses (``shard``) the
+    first element of this rank's slice over the sp size (verl's gather multiplies its gradient back)."""
     lp = model_output["log_probs"]
-    first = (lp.values() if lp.is_nested else lp).reshape(-1)[:1].sum()
+    flat = (lp.values() if lp.is_nested else lp).reshape(-1)
+    start = 0 if shard is None else shard.start
+    first = flat[start:start + 1].sum()
     if not first.requires_grad:
         raise RuntimeError("logitless.verl: the model's log-probs lost the fused loss they carry (verl's "
                            "prepare_model_outputs detached them?)")
-    return first - first.detach() + loss.detach()
+    carried = first - first.detach()
+    return (carried if shard is None else carried / shard.size) + loss.detach()
 
 
 def _fused_loss_function(plan: Plan, verl_loss):
@@ -183,7 +232,7 @@ def _fused_loss_function(plan: Plan, verl_loss):
         finally:
             torch.set_rng_state(after)
         write_record("fsdp", last_backend(), ENTRY)
-        return _through_output(model_output, plan.result.loss) * plan.scale, metrics
+        return _through_output(model_output, plan.result.loss, plan.shard) * plan.scale, metrics
     return loss_function
 
 

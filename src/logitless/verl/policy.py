@@ -25,26 +25,44 @@ vanilla's dual clip (always on in verl) and dppo's ratio cap; tau_pos / tau_neg 
 clip_cov_ratio / clip_cov_lb / clip_cov_ub (clip_cov); kl_cov_ratio / ppo_kl_coef (kl_cov). verl's
 ``rollout_is_weights`` multiply the policy term (``rollout_weights``). sapo aggregates its policy term by
 seq-mean-token-mean whatever ``loss_agg_mode`` says (verl does), so with a KL loss or an entropy bonus it fuses
-only under that mode. ``unfusable`` names every setting that has no such mapping.
+only under that mode. geo_mean's policy term is a plain mean over the micro-batch's sequences, outside that
+normalisation (``micro_batch_mean``). bypass_mode is the vanilla, gpg or cispo settings where its definition
+equals theirs (``bypass.py``). ``unfusable`` names every setting that has no such mapping.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from ..losses import KL_TYPES, VERL_POLICY_LOSSES, verl_loss_settings
+from .bypass import MODE as BYPASS
+from .bypass import bypass_mapping
 
 AGG = {"token-mean": "token-sum", "token-sum": "token-sum", "seq-mean-token-sum": "token-sum",
        "seq-mean-token-sum-norm": "token-sum", "seq-mean-token-mean": "seq-mean-token-mean"}
-# loss modes not fused, and why
-REFUSED = {
-    "geo_mean": "a mean of per-sequence losses over the micro-batch's sequences, outside loss_agg_mode and verl's "
-                "mini-batch normalisation, which the KL loss and entropy bonus keep",
-    "bypass_mode": "its rollout-correction weights and rejection mask are computed from this pass's log-probs",
-}
+# loss modes fused for some of their settings only (``unfusable`` names the others)
+PARTLY_FUSED = (BYPASS,)
+# loss modes whose policy term verl takes as a plain mean over the micro-batch's sequences (torch.mean, fully
+# masked ones included), outside loss_agg_mode and the mini-batch normalisation the KL loss and the entropy
+# bonus keep: ``micro_batch_mean`` rescales the fused loss's terms to match
+MICRO_BATCH_MEAN = ("geo_mean",)
 
 
 def loss_mode(config) -> str:
     return config.policy_loss.get("loss_mode", "vanilla")
+
+
+def fused_mode(config) -> tuple[Optional[str], dict, str]:
+    """(the loss mode whose settings the fused loss takes, overrides of those settings, "") or (None, {}, why):
+    the configured mode itself, or for bypass_mode the mode it equals (``bypass.py``)."""
+    mode = loss_mode(config)
+    if mode == BYPASS:
+        return bypass_mapping(config)
+    return mode, {}, ""
+
+
+def uses_batch_is_weights(config) -> bool:
+    """Whether verl's policy term reads the batch's ``rollout_is_weights`` (bypass_mode ignores them)."""
+    return loss_mode(config) != BYPASS
 
 
 def pg_agg_mode(config) -> str:
@@ -56,11 +74,12 @@ def unfusable(config, *, with_entropy: bool) -> list:
     """verl actor settings (``ActorConfig``) the fused policy loss cannot reproduce, as "setting (why)"."""
     bad = []
     mode = loss_mode(config)
-    if mode in REFUSED:
-        bad.append(f"policy_loss.loss_mode={mode!r} ({REFUSED[mode]})")
-    elif mode not in VERL_POLICY_LOSSES:
+    mapped, _, why = fused_mode(config)
+    if why:
+        bad.append(f"policy_loss.loss_mode={mode!r} with {why}")
+    elif mapped not in VERL_POLICY_LOSSES:
         bad.append(f"policy_loss.loss_mode={mode!r} (not a loss mode logitless knows: "
-                   f"{', '.join(m for m in VERL_POLICY_LOSSES if m not in REFUSED)})")
+                   f"{', '.join((*VERL_POLICY_LOSSES, *PARTLY_FUSED))})")
     if config.loss_agg_mode not in AGG:
         bad.append(f"loss_agg_mode={config.loss_agg_mode!r} (not one of verl's token-weighted aggregations)")
     elif pg_agg_mode(config) != config.loss_agg_mode and (config.use_kl_loss or with_entropy):
@@ -77,7 +96,7 @@ def settings(config, *, calculate_entropy: bool) -> dict:
     ``unfusable`` first). The entropy bonus is in verl's loss only when the engine computed the entropy
     (``calculate_entropy``, which the trainer sets when ``entropy_coeff != 0``); the KL loss only with
     ``use_kl_loss``."""
-    mode = loss_mode(config)
+    mode, overrides, _ = fused_mode(config)
     pl = config.policy_loss
     out = verl_loss_settings(mode)
     clip = config.clip_ratio
@@ -99,7 +118,24 @@ def settings(config, *, calculate_entropy: bool) -> dict:
                    clip_cov_ub=float(pl.clip_cov_ub))
     if mode == "kl_cov":
         out.update(cov_ratio=float(pl.kl_cov_ratio), kl_cov_coef=float(pl.ppo_kl_coef))
+    out.update(overrides)
     return out
+
+
+def micro_batch_mean(kwargs: dict, agg_scale: float, *, loss_sequences: int, batch_sequences: int
+                     ) -> tuple[dict, float]:
+    """(settings, scale) for a ``MICRO_BATCH_MEAN`` loss mode (geo_mean). verl's loss there is
+
+        mean_{b sequences of the micro-batch} pg_i + agg_scale * (kl_loss_coef * sum_j w_j kl_j - entropy_coeff * ...)
+
+    while the fused loss's geo_mean term is the sum of pg_i over the ``loss_sequences`` sequences its rows
+    delimit (the same pg_i; a sequence with no scored token, the packed rows' tail padding included, adds 0)
+    divided by their number. Scaling the fused loss by s = loss_sequences / batch_sequences makes the policy
+    terms equal; the KL and entropy coefficients are multiplied by agg_scale / s so that theirs are too.
+    ``kwargs``: ``settings()``'s; agg_scale: ``loss_scale()``'s."""
+    s = loss_sequences / batch_sequences
+    ratio = agg_scale / s
+    return dict(kwargs, kl_coef=kwargs["kl_coef"] * ratio, entropy_coef=kwargs["entropy_coef"] * ratio), s
 
 
 def loss_scale(config, *, dp_size: int, batch_num_tokens: Optional[float], global_batch_size: Optional[float],

@@ -45,6 +45,11 @@ class ResponseTokens:
     def total(self) -> int:
         return self.scored.numel()
 
+    @property
+    def batch(self) -> int:
+        """The micro-batch's sequences (verl's padded batch axis, fully masked ones included)."""
+        return self.offsets.numel() - 1
+
 
 def response_tokens(data, *, with_ref: bool) -> tuple[Optional[ResponseTokens], str]:
     """(ResponseTokens, "") for a verl micro-batch, or (None, why) when its layout is not one verl's loss
@@ -94,6 +99,12 @@ class Rows:
     ref_logprobs: Optional[Tensor]
     rollout_weights: Optional[Tensor]
     cu_seqlens: Optional[Tensor]
+
+    @property
+    def sequences(self) -> int:
+        """The sequences these rows delimit for the fused loss: cu_seqlens' segments (the packed tail
+        padding one of them) or the rows of labels."""
+        return self.cu_seqlens.numel() - 1 if self.cu_seqlens is not None else self.labels.shape[0]
 
 
 def for_rows(tokens: ResponseTokens, labels: Tensor) -> Rows:
