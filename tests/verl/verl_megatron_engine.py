@@ -1,0 +1,199 @@
+"""verl 0.9.1's Megatron actor update, run for real in one CPU process: ``TrainingWorker.train_mini_batch`` ->
+``MegatronEngineWithLMHead`` (megatron-core 0.19, TP 1 on a 1-rank gloo group) with
+``verl.workers.utils.losses.ppo_loss``, built the way ``ActorRolloutRefWorker.init_model`` builds it, on the tiny
+Qwen2 of verl_engine.py loaded through verl's vanilla mbridge bridge (``megatron.vanilla_mbridge=True``: the
+``mbridge`` package; verl's default, Megatron-Bridge, needs Python 3.12).
+
+What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatron-core target GPUs):
+- megatron-core's two CPU workarounds (mcore_env.py): ``torch.cuda.current_device`` -> "cpu" and the
+  inference RNG tracker for ``model_parallel_cuda_manual_seed``; its CUDA streams as no-ops while the schedule
+  runs (``mcore_env.cpu_streams``: DDP's grad sync asks for the current stream);
+- megatron-core's optimizer and grad clipping allocate on ``device='cuda'`` and assert
+  ``grad.type() == 'torch.cuda.FloatTensor'``: a torch-function mode puts those tensors on the CPU and reports
+  CPU float tensors as CUDA ones; ``Module.cuda`` is a no-op while mbridge builds the model;
+- mbridge builds Transformer Engine layers (GPU only): the local layer spec instead, with mcore_env's packed
+  (THD) attention, and mbridge's Qwen2 weight names extended to that spec's norms (``input_layernorm`` /
+  ``pre_mlp_layernorm``, which TE fuses into the linear layers); mbridge 0.15.1 tests
+  ``ModelType.encoder_and_decoder``, which megatron-core 0.19 no longer has;
+- float32 parameters: verl's McoreEngineConfig accepts only bfloat16 / float16, so ``dtype`` is set past its
+  check; SGD without momentum (``sgd_momentum=0``) so the step is the gradient itself;
+- no tokenizer (verl only reads its pad id, 0 here).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import types
+from functools import partial
+
+import torch
+import verl_engine as ve
+from torch.overrides import TorchFunctionMode
+
+import mcore_env
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """megatron-core's hard-coded CUDA tensors on the CPU: factory calls with a CUDA device (or an index) get
+    device "cpu", ``Tensor.cuda()`` returns the tensor, and ``Tensor.type()`` names CPU tensors as CUDA ones
+    (the optimizer's clipping asserts 'torch.cuda.FloatTensor')."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        dev = kwargs.get("device")
+        if (dev == "cuda" or (isinstance(dev, torch.device) and dev.type == "cuda")
+                or (isinstance(dev, int) and not isinstance(dev, bool))):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_megatron():
+    """While open: megatron-core / mbridge / verl's Megatron engine build and train on the CPU (see the module
+    docstring); everything is put back on exit."""
+    from megatron.core import tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    import mbridge.core.llm_bridge as llm_bridge
+    import mbridge.core.util as mbridge_util
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    def local_spec(self, vp_stage=None):
+        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False)
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = mcore_env.packed_attention_class()
+        return spec
+
+    seed = tensor_parallel.model_parallel_cuda_manual_seed
+    saved = [(torch.cuda, "current_device", torch.cuda.current_device),
+             (tensor_parallel, "model_parallel_cuda_manual_seed", seed),
+             (torch.nn.Module, "cuda", torch.nn.Module.cuda),
+             (llm_bridge.LLMBridge, "_get_transformer_layer_spec", llm_bridge.LLMBridge._get_transformer_layer_spec),
+             (mbridge_util, "ModelType", mbridge_util.ModelType),
+             (Qwen2Bridge, "_OTHER_MAPPING", Qwen2Bridge._OTHER_MAPPING),
+             (Qwen2Bridge, "_MLP_MAPPING", Qwen2Bridge._MLP_MAPPING)]
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.model_parallel_cuda_manual_seed = lambda s, *a, **k: seed(s, inference_rng_tracker=True)
+    torch.nn.Module.cuda = lambda self, device=None: self
+    llm_bridge.LLMBridge._get_transformer_layer_spec = local_spec
+    mbridge_util.ModelType = types.SimpleNamespace(encoder_or_decoder=ModelType.encoder_or_decoder,
+                                                   encoder_and_decoder=object())
+    Qwen2Bridge._OTHER_MAPPING = {**Qwen2Bridge._OTHER_MAPPING,
+                                  "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    Qwen2Bridge._MLP_MAPPING = {**Qwen2Bridge._MLP_MAPPING, "pre_mlp_layernorm.weight":
+                                ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+    try:
+        with _CudaOnCpu(), mcore_env.cpu_streams():
+            yield
+    finally:
+        for owner, name, value in saved[::-1]:
+            setattr(owner, name, value)
+
+
+def setup() -> None:
+    """verl's CPU platform (verl_engine.setup) and a 1-rank gloo group (another test module may have torn
+    its own down)."""
+    ve.setup()
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def teardown() -> None:
+    """Megatron's model-parallel state, built by verl's engine, destroyed (the gloo group stays for the
+    other verl test modules)."""
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+
+
+BASE = [
+    "model_engine=megatron",
+    "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+    "actor_rollout_ref.actor.megatron.sequence_parallel=False",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=local",
+    "actor_rollout_ref.actor.optim.optimizer=sgd",
+    "+actor_rollout_ref.actor.optim.override_optimizer_config.sgd_momentum=0.0",
+    "actor_rollout_ref.actor.optim.weight_decay=0.0",
+    "actor_rollout_ref.actor.optim.lr=0.5",
+    "actor_rollout_ref.actor.optim.total_training_steps=10",
+    "actor_rollout_ref.actor.optim.clip_grad=1000.0",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.n=1",
+]
+
+
+def actor_config(model_dir: str, overrides=()):
+    """verl's McoreActorConfig from the composed config (float32 parameters, see the module docstring)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import verl
+    from verl.utils.config import omega_conf_to_dataclass
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    GlobalHydra.instance().clear()
+    base = [f"actor_rollout_ref.model.path={model_dir}", "+actor_rollout_ref.model.load_tokenizer=False", *BASE]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = hydra_compose("ppo_trainer", overrides=base + list(overrides))
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    config.model_config = model_config
+    object.__setattr__(config.engine, "dtype", "float32")
+    return cfg, config
+
+
+class Actor:
+    """A built Megatron actor (``TrainingWorker``) whose update can be run repeatedly from the same starting
+    parameters with another loss config (``set_loss_fn``) and other engine settings (in the batch)."""
+
+    def __init__(self, model_dir: str, overrides=()):
+        setup()
+        from verl.workers.config import TrainingWorkerConfig
+        from verl.workers.engine_workers import TrainingWorker
+        self.model_dir = model_dir
+        cfg, config = actor_config(model_dir, overrides)
+        training = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
+                                        engine_config=config.engine, optimizer_config=config.optim,
+                                        checkpoint_config=config.checkpoint, profiler_config=None)
+        actor = cfg.actor_rollout_ref.actor
+        training.engine_config.use_dynamic_bsz = actor.use_dynamic_bsz
+        training.engine_config.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+        training.engine_config.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        with cpu_megatron():
+            self.worker = TrainingWorker(config=training)
+            self.worker.reset()
+        self.worker.engine.model_config.tokenizer = types.SimpleNamespace(pad_token_id=0)
+        self.initial = {n: p.detach().clone() for n, p in self.params().items()}
+
+    def params(self):
+        return {n: p for chunk in self.worker.engine.module for n, p in chunk.named_parameters()}
+
+    def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
+        """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
+        ``overrides``; engine settings (micro_batch_size_per_gpu, use_dynamic_bsz, max_token_len_per_gpu) from
+        ``engine``. Returns (metrics, {name: parameter after the step})."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.losses import ppo_loss
+        _, config = actor_config(self.model_dir, overrides)
+        with torch.no_grad():
+            for name, p in self.params().items():
+                p.copy_(self.initial[name])
+        self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
+        data = ve.to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
+        tu.assign_non_tensor(data, **(engine or {}))
+        with cpu_megatron():
+            out = self.worker.train_mini_batch(data)
+        return tu.get(out, "metrics"), {n: p.detach().clone() for n, p in self.params().items()}
