@@ -12,7 +12,7 @@ What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatr
   ``grad.type() == 'torch.cuda.FloatTensor'``: a torch-function mode puts those tensors on the CPU and reports
   CPU float tensors as CUDA ones; ``Module.cuda`` is a no-op while mbridge builds the model;
 - mbridge builds Transformer Engine layers (GPU only): the local layer spec instead, with mcore_env's packed
-  (THD) attention, and mbridge's Qwen2 weight names extended to that spec's norms (``input_layernorm`` /
+  (THD) attention (and verl's BSHD key mask made the local attention's mask), and mbridge's Qwen2 weight names extended to that spec's norms (``input_layernorm`` /
   ``pre_mlp_layernorm``, which TE fuses into the linear layers); mbridge 0.15.1 tests
   ``ModelType.encoder_and_decoder``, which megatron-core 0.19 no longer has;
 - float32 parameters: verl's McoreEngineConfig accepts only bfloat16 / float16, so ``dtype`` is set past its
@@ -53,22 +53,38 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def core_attention_class():
+    """mcore_env's packed (THD) attention, which also takes verl's padded (BSHD) key mask [b, s] (True: a
+    token), turned into the local attention's [b, 1, s, s] (True: masked) with the causal mask."""
+    base = mcore_env.packed_attention_class()
+
+    class EngineCoreAttention(base):
+        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+            if attention_mask is not None and attention_mask.dim() == 2:
+                keep = attention_mask.bool()
+                s = keep.shape[1]
+                causal = torch.ones(s, s, dtype=torch.bool, device=keep.device).triu(1)
+                attention_mask = causal[None, None] | ~keep[:, None, None, :]
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+    return EngineCoreAttention
+
+
 @contextlib.contextmanager
 def cpu_megatron():
     """While open: megatron-core / mbridge / verl's Megatron engine build and train on the CPU (see the module
     docstring); everything is put back on exit."""
+    import mbridge.core.llm_bridge as llm_bridge
+    import mbridge.core.util as mbridge_util
+    from mbridge.models.qwen2 import Qwen2Bridge
     from megatron.core import tensor_parallel
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    import mbridge.core.llm_bridge as llm_bridge
-    import mbridge.core.util as mbridge_util
-    from mbridge.models.qwen2 import Qwen2Bridge
-
     def local_spec(self, vp_stage=None):
         spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False)
         for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = mcore_env.packed_attention_class()
+            layer.submodules.self_attention.submodules.core_attention = core_attention_class()
         return spec
 
     seed = tensor_parallel.model_parallel_cuda_manual_seed
@@ -139,9 +155,9 @@ def actor_config(model_dir: str, overrides=()):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from verl.utils.config import omega_conf_to_dataclass
 
     import verl
-    from verl.utils.config import omega_conf_to_dataclass
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     GlobalHydra.instance().clear()
     base = [f"actor_rollout_ref.model.path={model_dir}", "+actor_rollout_ref.model.load_tokenizer=False", *BASE]

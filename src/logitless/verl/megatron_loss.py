@@ -40,7 +40,8 @@ from typing import Optional
 import torch
 
 from ..losses import PolicyLoss
-from .fused_loss import Plan, _fused_loss_function, fallback, make_plan
+from ..record import write_record
+from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
 from .sites import Site, SiteState
 from .tokens import IGNORE, ResponseTokens, Rows
 
@@ -160,8 +161,11 @@ def _make_forward_step(original):
                 plan, why = None, "; ".join(bad)
         if plan is None:
             if why:
-                fallback(why)
-            return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+                fallback(why)          # raises under strict mode, before the model runs
+            out = original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+            if why:     # again after the forward, whose head (logitless') wrote a record of its own
+                write_record("unfused", None, ENTRY, why)
+            return out
         outer, _pending.plan = _pending.plan, plan
         try:
             output, loss_func = original(self, iter([batch]), model, logits_processor_func,
