@@ -12,8 +12,9 @@ What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatr
   ``grad.type() == 'torch.cuda.FloatTensor'``: a torch-function mode puts those tensors on the CPU and reports
   CPU float tensors as CUDA ones; ``Module.cuda`` is a no-op while mbridge builds the model;
 - mbridge builds Transformer Engine layers (GPU only): the local layer spec instead, with mcore_env's packed
-  (THD) attention (and verl's BSHD key mask made the local attention's mask), and mbridge's Qwen2 weight names extended to that spec's norms (``input_layernorm`` /
-  ``pre_mlp_layernorm``, which TE fuses into the linear layers); mbridge 0.15.1 tests
+  (THD) attention (verl's BSHD key mask made the local attention's mask), and mbridge's Qwen2 weight names
+  extended to that spec's norms (``input_layernorm`` / ``pre_mlp_layernorm``, which TE fuses into the linear
+  layers); mbridge 0.15.1 tests
   ``ModelType.encoder_and_decoder``, which megatron-core 0.19 no longer has;
 - float32 parameters: verl's McoreEngineConfig accepts only bfloat16 / float16, so ``dtype`` is set past its
   check; SGD without momentum (``sgd_momentum=0``) so the step is the gradient itself;
