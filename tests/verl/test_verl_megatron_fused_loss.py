@@ -5,7 +5,6 @@ batch and from the same parameters as verl's own unfused Megatron path (``use_fu
 logits, verl's vocab-parallel log-softmax and entropy, ``verl.workers.utils.losses.ppo_loss``): parameters after
 the step, every metric verl logs, and ``last_path()``."""
 import logging
-import math
 
 import pytest
 import torch
@@ -19,16 +18,13 @@ import_or_skip("mbridge", "make setup installs mbridge (the test extra)")
 import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-deps) and its import deps")
 
 import verl_megatron_engine as vme  # noqa: E402
+from verl_megatron_engine import assert_same_update  # noqa: E402
 
 import logitless.verl as lv  # noqa: E402
 from logitless.verl import FusedPathUnavailable, fused_loss  # noqa: E402
 from logitless.verl.megatron_loss import thd_rows  # noqa: E402
 from logitless.verl.tokens import IGNORE, ResponseTokens  # noqa: E402
 
-PARAM_TOL = 1e-4       # relative, per parameter, after the step
-STEP_TOL = 1e-4        # relative to the whole step's norm, per parameter's step
-METRIC_TOL = 1e-5      # relative, or absolute below 1
-TIMING = ("perf/", "mfu")
 P = "actor_rollout_ref.actor."
 THD = ["actor_rollout_ref.model.use_remove_padding=True"]
 
@@ -66,28 +62,6 @@ def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entro
                             engine=engine)
     finally:
         lv.uninstall()
-
-
-def assert_same_update(initial, got, want):
-    (m_got, p_got), (m_want, p_want) = got, want
-    step = {n: p - initial[n] for n, p in p_want.items()}
-    step_norm = math.sqrt(sum(float(s.square().sum()) for s in step.values()))
-    assert step_norm > 1e-3, "the step moved nothing: the comparison would be empty"
-    assert p_got.keys() == p_want.keys()
-    for n, p in p_want.items():
-        assert float((p_got[n] - p).norm()) <= PARAM_TOL * float(p.norm()) + 1e-12, n
-        assert float((p_got[n] - initial[n] - step[n]).norm()) <= STEP_TOL * step_norm, n
-    missing = set(m_want) - set(m_got)
-    assert not missing, f"metrics verl logs but the fused run does not: {missing}"
-    assert set(m_got) == set(m_want), set(m_got) ^ set(m_want)
-    for key, want_v in m_want.items():
-        if key.startswith(TIMING):
-            continue
-        want_l, got_l = (list(v) if isinstance(v, list) else [v] for v in (want_v, m_got[key]))
-        assert len(got_l) == len(want_l), key
-        tol = STEP_TOL if key == "grad_norm" else METRIC_TOL     # a gradient's norm: the step's tolerance
-        for g, w in zip(got_l, want_l, strict=True):
-            assert abs(float(g) - float(w)) <= tol * max(1.0, abs(float(w))), (key, g, w)
 
 
 def fused_matches(actors, tensors, meta, overrides, *, calculate_entropy=True, engine=None):
@@ -241,3 +215,36 @@ def test_thd_rows_follow_verl_padded_layout():
     assert torch.equal(rows.labels, expect_labels) and torch.equal(rows.advantages, expect_adv)
     with pytest.raises(ValueError, match="less room"):
         thd_rows(tokens, labels[:, :12], torch.tensor([0, 5, 8, 12]))
+
+
+def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism():
+    """TP 2 over two gloo processes (verl_megatron_tp2_worker.py): verl's unfused Megatron actor against the fused
+    loss, with sequence parallelism (mbridge's default at TP > 1) and without, a token-mean and a sequence-level
+    (gspo, seq-mean-token-mean) loss; every rank's parameter shards after the step, rank 0's metrics."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    from verl_megatron_tp2_worker import CASES
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "gloo_init")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, os.path.join(here, "verl_megatron_tp2_worker.py"), str(r), "2",
+                                   init, tmp, tmp], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for r in range(2)]
+        try:
+            logs = [p.communicate(timeout=600)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
+        for r, p in enumerate(procs):
+            assert p.returncode == 0 and os.path.exists(outs[r]), f"rank {r}:\n{logs[r][-3000:]}"
+        results = [json.load(open(o)) for o in outs]
+    for rank, res in enumerate(results):
+        assert set(res) == {c[0] for c in CASES}
+        for case, (ok, msg) in res.items():
+            assert ok, f"{case} rank {rank}: {msg}"

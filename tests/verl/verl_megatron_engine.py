@@ -14,7 +14,7 @@ What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatr
 - mbridge builds Transformer Engine layers (GPU only): the local layer spec instead, with mcore_env's packed
   (THD) attention (verl's BSHD key mask made the local attention's mask), and mbridge's Qwen2 weight names
   extended to that spec's norms (``input_layernorm`` / ``pre_mlp_layernorm``, which TE fuses into the linear
-  layers); mbridge 0.15.1 tests
+  layers), a torch RMSNorm for sequence parallelism (``SequenceParallelRMSNorm``); mbridge 0.15.1 tests
   ``ModelType.encoder_and_decoder``, which megatron-core 0.19 no longer has;
 - float32 parameters: verl's McoreEngineConfig accepts only bfloat16 / float16, so ``dtype`` is set past its
   check; SGD without momentum (``sgd_momentum=0``) so the step is the gradient itself;
@@ -23,6 +23,7 @@ What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatr
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import types
@@ -33,6 +34,11 @@ import verl_engine as ve
 from torch.overrides import TorchFunctionMode
 
 import mcore_env
+
+PARAM_TOL = 1e-4       # relative, per parameter, after the step
+STEP_TOL = 1e-4        # relative to the whole step's norm, per parameter's step
+METRIC_TOL = 1e-5      # relative, or absolute below 1
+TIMING = ("perf/", "mfu")
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -71,6 +77,18 @@ def core_attention_class():
     return EngineCoreAttention
 
 
+class SequenceParallelRMSNorm:
+    """torch RMSNorm for sequence-parallel models (mbridge turns SP on at TP > 1): Megatron's WrappedTorchNorm
+    refuses sequence_parallel=True (its fused norms are GPU-only); this builds the same torch norm and tags its
+    weight ``sequence_parallel`` as Megatron's own norms do, so its gradient is all-reduced over TP."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
 @contextlib.contextmanager
 def cpu_megatron():
     """While open: megatron-core / mbridge / verl's Megatron engine build and train on the CPU (see the module
@@ -86,6 +104,11 @@ def cpu_megatron():
         spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False)
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = core_attention_class()
+            if self.config.sequence_parallel:
+                layer.submodules.input_layernorm = SequenceParallelRMSNorm
+                layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if self.config.sequence_parallel:
+            spec.layer_norm = SequenceParallelRMSNorm
         return spec
 
     seed = tensor_parallel.model_parallel_cuda_manual_seed
@@ -114,16 +137,23 @@ def cpu_megatron():
             setattr(owner, name, value)
 
 
-def setup() -> None:
-    """verl's CPU platform (verl_engine.setup) and a 1-rank gloo group (another test module may have torn
-    its own down)."""
-    ve.setup()
+def setup(rank: int = 0, world: int = 1, init_file: str | None = None) -> None:
+    """A gloo group (1 rank, unless a worker of a multi-rank test passes its rank, the world size and the
+    file the ranks meet at; another test module may have torn its own down) and verl's CPU platform
+    (verl_engine.setup)."""
     import torch.distributed as dist
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1")
+        if init_file is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        else:
+            os.environ.setdefault("MASTER_PORT", "0")        # verl's Worker reads it; the ranks meet at the file
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ve.setup()
 
 
 def teardown() -> None:
@@ -213,4 +243,33 @@ class Actor:
         tu.assign_non_tensor(data, **(engine or {}))
         with cpu_megatron():
             out = self.worker.train_mini_batch(data)
-        return tu.get(out, "metrics"), {n: p.detach().clone() for n, p in self.params().items()}
+        metrics = None if out is None else tu.get(out, "metrics")      # verl's non-source TP ranks log none
+        return metrics, {n: p.detach().clone() for n, p in self.params().items()}
+
+
+def assert_same_update(initial, got, want):
+    """Two updates' (metrics, parameters) from the same ``initial`` parameters: every parameter within PARAM_TOL,
+    each parameter's step within STEP_TOL of the whole step's norm, the same metric names and values within
+    METRIC_TOL (timings aside). ``metrics`` None: a rank that logs none (verl's non-source TP ranks)."""
+    (m_got, p_got), (m_want, p_want) = got, want
+    step = {n: p - initial[n] for n, p in p_want.items()}
+    step_norm = math.sqrt(sum(float(s.square().sum()) for s in step.values()))
+    assert step_norm > 1e-3, "the step moved nothing: the comparison would be empty"
+    assert p_got.keys() == p_want.keys()
+    for n, p in p_want.items():
+        assert float((p_got[n] - p).norm()) <= PARAM_TOL * float(p.norm()) + 1e-12, n
+        assert float((p_got[n] - initial[n] - step[n]).norm()) <= STEP_TOL * step_norm, n
+    if m_want is None or m_got is None:
+        assert m_want is None and m_got is None, "one run logged metrics, the other none"
+        return
+    missing = set(m_want) - set(m_got)
+    assert not missing, f"metrics verl logs but the fused run does not: {missing}"
+    assert set(m_got) == set(m_want), set(m_got) ^ set(m_want)
+    for key, want_v in m_want.items():
+        if key.startswith(TIMING):
+            continue
+        want_l, got_l = (list(v) if isinstance(v, list) else [v] for v in (want_v, m_got[key]))
+        assert len(got_l) == len(want_l), key
+        tol = STEP_TOL if key == "grad_norm" else METRIC_TOL     # a gradient's norm: the step's tolerance
+        for g, w in zip(got_l, want_l, strict=True):
+            assert abs(float(g) - float(w)) <= tol * max(1.0, abs(float(w))), (key, g, w)
