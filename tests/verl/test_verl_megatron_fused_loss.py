@@ -43,7 +43,14 @@ def actors(model_dir):
     plain = vme.Actor(model_dir, THD)
     fused = vme.Actor(model_dir, [*THD, "actor_rollout_ref.model.use_fused_kernels=True"])
     assert fused.worker.engine.engine_config.use_fused_kernels
-    yield plain, fused
+    return plain, fused
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_state():
+    """Megatron's model-parallel state, which the first engine built here initialises, destroyed after the
+    module."""
+    yield
     vme.teardown()
 
 
@@ -147,6 +154,30 @@ def test_matches_verl_padded_bshd_update(model_dir, actors):
     got = run(actors[1], tensors, meta, overrides, fused=True, strict=True)
     assert lv.last_path().path == "hook"
     assert_same_update(bshd.initial, got, want)
+
+
+def test_untied_head_and_compute_log_prob(tmp_path):
+    """An untied output layer (the processor's output_weight is None: output_layer.weight), and verl's
+    compute_log_prob (forward only, verl's loss function set) passing through the installed fused loss: its
+    log-probs and entropies equal verl's unfused actor's."""
+    ve.save_tiny_qwen2(str(tmp_path), seed=4, tied=False)
+    plain = vme.Actor(str(tmp_path), THD)
+    fused = vme.Actor(str(tmp_path), [*THD, "actor_rollout_ref.model.use_fused_kernels=True"])
+    assert not fused.worker.engine.share_embeddings_and_output_weights
+    assert any("output_layer" in n for n in fused.initial)
+    gen = torch.Generator().manual_seed(13)
+    tensors, meta = ve.rollout_batch(gen, str(tmp_path))
+    overrides = [f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.01", f"{P}loss_agg_mode=seq-mean-token-sum"]
+    want = run(plain, tensors, meta, overrides, fused=False)
+    got = run(fused, tensors, meta, overrides, fused=True, strict=True)
+    assert lv.last_path().path == "hook" and lv.last_path().entry == "verl.policy_loss"
+    assert_same_update(plain.initial, got, want)
+    lp_want, ent_want = plain.infer(tensors, meta, overrides)
+    lv.install(fused_loss=True, strict=True)
+    lp, ent = fused.infer(tensors, meta, overrides)
+    assert lv.last_path().entry == "verl"            # verl's fused head on logitless, no policy loss
+    assert float((lp - lp_want).abs().max()) <= 2e-5 and float((ent - ent_want).abs().max()) <= 2e-5
+    assert lp.abs().sum() > 0
 
 
 @pytest.mark.parametrize("setting, named", [

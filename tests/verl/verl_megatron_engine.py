@@ -247,6 +247,24 @@ class Actor:
         return metrics, {n: p.detach().clone() for n, p in self.params().items()}
 
 
+    def infer(self, tensors, meta, overrides=()):
+        """verl's compute_log_prob on the actor (``TrainingWorker.infer_batch``, forward only, with verl's loss
+        function set, as the trainer's actor has it): (log-probs, entropy) of every position but each sequence's
+        last (whose label verl's fused and unfused paths take from different places; no loss reads it)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.losses import ppo_loss
+        _, config = actor_config(self.model_dir, overrides)
+        self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        data = ve.to_actor_input(tensors, meta, calculate_entropy=True, mini_batch_size=len(tensors["input_ids"]))
+        tu.assign_non_tensor(data, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+        with cpu_megatron():
+            out = self.worker.infer_batch(data)
+        offsets = out["log_probs"].offsets()
+        keep = torch.ones(int(offsets[-1]), dtype=torch.bool)
+        keep[offsets[1:] - 1] = False
+        return out["log_probs"].values()[keep], out["entropy"].values()[keep]
+
+
 def assert_same_update(initial, got, want):
     """Two updates' (metrics, parameters) from the same ``initial`` parameters: every parameter within PARAM_TOL,
     each parameter's step within STEP_TOL of the whole step's norm, the same metric names and values within
