@@ -129,8 +129,9 @@ def test_every_mode_matches_verl_megatron_update(actors, mode):
     against verl's Megatron update; the modes cycle through the aggregations and the KL estimators."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    from logitless.verl import policy
+    from logitless.verl import megatron_loss, policy
     assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | set(policy.REFUSED)
+    assert set(megatron_loss.MODES) == set(FUSED_MODES)
     i = sorted(FUSED_MODES).index(mode)
     gen = torch.Generator().manual_seed(20 + i)
     tensors, meta = ve.rollout_batch(gen, actors[0].model_dir, is_weights=i % 2 == 0, greedy=mode.startswith("dppo"))

@@ -26,7 +26,8 @@ Two sites change that under ``install(fused_loss=True)``:
 A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfused", entry
 "verl.policy_loss"), logged once per reason, and raised as ``FusedPathUnavailable`` under strict mode: the
 settings of ``fused_loss.make_plan`` plus context parallelism, dynamic context parallelism, pipeline
-parallelism and verl's legacy fused forward (megatron-core without the output-processor hook). A fused
+parallelism, verl's legacy fused forward (megatron-core without the output-processor hook) and a loss mode
+outside ``MODES``. A fused
 micro-batch records path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the
 backend that ran.
 """
@@ -42,6 +43,7 @@ import torch
 from ..losses import PolicyLoss
 from ..record import write_record
 from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
+from .policy import loss_mode
 from .sites import Site, SiteState
 from .tokens import IGNORE, ResponseTokens, Rows
 
@@ -83,15 +85,24 @@ def thd_rows(tokens: ResponseTokens, labels: torch.Tensor, cu_padded: torch.Tens
         return out.index_copy(0, dest, t.to(dev))
     scored = lay(tokens.scored, False)
     bounds = cu if int(cu[-1]) == n else torch.cat([cu, cu.new_tensor([n])])
-    return Rows(torch.where(scored, labels.reshape(-1), IGNORE), lay(tokens.advantages, 0.0),
-                lay(tokens.old_logprobs, 0.0), lay(tokens.ref_logprobs, 0.0), lay(tokens.rollout_weights, 0.0),
-                bounds.to(dev))
+    return Rows(labels=torch.where(scored, labels.reshape(-1), IGNORE), advantages=lay(tokens.advantages, 0.0),
+                old_logprobs=lay(tokens.old_logprobs, 0.0), ref_logprobs=lay(tokens.ref_logprobs, 0.0),
+                rollout_weights=lay(tokens.rollout_weights, 0.0), cu_seqlens=bounds.to(dev))
 
 
-def unfusable(engine, model) -> list:
-    """Megatron engine settings the fused loss does not run under, as "setting (why)"."""
+# the loss modes whose fused loss on this engine has been checked against verl's (the PolicyLoss built in
+# _make_processor carries their inputs); a mode the FSDP side learns later is refused here until wired
+MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
+
+
+def unfusable(engine, model, config) -> list:
+    """Megatron engine settings (and the actor ``config``'s loss mode) the fused loss does not run under, as
+    "setting (why)"."""
     cfg = engine.engine_config
     bad = []
+    mode = loss_mode(config)
+    if mode not in MODES:
+        bad.append(f"policy_loss.loss_mode={mode!r} (not wired to the fused loss on verl's Megatron engine)")
     if int(cfg.context_parallel_size or 1) > 1:
         bad.append(f"context_parallel_size={cfg.context_parallel_size} (the fused loss has not been wired to verl's "
                    "context-parallel THD split)")
@@ -156,7 +167,7 @@ def _make_forward_step(original):
         batch = next(batch_iter)
         plan, why = make_plan(self, batch, logits_processor_func)
         if plan is not None:
-            bad = unfusable(self, model)
+            bad = unfusable(self, model, logits_processor_func.keywords["config"])
             if bad:
                 plan, why = None, "; ".join(bad)
         if plan is None:
