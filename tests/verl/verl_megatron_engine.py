@@ -118,7 +118,8 @@ def cpu_megatron():
              (llm_bridge.LLMBridge, "_get_transformer_layer_spec", llm_bridge.LLMBridge._get_transformer_layer_spec),
              (mbridge_util, "ModelType", mbridge_util.ModelType),
              (Qwen2Bridge, "_OTHER_MAPPING", Qwen2Bridge._OTHER_MAPPING),
-             (Qwen2Bridge, "_MLP_MAPPING", Qwen2Bridge._MLP_MAPPING)]
+             (Qwen2Bridge, "_MLP_MAPPING", Qwen2Bridge._MLP_MAPPING),
+             (Qwen2Bridge, "_DIRECT_MAPPING", Qwen2Bridge._DIRECT_MAPPING)]
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.model_parallel_cuda_manual_seed = lambda s, *a, **k: seed(s, inference_rng_tracker=True)
     torch.nn.Module.cuda = lambda self, device=None: self
@@ -127,14 +128,24 @@ def cpu_megatron():
                                                    encoder_and_decoder=object())
     Qwen2Bridge._OTHER_MAPPING = {**Qwen2Bridge._OTHER_MAPPING,
                                   "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    # mbridge maps a tied output layer by writing into the class's dict: a copy per build, so a tied model
+    # built earlier does not leave an untied one mapped to the embedding
+    Qwen2Bridge._DIRECT_MAPPING = dict(Qwen2Bridge._DIRECT_MAPPING)
     Qwen2Bridge._MLP_MAPPING = {**Qwen2Bridge._MLP_MAPPING, "pre_mlp_layernorm.weight":
                                 ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+    # megatron-core sets Transformer Engine's attention switches in the environment when it builds a model and
+    # refuses values another backend left there (a model built earlier in this process): cleared, then put back
+    nvte = {k: os.environ.pop(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+            if k in os.environ}
     try:
         with _CudaOnCpu(), mcore_env.cpu_streams():
             yield
     finally:
         for owner, name, value in saved[::-1]:
             setattr(owner, name, value)
+        for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(k, None)
+        os.environ.update(nvte)
 
 
 def setup(rank: int = 0, world: int = 1, init_file: str | None = None) -> None:
