@@ -18,6 +18,7 @@ import_or_skip("mbridge", "make setup installs mbridge (the test extra)")
 import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-deps) and its import deps")
 
 import verl_megatron_engine as vme  # noqa: E402
+import verl_megatron_tp2_worker  # noqa: E402
 from verl_megatron_engine import assert_same_update  # noqa: E402
 
 import logitless.verl as lv  # noqa: E402
@@ -249,34 +250,18 @@ def test_thd_rows_follow_verl_padded_layout():
         thd_rows(tokens, labels[:, :12], torch.tensor([0, 5, 8, 12]))
 
 
-def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism():
-    """TP 2 over two gloo processes (verl_megatron_tp2_worker.py): verl's unfused Megatron actor against the fused
-    loss, with sequence parallelism (mbridge's default at TP > 1) and without, a token-mean and a sequence-level
-    (gspo, seq-mean-token-mean) loss; every rank's parameter shards after the step, rank 0's metrics."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    here = os.path.dirname(os.path.abspath(__file__))
-    from verl_megatron_tp2_worker import CASES
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "gloo_init")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, os.path.join(here, "verl_megatron_tp2_worker.py"), str(r), "2",
-                                   init, tmp, tmp], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for r in range(2)]
-        try:
-            logs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
-        for r, p in enumerate(procs):
-            assert p.returncode == 0 and os.path.exists(outs[r]), f"rank {r}:\n{logs[r][-3000:]}"
-        results = [json.load(open(o)) for o in outs]
-    for rank, res in enumerate(results):
-        assert set(res) == {c[0] for c in CASES}
-        for case, (ok, msg) in res.items():
-            assert ok, f"{case} rank {rank}: {msg}"
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):
+    """TP 2 over two spawned gloo ranks (verl_megatron_tp2_worker.py), every case in one spawn."""
+    from ranks import spawn
+    tmp = tmp_path_factory.mktemp("verl_megatron_tp2")
+    return spawn(verl_megatron_tp2_worker.run, (str(tmp / "store"), str(tmp), str(tmp)), 2, tmp)
+
+
+@pytest.mark.parametrize("case", verl_megatron_tp2_worker.CASES)
+def test_tensor_parallel_two_ranks(tp2_results, case):
+    """verl's unfused Megatron actor against the fused loss at TP 2, with sequence parallelism (mbridge's default at
+    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss: every rank's parameter
+    shards after the step, rank 0's metrics."""
+    from ranks import check
+    check(tp2_results, case)
