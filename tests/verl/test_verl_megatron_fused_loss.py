@@ -205,20 +205,34 @@ def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
     assert_same_update(plain.initial, got, want)
 
 
-def test_context_parallel_is_refused_under_strict(actors):
-    """Megatron settings the fused loss is not wired to (here context parallelism, read from the engine's
-    config): strict mode raises before the model runs, naming the setting."""
+@pytest.mark.parametrize("setting, named", [
+    ("context_parallel_size", "context_parallel_size=2"),
+    ("pipeline_model_parallel_size", "pipeline_model_parallel_size=2"),
+    ("legacy", "legacy fused forward"),
+])
+def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, named):
+    """Megatron settings the fused loss is not wired to, read from the engine's config (context and pipeline
+    parallelism, set to 2 on the built engine) or the model (verl's legacy fused-forward mode, as verl marks a
+    model on megatron-core < 0.18): strict mode raises before the model runs, naming the setting."""
+    from verl.utils.megatron_utils import unwrap_model
     plain, fused = actors
     gen = torch.Generator().manual_seed(6)
     tensors, meta = ve.rollout_batch(gen, plain.model_dir)
     cfg = fused.worker.engine.engine_config
-    saved = cfg.context_parallel_size
-    object.__setattr__(cfg, "context_parallel_size", 2)
+    model = unwrap_model(fused.worker.engine.module[0])
+    saved = (cfg.context_parallel_size, cfg.pipeline_model_parallel_size, model._verl_fused_forward_mode)
+    if setting == "legacy":
+        model._verl_fused_forward_mode = "legacy"
+    else:
+        object.__setattr__(cfg, setting, 2)
     try:
-        with pytest.raises(FusedPathUnavailable, match="context_parallel_size=2"):
+        with pytest.raises(FusedPathUnavailable, match=named):
             run(fused, tensors, meta, [], fused=True, strict=True)
     finally:
-        object.__setattr__(cfg, "context_parallel_size", saved)
+        object.__setattr__(cfg, "context_parallel_size", saved[0])
+        object.__setattr__(cfg, "pipeline_model_parallel_size", saved[1])
+        model._verl_fused_forward_mode = saved[2]
+    assert lv.last_path().path == "unfused" and named in lv.last_path().reason
 
 
 def test_thd_rows_follow_verl_padded_layout():
