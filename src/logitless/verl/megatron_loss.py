@@ -111,7 +111,8 @@ def unfusable(engine, model, config) -> list:
     if int(cfg.pipeline_model_parallel_size or 1) > 1:
         bad.append(f"pipeline_model_parallel_size={cfg.pipeline_model_parallel_size} (not tested with the fused "
                    "loss)")
-    if not sys.modules[FUSED]._use_output_processor_hook(model):
+    uses_hook = getattr(sys.modules[FUSED], "_use_output_processor_hook", None)    # verl 0.9's mode test
+    if uses_hook is None or not uses_hook(model):
         bad.append("verl's legacy fused forward (megatron-core without the output-processor hook, < 0.18)")
     return bad
 
