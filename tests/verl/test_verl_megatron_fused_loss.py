@@ -27,6 +27,7 @@ from logitless.verl.megatron_loss import thd_rows  # noqa: E402
 from logitless.verl.tokens import IGNORE, ResponseTokens  # noqa: E402
 
 P = "actor_rollout_ref.actor."
+RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
 THD = ["actor_rollout_ref.model.use_remove_padding=True"]
 
 
@@ -131,8 +132,8 @@ def test_every_mode_matches_verl_megatron_update(actors, mode):
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     from logitless.verl import megatron_loss, policy
-    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | set(policy.REFUSED)
-    assert set(megatron_loss.MODES) == set(FUSED_MODES)
+    assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | {"geo_mean"} | set(policy.PARTLY_FUSED)
+    assert set(megatron_loss.MODES) == set(POLICY_LOSS_REGISTRY)
     i = sorted(FUSED_MODES).index(mode)
     gen = torch.Generator().manual_seed(20 + i)
     tensors, meta = ve.rollout_batch(gen, actors[0].model_dir, is_weights=i % 2 == 0, greedy=mode.startswith("dppo"))
@@ -143,6 +144,51 @@ def test_every_mode_matches_verl_megatron_update(actors, mode):
     want = fused_matches(actors, tensors, meta, overrides)
     if mode in ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "clip_cov"):
         assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
+
+
+AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean"])
+def test_geo_mean_matches_verl_megatron_update(actors, agg):
+    """verl's geo_mean (a plain mean over the micro-batch's sequences of per-sequence losses; the KL loss and the
+    entropy bonus by loss_agg_mode over the mini-batch), with rollout_is_weights, fixed and dynamic micro-batch
+    sizes."""
+    i = AGGS.index(agg)
+    gen = torch.Generator().manual_seed(40 + i)
+    tensors, meta = ve.rollout_batch(gen, actors[0].model_dir, is_weights=i % 2 == 0)
+    overrides = [f"{P}policy_loss.loss_mode=geo_mean", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type=low_var_kl", f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02",
+                 f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.15", f"{P}loss_scale_factor=5"]
+    engine = {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30} if i == 4 else {"micro_batch_size_per_gpu": 3}
+    want = fused_matches(actors, tensors, meta, overrides, engine=engine)
+    assert max(want[0]["actor/pg_clipfrac"]) + max(want[0]["actor/pg_clipfrac_lower"]) > 0, \
+        "no clipped log-ratio: the case does not test the clipping"
+
+
+# bypass_mode's fused mappings (ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS -> cispo), each with
+# a KL loss, an entropy bonus and the batch's rollout_is_weights (which bypass_mode ignores)
+BYPASS = [
+    ([], "token-mean", {}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=null"], "seq-mean-token-mean", {"micro_batch_size_per_gpu": 3}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.25"], "token-sum",
+     {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+]
+
+
+@pytest.mark.parametrize("rc, agg, engine", BYPASS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BYPASS)])
+def test_bypass_mode_matches_verl_megatron_update(actors, rc, agg, engine):
+    """bypass_mode against verl's own compute_policy_loss_bypass_mode on the Megatron engine, every rollout_corr
+    metric included."""
+    i = BYPASS.index((rc, agg, engine))
+    gen = torch.Generator().manual_seed(60 + i)
+    tensors, meta = ve.rollout_batch(gen, actors[0].model_dir, is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=bypass_mode", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_coef=0.1", f"{P}entropy_coeff=0.02", f"{P}clip_ratio=0.2", *rc]
+    want = fused_matches(actors, tensors, meta, overrides, engine=engine)
+    assert any(k.startswith("rollout_corr/") for k in want[0]), sorted(want[0])
+    if "rollout_is_threshold=1.25" in " ".join(rc):
+        assert max(want[0]["rollout_corr/rollout_is_max"]) >= 1.25 - 1e-6, "the truncation never binds"
 
 
 def test_matches_verl_padded_bshd_update(model_dir, actors):
@@ -183,7 +229,8 @@ def test_untied_head_and_compute_log_prob(tmp_path):
 
 
 @pytest.mark.parametrize("setting, named", [
-    ([f"{P}policy_loss.loss_mode=geo_mean"], "policy_loss.loss_mode='geo_mean'"),
+    ([f"{P}policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold='0.7_1.4'"],
+     "loss_mode='bypass_mode' with rollout_correction.rollout_rs"),
     ([f"{P}policy_loss.loss_mode=sapo", f"{P}use_kl_loss=True"], "loss_agg_mode='token-mean' and a KL loss"),
 ])
 def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):

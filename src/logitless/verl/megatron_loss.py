@@ -92,7 +92,8 @@ def thd_rows(tokens: ResponseTokens, labels: torch.Tensor, cu_padded: torch.Tens
 
 # the loss modes whose fused loss on this engine has been checked against verl's (the PolicyLoss built in
 # _make_processor carries their inputs); a mode the FSDP side learns later is refused here until wired
-MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
+MODES = ("vanilla", "gspo", "sapo", "gpg", "cispo", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean",
+         "bypass_mode")
 
 
 def unfusable(engine, model, config) -> list:
@@ -141,7 +142,8 @@ def _make_processor(original):
             return None if t is None else t.view(1, -1)
         policy = PolicyLoss(advantages=row(rows.advantages), old_logprobs=row(rows.old_logprobs),
                             ref_logprobs=row(rows.ref_logprobs) if plan.use_ref else None,
-                            rollout_weights=row(rows.rollout_weights), cu_seqlens=rows.cu_seqlens, **plan.settings)
+                            rollout_weights=row(rows.rollout_weights), cu_seqlens=rows.cu_seqlens,
+                            **plan.settings_for(rows.sequences))
         ctx = FusedOutputProcessorContext(temperature=float(context.temperature), loss=policy)
         plan.rng = torch.get_rng_state()
         out = processor(hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
