@@ -15,12 +15,16 @@ SP = []        # mbridge turns sequence parallelism on at TP > 1
 TOKEN_MEAN = [f"{P}use_kl_loss=True", f"{P}kl_loss_type=low_var_kl", f"{P}entropy_coeff=0.01", f"{P}clip_ratio_c=1.2"]
 GSPO = [f"{P}policy_loss.loss_mode=gspo", f"{P}loss_agg_mode=seq-mean-token-mean", f"{P}use_kl_loss=True",
         f"{P}kl_loss_type=mse", f"{P}entropy_coeff=-0.02", f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"]
+GEO_MEAN = [f"{P}policy_loss.loss_mode=geo_mean", f"{P}loss_agg_mode=token-mean", f"{P}use_kl_loss=True",
+            f"{P}kl_loss_type=low_var_kl", f"{P}entropy_coeff=0.02", f"{P}clip_ratio_low=0.1",
+            f"{P}clip_ratio_high=0.15"]
 # (case, engine settings, loss settings)
 SETTINGS = (
     ("tp2-nosp-token-mean", NOSP, TOKEN_MEAN),
     ("tp2-nosp-gspo-seq-mean", NOSP, GSPO),
     ("tp2-sp-token-mean", SP, TOKEN_MEAN),
     ("tp2-sp-gspo-seq-mean", SP, GSPO),
+    ("tp2-sp-geo-mean", SP, GEO_MEAN),
 )
 CASES = [c[0] for c in SETTINGS]
 VOCAB = 262            # Megatron splits the vocabulary over the TP ranks (mbridge does not pad it)
