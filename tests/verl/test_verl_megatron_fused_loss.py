@@ -322,7 +322,7 @@ def tp2_results(tmp_path_factory):
 @pytest.mark.parametrize("case", verl_megatron_tp2_worker.CASES)
 def test_tensor_parallel_two_ranks(tp2_results, case):
     """verl's unfused Megatron actor against the fused loss at TP 2, with sequence parallelism (mbridge's default at
-    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss: every rank's parameter
-    shards after the step, rank 0's metrics."""
+    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss, and geo_mean under SP:
+    every rank's parameter shards after the step, rank 0's metrics."""
     from ranks import check
     check(tp2_results, case)
