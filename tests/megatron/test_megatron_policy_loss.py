@@ -78,3 +78,45 @@ def test_without_loss_nothing_changes_and_bad_loss(megatron_tp1, seed):
     with pytest.raises(ValueError, match="advantages"):
         model(ids, pos, env.causal_mask(5), labels=labels, output_processor=fused_output_processor,
               output_processor_context=FusedOutputProcessorContext(loss=bad))
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_packed_thd_policy_loss_with_cu_seqlens(seed, loss_agg):
+    """Packed (THD) input, verl's Megatron engine layout: one row of labels [1, n] holding three sequences,
+    each padded, and tail padding, delimited by the loss's cu_seqlens; against float64 on the flat tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    h, vocab = 24, 97
+    cu = torch.tensor([0, 6, 10, 16, 18])
+    n = int(cu[-1])
+    labels = torch.randint(0, vocab, (1, n), generator=gen)
+    labels[0, [5, 9, 14, 15, 16, 17]] = -100                # sequence padding and the tail
+    labels[0, :2] = -100                                    # a prompt
+    hidden = torch.randn(n, 1, h, generator=gen).requires_grad_()
+    head = torch.nn.Linear(h, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, h, generator=gen))
+    adv, old, ref = (torch.randn(1, n, generator=gen) for _ in range(3))
+    old, ref = -old.abs() - 1.0, -ref.abs() - 1.0
+    spec = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.02)
+    policy = PolicyLoss(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_agg=loss_agg, cu_seqlens=cu, **spec)
+    out = fused_output_processor(hidden_states=hidden, output_layer=head, output_weight=None, labels=labels,
+                                 context=FusedOutputProcessorContext(temperature=0.8, loss=policy))
+    assert isinstance(out, PolicyLossOutput) and out.logprobs.shape == (1, n) and out.entropy.shape == (1, n)
+    g_hidden, g_weight = torch.autograd.grad(out.loss, (hidden, head.weight))
+
+    h64, w64 = hidden.detach().double().requires_grad_(), head.weight.detach().double().requires_grad_()
+    logp = torch.log_softmax(h64.reshape(n, h) @ w64.t() / 0.8, dim=-1)
+    flat = labels.reshape(-1)
+    valid = flat != -100
+    lp = torch.where(valid, logp.gather(-1, flat.clamp_min(0)[:, None]).squeeze(-1), 0.0)
+    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    f, _, _ = term64(lp, ent, adv.reshape(-1).double(), old.reshape(-1).double(), ref.reshape(-1).double(), **spec)
+    loss64 = aggregate64(f, valid, loss_agg, cu)
+    w_hidden, w_weight = torch.autograd.grad(loss64, (h64, w64))
+    assert abs(out.loss.item() - loss64.item()) <= 1e-5 * max(1.0, abs(loss64.item()))
+    assert (out.logprobs.reshape(-1).double() - lp.detach()).abs().max() <= LP_TOL
+    assert float((g_hidden.double() - w_hidden).norm() / w_hidden.norm()) <= GRAD_TOL
+    assert float((g_weight.double() - w_weight).norm() / w_weight.norm()) <= GRAD_TOL
+    with pytest.raises(ValueError, match="packed"):       # cu_seqlens with more than one row
+        fused_output_processor(hidden_states=hidden.detach().view(9, 2, h), output_layer=head, output_weight=None,
+                               labels=labels.view(2, 9), context=FusedOutputProcessorContext(loss=policy))

@@ -22,6 +22,9 @@ TARGETS = {
     "megatron.patch_fused_forward": ("verl.models.mcore.model_forward_fused", None, "patch_fused_forward"),
     "megatron.engine.maybe_enable_fused_kernels": ("verl.workers.engine.megatron.transformer_impl", "MegatronEngine",
                                                    "_maybe_enable_fused_kernels"),
+    "megatron.engine.forward_step": ("verl.workers.engine.megatron.transformer_impl", "MegatronEngineWithLMHead",
+                                     "forward_step"),
+    "megatron.fused_output_processor": ("verl.models.mcore.model_forward_fused", None, "fused_output_processor"),
 }
 
 

@@ -8,6 +8,7 @@ returns ``TokenLogProbs`` in the labels' layout [b, s], float32; or, when the co
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -38,7 +39,9 @@ class FusedOutputProcessorContext:
         log-probs) are in the labels' layout [b, s] (or per sequence [b, 1]): the processor then returns
         the fused policy loss and its metrics (``PolicyLossOutput``: loss, logprobs, entropy,
         clip_fraction, kl) instead of the log-probs, with the sequences being the rows of labels.
-        Positions that must not count (prompt, padding) need ``ignore_index`` in labels.
+        Packed (THD) input: labels [1, n] and the loss's ``cu_seqlens`` [k + 1] delimiting the k
+        sequences in that row (per-token inputs [1, n]). Positions that must not count (prompt,
+        padding) need ``ignore_index`` in labels.
     without_labels: what a forward given no labels (``labels=None``: a rollout / inference forward)
         returns: "logits" (default; the model's own logits [b, s, V], exactly as without the
         processor) or "hidden_states" (the [s, b, h] hidden states at the hook, untouched).
@@ -95,6 +98,26 @@ def model_name(hook_kwargs: dict) -> Optional[str]:
     ``compute_language_model_loss``, whose ``__self__`` is the model."""
     owner = getattr(hook_kwargs.get("compute_language_model_loss"), "__self__", None)
     return type(owner).__name__ if owner is not None else None
+
+
+def _packed_policy_loss(context, hidden, weight, labels, temperature, tp_group, reduce_grad_hidden):
+    """The policy loss of a packed (THD) batch: one row of labels [1, n] holding several sequences, delimited
+    by ``context.loss.cu_seqlens``. The loss runs on the flat positions (hidden [n, h], labels [n], the
+    per-token inputs [1, n] flattened) with those boundaries; logprobs and entropy come back as [1, n]."""
+    b, n = labels.shape
+    if b != 1:
+        raise ValueError(f"a policy loss with cu_seqlens needs packed (THD) input, labels [1, n]; got labels of "
+                         f"shape {tuple(labels.shape)}")
+    flat = {f.name: getattr(context.loss, f.name).reshape(-1) for f in dataclasses.fields(context.loss)
+            if f.name != "cu_seqlens" and isinstance(getattr(context.loss, f.name), Tensor)
+            and tuple(getattr(context.loss, f.name).shape) == (1, n)}
+    policy = dataclasses.replace(context.loss, **flat)
+    if isinstance(temperature, Tensor) and temperature.dim() == 2:
+        temperature = temperature.expand(1, n).reshape(-1)
+    out = policy_loss(policy, hidden.reshape(n, hidden.shape[-1]), weight, labels.reshape(-1),
+                      temperature=temperature, ignore_index=context.ignore_index, tp_group=tp_group,
+                      reduce_grad_hidden=reduce_grad_hidden, backend=context.backend)
+    return out._replace(logprobs=out.logprobs.view(1, n), entropy=out.entropy.view(1, n))
 
 
 def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight: Optional[Tensor],
@@ -158,6 +181,12 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     temperature = temperature_bs(context.temperature, b, s, labels.device)
     if c != 1.0:
         temperature = temperature / c  # softmax(c * z / T) == softmax(z / (T / c))
+    if context.loss is not None and context.loss.cu_seqlens is not None:
+        out = _packed_policy_loss(context, hidden, weight, labels, temperature, group if tp_size > 1 else None,
+                                  reduce_grad_hidden)
+        write_record(processor_path(), last_backend(), "processor", model=model_name(kwargs))
+        log_outputs(config, kwargs, "input_and_logprobs", logprobs=out.logprobs, entropy=out.entropy)
+        return out
     if context.loss is not None:
         # the loss takes labels, temperature and per-token inputs in the labels' [b, s] layout and the
         # hidden states in [s, b] order (seq_first); sequences are the rows of labels

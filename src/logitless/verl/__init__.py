@@ -8,6 +8,9 @@ Replaced (see ``sites()``; ``uninstall()`` puts every original back):
   gen / engine forward factories call; the same global of ``model_forward_1f1b_overlap``.
 - FSDP engine: ``FusedLinearForPPO.forward`` (backends "torch" / "liger") and the Triton kernel's
   ``linear_cross_entropy`` (backend "triton").
+- The actor's policy loss (``install(fused_loss=True)``): the FSDP engine's ``forward_step``
+  (``fused_loss``); the Megatron engine's ``forward_step`` and verl's ``fused_output_processor``
+  (``megatron_loss``).
 - Strict mode (``install(strict=True)`` or LOGITLESS_STRICT=1): verl's silent fallbacks to the
   non-fused path raise ``logitless.megatron.FusedPathUnavailable``.
 
@@ -15,7 +18,8 @@ The record of what ran: ``logitless.megatron.last_path()`` (path "hook" or "lega
 after a Megatron call, ``logitless.last_backend()`` after any call.
 
 Modules: ``install`` (sites, install / uninstall), ``core`` (verl's contracts on logitless),
-``megatron`` and ``fsdp`` (the sites of each engine).
+``megatron`` and ``fsdp`` (the sites of each engine), ``fused_loss`` and ``megatron_loss`` (the fused
+policy loss on each engine; ``policy`` and ``tokens`` map verl's settings and batches onto it).
 """
 from ..record import FusedPathUnavailable, last_backend, last_path
 from .install import install, is_installed, sites, uninstall

@@ -215,7 +215,7 @@ def _through_output(model_output, loss: torch.Tensor, shard=None) -> torch.Tenso
     return (carried if shard is None else carried / shard.size) + loss.detach()
 
 
-def _fused_loss_function(plan: Plan, verl_loss):
+def _fused_loss_function(plan: Plan, verl_loss, path: str = "fsdp"):
     def loss_function(model_output, data, dp_group=None):
         """The fused loss in verl's normalisation, and verl's metrics of the same log-probs."""
         if plan.result is None:
@@ -231,7 +231,7 @@ def _fused_loss_function(plan: Plan, verl_loss):
                 _, metrics = verl_loss(model_output=model_output, data=data, dp_group=dp_group)
         finally:
             torch.set_rng_state(after)
-        write_record("fsdp", last_backend(), ENTRY)
+        write_record(path, last_backend(), ENTRY)
         return _through_output(model_output, plan.result.loss, plan.shard) * plan.scale, metrics
     return loss_function
 

@@ -20,8 +20,8 @@ from .sites import LOCK, MARK, Site, SiteState
 
 
 def _all_sites() -> Tuple[Site, ...]:
-    from . import fsdp, fused_loss, megatron
-    return fsdp.SITES + fused_loss.SITES + megatron.SITES
+    from . import fsdp, fused_loss, megatron, megatron_loss
+    return fsdp.SITES + fused_loss.SITES + megatron.SITES + megatron_loss.SITES
 
 
 def _owner(site: Site):

@@ -31,7 +31,7 @@ class SiteState:
     installed: Dict[str, Tuple[object, object, object]] = {}   # name -> (owner, original, replacement)
     skipped: Dict[str, str] = {}
     strict: bool = False
-    fused_loss: bool = False      # install(fused_loss=True): the FSDP forward step fuses the policy loss
+    fused_loss: bool = False      # install(fused_loss=True): the engines' forward steps fuse the policy loss
 
 
 def strict_mode() -> bool:
