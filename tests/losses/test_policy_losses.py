@@ -271,6 +271,51 @@ def test_softcapped_head(backend, small_chunks):
     check(out, h, w, want, labels != -100)
 
 
+def drift_batch():
+    """batch() with the policy far from the old one: 3 tokens of row 0 and every token of row 1 have
+    lp - old around 21 (beyond verl's clamp at 20; row 1's sequence mean too), with advantages -3e-9 there,
+    so that their unclipped terms (-A exp(lp - old), about 4) weigh like the others."""
+    hidden, weight, labels, adv, old, ref, rollout = batch()
+    old, adv = old.clone(), adv.clone()
+    far = torch.zeros(B, S, dtype=torch.bool)
+    far[0, :3] = True
+    far[1] = True
+    far &= labels != -100
+    old[far] -= 21.0
+    adv[far] = -3e-9
+    return hidden, weight, labels, adv, old, ref, rollout
+
+
+# TRL's ratio is exp(lp - old), never clamped: ratio_log_clamp=None
+DRIFT_CASES = {
+    "token": (dict(loss_agg="token-mean"), lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+        trl_ppo(torch.exp(lp - old), adv, 0.2, 0.28), m.bool(), "token-mean")),
+    "sequence": (dict(ratio_level="sequence", loss_agg="seq-mean-token-mean"),
+                 lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+                     trl_ppo(seq_ratio(lp, old, m), adv, 0.2, 0.28), m.bool(), "seq-mean-token-mean")),
+    "token-bias_corrected_kl": CASES["trl-token-bias_corrected_kl"],
+    "sequence-bias_corrected_kl": CASES["trl-gspo-bias_corrected_kl"],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(DRIFT_CASES))
+def test_unclamped_ratio_beyond_20_equals_trl(backend, case, small_chunks):
+    """ratio_log_clamp=None (TRL's ratio, and its KL's bias correction): values and gradients equal the float64
+    formula where lp - old exceeds 20; verl's clamp (the default) gives another loss on the same inputs."""
+    settings, fn = DRIFT_CASES[case]
+    inputs = drift_batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    want = truth(inputs, fn, temperature=0.9)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend,
+                            ratio_log_clamp=None, **settings)
+    check(out, h, w, want, labels != -100)
+    clamped = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend,
+                                **settings).loss.item()
+    assert abs(clamped - want[0].item()) > 0.1, (clamped, want[0].item())     # each far token adds about 2.5
+
+
 BAD = [
     (dict(surrogate="ppo2"), "surrogate"),
     (dict(ratio_level="seq"), "ratio_level"),
@@ -292,6 +337,8 @@ BAD = [
     (dict(rollout_is_min=2.0, rollout_is_max=1.0), "rollout_is_min"),
     (dict(entropy_agg="mean"), "loss_agg"),
     (dict(off_policy_threshold=float("nan")), "off_policy_threshold"),
+    (dict(ratio_log_clamp=0.0), "ratio_log_clamp"),
+    (dict(ratio_log_clamp=float("inf")), "ratio_log_clamp"),
 ]
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 from torch import Tensor
 
 from .. import checks
-from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, SURROGATES, TermSpec
+from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
 from .aggregate import check_loss_agg
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -58,6 +58,9 @@ class PolicyLoss:
         through the sequence mean: TRL's importance_sampling_level="sequence"), "sequence-token" (its value
         with a per-token gradient: verl's "gspo").
     delta: None, or > 1: the unclipped ratio is capped at delta (TRL's two-sided clipping).
+    ratio_log_clamp: the log-ratio lp - old (at ratio_level "sequence" its sequence mean) is clamped to
+        +-ratio_log_clamp before exp, its gradient 0 beyond (verl's 20, the default); None: not clamped
+        (TRL's ratio, value and gradient exp(lp - old) however far the policy drifted). > 0.
     kl_ratio: multiply the KL estimate by the importance ratio (TRL's use_bias_correction_kl).
     sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0) for positive / other advantages.
     dro_beta: DRO's penalty (> 0; needed by surrogate "dro").
@@ -97,6 +100,7 @@ class PolicyLoss:
     surrogate: str = "ppo"
     ratio_level: str = "token"
     delta: Optional[float] = None
+    ratio_log_clamp: Optional[float] = RATIO_LOG_CLAMP
     kl_ratio: bool = False
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
@@ -156,6 +160,9 @@ class PolicyLoss:
         checks.boolean(self.rollout_is_batch_normalize, "rollout_is_batch_normalize")
         if self.delta is not None:
             set_(self, "delta", checks.finite_float(self.delta, "delta", minimum=1.0, above=True))
+        if self.ratio_log_clamp is not None:
+            set_(self, "ratio_log_clamp", checks.finite_float(self.ratio_log_clamp, "ratio_log_clamp", minimum=0.0,
+                                                              above=True))
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
             set_(self, name, checks.finite_float(getattr(self, name), name, minimum=0.0, above=True))
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
@@ -217,6 +224,7 @@ class PolicyLoss:
                         kl_coef=self.kl_coef, kl_type=KL_TYPES[self.kl_type], entropy_coef=self.entropy_coef,
                         has_old=self.old_logprobs is not None, has_ref=self.ref_logprobs is not None,
                         surrogate=self.surrogate, ratio_level=self.ratio_level, delta=self.delta,
+                        ratio_log_clamp=self.ratio_log_clamp,
                         kl_ratio=self.kl_ratio, sapo_tau=(self.sapo_tau_pos, self.sapo_tau_neg),
                         dro_beta=self.dro_beta or 0.0, vespo_pos=(self.vespo_k_pos, self.vespo_lambda_pos),
                         vespo_neg=(self.vespo_k_neg, self.vespo_lambda_neg),

@@ -7,9 +7,10 @@ by the tests.
 For one scored token with log-prob lp and entropy H of the current policy, advantage A, behaviour log-prob
 old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, TRL's ``_compute_loss``):
 
-    ratio level (``ratio_level``; d = lp - old, old = lp detached when on-policy: ratio 1):
-        "token"           r = exp(clamp(d, -20, 20))                                  (verl, TRL)
-        "sequence"        r = exp(clamp(mean_{t in i} d_t, -20, 20)) for every token of i   (GSPO; TRL's
+    ratio level (``ratio_level``; d = lp - old, old = lp detached when on-policy: ratio 1; c the
+    ``ratio_log_clamp``: verl's 20 by default, None for TRL, which does not clamp):
+        "token"           r = exp(clamp(d, -c, c))                                     (verl, TRL)
+        "sequence"        r = exp(clamp(mean_{t in i} d_t, -c, c)) for every token of i   (GSPO; TRL's
                           importance_sampling_level="sequence": the gradient flows through the mean)
         "sequence-token"  r = exp(min(lp - sg(lp) + sg(mean_{t in i} d_t), 10))  (verl's "gspo", GSPO-token:
                           the sequence ratio's value, a per-token gradient)
@@ -67,7 +68,7 @@ SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl
 # surrogates whose terms depend on other tokens' values (a sequence's, or the batch's)
 COUPLED_SURROGATES = ("vespo", "geo_mean", "clip_cov", "kl_cov")
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
-RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp
+RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp; TRL does not
 K3_CLAMP = 10.0             # and the k3 estimate to +-10
 GSPO_TOKEN_LOG_MAX = 10.0   # verl's gspo clamps its log-ratio at 10 (above only)
 DPPO_CAP = 20.0             # verl's dppo: the detached ratio is truncated at clip_ratio_c, 20 by default
@@ -88,6 +89,7 @@ class TermSpec:
     surrogate: str = "ppo"
     ratio_level: str = "token"
     delta: Optional[float] = None
+    ratio_log_clamp: Optional[float] = RATIO_LOG_CLAMP     # None: the policy ratio's log not clamped (TRL)
     kl_ratio: bool = False
     sapo_tau: tuple = (1.0, 1.05)            # (positive, negative) advantages
     dro_beta: float = 0.0
@@ -211,12 +213,19 @@ def mask_weights(keep: Tensor, tokens: TokenInputs, agg: str) -> Tensor:
 
 # ---- the terms ----
 
+def clamp_log_ratio(x: Tensor, spec: TermSpec) -> Tensor:
+    """The policy ratio's log (lp - old, or its sequence mean) as the ratio's exp reads it: clamped to
+    +-``spec.ratio_log_clamp`` (verl), or unchanged where that is None (TRL)."""
+    c = spec.ratio_log_clamp
+    return x if c is None else x.clamp(-c, c)
+
+
 def _ratio(lp: Tensor, d: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
     if spec.ratio_level == "token":
-        return d.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+        return clamp_log_ratio(d, spec).exp()
     mean = seq_mean(d, tokens, f"ratio_level={spec.ratio_level!r}")[tokens.seq]
     if spec.ratio_level == "sequence":
-        return mean.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+        return clamp_log_ratio(mean, spec).exp()
     return (lp - lp.detach() + mean.detach()).clamp(max=GSPO_TOKEN_LOG_MAX).exp()
 
 

@@ -8,7 +8,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
     delta (two-sided clipping)      -> delta (the unclipped ratio capped at delta)
     beta                            -> kl_coef, kl_type "k3_unclamped" (TRL's exp(ref - lp) - (ref - lp) - 1)
     use_bias_correction_kl          -> kl_ratio (the KL term times the importance ratio)
-    importance_sampling_level       -> ratio_level ("token" / "sequence": GSPO's sequence ratio)
+    importance_sampling_level       -> ratio_level ("token" / "sequence": GSPO's sequence ratio), with
+                                       ratio_log_clamp=None: TRL's exp(log_ratio) is not clamped
     loss_type grpo, bnpo, dr_grpo,
               dapo, luspo           -> surrogate "ppo"
     loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high
@@ -29,8 +30,9 @@ The metrics TRL logs from ``_compute_loss`` (entropy, kl, clip ratios, cispo_cli
 vespo/phi_seq_mean, policy_loss, entropy_coef) are logged under TRL's names, computed as TRL computes them
 from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, the
 entropy mask across several processes, cispo with epsilon_high < 1) is refused by ``check_mappable``.
-The fused loss clamps log-ratios to +-20 before exp, as verl does (TRL does not): equal values unless a
-token's log-ratio to the old policy is that large.
+The ratio's log is not clamped (``ratio_log_clamp=None``), as TRL does not clamp it: equal values and
+gradients however far the policy drifted from the old one (VESPO's weight keeps the +-20 clamps that TRL's
+get_gamma_weights itself applies).
 """
 from __future__ import annotations
 
@@ -131,9 +133,10 @@ def scalar_settings(trainer) -> dict:
     the entropy bonus, which depends on the batch's scale, apart."""
     args = trainer.args
     kind = trainer.loss_type
+    # TRL's ratio is exp(log_ratio) unclamped, however far the policy drifted (verl's is clamped at +-20)
     settings = dict(clip_low=float(trainer.epsilon_low), clip_high=float(trainer.epsilon_high), loss_agg=LOSS_AGG[kind],
                     surrogate=SURROGATE.get(kind, "ppo"),
-                    ratio_level=getattr(trainer, "importance_sampling_level", "token"))
+                    ratio_level=getattr(trainer, "importance_sampling_level", "token"), ratio_log_clamp=None)
     if kind in PPO_TYPES and getattr(args, "delta", None) is not None:      # TRL's two-sided clip: ppo types only
         settings["delta"] = float(args.delta)
     if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
