@@ -143,9 +143,10 @@ def _setup(folder, tmp_path, seed, config):
     return trainer, inputs
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, config):
-    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS[config])
+def _assert_matches_trl(trainer, inputs, label):
+    """TRL's own _compute_loss, then the enabled trainer's (fused) on the same batch and trainer state: the
+    loss within 1e-5 (relative beyond 1), every parameter gradient within 1e-4 (relative), every metric
+    with the same name and value, the adaptive-entropy state. Returns the fused (loss, gradients)."""
     state = _state(trainer)
     loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
     state_trl = _state(trainer)
@@ -153,12 +154,10 @@ def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, co
         setattr(trainer, k, v)
     lt.enable(trainer, fused_loss=True)
     loss, g, m = _run(trainer, inputs, trainer._compute_loss)
-    print(f"{config}: fused {loss.item():.8f} TRL {loss_trl.item():.8f}; metrics {m_trl}")
+    print(f"{label}: fused {loss.item():.8g} TRL {loss_trl.item():.8g}; metrics {m_trl}")
     assert loss_trl.abs() > 0
-    assert abs(loss.item() - loss_trl.item()) <= TOL
-    assert g.keys() == g_trl.keys() and g_trl
-    for name, gt in g_trl.items():
-        assert float((g[name] - gt).norm() / gt.norm().clamp_min(1e-30)) <= GRAD_TOL, name
+    assert abs(loss.item() - loss_trl.item()) <= TOL * max(1.0, abs(loss_trl.item()))
+    _assert_grads_close(g, g_trl)
     for mode in ("train", "eval"):
         assert m[mode].keys() == m_trl[mode].keys(), mode
         for key, want in m_trl[mode].items():
@@ -168,6 +167,82 @@ def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, co
     assert _state(trainer).keys() == state_trl.keys()
     assert trainer.entropy_coef == state_trl["entropy_coef"]
     lt.disable(trainer)
+    return loss, g
+
+
+def _assert_grads_close(g, want):
+    assert g.keys() == want.keys() and want
+    for name, gt in want.items():
+        assert float((g[name].double() - gt.double()).norm() / gt.double().norm().clamp_min(1e-30)) <= GRAD_TOL, name
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, config):
+    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS[config])
+    _assert_matches_trl(trainer, inputs, config)
+
+
+# the policy far from the old one (lp - old > 20 at some tokens): TRL's ratio is exp(lp - old), unclamped
+DRIFT_CONFIGS = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo-bias_corrected_kl": dict(loss_type="bnpo", beta=0.02),
+    "gspo-sequence": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "dapo-train": dict(loss_type="dapo", _train=True),
+}
+
+
+def _drift(trainer, inputs, gen):
+    """Old log-probs 20.5-21.5 below the policy's (TRL's own log-probs) at every token of row 1 (its sequence
+    mean too) and the first 3 of row 2. Row 1's advantage is -3e-9, so that its unclipped terms (-A exp(lp -
+    old), about 4 each) weigh like the other rows' (with TRL's k3 times the ratio, the bias-corrected KL, they
+    dominate); row 2's is positive: the clip binds at a ratio of e^21."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask,
+                                                                  inputs["completion_ids"].size(1))
+    old = inputs["old_per_token_logps"].clone()
+    far = torch.zeros_like(old, dtype=torch.bool)
+    far[1] = True
+    far[2, :3] = True
+    old[far] = lp[far] - 20.5 - torch.rand(int(far.sum()), generator=gen)
+    inputs["old_per_token_logps"] = old
+    inputs["advantages"][1] = -3e-9
+    inputs["advantages"][2] = inputs["advantages"][2].abs() + 0.1
+    assert inputs["completion_mask"][1].sum() > 0 and inputs["completion_mask"][2, :3].all()
+
+
+def _float64_trl(trainer, inputs):
+    """TRL's own _compute_loss on a float64 copy of the model and batch: (loss, gradients), float64."""
+    model = copy.deepcopy(trainer.model).double()
+    inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    state = _state(trainer)
+    loss = GRPOTrainer._compute_loss(trainer, model, inputs64)
+    loss.backward()
+    for k, v in state.items():
+        setattr(trainer, k, v)
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("config", list(DRIFT_CONFIGS))
+def test_policy_far_from_the_old_one_equals_trl(folder, tmp_path, seed, config):
+    """lp - old beyond 20 (verl's clamp, which the TRL mapping does not apply): loss, gradients and metrics
+    equal TRL's own, and loss and gradients equal TRL's formula evaluated in float64; logitless' clamped
+    ratio (ratio_log_clamp=20) would not."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    trainer, inputs = _setup(folder, tmp_path, seed, DRIFT_CONFIGS[config])
+    _drift(trainer, inputs, gen)
+    loss, g = _assert_matches_trl(trainer, inputs, config)
+    loss64, g64 = _float64_trl(trainer, inputs)
+    print(f"{config}: float64 TRL {loss64.item():.10g}")
+    assert abs(loss.item() - loss64.item()) <= TOL * max(1.0, abs(loss64.item()))
+    _assert_grads_close(g, g64)
+    p = policy_inputs(trainer, inputs)
+    assert p.settings["ratio_log_clamp"] is None
+    model = trainer.model
+    hidden = model.model(input_ids=p.input_ids, attention_mask=p.attention_mask).last_hidden_state
+    clamped = losses.fused_policy_loss(hidden, model.lm_head.weight, p.labels, **dict(p.settings, ratio_log_clamp=20.0))
+    assert abs(clamped.loss.item() * p.scale - loss64.item()) > 1e-3 * max(1.0, abs(loss64.item()))
 
 
 def test_the_metrics_of_an_entropy_bonus_are_logged(folder, tmp_path, seed):
