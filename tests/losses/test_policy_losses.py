@@ -154,6 +154,13 @@ CASES = {
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
             -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, trl_is_ratio(old, ro, m, "token_mask", 0.7, 1.5))
             * adv * lp, m.bool(), "token-sum")),
+    "trl-vespo-sequence_rollout_is": (   # TRL's default vLLM mode: one weight per sequence, counted once
+        dict(surrogate="vespo", rollout_is="sequence_truncate", rollout_is_min=0.3, rollout_is_max=1.5,
+             loss_agg="token-sum"),
+        lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+            -trl_grpo.GRPOTrainer.get_gamma_weights(
+                adv, lp - old, m, trl_is_ratio(old, ro, m, "sequence_truncate", 0.3, 1.5)) * adv * lp, m.bool(),
+            "token-sum")),
     "trl-off_policy_mask": (
         dict(off_policy_threshold=0.02, loss_agg="seq-mean-token-mean"),
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
@@ -245,6 +252,26 @@ def test_the_settings_matter():
         trl_ppo(torch.exp(lp - old), adv, 0.2, 0.28), m.bool(), "token-mean"))[0]
     for case, (_, fn) in CASES.items():
         assert abs(truth(inputs, fn)[0].item() - plain.item()) > 1e-6, case
+
+
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
+def test_vespo_with_weights_per_sequence(backend, small_chunks):
+    """rollout_weights given one per sequence ([b, 1], TRL's importance_sampling_ratio in its sequence modes):
+    VESPO's sequence weight adds each sequence's log weight once, as TRL's get_gamma_weights does; the same
+    weights given per token ([b, s]) add one log per token."""
+    inputs = batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    m = (labels != -100).double()
+    rho = 0.5 + torch.rand(B, 1)
+    for shape, trl_rho in (((B, 1), rho), ((B, S), rho.expand(B, S) * m)):
+        want = truth(inputs, lambda lp, ent, adv, old, ref, ro, m, r=trl_rho: aggregate64(
+            -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, r.double() if r.shape[1] == 1 else
+                                                    torch.where(m.bool(), r.double(), 1.0)) * adv * lp,
+            m.bool(), "token-sum"))
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fused_policy_loss(h, w, labels, adv, old, surrogate="vespo", loss_agg="token-sum", backend=backend,
+                                rollout_weights=rho.expand(shape).contiguous())
+        check(out, h, w, want, labels != -100)
 
 
 def test_k3_unclamped_differs_from_verls_clamped_k3():
@@ -396,7 +423,7 @@ def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chu
 
 
 SEQUENCE_COUPLED = ["verl-gspo", "verl-geo_mean", "trl-gspo-bias_corrected_kl", "trl-cispo-sequence", "trl-vespo",
-                    "trl-vespo-rollout_weights", "trl-off_policy_mask"]
+                    "trl-vespo-rollout_weights", "trl-vespo-sequence_rollout_is", "trl-off_policy_mask"]
 
 
 @pytest.mark.parametrize("backend", ["chunked", TRITON])

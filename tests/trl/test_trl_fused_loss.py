@@ -28,7 +28,7 @@ GRAD_TOL = 1e-4
 # sampling correction with this mode (the trainer's flags set after construction: no vLLM on CPU; the
 # batch gets sampling log-probs and TRL's importance_sampling_ratio computed from them as TRL does);
 # "_sampling": the batch carries sampling_per_token_logps (the off-policy mask reads them); "_mask": some
-# completions masked whole or in part
+# completions masked whole or in part; "_tool": a tool_mask (multi-turn tool outputs, not scored)
 CONFIGS = {
     "grpo-k3-bias_corrected": dict(loss_type="grpo", beta=0.1),                  # TRL's defaults with a KL
     "grpo-k3-uncorrected-dual_clip": dict(loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7,
@@ -60,6 +60,19 @@ CONFIGS = {
     # 8 tokens, so TRL's generation would mask every completion): whole completions and tails masked
     "masked_completions-grpo": dict(loss_type="grpo", beta=0.02, _mask=True),
     "masked_completions-dapo-sequence": dict(loss_type="dapo", importance_sampling_level="sequence", _mask=True),
+    "luspo-token-kl-entropy_mask": dict(loss_type="luspo", beta=0.02, top_entropy_quantile=0.5),
+    "luspo-train-entropy_bonus": dict(loss_type="luspo", entropy_coef=0.03, _train=True),
+    "cispo-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.2),
+    "cispo-train-entropy_bonus": dict(loss_type="cispo", epsilon_high=1.3, entropy_coef=0.02, _train=True),
+    "sapo-train-kl": dict(loss_type="sapo", beta=0.03, _train=True),
+    "vespo-vllm_is-token_mask": dict(loss_type="vespo", _vllm="token_mask"),
+    "vespo-vllm_is-sequence_truncate": dict(loss_type="vespo", _vllm="sequence_truncate"),
+    "vespo-vllm_is-sequence_mask": dict(loss_type="vespo", _vllm="sequence_mask"),
+    "gspo-vllm_is-sequence_mask-off_policy_mask": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                                       off_policy_mask_threshold=0.05, _vllm="sequence_mask"),
+    # multi-turn tool calls: TRL scores completion_mask * tool_mask
+    "tool_mask-bnpo-kl": dict(loss_type="bnpo", beta=0.02, _tool=True),
+    "tool_mask-dapo-sequence": dict(loss_type="dapo", importance_sampling_level="sequence", _tool=True),
 }
 
 
@@ -117,7 +130,7 @@ def _run(trainer, inputs, compute):
 def _setup(folder, tmp_path, seed, config):
     config = dict(config)
     train, vllm, sampling = config.pop("_train", False), config.pop("_vllm", None), config.pop("_sampling", False)
-    masked = config.pop("_mask", False)
+    masked, tool = config.pop("_mask", False), config.pop("_tool", False)
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **config)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
@@ -134,6 +147,11 @@ def _setup(folder, tmp_path, seed, config):
         mask[1, 5:] = 0                              # a completion that ended early: its padding
         mask[3, 2:] = 0
         inputs["completion_mask"] = mask
+    if tool:
+        tool_mask = torch.ones_like(inputs["completion_mask"])
+        tool_mask[:, 2:4] = 0                        # a tool's output inside each completion
+        tool_mask[3, 1:] = 0
+        inputs["tool_mask"] = tool_mask
     _perturb(trainer.model, gen)                   # ratios away from 1, some clipped
     if train:
         trainer.model.train()

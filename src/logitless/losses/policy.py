@@ -83,7 +83,8 @@ class PolicyLoss:
         +-20 before exp, as verl does.
     rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
         sequences, at sequence level), as verl's rollout_is_batch_normalize.
-    rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]), when
+    rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]: VESPO
+        then counts each sequence's weight once in its sequence weight, as TRL does), when
         computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
     """
     advantages: Tensor
@@ -219,6 +220,15 @@ class PolicyLoss:
                 and self.rollout_is_min > self.rollout_is_max):
             raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
 
+    @property
+    def rollout_per_sequence(self) -> bool:
+        """Whether the rollout weights are one per sequence: rollout_is's sequence modes, or rollout_weights of
+        shape [..., 1] with two or more dimensions (TRL's [B, 1] importance_sampling_ratio)."""
+        if self.rollout_is is not None:
+            return self.rollout_is.startswith("sequence")
+        w = self.rollout_weights
+        return w is not None and w.dim() >= 2 and w.shape[-1] == 1
+
     def term_spec(self) -> TermSpec:
         return TermSpec(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
                         kl_coef=self.kl_coef, kl_type=KL_TYPES[self.kl_type], entropy_coef=self.entropy_coef,
@@ -232,6 +242,7 @@ class PolicyLoss:
                         entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
                         has_rollout=self.rollout_logprobs is not None,
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
+                        rollout_per_sequence=self.rollout_per_sequence,
                         cov_ratio=self.cov_ratio, cov_bounds=(self.clip_cov_lb, self.clip_cov_ub),
                         cov_kl_coef=self.kl_cov_coef)
 

@@ -23,7 +23,8 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
         "dro"     -(A lp - dro_beta / 2 (lp - old)^2)
         "vespo"   -sg(phi_i) A lp,  phi_i = exp(lam + k log w_i - lam w_i), log w_i = clamp(sum_{t in i}
                   clamp(d_t, -20, 20) + sum_{t in i} log clamp(rho_t), log 1e-8, 20); (k, lam) = vespo_pos
-                  where A >= 0 else vespo_neg; rho the rollout weights (TRL's get_gamma_weights)
+                  where A >= 0 else vespo_neg; rho the rollout weights, whose sum is the one log clamp(rho_i)
+                  where they are one per sequence (TRL's get_gamma_weights)
         "dppo_tv" -A sg(min(r, cap)) lp keep,  keep = p - p_old <= clip_high where A > 0 else >= -clip_low
         "dppo_kl" the same with keep = binary KL(p_old || p) <= clip_high or p <= p_old (A > 0),
                   <= clip_low or p >= p_old (A <= 0)                         (cap = dual_clip, or 20)
@@ -101,6 +102,7 @@ class TermSpec:
     loss_agg: str = "token-mean"
     has_rollout: bool = False                # rollout (sampling) log-probs given
     has_rollout_weights: bool = False        # rollout-correction weights given
+    rollout_per_sequence: bool = False       # ... one per sequence (TRL's sequence modes; VESPO counts it once)
     cov_ratio: float = 2e-4                  # clip_cov / kl_cov: the share of tokens selected
     cov_bounds: tuple = (1.0, 5.0)           # clip_cov: the covariance band of the candidates
     cov_kl_coef: float = 1.0                 # kl_cov: verl's ppo_kl_coef
@@ -230,11 +232,16 @@ def _ratio(lp: Tensor, d: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor
 
 
 def _vespo_phi(d: Tensor, adv: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
-    """TRL's get_gamma_weights, per token (its sequence's phi), detached."""
+    """TRL's get_gamma_weights, per token (its sequence's phi), detached. TRL adds the log of every rollout
+    weight it is given: one per token, or one per sequence (its sequence modes' [B, 1] ratio), which the
+    tokens here carry each, so it is counted once (the mean over the sequence of a constant)."""
     d = d.detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    log_w = seq_sum(d, tokens, "surrogate='vespo'")
     if tokens.rollout_weights is not None:
-        d = d + tokens.rollout_weights.log().clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)
-    log_w = seq_sum(d, tokens, "surrogate='vespo'").clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)[tokens.seq]
+        log_rho = tokens.rollout_weights.log().clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)
+        per_seq = seq_mean if spec.rollout_per_sequence else seq_sum
+        log_w = log_w + per_seq(log_rho, tokens, "surrogate='vespo'")
+    log_w = log_w.clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)[tokens.seq]
     w = log_w.exp()
     pos = adv >= 0
     k = torch.where(pos, spec.vespo_pos[0], spec.vespo_neg[0])
