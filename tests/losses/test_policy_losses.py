@@ -387,6 +387,8 @@ def test_missing_inputs_are_named():
                           ratio_level="sequence")
     with pytest.raises(TypeError, match="made_up"):
         fused_policy_loss(hidden, weight, labels, adv, old, made_up=1.0)
+    with pytest.raises(TypeError, match="entropy_quantile_group"):
+        fused_policy_loss(hidden, weight, labels, adv, old, entropy_quantile=0.5, entropy_quantile_group=3)
 
 
 @pytest.mark.parametrize("settings", [dict(ratio_level="sequence", kl_coef=0.2, kl_ratio=True),

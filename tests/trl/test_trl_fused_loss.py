@@ -56,6 +56,8 @@ CONFIGS = {
     "vllm_is-sequence_truncate": dict(loss_type="bnpo", _vllm="sequence_truncate"),
     "vllm_is-sequence_mask": dict(loss_type="dr_grpo", _vllm="sequence_mask"),
     "cast_lm_head_to_fp32": dict(loss_type="grpo", cast_lm_head_to_fp32=True, beta=0.02),
+    # bf16 autocast: the backbone in bf16, the head in float32 (TRL's patched head; logitless' head_in_fp32)
+    "cast_lm_head_to_fp32-bf16_autocast": dict(loss_type="dapo", cast_lm_head_to_fp32=True, bf16=True, beta=0.02),
     # what mask_truncated_completions and EOS padding do to the batch (the tiny model never emits EOS within
     # 8 tokens, so TRL's generation would mask every completion): whole completions and tails masked
     "masked_completions-grpo": dict(loss_type="grpo", beta=0.02, _mask=True),

@@ -3,7 +3,7 @@ two processes): each rank its own rollout, 2 gradient-accumulation steps, comple
 On every micro-batch of each rank the fused loss equals TRL's own _compute_loss: dapo / cispo / vespo normalise
 by num_items_in_batch, which TRL gathers over both processes' generation batches and rescales by the number of
 processes and accumulation steps; the metrics are reduced and gathered across ranks; the adaptive entropy
-controller reduces its window across ranks. The entropy mask across processes is refused at enable()
+controller reduces its window across ranks; the entropy mask's quantile spans both ranks' entropies
 (trl_processes_worker.py has the cases)."""
 import json
 import os

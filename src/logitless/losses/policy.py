@@ -69,6 +69,9 @@ class PolicyLoss:
         sampling-minus-current log-prob (DeepSeek-V3.2, TRL's off_policy_mask_threshold).
     entropy_quantile: in (0, 1]; below 1 only the tokens with the top ``entropy_quantile`` share of
         entropies carry the policy-gradient term and the entropy bonus (TRL's top_entropy_quantile).
+    entropy_quantile_group: None (the quantile of this call's scored tokens), or a torch.distributed process
+        group (or its name): the quantile of every rank's scored tokens, as TRL's top_entropy_quantile spans
+        its processes (each rank of the group makes the call; its entropies are gathered, a host sync).
     entropy_agg: None (the entropy bonus aggregated like the loss) or a ``loss_agg`` name for the bonus.
     rollout_logprobs: the rollout engine's log-probs of the labels (per token), for ``rollout_is`` and the
         off-policy mask (which otherwise uses old_logprobs).
@@ -112,6 +115,7 @@ class PolicyLoss:
     vespo_lambda_neg: float = 2.0
     off_policy_threshold: Optional[float] = None
     entropy_quantile: float = 1.0
+    entropy_quantile_group: Optional[str] = None
     entropy_agg: Optional[str] = None
     rollout_logprobs: Optional[Tensor] = None
     rollout_is: Optional[str] = None
@@ -198,6 +202,13 @@ class PolicyLoss:
         if q > 1.0:
             raise ValueError(f"entropy_quantile must be in (0, 1], got {q!r}")
         set_(self, "entropy_quantile", q)
+        group = self.entropy_quantile_group
+        if group is not None and not isinstance(group, str):
+            import torch.distributed as dist
+            if not isinstance(group, dist.ProcessGroup):
+                raise TypeError(f"entropy_quantile_group must be a torch.distributed ProcessGroup or its name, got "
+                                f"{type(group).__name__}")
+            set_(self, "entropy_quantile_group", group.group_name)     # the op takes groups by name
         if self.entropy_agg is not None:
             check_loss_agg(self.entropy_agg)
         if self.rollout_is is not None:
@@ -239,6 +250,7 @@ class PolicyLoss:
                         dro_beta=self.dro_beta or 0.0, vespo_pos=(self.vespo_k_pos, self.vespo_lambda_pos),
                         vespo_neg=(self.vespo_k_neg, self.vespo_lambda_neg),
                         off_policy_threshold=self.off_policy_threshold, entropy_quantile=self.entropy_quantile,
+                        entropy_group=self.entropy_quantile_group,
                         entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
                         has_rollout=self.rollout_logprobs is not None,
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,

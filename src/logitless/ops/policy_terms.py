@@ -33,7 +33,8 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
             mean_{t in i} (sampling_t - sg(lp_t)) <= off_policy_threshold (sampling: rollout log-probs,
             else old)
         entropy mask (TRL's top_entropy_quantile q < 1): keep tokens whose entropy is at least the
-            (1 - q) quantile of the scored tokens' entropies
+            (1 - q) quantile of the scored tokens' entropies (with ``entropy_quantile_group``, of every
+            rank's scored tokens, as TRL's quantile spans its processes)
         rho: the rollout-correction weights (``rollout_weights``), given per token (0 where masked)
     KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
         k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
@@ -98,6 +99,7 @@ class TermSpec:
     vespo_neg: tuple = (3.0, 2.0)            # and for A < 0
     off_policy_threshold: Optional[float] = None
     entropy_quantile: float = 1.0
+    entropy_group: Optional[str] = None      # the process group whose tokens the entropy quantile spans
     entropy_agg: Optional[str] = None        # None: the entropy bonus has the loss's weights
     loss_agg: str = "token-mean"
     has_rollout: bool = False                # rollout (sampling) log-probs given
@@ -336,13 +338,34 @@ def geo_mean_loss(lp: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
     return pg.sum() / max(tokens.n_seq, 1)
 
 
-def entropy_mask(ent: Tensor, quantile: float) -> Tensor:
+def _gathered(e: Tensor, group: str) -> Tensor:
+    """float32 [sum of n over the ranks]: every rank's e [n] (sizes may differ), in rank order, as TRL's
+    pad_across_processes + gather + drop of the padding gives them. A collective of ``group`` (by name)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group)
+    size = torch.tensor([e.numel()], dtype=torch.int64, device=e.device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(sizes, size, group=pg)
+    sizes = [int(n) for n in torch.cat(sizes).tolist()]
+    padded = e.new_zeros(max(sizes))
+    padded[:e.numel()] = e
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=pg)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def entropy_mask(ent: Tensor, quantile: float, group: Optional[str] = None) -> Tensor:
     """bool [n]: TRL's get_high_entropy_mask over these tokens (float32, as TRL computes it): the tokens
-    whose entropy is at least the (1 - quantile) quantile."""
+    whose entropy is at least the (1 - quantile) quantile of the scored tokens' entropies, of this call's
+    tokens, or with ``group`` (a process group's name) of every rank's (TRL gathers them over its processes;
+    every rank of the group must make the call)."""
     e = ent.detach().float()
-    if e.numel() == 0:
+    pool = e if group is None else _gathered(e, group)
+    if pool.numel() == 0:
         return torch.zeros_like(e, dtype=torch.bool)
-    return e >= torch.quantile(e, 1.0 - quantile)
+    return e >= torch.quantile(pool, 1.0 - quantile)
 
 
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
@@ -361,7 +384,7 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
         mean_kl = seq_mean(sampling - lp.detach(), tokens, "off_policy_threshold")[tokens.seq]
         pg = pg * ((adv >= 0) | (mean_kl <= spec.off_policy_threshold)).double()
     if spec.entropy_quantile < 1.0:
-        pg = pg * entropy_mask(ent, spec.entropy_quantile).double()
+        pg = pg * entropy_mask(ent, spec.entropy_quantile, spec.entropy_group).double()
     if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
         pg = pg * tokens.rollout_weights
     f = pg
@@ -380,7 +403,7 @@ def entropy_weights(ent: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
     over the scored tokens, or, with the entropy mask, over the tokens it keeps (TRL's effective mask)."""
     if spec.entropy_quantile >= 1.0:
         return tokens.weights if tokens.ent_weights is None else tokens.ent_weights
-    keep = entropy_mask(ent, spec.entropy_quantile)
+    keep = entropy_mask(ent, spec.entropy_quantile, spec.entropy_group)
     return mask_weights(keep, tokens, spec.entropy_agg or spec.loss_agg)
 
 

@@ -17,7 +17,7 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
     loss_type vespo                 -> surrogate "vespo" (vespo_k_pos, vespo_lambda_pos, ...)
     the aggregation of each type    -> a loss_agg times a constant (``loss_scale``), with TRL's
                                        gradient-accumulation scaling
-    top_entropy_quantile            -> entropy_quantile
+    top_entropy_quantile            -> entropy_quantile (over every process's tokens: entropy_quantile_group)
     off_policy_mask_threshold       -> off_policy_threshold (rollout_logprobs: the batch's
                                        sampling_per_token_logps, when present)
     vllm_importance_sampling_*      -> rollout_weights: the batch's importance_sampling_ratio
@@ -28,8 +28,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
 
 The metrics TRL logs from ``_compute_loss`` (entropy, kl, clip ratios, cispo_clip_ratio,
 vespo/phi_seq_mean, policy_loss, entropy_coef) are logged under TRL's names, computed as TRL computes them
-from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, the
-entropy mask across several processes, cispo with epsilon_high < 1) is refused by ``check_mappable``.
+from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, cispo
+with epsilon_high < 1) is refused by ``check_mappable``.
 The ratio's log is not clamped (``ratio_log_clamp=None``), as TRL does not clamp it: equal values and
 gradients however far the policy drifted from the old one (VESPO's weight keeps the +-20 clamps that TRL's
 get_gamma_weights itself applies).
@@ -67,9 +67,6 @@ def unmappable(trainer) -> list:
     if trainer.loss_type == "cispo" and trainer.epsilon_high < 1.0:
         bad.append(f"epsilon_high={trainer.epsilon_high} with loss_type='cispo' (CISPO's ratio is clamped to at most "
                    "epsilon_high; logitless takes a bound >= 1)")
-    if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
-        bad.append(f"top_entropy_quantile={trainer.top_entropy_quantile} on {trainer.accelerator.num_processes} "
-                   "processes (TRL's quantile spans every process's entropies; logitless' is per process)")
     if not 0.0 <= trainer.epsilon_low <= 1.0:
         bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1])")
     if getattr(trainer, "aux_loss_enabled", False):
@@ -151,6 +148,9 @@ def scalar_settings(trainer) -> dict:
                         kl_ratio=bool(getattr(args, "use_bias_correction_kl", False)))
     if trainer.top_entropy_quantile < 1.0:
         settings["entropy_quantile"] = float(trainer.top_entropy_quantile)
+        if trainer.accelerator.num_processes > 1:
+            # TRL's quantile spans every process's scored entropies (accelerator.gather: the default group)
+            settings["entropy_quantile_group"] = torch.distributed.group.WORLD.group_name
     if trainer.off_policy_mask_threshold is not None:
         settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
     return settings
