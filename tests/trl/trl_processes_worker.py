@@ -7,7 +7,8 @@ gathered over both ranks' generation batches, the metrics are reduced / gathered
 builds a GRPOTrainer in train mode with 2 gradient-accumulation steps (steps_per_generation 2), makes its
 generation batch with TRL's ``_prepare_inputs`` (generation, then the split into the two micro-batches), perturbs
 the policy (the same on both ranks: ratios != 1) and, on each micro-batch, compares TRL's ``_compute_loss`` with
-``enable(trainer, fused_loss=True)``'s: loss, parameter gradients, every metric, the adaptive-entropy state.
+``enable(trainer, fused_loss=True)``'s: loss, parameter gradients, every metric, the adaptive-entropy state
+(and once more in eval mode, where TRL neither splits nor accumulates).
 Completions end early (an EOS made likely by ``exponential_decay_length_penalty``) and truncated ones are masked
 (``mask_truncated_completions``), so the ranks score different numbers of tokens."""
 import copy
@@ -47,12 +48,13 @@ def _state(trainer):
 
 def _run(trainer, inputs, compute):
     model = trainer.model
+    mode = "train" if model.training else "eval"
     model.zero_grad(set_to_none=True)
-    trainer._metrics["train"].clear()
+    trainer._metrics[mode].clear()
     loss = compute(model, inputs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), grads, {k: list(v) for k, v in trainer._metrics[mode].items()}
 
 
 def _micro_batches(trainer, seed):
@@ -134,6 +136,8 @@ def _case(folder, out_dir, seed, config) -> str:
     msgs = [f"tokens: this rank {local:.0f}, both {items:.0f}"]
     for j, inputs in enumerate(micro):
         msgs.append(f"micro-batch {j}: " + _compare_micro_batch(trainer, inputs, sync=j == ACCUMULATION - 1))
+    trainer.model.eval()            # evaluation: no accumulation (num_items_in_batch / processes for dapo)
+    msgs.append("eval: " + _compare_micro_batch(trainer, micro[0], sync=True))
     return "; ".join(msgs)
 
 
