@@ -274,6 +274,37 @@ def test_vespo_with_weights_per_sequence(backend, small_chunks):
         check(out, h, w, want, labels != -100)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollout_logprobs_missing_as_nan(backend, small_chunks):
+    """rollout_nan_is_missing=True: NaN rollout log-probs at scored tokens (vLLM could not score them) add 0 to
+    the off-policy mask's sum and give the rollout_is weight 1, as TRL's get_off_policy_mask and its vLLM
+    ratio (nan_to_num) do; without it they are a ValueError naming rollout_logprobs."""
+    inputs = batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    rollout = rollout.clone()
+    rollout[0, 0] = rollout[1, 0] = float("nan")                 # column 0 is scored in every row
+    rollout[(labels != -100) & (torch.rand(B, S) < 0.3)] = float("nan")
+    inputs = (hidden, weight, labels, adv, old, ref, rollout)
+
+    def trl(lp, ent, adv, old, ref, ro, m):
+        ro = torch.where(torch.isnan(rollout), ro.new_tensor(float("nan")), ro)   # truth() zeroed only padding
+        diff = torch.nan_to_num((old - ro) * m, nan=0.0).sum(-1, keepdim=True)       # TRL's sequence_truncate
+        weights = torch.exp(diff).clamp(min=0.3, max=1.5)
+        keep = trl_grpo.GRPOTrainer.get_off_policy_mask(adv, lp, ro, m, 0.02)
+        return aggregate64(trl_ppo(torch.exp(lp - old), adv, 0.2, 0.28) * keep * weights, m.bool(), "token-mean")
+    want = truth(inputs, trl, temperature=0.9)
+    settings = dict(off_policy_threshold=0.02, rollout_is="sequence_truncate", rollout_is_min=0.3, rollout_is_max=1.5,
+                    rollout_logprobs=rollout, temperature=0.9, backend=backend)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fused_policy_loss(h, w, labels, adv, old, rollout_nan_is_missing=True, **settings)
+    check(out, h, w, want, labels != -100)
+    with pytest.raises(ValueError, match="rollout_logprobs must be finite"):
+        fused_policy_loss(hidden, weight, labels, adv, old, **settings)
+    rollout[2, 0] = float("inf")                  # an infinity is refused either way
+    with pytest.raises(ValueError, match="rollout_logprobs must be finite"):
+        fused_policy_loss(hidden, weight, labels, adv, old, rollout_nan_is_missing=True, **settings)
+
+
 def test_k3_unclamped_differs_from_verls_clamped_k3():
     """ref far above the policy's log-prob: verl's k3 clamps at 10, TRL's does not."""
     hidden, weight, labels, adv, old, ref, rollout = batch()

@@ -28,7 +28,8 @@ GRAD_TOL = 1e-4
 # sampling correction with this mode (the trainer's flags set after construction: no vLLM on CPU; the
 # batch gets sampling log-probs and TRL's importance_sampling_ratio computed from them as TRL does);
 # "_sampling": the batch carries sampling_per_token_logps (the off-policy mask reads them); "_mask": some
-# completions masked whole or in part; "_tool": a tool_mask (multi-turn tool outputs, not scored)
+# completions masked whole or in part; "_tool": a tool_mask (multi-turn tool outputs, not scored); "_nan":
+# a quarter of the sampling log-probs NaN (vLLM could not score them; TRL's nan_to_num)
 CONFIGS = {
     "grpo-k3-bias_corrected": dict(loss_type="grpo", beta=0.1),                  # TRL's defaults with a KL
     "grpo-k3-uncorrected-dual_clip": dict(loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7,
@@ -51,6 +52,10 @@ CONFIGS = {
                                    entropy_target=100.0, _train=True),
     "off_policy_mask": dict(loss_type="grpo", off_policy_mask_threshold=0.05),
     "off_policy_mask-sampling": dict(loss_type="bnpo", off_policy_mask_threshold=0.05, _sampling=True),
+    # NaN sampling log-probs (tokens vLLM could not score): no drift evidence in the mask, IS weight 1
+    "off_policy_mask-sampling-nan": dict(loss_type="bnpo", off_policy_mask_threshold=0.05, _sampling=True, _nan=True),
+    "vllm_is-sequence_mask-off_policy_mask-nan": dict(loss_type="grpo", off_policy_mask_threshold=0.02,
+                                                      _vllm="sequence_mask", _nan=True),
     "vllm_is-token_truncate": dict(loss_type="grpo", _vllm="token_truncate", beta=0.02),
     "vllm_is-token_mask": dict(loss_type="dapo", _vllm="token_mask"),
     "vllm_is-sequence_truncate": dict(loss_type="bnpo", _vllm="sequence_truncate"),
@@ -88,20 +93,24 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _sampling_logps(inputs, gen, noise=0.3):
+def _sampling_logps(inputs, gen, noise=0.3, nan=False):
+    """Sampling log-probs around the old ones; nan: a quarter NaN (tokens vLLM could not score)."""
     old = inputs["old_per_token_logps"]
-    return old + noise * torch.randn(old.shape, generator=gen)
+    sampling = old + noise * torch.randn(old.shape, generator=gen)
+    if nan:
+        sampling[torch.rand(old.shape, generator=gen) < 0.25] = float("nan")
+    return sampling
 
 
-def _vllm_batch(trainer, inputs, mode, gen):
+def _vllm_batch(trainer, inputs, mode, gen, nan=False):
     """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions' formula) from
     sampling log-probs drawn around the old ones."""
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.6, 1.8
-    sampling = _sampling_logps(inputs, gen, 0.2 if mode.startswith("token") else 0.05)
+    sampling = _sampling_logps(inputs, gen, 0.2 if mode.startswith("token") else 0.05, nan)
     mask = inputs["completion_mask"]
-    diff = (inputs["old_per_token_logps"] - sampling) * mask
+    diff = torch.nan_to_num((inputs["old_per_token_logps"] - sampling) * mask, nan=0.0)
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)
     ratio = torch.exp(diff)
@@ -132,7 +141,7 @@ def _run(trainer, inputs, compute):
 def _setup(folder, tmp_path, seed, config):
     config = dict(config)
     train, vllm, sampling = config.pop("_train", False), config.pop("_vllm", None), config.pop("_sampling", False)
-    masked, tool = config.pop("_mask", False), config.pop("_tool", False)
+    masked, tool, nan = config.pop("_mask", False), config.pop("_tool", False), config.pop("_nan", False)
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **config)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
@@ -140,9 +149,9 @@ def _setup(folder, tmp_path, seed, config):
     # advantages 0 and a loss of 0, which would compare nothing
     inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=gen)
     if vllm is not None:
-        _vllm_batch(trainer, inputs, vllm, gen)
+        _vllm_batch(trainer, inputs, vllm, gen, nan)
     if sampling:
-        inputs["sampling_per_token_logps"] = _sampling_logps(inputs, gen)
+        inputs["sampling_per_token_logps"] = _sampling_logps(inputs, gen, nan=nan)
     if masked:
         mask = inputs["completion_mask"].clone()
         mask[0] = 0                                  # a truncated completion, masked whole

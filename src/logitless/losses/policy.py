@@ -84,6 +84,10 @@ class PolicyLoss:
         "token_truncate" / "sequence_truncate" with rollout_is_max=u; a threshold "l_u" (IcePop) is
         "token_mask" / "sequence_mask" with rollout_is_min=l, rollout_is_max=u. The log-ratio is clamped to
         +-20 before exp, as verl does.
+    rollout_nan_is_missing: False (default): rollout_logprobs must be finite at every scored token (a
+        ValueError names it). True: a NaN there marks a token the rollout engine could not score (vLLM's
+        missing log-probs): its rollout_is log-ratio is 0 (weight 1) and it adds 0 to the off-policy mask's
+        sum (still counted in the mean), as TRL's nan_to_num does.
     rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
         sequences, at sequence level), as verl's rollout_is_batch_normalize.
     rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]: VESPO
@@ -123,6 +127,7 @@ class PolicyLoss:
     rollout_is_max: Optional[float] = None
     rollout_weights: Optional[Tensor] = None
     rollout_is_batch_normalize: bool = False
+    rollout_nan_is_missing: bool = False
     cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -163,6 +168,7 @@ class PolicyLoss:
         _choice(self.ratio_level, "ratio_level", RATIO_LEVELS)
         checks.boolean(self.kl_ratio, "kl_ratio")
         checks.boolean(self.rollout_is_batch_normalize, "rollout_is_batch_normalize")
+        checks.boolean(self.rollout_nan_is_missing, "rollout_nan_is_missing")
         if self.delta is not None:
             set_(self, "delta", checks.finite_float(self.delta, "delta", minimum=1.0, above=True))
         if self.ratio_log_clamp is not None:

@@ -31,7 +31,8 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
     masks and weights of the surrogate, pg <- pg * mask * rho:
         off-policy sequence mask (DeepSeek-V3.2, TRL): keep the sequence where A >= 0 or
             mean_{t in i} (sampling_t - sg(lp_t)) <= off_policy_threshold (sampling: rollout log-probs,
-            else old)
+            else old; a NaN rollout log-prob, a token the rollout engine could not score, adds 0 to the
+            sum, as TRL's nan_to_num: ``PolicyLoss.rollout_nan_is_missing``)
         entropy mask (TRL's top_entropy_quantile q < 1): keep tokens whose entropy is at least the
             (1 - q) quantile of the scored tokens' entropies (with ``entropy_quantile_group``, of every
             rank's scored tokens, as TRL's quantile spans its processes)
@@ -381,7 +382,9 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
     pg, clipped = _surrogate(lp, old, ratio, d, adv, tokens, spec)
     if spec.off_policy_threshold is not None:
         sampling = tokens.rollout if spec.has_rollout else old
-        mean_kl = seq_mean(sampling - lp.detach(), tokens, "off_policy_threshold")[tokens.seq]
+        # NaN: a token the rollout engine could not score (allowed by rollout_nan_is_missing): no evidence
+        drift = (sampling - lp.detach()).nan_to_num(nan=0.0)
+        mean_kl = seq_mean(drift, tokens, "off_policy_threshold")[tokens.seq]
         pg = pg * ((adv >= 0) | (mean_kl <= spec.off_policy_threshold)).double()
     if spec.entropy_quantile < 1.0:
         pg = pg * entropy_mask(ent, spec.entropy_quantile, spec.entropy_group).double()

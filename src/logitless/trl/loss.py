@@ -19,7 +19,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
                                        gradient-accumulation scaling
     top_entropy_quantile            -> entropy_quantile (over every process's tokens: entropy_quantile_group)
     off_policy_mask_threshold       -> off_policy_threshold (rollout_logprobs: the batch's
-                                       sampling_per_token_logps, when present)
+                                       sampling_per_token_logps, when present; NaN ones, which vLLM could
+                                       not score, taken as no drift: rollout_nan_is_missing)
     vllm_importance_sampling_*      -> rollout_weights: the batch's importance_sampling_ratio
     entropy_coef, use_adaptive_entropy -> entropy_coef with entropy_agg "token-mean" (TRL's bonus is a token
                                        mean over the tokens the entropy mask keeps), TRL's adaptive
@@ -220,6 +221,8 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
         settings["ref_logprobs"] = at_positions(inputs["ref_per_token_logps"])
     if trainer.off_policy_mask_threshold is not None:
         settings["rollout_logprobs"] = at_positions(inputs.get("sampling_per_token_logps"))
+        # vLLM's missing log-probs are NaN: TRL's mask takes them as no drift (nan_to_num)
+        settings["rollout_nan_is_missing"] = True
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         settings["rollout_weights"] = at_positions(inputs["importance_sampling_ratio"])
     scale = loss_scale(trainer, inputs, scored)
