@@ -5,7 +5,8 @@ accelerate sees two processes (RANK / WORLD_SIZE / LOCAL_RANK set, the gloo grou
 code runs as under ``accelerate launch``: each rank draws its own prompts and rollouts, ``num_items_in_batch`` is
 gathered over both ranks' generation batches, the metrics are reduced / gathered across ranks. Per case each rank
 builds a GRPOTrainer in train mode with 2 gradient-accumulation steps (steps_per_generation 2), makes its
-generation batch with TRL's ``_prepare_inputs`` (generation, then the split into the two micro-batches), perturbs
+generation batch with TRL's ``_prepare_inputs`` (generation, then the split into the two micro-batches; signed
+random advantages in place of the rewards', which are often all 0 for such short completions), perturbs
 the policy (the same on both ranks: ratios != 1) and, on each micro-batch, compares TRL's ``_compute_loss`` with
 ``enable(trainer, fused_loss=True)``'s: loss, parameter gradients, every metric, the adaptive-entropy state
 (and once more in eval mode, where TRL neither splits nor accumulates).
@@ -74,6 +75,11 @@ def _micro_batches(trainer, seed):
         counts = [torch.zeros(2) for _ in range(2)]
         dist.all_gather(counts, torch.tensor([sum(tokens), min(tokens)]))
         if counts[0][0] != counts[1][0] and min(float(c[1]) for c in counts) > 0:
+            # signed advantages whatever the rewards drew: a micro-batch is one prompt's group, whose
+            # completions often score alike (advantages 0: a loss of 0 without KL, which compares nothing)
+            gen = torch.Generator().manual_seed(seed + 17 + dist.get_rank())
+            for m in micro:
+                m["advantages"] = torch.randn(m["advantages"].shape, generator=gen)
             return micro, [float(c[0]) for c in counts]
     raise AssertionError(f"no rollout with different token counts per rank in 8 draws: {counts}")
 
