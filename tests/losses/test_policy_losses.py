@@ -154,6 +154,13 @@ CASES = {
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
             -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, trl_is_ratio(old, ro, m, "token_mask", 0.7, 1.5))
             * adv * lp, m.bool(), "token-sum")),
+    "trl-vespo-sequence_rollout_is": (   # TRL's default vLLM mode: one weight per sequence, counted once
+        dict(surrogate="vespo", rollout_is="sequence_truncate", rollout_is_min=0.3, rollout_is_max=1.5,
+             loss_agg="token-sum"),
+        lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+            -trl_grpo.GRPOTrainer.get_gamma_weights(
+                adv, lp - old, m, trl_is_ratio(old, ro, m, "sequence_truncate", 0.3, 1.5)) * adv * lp, m.bool(),
+            "token-sum")),
     "trl-off_policy_mask": (
         dict(off_policy_threshold=0.02, loss_agg="seq-mean-token-mean"),
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
@@ -247,6 +254,57 @@ def test_the_settings_matter():
         assert abs(truth(inputs, fn)[0].item() - plain.item()) > 1e-6, case
 
 
+@pytest.mark.parametrize("backend", ["chunked", TRITON])
+def test_vespo_with_weights_per_sequence(backend, small_chunks):
+    """rollout_weights given one per sequence ([b, 1], TRL's importance_sampling_ratio in its sequence modes):
+    VESPO's sequence weight adds each sequence's log weight once, as TRL's get_gamma_weights does; the same
+    weights given per token ([b, s]) add one log per token."""
+    inputs = batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    m = (labels != -100).double()
+    rho = 0.5 + torch.rand(B, 1)
+    for shape, trl_rho in (((B, 1), rho), ((B, S), rho.expand(B, S) * m)):
+        want = truth(inputs, lambda lp, ent, adv, old, ref, ro, m, r=trl_rho: aggregate64(
+            -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, r.double() if r.shape[1] == 1 else
+                                                    torch.where(m.bool(), r.double(), 1.0)) * adv * lp,
+            m.bool(), "token-sum"))
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fused_policy_loss(h, w, labels, adv, old, surrogate="vespo", loss_agg="token-sum", backend=backend,
+                                rollout_weights=rho.expand(shape).contiguous())
+        check(out, h, w, want, labels != -100)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollout_logprobs_missing_as_nan(backend, small_chunks):
+    """rollout_nan_is_missing=True: NaN rollout log-probs at scored tokens (vLLM could not score them) add 0 to
+    the off-policy mask's sum and give the rollout_is weight 1, as TRL's get_off_policy_mask and its vLLM
+    ratio (nan_to_num) do; without it they are a ValueError naming rollout_logprobs."""
+    inputs = batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    rollout = rollout.clone()
+    rollout[0, 0] = rollout[1, 0] = float("nan")                 # column 0 is scored in every row
+    rollout[(labels != -100) & (torch.rand(B, S) < 0.3)] = float("nan")
+    inputs = (hidden, weight, labels, adv, old, ref, rollout)
+
+    def trl(lp, ent, adv, old, ref, ro, m):
+        ro = torch.where(torch.isnan(rollout), ro.new_tensor(float("nan")), ro)   # truth() zeroed only padding
+        diff = torch.nan_to_num((old - ro) * m, nan=0.0).sum(-1, keepdim=True)       # TRL's sequence_truncate
+        weights = torch.exp(diff).clamp(min=0.3, max=1.5)
+        keep = trl_grpo.GRPOTrainer.get_off_policy_mask(adv, lp, ro, m, 0.02)
+        return aggregate64(trl_ppo(torch.exp(lp - old), adv, 0.2, 0.28) * keep * weights, m.bool(), "token-mean")
+    want = truth(inputs, trl, temperature=0.9)
+    settings = dict(off_policy_threshold=0.02, rollout_is="sequence_truncate", rollout_is_min=0.3, rollout_is_max=1.5,
+                    rollout_logprobs=rollout, temperature=0.9, backend=backend)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fused_policy_loss(h, w, labels, adv, old, rollout_nan_is_missing=True, **settings)
+    check(out, h, w, want, labels != -100)
+    with pytest.raises(ValueError, match="rollout_logprobs must be finite"):
+        fused_policy_loss(hidden, weight, labels, adv, old, **settings)
+    rollout[2, 0] = float("inf")                  # an infinity is refused either way
+    with pytest.raises(ValueError, match="rollout_logprobs must be finite"):
+        fused_policy_loss(hidden, weight, labels, adv, old, rollout_nan_is_missing=True, **settings)
+
+
 def test_k3_unclamped_differs_from_verls_clamped_k3():
     """ref far above the policy's log-prob: verl's k3 clamps at 10, TRL's does not."""
     hidden, weight, labels, adv, old, ref, rollout = batch()
@@ -271,6 +329,51 @@ def test_softcapped_head(backend, small_chunks):
     check(out, h, w, want, labels != -100)
 
 
+def drift_batch():
+    """batch() with the policy far from the old one: 3 tokens of row 0 and every token of row 1 have
+    lp - old around 21 (beyond verl's clamp at 20; row 1's sequence mean too), with advantages -3e-9 there,
+    so that their unclipped terms (-A exp(lp - old), about 4) weigh like the others."""
+    hidden, weight, labels, adv, old, ref, rollout = batch()
+    old, adv = old.clone(), adv.clone()
+    far = torch.zeros(B, S, dtype=torch.bool)
+    far[0, :3] = True
+    far[1] = True
+    far &= labels != -100
+    old[far] -= 21.0
+    adv[far] = -3e-9
+    return hidden, weight, labels, adv, old, ref, rollout
+
+
+# TRL's ratio is exp(lp - old), never clamped: ratio_log_clamp=None
+DRIFT_CASES = {
+    "token": (dict(loss_agg="token-mean"), lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+        trl_ppo(torch.exp(lp - old), adv, 0.2, 0.28), m.bool(), "token-mean")),
+    "sequence": (dict(ratio_level="sequence", loss_agg="seq-mean-token-mean"),
+                 lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+                     trl_ppo(seq_ratio(lp, old, m), adv, 0.2, 0.28), m.bool(), "seq-mean-token-mean")),
+    "token-bias_corrected_kl": CASES["trl-token-bias_corrected_kl"],
+    "sequence-bias_corrected_kl": CASES["trl-gspo-bias_corrected_kl"],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(DRIFT_CASES))
+def test_unclamped_ratio_beyond_20_equals_trl(backend, case, small_chunks):
+    """ratio_log_clamp=None (TRL's ratio, and its KL's bias correction): values and gradients equal the float64
+    formula where lp - old exceeds 20; verl's clamp (the default) gives another loss on the same inputs."""
+    settings, fn = DRIFT_CASES[case]
+    inputs = drift_batch()
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    want = truth(inputs, fn, temperature=0.9)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend,
+                            ratio_log_clamp=None, **settings)
+    check(out, h, w, want, labels != -100)
+    clamped = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend,
+                                **settings).loss.item()
+    assert abs(clamped - want[0].item()) > 0.1, (clamped, want[0].item())     # each far token adds about 2.5
+
+
 BAD = [
     (dict(surrogate="ppo2"), "surrogate"),
     (dict(ratio_level="seq"), "ratio_level"),
@@ -292,6 +395,8 @@ BAD = [
     (dict(rollout_is_min=2.0, rollout_is_max=1.0), "rollout_is_min"),
     (dict(entropy_agg="mean"), "loss_agg"),
     (dict(off_policy_threshold=float("nan")), "off_policy_threshold"),
+    (dict(ratio_log_clamp=0.0), "ratio_log_clamp"),
+    (dict(ratio_log_clamp=float("inf")), "ratio_log_clamp"),
 ]
 
 
@@ -313,6 +418,8 @@ def test_missing_inputs_are_named():
                           ratio_level="sequence")
     with pytest.raises(TypeError, match="made_up"):
         fused_policy_loss(hidden, weight, labels, adv, old, made_up=1.0)
+    with pytest.raises(TypeError, match="entropy_quantile_group"):
+        fused_policy_loss(hidden, weight, labels, adv, old, entropy_quantile=0.5, entropy_quantile_group=3)
 
 
 @pytest.mark.parametrize("settings", [dict(ratio_level="sequence", kl_coef=0.2, kl_ratio=True),
@@ -349,7 +456,7 @@ def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chu
 
 
 SEQUENCE_COUPLED = ["verl-gspo", "verl-geo_mean", "trl-gspo-bias_corrected_kl", "trl-cispo-sequence", "trl-vespo",
-                    "trl-vespo-rollout_weights", "trl-off_policy_mask"]
+                    "trl-vespo-rollout_weights", "trl-vespo-sequence_rollout_is", "trl-off_policy_mask"]
 
 
 @pytest.mark.parametrize("backend", ["chunked", TRITON])

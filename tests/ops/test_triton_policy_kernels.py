@@ -110,16 +110,19 @@ def test_terms_kernel_matches_autograd(has_old, has_ref, kl_type, dual_clip, kl_
     assert (want.clipped > 0) == has_old      # on-policy: ratio 1, never clipped
 
 
-TRL_SETTINGS = [  # (kl_type, kl_ratio, delta, rollout weights, entropy weights of their own, dual_clip)
-    ("k3_unclamped", True, None, False, False, None), ("k3_unclamped", False, 1.1, True, False, None),
-    ("k3_unclamped+", True, 1.25, True, True, 3.0), ("k3", True, None, False, True, None),
-    ("k2", True, 1.1, True, True, 2.0), ("k1+", False, None, True, False, None)]
+TRL_SETTINGS = [  # (kl_type, kl_ratio, delta, rollout weights, entropy weights of their own, dual_clip,
+    #                ratio_log_clamp: None is TRL's unclamped ratio, 20 verl's)
+    ("k3_unclamped", True, None, False, False, None, None), ("k3_unclamped", False, 1.1, True, False, None, None),
+    ("k3_unclamped+", True, 1.25, True, True, 3.0, 20.0), ("k3", True, None, False, True, None, 20.0),
+    ("k2", True, 1.1, True, True, 2.0, 3.0), ("k1+", False, None, True, False, None, None)]
 
 
-@pytest.mark.parametrize("kl_type, kl_ratio, delta, with_rho, with_u, dual_clip", TRL_SETTINGS)
-def test_terms_kernel_trl_settings_match_autograd(kl_type, kl_ratio, delta, with_rho, with_u, dual_clip):
-    """TRL's unclamped k3, the KL times the ratio, the delta cap, rollout weights (some 0: masked) and the
-    entropy bonus's own weights, against the autograd of the definitions."""
+@pytest.mark.parametrize("kl_type, kl_ratio, delta, with_rho, with_u, dual_clip, ratio_log_clamp", TRL_SETTINGS)
+def test_terms_kernel_trl_settings_match_autograd(kl_type, kl_ratio, delta, with_rho, with_u, dual_clip,
+                                                  ratio_log_clamp):
+    """TRL's unclamped k3, the KL times the ratio, the delta cap, rollout weights (some 0: masked), the
+    entropy bonus's own weights and the ratio's log clamp (none: TRL's; tokens 5-7 have |lp - old| = 25,
+    beyond 20 and 3), against the autograd of the definitions."""
     import dataclasses
     n = 150 if INTERPRETING else 3000
     (lp, ent), inputs = term_inputs(n, True, True)
@@ -132,7 +135,8 @@ def test_terms_kernel_trl_settings_match_autograd(kl_type, kl_ratio, delta, with
     u = torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE) if with_u else None
     inputs = dataclasses.replace(inputs, old_logprobs=old, rollout_weights=rho, ent_weights=u)
     spec = TermSpec(0.2, 0.28, dual_clip, 0.3, kl_type, 0.05, True, True, delta=delta, kl_ratio=kl_ratio,
-                    has_rollout_weights=with_rho, entropy_agg="token-mean" if with_u else None)
+                    has_rollout_weights=with_rho, entropy_agg="token-mean" if with_u else None,
+                    ratio_log_clamp=ratio_log_clamp)
     assert policy_terms.supports(spec)
     want = TermTotals.zeros(DEVICE, True)
     g_lp, g_ent = chunk_gradients(lp, ent, inputs, spec, want)

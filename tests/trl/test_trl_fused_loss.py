@@ -28,7 +28,8 @@ GRAD_TOL = 1e-4
 # sampling correction with this mode (the trainer's flags set after construction: no vLLM on CPU; the
 # batch gets sampling log-probs and TRL's importance_sampling_ratio computed from them as TRL does);
 # "_sampling": the batch carries sampling_per_token_logps (the off-policy mask reads them); "_mask": some
-# completions masked whole or in part
+# completions masked whole or in part; "_tool": a tool_mask (multi-turn tool outputs, not scored); "_nan":
+# a quarter of the sampling log-probs NaN (vLLM could not score them; TRL's nan_to_num)
 CONFIGS = {
     "grpo-k3-bias_corrected": dict(loss_type="grpo", beta=0.1),                  # TRL's defaults with a KL
     "grpo-k3-uncorrected-dual_clip": dict(loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7,
@@ -51,15 +52,38 @@ CONFIGS = {
                                    entropy_target=100.0, _train=True),
     "off_policy_mask": dict(loss_type="grpo", off_policy_mask_threshold=0.05),
     "off_policy_mask-sampling": dict(loss_type="bnpo", off_policy_mask_threshold=0.05, _sampling=True),
+    # NaN sampling log-probs (tokens vLLM could not score): no drift evidence in the mask, IS weight 1
+    "off_policy_mask-sampling-nan": dict(loss_type="bnpo", off_policy_mask_threshold=0.05, _sampling=True, _nan=True),
+    "vllm_is-sequence_mask-off_policy_mask-nan": dict(loss_type="grpo", off_policy_mask_threshold=0.02,
+                                                      _vllm="sequence_mask", _nan=True),
     "vllm_is-token_truncate": dict(loss_type="grpo", _vllm="token_truncate", beta=0.02),
     "vllm_is-token_mask": dict(loss_type="dapo", _vllm="token_mask"),
     "vllm_is-sequence_truncate": dict(loss_type="bnpo", _vllm="sequence_truncate"),
     "vllm_is-sequence_mask": dict(loss_type="dr_grpo", _vllm="sequence_mask"),
     "cast_lm_head_to_fp32": dict(loss_type="grpo", cast_lm_head_to_fp32=True, beta=0.02),
+    # bf16 autocast: the backbone in bf16, the head in float32 (TRL's patched head; logitless' head_in_fp32)
+    "cast_lm_head_to_fp32-bf16_autocast": dict(loss_type="dapo", cast_lm_head_to_fp32=True, bf16=True, beta=0.02),
     # what mask_truncated_completions and EOS padding do to the batch (the tiny model never emits EOS within
     # 8 tokens, so TRL's generation would mask every completion): whole completions and tails masked
     "masked_completions-grpo": dict(loss_type="grpo", beta=0.02, _mask=True),
     "masked_completions-dapo-sequence": dict(loss_type="dapo", importance_sampling_level="sequence", _mask=True),
+    "luspo-token-kl-entropy_mask": dict(loss_type="luspo", beta=0.02, top_entropy_quantile=0.5),
+    "dr_grpo-entropy_bonus-train": dict(loss_type="dr_grpo", entropy_coef=0.04, beta=0.01, _train=True),
+    "vespo-entropy_bonus-kl": dict(loss_type="vespo", entropy_coef=0.02, beta=0.03),
+    "bnpo-sequence-two_sided_delta": dict(loss_type="bnpo", importance_sampling_level="sequence", delta=1.1,
+                                          epsilon=0.05),
+    "luspo-train-entropy_bonus": dict(loss_type="luspo", entropy_coef=0.03, _train=True),
+    "cispo-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.2),
+    "cispo-train-entropy_bonus": dict(loss_type="cispo", epsilon_high=1.3, entropy_coef=0.02, _train=True),
+    "sapo-train-kl": dict(loss_type="sapo", beta=0.03, _train=True),
+    "vespo-vllm_is-token_mask": dict(loss_type="vespo", _vllm="token_mask"),
+    "vespo-vllm_is-sequence_truncate": dict(loss_type="vespo", _vllm="sequence_truncate"),
+    "vespo-vllm_is-sequence_mask": dict(loss_type="vespo", _vllm="sequence_mask"),
+    "gspo-vllm_is-sequence_mask-off_policy_mask": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                                       off_policy_mask_threshold=0.05, _vllm="sequence_mask"),
+    # multi-turn tool calls: TRL scores completion_mask * tool_mask
+    "tool_mask-bnpo-kl": dict(loss_type="bnpo", beta=0.02, _tool=True),
+    "tool_mask-dapo-sequence": dict(loss_type="dapo", importance_sampling_level="sequence", _tool=True),
 }
 
 
@@ -73,20 +97,24 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _sampling_logps(inputs, gen, noise=0.3):
+def _sampling_logps(inputs, gen, noise=0.3, nan=False):
+    """Sampling log-probs around the old ones; nan: a quarter NaN (tokens vLLM could not score)."""
     old = inputs["old_per_token_logps"]
-    return old + noise * torch.randn(old.shape, generator=gen)
+    sampling = old + noise * torch.randn(old.shape, generator=gen)
+    if nan:
+        sampling[torch.rand(old.shape, generator=gen) < 0.25] = float("nan")
+    return sampling
 
 
-def _vllm_batch(trainer, inputs, mode, gen):
+def _vllm_batch(trainer, inputs, mode, gen, nan=False):
     """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions' formula) from
     sampling log-probs drawn around the old ones."""
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.6, 1.8
-    sampling = _sampling_logps(inputs, gen, 0.2 if mode.startswith("token") else 0.05)
+    sampling = _sampling_logps(inputs, gen, 0.2 if mode.startswith("token") else 0.05, nan)
     mask = inputs["completion_mask"]
-    diff = (inputs["old_per_token_logps"] - sampling) * mask
+    diff = torch.nan_to_num((inputs["old_per_token_logps"] - sampling) * mask, nan=0.0)
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)
     ratio = torch.exp(diff)
@@ -117,7 +145,7 @@ def _run(trainer, inputs, compute):
 def _setup(folder, tmp_path, seed, config):
     config = dict(config)
     train, vllm, sampling = config.pop("_train", False), config.pop("_vllm", None), config.pop("_sampling", False)
-    masked = config.pop("_mask", False)
+    masked, tool, nan = config.pop("_mask", False), config.pop("_tool", False), config.pop("_nan", False)
     gen = torch.Generator().manual_seed(seed)
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), seed=seed % 2**31, num_iterations=2, **config)
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
@@ -125,15 +153,20 @@ def _setup(folder, tmp_path, seed, config):
     # advantages 0 and a loss of 0, which would compare nothing
     inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=gen)
     if vllm is not None:
-        _vllm_batch(trainer, inputs, vllm, gen)
+        _vllm_batch(trainer, inputs, vllm, gen, nan)
     if sampling:
-        inputs["sampling_per_token_logps"] = _sampling_logps(inputs, gen)
+        inputs["sampling_per_token_logps"] = _sampling_logps(inputs, gen, nan=nan)
     if masked:
         mask = inputs["completion_mask"].clone()
         mask[0] = 0                                  # a truncated completion, masked whole
         mask[1, 5:] = 0                              # a completion that ended early: its padding
         mask[3, 2:] = 0
         inputs["completion_mask"] = mask
+    if tool:
+        tool_mask = torch.ones_like(inputs["completion_mask"])
+        tool_mask[:, 2:4] = 0                        # a tool's output inside each completion
+        tool_mask[3, 1:] = 0
+        inputs["tool_mask"] = tool_mask
     _perturb(trainer.model, gen)                   # ratios away from 1, some clipped
     if train:
         trainer.model.train()
@@ -143,9 +176,10 @@ def _setup(folder, tmp_path, seed, config):
     return trainer, inputs
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, config):
-    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS[config])
+def _assert_matches_trl(trainer, inputs, label):
+    """TRL's own _compute_loss, then the enabled trainer's (fused) on the same batch and trainer state: the
+    loss within 1e-5 (relative beyond 1), every parameter gradient within 1e-4 (relative), every metric
+    with the same name and value, the adaptive-entropy state. Returns the fused (loss, gradients)."""
     state = _state(trainer)
     loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
     state_trl = _state(trainer)
@@ -153,12 +187,10 @@ def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, co
         setattr(trainer, k, v)
     lt.enable(trainer, fused_loss=True)
     loss, g, m = _run(trainer, inputs, trainer._compute_loss)
-    print(f"{config}: fused {loss.item():.8f} TRL {loss_trl.item():.8f}; metrics {m_trl}")
+    print(f"{label}: fused {loss.item():.8g} TRL {loss_trl.item():.8g}; metrics {m_trl}")
     assert loss_trl.abs() > 0
-    assert abs(loss.item() - loss_trl.item()) <= TOL
-    assert g.keys() == g_trl.keys() and g_trl
-    for name, gt in g_trl.items():
-        assert float((g[name] - gt).norm() / gt.norm().clamp_min(1e-30)) <= GRAD_TOL, name
+    assert abs(loss.item() - loss_trl.item()) <= TOL * max(1.0, abs(loss_trl.item()))
+    _assert_grads_close(g, g_trl)
     for mode in ("train", "eval"):
         assert m[mode].keys() == m_trl[mode].keys(), mode
         for key, want in m_trl[mode].items():
@@ -168,6 +200,82 @@ def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, co
     assert _state(trainer).keys() == state_trl.keys()
     assert trainer.entropy_coef == state_trl["entropy_coef"]
     lt.disable(trainer)
+    return loss, g
+
+
+def _assert_grads_close(g, want):
+    assert g.keys() == want.keys() and want
+    for name, gt in want.items():
+        assert float((g[name].double() - gt.double()).norm() / gt.double().norm().clamp_min(1e-30)) <= GRAD_TOL, name
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_enabled_loss_gradients_and_metrics_equal_trl(folder, tmp_path, seed, config):
+    trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS[config])
+    _assert_matches_trl(trainer, inputs, config)
+
+
+# the policy far from the old one (lp - old > 20 at some tokens): TRL's ratio is exp(lp - old), unclamped
+DRIFT_CONFIGS = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo-bias_corrected_kl": dict(loss_type="bnpo", beta=0.02),
+    "gspo-sequence": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "dapo-train": dict(loss_type="dapo", _train=True),
+}
+
+
+def _drift(trainer, inputs, gen):
+    """Old log-probs 20.5-21.5 below the policy's (TRL's own log-probs) at every token of row 1 (its sequence
+    mean too) and the first 3 of row 2. Row 1's advantage is -3e-9, so that its unclipped terms (-A exp(lp -
+    old), about 4 each) weigh like the other rows' (with TRL's k3 times the ratio, the bias-corrected KL, they
+    dominate); row 2's is positive: the clip binds at a ratio of e^21."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask,
+                                                                  inputs["completion_ids"].size(1))
+    old = inputs["old_per_token_logps"].clone()
+    far = torch.zeros_like(old, dtype=torch.bool)
+    far[1] = True
+    far[2, :3] = True
+    old[far] = lp[far] - 20.5 - torch.rand(int(far.sum()), generator=gen)
+    inputs["old_per_token_logps"] = old
+    inputs["advantages"][1] = -3e-9
+    inputs["advantages"][2] = inputs["advantages"][2].abs() + 0.1
+    assert inputs["completion_mask"][1].sum() > 0 and inputs["completion_mask"][2, :3].all()
+
+
+def _float64_trl(trainer, inputs):
+    """TRL's own _compute_loss on a float64 copy of the model and batch: (loss, gradients), float64."""
+    model = copy.deepcopy(trainer.model).double()
+    inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    state = _state(trainer)
+    loss = GRPOTrainer._compute_loss(trainer, model, inputs64)
+    loss.backward()
+    for k, v in state.items():
+        setattr(trainer, k, v)
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("config", list(DRIFT_CONFIGS))
+def test_policy_far_from_the_old_one_equals_trl(folder, tmp_path, seed, config):
+    """lp - old beyond 20 (verl's clamp, which the TRL mapping does not apply): loss, gradients and metrics
+    equal TRL's own, and loss and gradients equal TRL's formula evaluated in float64; logitless' clamped
+    ratio (ratio_log_clamp=20) would not."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    trainer, inputs = _setup(folder, tmp_path, seed, DRIFT_CONFIGS[config])
+    _drift(trainer, inputs, gen)
+    loss, g = _assert_matches_trl(trainer, inputs, config)
+    loss64, g64 = _float64_trl(trainer, inputs)
+    print(f"{config}: float64 TRL {loss64.item():.10g}")
+    assert abs(loss.item() - loss64.item()) <= TOL * max(1.0, abs(loss64.item()))
+    _assert_grads_close(g, g64)
+    p = policy_inputs(trainer, inputs)
+    assert p.settings["ratio_log_clamp"] is None
+    model = trainer.model
+    hidden = model.model(input_ids=p.input_ids, attention_mask=p.attention_mask).last_hidden_state
+    clamped = losses.fused_policy_loss(hidden, model.lm_head.weight, p.labels, **dict(p.settings, ratio_log_clamp=20.0))
+    assert abs(clamped.loss.item() * p.scale - loss64.item()) > 1e-3 * max(1.0, abs(loss64.item()))
 
 
 def test_the_metrics_of_an_entropy_bonus_are_logged(folder, tmp_path, seed):

@@ -12,7 +12,7 @@ from typing import Optional
 from torch import Tensor
 
 from .. import checks
-from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, SURROGATES, TermSpec
+from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
 from .aggregate import check_loss_agg
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -58,6 +58,9 @@ class PolicyLoss:
         through the sequence mean: TRL's importance_sampling_level="sequence"), "sequence-token" (its value
         with a per-token gradient: verl's "gspo").
     delta: None, or > 1: the unclipped ratio is capped at delta (TRL's two-sided clipping).
+    ratio_log_clamp: the log-ratio lp - old (at ratio_level "sequence" its sequence mean) is clamped to
+        +-ratio_log_clamp before exp, its gradient 0 beyond (verl's 20, the default); None: not clamped
+        (TRL's ratio, value and gradient exp(lp - old) however far the policy drifted). > 0.
     kl_ratio: multiply the KL estimate by the importance ratio (TRL's use_bias_correction_kl).
     sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0) for positive / other advantages.
     dro_beta: DRO's penalty (> 0; needed by surrogate "dro").
@@ -66,6 +69,9 @@ class PolicyLoss:
         sampling-minus-current log-prob (DeepSeek-V3.2, TRL's off_policy_mask_threshold).
     entropy_quantile: in (0, 1]; below 1 only the tokens with the top ``entropy_quantile`` share of
         entropies carry the policy-gradient term and the entropy bonus (TRL's top_entropy_quantile).
+    entropy_quantile_group: None (the quantile of this call's scored tokens), or a torch.distributed process
+        group (or its name): the quantile of every rank's scored tokens, as TRL's top_entropy_quantile spans
+        its processes (each rank of the group makes the call; its entropies are gathered, a host sync).
     entropy_agg: None (the entropy bonus aggregated like the loss) or a ``loss_agg`` name for the bonus.
     rollout_logprobs: the rollout engine's log-probs of the labels (per token), for ``rollout_is`` and the
         off-policy mask (which otherwise uses old_logprobs).
@@ -78,9 +84,14 @@ class PolicyLoss:
         "token_truncate" / "sequence_truncate" with rollout_is_max=u; a threshold "l_u" (IcePop) is
         "token_mask" / "sequence_mask" with rollout_is_min=l, rollout_is_max=u. The log-ratio is clamped to
         +-20 before exp, as verl does.
+    rollout_nan_is_missing: False (default): rollout_logprobs must be finite at every scored token (a
+        ValueError names it). True: a NaN there marks a token the rollout engine could not score (vLLM's
+        missing log-probs): its rollout_is log-ratio is 0 (weight 1) and it adds 0 to the off-policy mask's
+        sum (still counted in the mean), as TRL's nan_to_num does.
     rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
         sequences, at sequence level), as verl's rollout_is_batch_normalize.
-    rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]), when
+    rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]: VESPO
+        then counts each sequence's weight once in its sequence weight, as TRL does), when
         computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
     """
     advantages: Tensor
@@ -97,6 +108,7 @@ class PolicyLoss:
     surrogate: str = "ppo"
     ratio_level: str = "token"
     delta: Optional[float] = None
+    ratio_log_clamp: Optional[float] = RATIO_LOG_CLAMP
     kl_ratio: bool = False
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
@@ -107,6 +119,7 @@ class PolicyLoss:
     vespo_lambda_neg: float = 2.0
     off_policy_threshold: Optional[float] = None
     entropy_quantile: float = 1.0
+    entropy_quantile_group: Optional[str] = None
     entropy_agg: Optional[str] = None
     rollout_logprobs: Optional[Tensor] = None
     rollout_is: Optional[str] = None
@@ -114,6 +127,7 @@ class PolicyLoss:
     rollout_is_max: Optional[float] = None
     rollout_weights: Optional[Tensor] = None
     rollout_is_batch_normalize: bool = False
+    rollout_nan_is_missing: bool = False
     cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -154,8 +168,12 @@ class PolicyLoss:
         _choice(self.ratio_level, "ratio_level", RATIO_LEVELS)
         checks.boolean(self.kl_ratio, "kl_ratio")
         checks.boolean(self.rollout_is_batch_normalize, "rollout_is_batch_normalize")
+        checks.boolean(self.rollout_nan_is_missing, "rollout_nan_is_missing")
         if self.delta is not None:
             set_(self, "delta", checks.finite_float(self.delta, "delta", minimum=1.0, above=True))
+        if self.ratio_log_clamp is not None:
+            set_(self, "ratio_log_clamp", checks.finite_float(self.ratio_log_clamp, "ratio_log_clamp", minimum=0.0,
+                                                              above=True))
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
             set_(self, name, checks.finite_float(getattr(self, name), name, minimum=0.0, above=True))
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
@@ -190,6 +208,13 @@ class PolicyLoss:
         if q > 1.0:
             raise ValueError(f"entropy_quantile must be in (0, 1], got {q!r}")
         set_(self, "entropy_quantile", q)
+        group = self.entropy_quantile_group
+        if group is not None and not isinstance(group, str):
+            import torch.distributed as dist
+            if not isinstance(group, dist.ProcessGroup):
+                raise TypeError(f"entropy_quantile_group must be a torch.distributed ProcessGroup or its name, got "
+                                f"{type(group).__name__}")
+            set_(self, "entropy_quantile_group", group.group_name)     # the op takes groups by name
         if self.entropy_agg is not None:
             check_loss_agg(self.entropy_agg)
         if self.rollout_is is not None:
@@ -212,18 +237,30 @@ class PolicyLoss:
                 and self.rollout_is_min > self.rollout_is_max):
             raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
 
+    @property
+    def rollout_per_sequence(self) -> bool:
+        """Whether the rollout weights are one per sequence: rollout_is's sequence modes, or rollout_weights of
+        shape [..., 1] with two or more dimensions (TRL's [B, 1] importance_sampling_ratio)."""
+        if self.rollout_is is not None:
+            return self.rollout_is.startswith("sequence")
+        w = self.rollout_weights
+        return w is not None and w.dim() >= 2 and w.shape[-1] == 1
+
     def term_spec(self) -> TermSpec:
         return TermSpec(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
                         kl_coef=self.kl_coef, kl_type=KL_TYPES[self.kl_type], entropy_coef=self.entropy_coef,
                         has_old=self.old_logprobs is not None, has_ref=self.ref_logprobs is not None,
                         surrogate=self.surrogate, ratio_level=self.ratio_level, delta=self.delta,
+                        ratio_log_clamp=self.ratio_log_clamp,
                         kl_ratio=self.kl_ratio, sapo_tau=(self.sapo_tau_pos, self.sapo_tau_neg),
                         dro_beta=self.dro_beta or 0.0, vespo_pos=(self.vespo_k_pos, self.vespo_lambda_pos),
                         vespo_neg=(self.vespo_k_neg, self.vespo_lambda_neg),
                         off_policy_threshold=self.off_policy_threshold, entropy_quantile=self.entropy_quantile,
+                        entropy_group=self.entropy_quantile_group,
                         entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
                         has_rollout=self.rollout_logprobs is not None,
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
+                        rollout_per_sequence=self.rollout_per_sequence,
                         cov_ratio=self.cov_ratio, cov_bounds=(self.clip_cov_lb, self.clip_cov_ub),
                         cov_kl_coef=self.kl_cov_coef)
 

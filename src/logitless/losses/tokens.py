@@ -125,7 +125,12 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
     fetch = [flat_valid.sum(dtype=torch.float64)]
     if total:
         as_float = torch.float32 if vocab <= 2 ** 24 else torch.float64
-        stacked = torch.stack([t.to(as_float) for t in (flat_labels, *flat_inputs.values())])   # [1 + k, total]
+        checked = dict(flat_inputs)
+        if policy.rollout_nan_is_missing and "rollout_logprobs" in checked:
+            # NaN marks a token the rollout engine could not score (allowed); an infinity is still refused
+            checked["rollout_logprobs"] = checked["rollout_logprobs"].nan_to_num(nan=0.0, posinf=math.inf,
+                                                                               neginf=-math.inf)
+        stacked = torch.stack([t.to(as_float) for t in (flat_labels, *checked.values())])   # [1 + k, total]
         fetch += torch.aminmax(torch.where(flat_valid, stacked, 0), dim=1)
         fetch += torch.aminmax(inv_t)
     if cu_ok is not None:
@@ -234,8 +239,9 @@ def sequence_ids(labels: Tensor, cu: Optional[Tensor]):
 
 
 def rollout_is_weights(old: Tensor, rollout: Tensor, seq: Optional[Tensor], n_seq: int, policy: PolicyLoss) -> Tensor:
-    """float64 [n]: TRL's vLLM importance-sampling ratio of the scored tokens (``PolicyLoss.rollout_is``)."""
-    diff = old - rollout
+    """float64 [n]: TRL's vLLM importance-sampling ratio of the scored tokens (``PolicyLoss.rollout_is``); a
+    NaN rollout log-prob (``rollout_nan_is_missing``) gives a log-ratio of 0, as TRL's nan_to_num."""
+    diff = (old - rollout).nan_to_num(nan=0.0)
     sequence = policy.rollout_is.startswith("sequence")
     if sequence:
         diff = diff.new_zeros(n_seq).index_add_(0, seq, diff)[seq]

@@ -7,9 +7,10 @@ by the tests.
 For one scored token with log-prob lp and entropy H of the current policy, advantage A, behaviour log-prob
 old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, TRL's ``_compute_loss``):
 
-    ratio level (``ratio_level``; d = lp - old, old = lp detached when on-policy: ratio 1):
-        "token"           r = exp(clamp(d, -20, 20))                                  (verl, TRL)
-        "sequence"        r = exp(clamp(mean_{t in i} d_t, -20, 20)) for every token of i   (GSPO; TRL's
+    ratio level (``ratio_level``; d = lp - old, old = lp detached when on-policy: ratio 1; c the
+    ``ratio_log_clamp``: verl's 20 by default, None for TRL, which does not clamp):
+        "token"           r = exp(clamp(d, -c, c))                                     (verl, TRL)
+        "sequence"        r = exp(clamp(mean_{t in i} d_t, -c, c)) for every token of i   (GSPO; TRL's
                           importance_sampling_level="sequence": the gradient flows through the mean)
         "sequence-token"  r = exp(min(lp - sg(lp) + sg(mean_{t in i} d_t), 10))  (verl's "gspo", GSPO-token:
                           the sequence ratio's value, a per-token gradient)
@@ -22,16 +23,19 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
         "dro"     -(A lp - dro_beta / 2 (lp - old)^2)
         "vespo"   -sg(phi_i) A lp,  phi_i = exp(lam + k log w_i - lam w_i), log w_i = clamp(sum_{t in i}
                   clamp(d_t, -20, 20) + sum_{t in i} log clamp(rho_t), log 1e-8, 20); (k, lam) = vespo_pos
-                  where A >= 0 else vespo_neg; rho the rollout weights (TRL's get_gamma_weights)
+                  where A >= 0 else vespo_neg; rho the rollout weights, whose sum is the one log clamp(rho_i)
+                  where they are one per sequence (TRL's get_gamma_weights)
         "dppo_tv" -A sg(min(r, cap)) lp keep,  keep = p - p_old <= clip_high where A > 0 else >= -clip_low
         "dppo_kl" the same with keep = binary KL(p_old || p) <= clip_high or p <= p_old (A > 0),
                   <= clip_low or p >= p_old (A <= 0)                         (cap = dual_clip, or 20)
     masks and weights of the surrogate, pg <- pg * mask * rho:
         off-policy sequence mask (DeepSeek-V3.2, TRL): keep the sequence where A >= 0 or
             mean_{t in i} (sampling_t - sg(lp_t)) <= off_policy_threshold (sampling: rollout log-probs,
-            else old)
+            else old; a NaN rollout log-prob, a token the rollout engine could not score, adds 0 to the
+            sum, as TRL's nan_to_num: ``PolicyLoss.rollout_nan_is_missing``)
         entropy mask (TRL's top_entropy_quantile q < 1): keep tokens whose entropy is at least the
-            (1 - q) quantile of the scored tokens' entropies
+            (1 - q) quantile of the scored tokens' entropies (with ``entropy_quantile_group``, of every
+            rank's scored tokens, as TRL's quantile spans its processes)
         rho: the rollout-correction weights (``rollout_weights``), given per token (0 where masked)
     KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
         k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
@@ -67,7 +71,7 @@ SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl
 # surrogates whose terms depend on other tokens' values (a sequence's, or the batch's)
 COUPLED_SURROGATES = ("vespo", "geo_mean", "clip_cov", "kl_cov")
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
-RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp
+RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp; TRL does not
 K3_CLAMP = 10.0             # and the k3 estimate to +-10
 GSPO_TOKEN_LOG_MAX = 10.0   # verl's gspo clamps its log-ratio at 10 (above only)
 DPPO_CAP = 20.0             # verl's dppo: the detached ratio is truncated at clip_ratio_c, 20 by default
@@ -88,6 +92,7 @@ class TermSpec:
     surrogate: str = "ppo"
     ratio_level: str = "token"
     delta: Optional[float] = None
+    ratio_log_clamp: Optional[float] = RATIO_LOG_CLAMP     # None: the policy ratio's log not clamped (TRL)
     kl_ratio: bool = False
     sapo_tau: tuple = (1.0, 1.05)            # (positive, negative) advantages
     dro_beta: float = 0.0
@@ -95,10 +100,12 @@ class TermSpec:
     vespo_neg: tuple = (3.0, 2.0)            # and for A < 0
     off_policy_threshold: Optional[float] = None
     entropy_quantile: float = 1.0
+    entropy_group: Optional[str] = None      # the process group whose tokens the entropy quantile spans
     entropy_agg: Optional[str] = None        # None: the entropy bonus has the loss's weights
     loss_agg: str = "token-mean"
     has_rollout: bool = False                # rollout (sampling) log-probs given
     has_rollout_weights: bool = False        # rollout-correction weights given
+    rollout_per_sequence: bool = False       # ... one per sequence (TRL's sequence modes; VESPO counts it once)
     cov_ratio: float = 2e-4                  # clip_cov / kl_cov: the share of tokens selected
     cov_bounds: tuple = (1.0, 5.0)           # clip_cov: the covariance band of the candidates
     cov_kl_coef: float = 1.0                 # kl_cov: verl's ppo_kl_coef
@@ -211,21 +218,33 @@ def mask_weights(keep: Tensor, tokens: TokenInputs, agg: str) -> Tensor:
 
 # ---- the terms ----
 
+def clamp_log_ratio(x: Tensor, spec: TermSpec) -> Tensor:
+    """The policy ratio's log (lp - old, or its sequence mean) as the ratio's exp reads it: clamped to
+    +-``spec.ratio_log_clamp`` (verl), or unchanged where that is None (TRL)."""
+    c = spec.ratio_log_clamp
+    return x if c is None else x.clamp(-c, c)
+
+
 def _ratio(lp: Tensor, d: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
     if spec.ratio_level == "token":
-        return d.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+        return clamp_log_ratio(d, spec).exp()
     mean = seq_mean(d, tokens, f"ratio_level={spec.ratio_level!r}")[tokens.seq]
     if spec.ratio_level == "sequence":
-        return mean.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+        return clamp_log_ratio(mean, spec).exp()
     return (lp - lp.detach() + mean.detach()).clamp(max=GSPO_TOKEN_LOG_MAX).exp()
 
 
 def _vespo_phi(d: Tensor, adv: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
-    """TRL's get_gamma_weights, per token (its sequence's phi), detached."""
+    """TRL's get_gamma_weights, per token (its sequence's phi), detached. TRL adds the log of every rollout
+    weight it is given: one per token, or one per sequence (its sequence modes' [B, 1] ratio), which the
+    tokens here carry each, so it is counted once (the mean over the sequence of a constant)."""
     d = d.detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    log_w = seq_sum(d, tokens, "surrogate='vespo'")
     if tokens.rollout_weights is not None:
-        d = d + tokens.rollout_weights.log().clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)
-    log_w = seq_sum(d, tokens, "surrogate='vespo'").clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)[tokens.seq]
+        log_rho = tokens.rollout_weights.log().clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)
+        per_seq = seq_mean if spec.rollout_per_sequence else seq_sum
+        log_w = log_w + per_seq(log_rho, tokens, "surrogate='vespo'")
+    log_w = log_w.clamp(VESPO_LOG_MIN, RATIO_LOG_CLAMP)[tokens.seq]
     w = log_w.exp()
     pos = adv >= 0
     k = torch.where(pos, spec.vespo_pos[0], spec.vespo_neg[0])
@@ -320,13 +339,34 @@ def geo_mean_loss(lp: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
     return pg.sum() / max(tokens.n_seq, 1)
 
 
-def entropy_mask(ent: Tensor, quantile: float) -> Tensor:
+def _gathered(e: Tensor, group: str) -> Tensor:
+    """float32 [sum of n over the ranks]: every rank's e [n] (sizes may differ), in rank order, as TRL's
+    pad_across_processes + gather + drop of the padding gives them. A collective of ``group`` (by name)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group)
+    size = torch.tensor([e.numel()], dtype=torch.int64, device=e.device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(sizes, size, group=pg)
+    sizes = [int(n) for n in torch.cat(sizes).tolist()]
+    padded = e.new_zeros(max(sizes))
+    padded[:e.numel()] = e
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=pg)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def entropy_mask(ent: Tensor, quantile: float, group: Optional[str] = None) -> Tensor:
     """bool [n]: TRL's get_high_entropy_mask over these tokens (float32, as TRL computes it): the tokens
-    whose entropy is at least the (1 - quantile) quantile."""
+    whose entropy is at least the (1 - quantile) quantile of the scored tokens' entropies, of this call's
+    tokens, or with ``group`` (a process group's name) of every rank's (TRL gathers them over its processes;
+    every rank of the group must make the call)."""
     e = ent.detach().float()
-    if e.numel() == 0:
+    pool = e if group is None else _gathered(e, group)
+    if pool.numel() == 0:
         return torch.zeros_like(e, dtype=torch.bool)
-    return e >= torch.quantile(e, 1.0 - quantile)
+    return e >= torch.quantile(pool, 1.0 - quantile)
 
 
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
@@ -342,10 +382,12 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
     pg, clipped = _surrogate(lp, old, ratio, d, adv, tokens, spec)
     if spec.off_policy_threshold is not None:
         sampling = tokens.rollout if spec.has_rollout else old
-        mean_kl = seq_mean(sampling - lp.detach(), tokens, "off_policy_threshold")[tokens.seq]
+        # NaN: a token the rollout engine could not score (allowed by rollout_nan_is_missing): no evidence
+        drift = (sampling - lp.detach()).nan_to_num(nan=0.0)
+        mean_kl = seq_mean(drift, tokens, "off_policy_threshold")[tokens.seq]
         pg = pg * ((adv >= 0) | (mean_kl <= spec.off_policy_threshold)).double()
     if spec.entropy_quantile < 1.0:
-        pg = pg * entropy_mask(ent, spec.entropy_quantile).double()
+        pg = pg * entropy_mask(ent, spec.entropy_quantile, spec.entropy_group).double()
     if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
         pg = pg * tokens.rollout_weights
     f = pg
@@ -364,7 +406,7 @@ def entropy_weights(ent: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
     over the scored tokens, or, with the entropy mask, over the tokens it keeps (TRL's effective mask)."""
     if spec.entropy_quantile >= 1.0:
         return tokens.weights if tokens.ent_weights is None else tokens.ent_weights
-    keep = entropy_mask(ent, spec.entropy_quantile)
+    keep = entropy_mask(ent, spec.entropy_quantile, spec.entropy_group)
     return mask_weights(keep, tokens, spec.entropy_agg or spec.loss_agg)
 
 

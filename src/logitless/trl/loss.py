@@ -8,7 +8,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
     delta (two-sided clipping)      -> delta (the unclipped ratio capped at delta)
     beta                            -> kl_coef, kl_type "k3_unclamped" (TRL's exp(ref - lp) - (ref - lp) - 1)
     use_bias_correction_kl          -> kl_ratio (the KL term times the importance ratio)
-    importance_sampling_level       -> ratio_level ("token" / "sequence": GSPO's sequence ratio)
+    importance_sampling_level       -> ratio_level ("token" / "sequence": GSPO's sequence ratio), with
+                                       ratio_log_clamp=None: TRL's exp(log_ratio) is not clamped
     loss_type grpo, bnpo, dr_grpo,
               dapo, luspo           -> surrogate "ppo"
     loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high
@@ -16,9 +17,10 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
     loss_type vespo                 -> surrogate "vespo" (vespo_k_pos, vespo_lambda_pos, ...)
     the aggregation of each type    -> a loss_agg times a constant (``loss_scale``), with TRL's
                                        gradient-accumulation scaling
-    top_entropy_quantile            -> entropy_quantile
+    top_entropy_quantile            -> entropy_quantile (over every process's tokens: entropy_quantile_group)
     off_policy_mask_threshold       -> off_policy_threshold (rollout_logprobs: the batch's
-                                       sampling_per_token_logps, when present)
+                                       sampling_per_token_logps, when present; NaN ones, which vLLM could
+                                       not score, taken as no drift: rollout_nan_is_missing)
     vllm_importance_sampling_*      -> rollout_weights: the batch's importance_sampling_ratio
     entropy_coef, use_adaptive_entropy -> entropy_coef with entropy_agg "token-mean" (TRL's bonus is a token
                                        mean over the tokens the entropy mask keeps), TRL's adaptive
@@ -27,10 +29,11 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
 
 The metrics TRL logs from ``_compute_loss`` (entropy, kl, clip ratios, cispo_clip_ratio,
 vespo/phi_seq_mean, policy_loss, entropy_coef) are logged under TRL's names, computed as TRL computes them
-from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, the
-entropy mask across several processes, cispo with epsilon_high < 1) is refused by ``check_mappable``.
-The fused loss clamps log-ratios to +-20 before exp, as verl does (TRL does not): equal values unless a
-token's log-ratio to the old policy is that large.
+from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, cispo
+with epsilon_high < 1) is refused by ``check_mappable``.
+The ratio's log is not clamped (``ratio_log_clamp=None``), as TRL does not clamp it: equal values and
+gradients however far the policy drifted from the old one (VESPO's weight keeps the +-20 clamps that TRL's
+get_gamma_weights itself applies).
 """
 from __future__ import annotations
 
@@ -65,9 +68,6 @@ def unmappable(trainer) -> list:
     if trainer.loss_type == "cispo" and trainer.epsilon_high < 1.0:
         bad.append(f"epsilon_high={trainer.epsilon_high} with loss_type='cispo' (CISPO's ratio is clamped to at most "
                    "epsilon_high; logitless takes a bound >= 1)")
-    if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
-        bad.append(f"top_entropy_quantile={trainer.top_entropy_quantile} on {trainer.accelerator.num_processes} "
-                   "processes (TRL's quantile spans every process's entropies; logitless' is per process)")
     if not 0.0 <= trainer.epsilon_low <= 1.0:
         bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1])")
     if getattr(trainer, "aux_loss_enabled", False):
@@ -131,9 +131,10 @@ def scalar_settings(trainer) -> dict:
     the entropy bonus, which depends on the batch's scale, apart."""
     args = trainer.args
     kind = trainer.loss_type
+    # TRL's ratio is exp(log_ratio) unclamped, however far the policy drifted (verl's is clamped at +-20)
     settings = dict(clip_low=float(trainer.epsilon_low), clip_high=float(trainer.epsilon_high), loss_agg=LOSS_AGG[kind],
                     surrogate=SURROGATE.get(kind, "ppo"),
-                    ratio_level=getattr(trainer, "importance_sampling_level", "token"))
+                    ratio_level=getattr(trainer, "importance_sampling_level", "token"), ratio_log_clamp=None)
     if kind in PPO_TYPES and getattr(args, "delta", None) is not None:      # TRL's two-sided clip: ppo types only
         settings["delta"] = float(args.delta)
     if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
@@ -148,6 +149,9 @@ def scalar_settings(trainer) -> dict:
                         kl_ratio=bool(getattr(args, "use_bias_correction_kl", False)))
     if trainer.top_entropy_quantile < 1.0:
         settings["entropy_quantile"] = float(trainer.top_entropy_quantile)
+        if trainer.accelerator.num_processes > 1:
+            # TRL's quantile spans every process's scored entropies (accelerator.gather: the default group)
+            settings["entropy_quantile_group"] = torch.distributed.group.WORLD.group_name
     if trainer.off_policy_mask_threshold is not None:
         settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
     return settings
@@ -217,6 +221,8 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
         settings["ref_logprobs"] = at_positions(inputs["ref_per_token_logps"])
     if trainer.off_policy_mask_threshold is not None:
         settings["rollout_logprobs"] = at_positions(inputs.get("sampling_per_token_logps"))
+        # vLLM's missing log-probs are NaN: TRL's mask takes them as no drift (nan_to_num)
+        settings["rollout_nan_is_missing"] = True
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         settings["rollout_weights"] = at_positions(inputs["importance_sampling_ratio"])
     scale = loss_scale(trainer, inputs, scored)

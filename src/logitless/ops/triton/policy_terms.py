@@ -5,8 +5,8 @@ to: values, clip counts and gradients, every setting), with the derivatives writ
 torch.autograd: there, a chunk's float64 terms and their autograd backward were about 100 kernels of a few
 microseconds each, 0.3 ms per chunk on the H200 during which the GPU did nothing else.
 
-Per token, in float64, with d = lp - old (0 on-policy):
-    ratio = exp(clamp(d, -20, 20)),                   dratio = ratio where -20 <= d <= 20, else 0
+Per token, in float64, with d = lp - old (0 on-policy) and c the ratio's log clamp (verl's 20; TRL: none, c = inf):
+    ratio = exp(clamp(d, -c, c)),                     dratio = ratio where -c <= d <= c, else 0
     pg1 = -A ratio,  pg2 = -A clamp(ratio, lo, hi),   clipped = pg2 > pg1
     pg  = max(pg1, pg2)                                (a tie passes half the gradient each way, as torch does)
     delta (TRL's two-sided clip): pg1 = -A min(ratio, delta) after the clip count
@@ -21,6 +21,7 @@ the rows up in a fixed order (deterministic, no atomics).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,7 +34,8 @@ from .. import policy_terms as terms
 from .common import INTERPRETING
 
 BLOCK = 64 if INTERPRETING else 1024
-# the clamps of the definition, as compile-time constants of the kernel
+# the clamps of the definition (k3's), as compile-time constants of the kernel; the policy ratio's own clamp
+# (``TermSpec.ratio_log_clamp``) is a setting: params[6], inf for none
 RATIO_LOG_CLAMP = tl.constexpr(terms.RATIO_LOG_CLAMP)
 K3_CLAMP = tl.constexpr(terms.K3_CLAMP)
 # the canonical KL names of terms.KL_TYPES, "+" stripped
@@ -97,14 +99,16 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     lo = tl.load(params_ptr)                # float64 settings: 1 - clip_low, 1 + clip_high, dual_clip,
-    hi = tl.load(params_ptr + 1)            # kl_coef, entropy_coef (as the torch terms see them)
+    hi = tl.load(params_ptr + 1)            # kl_coef, entropy_coef, delta, ratio log clamp (as the torch terms
+                                            # see them)
     lp = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float64)
     adv = tl.load(adv_ptr + offs, mask=ok, other=0.0)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     if HAS_OLD:
         d = lp - tl.load(old_ptr + offs, mask=ok, other=0.0)
-        ratio = tl.exp(tl.minimum(tl.maximum(d, -RATIO_LOG_CLAMP), RATIO_LOG_CLAMP))
-        dratio = tl.where(_inside(d, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP), ratio, 0.0)
+        c = tl.load(params_ptr + 6)
+        ratio = tl.exp(tl.minimum(tl.maximum(d, -c), c))
+        dratio = tl.where(_inside(d, -c, c), ratio, 0.0)
     else:                                   # old = lp, detached: ratio 1, d ratio / d lp = 1
         ratio = tl.full((BLOCK,), 1.0, tl.float64)
         dratio = ratio
@@ -176,8 +180,9 @@ class TermSettings:
 
     @classmethod
     def make(cls, spec: terms.TermSpec, device) -> "TermSettings":
+        clamp = math.inf if spec.ratio_log_clamp is None else spec.ratio_log_clamp
         values = [1.0 - spec.clip_low, 1.0 + spec.clip_high, spec.dual_clip or 0.0, spec.kl_coef, spec.entropy_coef,
-                  spec.delta or 0.0]
+                  spec.delta or 0.0, clamp]
         params = torch.tensor(values, dtype=torch.float64)
         if torch.device(device).type == "cuda":
             # from pinned memory without waiting: a copy from pageable memory would hold the host until the
