@@ -17,6 +17,7 @@ import_or_skip("megatron.core", "make setup installs megatron-core")
 import_or_skip("mbridge", "make setup installs mbridge (the test extra)")
 import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-deps) and its import deps")
 
+import verl_megatron_cp2_worker  # noqa: E402
 import verl_megatron_engine as vme  # noqa: E402
 import verl_megatron_tp2_worker  # noqa: E402
 from verl_megatron_engine import assert_same_update  # noqa: E402
@@ -253,13 +254,12 @@ def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
 
 
 @pytest.mark.parametrize("setting, named", [
-    ("context_parallel_size", "context_parallel_size=2"),
     ("pipeline_model_parallel_size", "pipeline_model_parallel_size=2"),
     ("legacy", "legacy fused forward"),
 ])
 def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, named):
-    """Megatron settings the fused loss is not wired to, read from the engine's config (context and pipeline
-    parallelism, set to 2 on the built engine) or the model (verl's legacy fused-forward mode, as verl marks a
+    """Megatron settings the fused loss is not wired to, read from the engine's config (pipeline parallelism,
+    set to 2 on the built engine) or the model (verl's legacy fused-forward mode, as verl marks a
     model on megatron-core < 0.18): strict mode raises before the model runs, naming the setting."""
     from verl.utils.megatron_utils import unwrap_model
     plain, fused = actors
@@ -326,3 +326,38 @@ def test_tensor_parallel_two_ranks(tp2_results, case):
     every rank's parameter shards after the step, rank 0's metrics."""
     from ranks import check
     check(tp2_results, case)
+
+
+@pytest.fixture(scope="module")
+def cp2_results(tmp_path_factory):
+    """Context parallelism 2 over two spawned gloo ranks (verl_megatron_cp2_worker.py), every case in one spawn."""
+    from ranks import spawn
+    tmp = tmp_path_factory.mktemp("verl_megatron_cp2")
+    return spawn(verl_megatron_cp2_worker.run, (str(tmp / "store"), str(tmp), str(tmp)), 2, tmp)
+
+
+@pytest.mark.parametrize("case", verl_megatron_cp2_worker.CASES)
+def test_context_parallel_two_ranks(cp2_results, case):
+    """verl's unfused Megatron actor against the fused loss at CP 2 (verl's zigzag split; each rank's fused loss
+    on its own rows with the whole micro-batch's normalisation): token-local modes (vanilla, cispo, dppo_tv, gpg)
+    under token-mean, token-sum, seq-mean-token-sum(-norm), fixed and dynamic micro-batch sizes; gspo and
+    seq-mean-token-mean refused by name under strict mode and run by verl (recorded) otherwise. Every rank's
+    parameters after the step, rank 0's metrics."""
+    from ranks import check
+    check(cp2_results, case)
+
+
+def test_cp_local_positions_follow_verl_zigzag():
+    """Each CP rank's rows of verl's zigzag split (chunks r and 2cp-1-r of every padded sequence) against
+    mcore_env's independent statement of it; a sequence not split in 2 * cp equal chunks is refused."""
+    import mcore_env
+    from logitless.verl import megatron_cp
+    cu = torch.tensor([0, 8, 12, 28], dtype=torch.int32)
+    for rank in range(2):
+        got = megatron_cp.local_positions(cu, 2, rank)
+        assert torch.equal(got, mcore_env._zigzag_positions(cu.tolist(), 2, rank)), rank
+    cu3 = torch.tensor([0, 6, 18], dtype=torch.int32)
+    assert torch.equal(torch.cat([megatron_cp.local_positions(cu3, 3, r) for r in range(3)]).sort().values,
+                       torch.arange(18))
+    with pytest.raises(ValueError, match="equal chunks"):
+        megatron_cp.local_positions(torch.tensor([0, 6]), 2, 0)

@@ -55,7 +55,7 @@ def local_positions(cu_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor
     multiple of 2 * cp."""
     cu = [int(c) for c in cu_padded.tolist()]
     out = []
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
         if (b - a) % (2 * cp):
             raise ValueError(f"cu_seqlens_q_padded {cu} has a sequence not split in {2 * cp} equal chunks")
         h = (b - a) // (2 * cp)

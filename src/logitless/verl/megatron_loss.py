@@ -26,10 +26,9 @@ Two sites change that under ``install(fused_loss=True)``:
 A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfused", entry
 "verl.policy_loss"), logged once per reason, and raised as ``FusedPathUnavailable`` under strict mode: the
 settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context parallelism
-(``megatron_cp.refusals``), dynamic context parallelism, pipeline parallelism, verl's legacy fused forward (megatron-core without the output-processor hook) and a loss mode
-outside ``MODES``. A fused
-micro-batch records path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the
-backend that ran.
+(``megatron_cp.refusals``), dynamic context parallelism, pipeline parallelism, verl's legacy fused forward
+(megatron-core without the output-processor hook) and a loss mode outside ``MODES``. A fused micro-batch records
+path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the backend that ran.
 """
 from __future__ import annotations
 
