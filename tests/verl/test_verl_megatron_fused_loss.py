@@ -361,3 +361,22 @@ def test_cp_local_positions_follow_verl_zigzag():
                        torch.arange(18))
     with pytest.raises(ValueError, match="equal chunks"):
         megatron_cp.local_positions(torch.tensor([0, 6]), 2, 0)
+
+
+def test_cp_refusals_name_the_setting():
+    """Under context parallelism the fused loss runs token-local losses with fixed per-token weights only; the
+    others, and CP with TP > 1, are named."""
+    from logitless.verl import megatron_cp
+    ok = {"surrogate": "ppo", "loss_agg": "token-sum"}
+    assert megatron_cp.refusals(ok, False, mode="vanilla", agg="token-mean", tensor_parallel=1) == []
+    cases = [
+        (dict(ok, ratio_level="sequence-token"), False, "gspo", "token-mean", 1, "loss_mode='gspo'"),
+        ({"surrogate": "geo_mean", "loss_agg": "token-sum"}, True, "geo_mean", "token-mean", 1, "'geo_mean'"),
+        ({"surrogate": "clip_cov", "loss_agg": "token-sum"}, False, "clip_cov", "token-sum", 1, "'clip_cov'"),
+        (dict(ok, loss_agg="seq-mean-token-mean"), False, "vanilla", "seq-mean-token-mean", 1,
+         "loss_agg_mode='seq-mean-token-mean'"),
+        (ok, False, "vanilla", "token-mean", 2, "tensor_model_parallel_size=2"),
+    ]
+    for settings, mbm, mode, agg, tp, named in cases:
+        bad = megatron_cp.refusals(settings, mbm, mode=mode, agg=agg, tensor_parallel=tp)
+        assert len(bad) == 1 and named in bad[0] and "context parallelism" in bad[0], bad
