@@ -267,7 +267,7 @@ def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, n
     tensors, meta = ve.rollout_batch(gen, plain.model_dir)
     cfg = fused.worker.engine.engine_config
     model = unwrap_model(fused.worker.engine.module[0])
-    saved = (cfg.context_parallel_size, cfg.pipeline_model_parallel_size, model._verl_fused_forward_mode)
+    saved = (cfg.pipeline_model_parallel_size, model._verl_fused_forward_mode)
     if setting == "legacy":
         model._verl_fused_forward_mode = "legacy"
     else:
@@ -276,9 +276,8 @@ def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, n
         with pytest.raises(FusedPathUnavailable, match=named):
             run(fused, tensors, meta, [], fused=True, strict=True)
     finally:
-        object.__setattr__(cfg, "context_parallel_size", saved[0])
-        object.__setattr__(cfg, "pipeline_model_parallel_size", saved[1])
-        model._verl_fused_forward_mode = saved[2]
+        object.__setattr__(cfg, "pipeline_model_parallel_size", saved[0])
+        model._verl_fused_forward_mode = saved[1]
     assert lv.last_path().path == "unfused" and named in lv.last_path().reason
 
 
