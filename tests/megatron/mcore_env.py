@@ -139,6 +139,9 @@ def context_parallel_attention_class():
             vals = torch.empty_like(keys)
             keys = keys.index_copy(0, order, torch.cat(dist_fn.all_gather(key.contiguous(), group=group)))
             vals = vals.index_copy(0, order, torch.cat(dist_fn.all_gather(value.contiguous(), group=group)))
+            if keys.shape[1] != query.shape[1]:          # grouped-query attention: each K/V head serves a group
+                keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+                vals = vals.repeat_interleave(query.shape[1] // vals.shape[1], dim=1)
             seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
             qpos = held[rank]
             kpos = torch.arange(total)

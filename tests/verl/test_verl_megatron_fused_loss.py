@@ -17,6 +17,7 @@ import_or_skip("megatron.core", "make setup installs megatron-core")
 import_or_skip("mbridge", "make setup installs mbridge (the test extra)")
 import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-deps) and its import deps")
 
+import verl_megatron_cp2_worker  # noqa: E402
 import verl_megatron_engine as vme  # noqa: E402
 import verl_megatron_tp2_worker  # noqa: E402
 from verl_megatron_engine import assert_same_update  # noqa: E402
@@ -253,13 +254,12 @@ def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
 
 
 @pytest.mark.parametrize("setting, named", [
-    ("context_parallel_size", "context_parallel_size=2"),
     ("pipeline_model_parallel_size", "pipeline_model_parallel_size=2"),
     ("legacy", "legacy fused forward"),
 ])
 def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, named):
-    """Megatron settings the fused loss is not wired to, read from the engine's config (context and pipeline
-    parallelism, set to 2 on the built engine) or the model (verl's legacy fused-forward mode, as verl marks a
+    """Megatron settings the fused loss is not wired to, read from the engine's config (pipeline parallelism,
+    set to 2 on the built engine) or the model (verl's legacy fused-forward mode, as verl marks a
     model on megatron-core < 0.18): strict mode raises before the model runs, naming the setting."""
     from verl.utils.megatron_utils import unwrap_model
     plain, fused = actors
@@ -267,7 +267,7 @@ def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, n
     tensors, meta = ve.rollout_batch(gen, plain.model_dir)
     cfg = fused.worker.engine.engine_config
     model = unwrap_model(fused.worker.engine.module[0])
-    saved = (cfg.context_parallel_size, cfg.pipeline_model_parallel_size, model._verl_fused_forward_mode)
+    saved = (cfg.pipeline_model_parallel_size, model._verl_fused_forward_mode)
     if setting == "legacy":
         model._verl_fused_forward_mode = "legacy"
     else:
@@ -276,9 +276,8 @@ def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, n
         with pytest.raises(FusedPathUnavailable, match=named):
             run(fused, tensors, meta, [], fused=True, strict=True)
     finally:
-        object.__setattr__(cfg, "context_parallel_size", saved[0])
-        object.__setattr__(cfg, "pipeline_model_parallel_size", saved[1])
-        model._verl_fused_forward_mode = saved[2]
+        object.__setattr__(cfg, "pipeline_model_parallel_size", saved[0])
+        model._verl_fused_forward_mode = saved[1]
     assert lv.last_path().path == "unfused" and named in lv.last_path().reason
 
 
@@ -326,3 +325,57 @@ def test_tensor_parallel_two_ranks(tp2_results, case):
     every rank's parameter shards after the step, rank 0's metrics."""
     from ranks import check
     check(tp2_results, case)
+
+
+@pytest.fixture(scope="module")
+def cp2_results(tmp_path_factory):
+    """Context parallelism 2 over two spawned gloo ranks (verl_megatron_cp2_worker.py), every case in one spawn."""
+    from ranks import spawn
+    tmp = tmp_path_factory.mktemp("verl_megatron_cp2")
+    return spawn(verl_megatron_cp2_worker.run, (str(tmp / "store"), str(tmp), str(tmp)), 2, tmp)
+
+
+@pytest.mark.parametrize("case", verl_megatron_cp2_worker.CASES)
+def test_context_parallel_two_ranks(cp2_results, case):
+    """verl's unfused Megatron actor against the fused loss at CP 2 (verl's zigzag split; each rank's fused loss
+    on its own rows with the whole micro-batch's normalisation): token-local modes (vanilla, cispo, dppo_tv, gpg)
+    under token-mean, token-sum, seq-mean-token-sum(-norm), fixed and dynamic micro-batch sizes; gspo and
+    seq-mean-token-mean refused by name under strict mode and run by verl (recorded) otherwise. Every rank's
+    parameters after the step, rank 0's metrics."""
+    from ranks import check
+    check(cp2_results, case)
+
+
+def test_cp_local_positions_follow_verl_zigzag():
+    """Each CP rank's rows of verl's zigzag split (chunks r and 2cp-1-r of every padded sequence) against
+    mcore_env's independent statement of it; a sequence not split in 2 * cp equal chunks is refused."""
+    import mcore_env
+    from logitless.verl import megatron_cp
+    cu = torch.tensor([0, 8, 12, 28], dtype=torch.int32)
+    for rank in range(2):
+        got = megatron_cp.local_positions(cu, 2, rank)
+        assert torch.equal(got, mcore_env._zigzag_positions(cu.tolist(), 2, rank)), rank
+    cu3 = torch.tensor([0, 6, 18], dtype=torch.int32)
+    assert torch.equal(torch.cat([megatron_cp.local_positions(cu3, 3, r) for r in range(3)]).sort().values,
+                       torch.arange(18))
+    with pytest.raises(ValueError, match="equal chunks"):
+        megatron_cp.local_positions(torch.tensor([0, 6]), 2, 0)
+
+
+def test_cp_refusals_name_the_setting():
+    """Under context parallelism the fused loss runs token-local losses with fixed per-token weights only; the
+    others, and CP with TP > 1, are named."""
+    from logitless.verl import megatron_cp
+    ok = {"surrogate": "ppo", "loss_agg": "token-sum"}
+    assert megatron_cp.refusals(ok, False, mode="vanilla", agg="token-mean", tensor_parallel=1) == []
+    cases = [
+        (dict(ok, ratio_level="sequence-token"), False, "gspo", "token-mean", 1, "loss_mode='gspo'"),
+        ({"surrogate": "geo_mean", "loss_agg": "token-sum"}, True, "geo_mean", "token-mean", 1, "'geo_mean'"),
+        ({"surrogate": "clip_cov", "loss_agg": "token-sum"}, False, "clip_cov", "token-sum", 1, "'clip_cov'"),
+        (dict(ok, loss_agg="seq-mean-token-mean"), False, "vanilla", "seq-mean-token-mean", 1,
+         "loss_agg_mode='seq-mean-token-mean'"),
+        (ok, False, "vanilla", "token-mean", 2, "tensor_model_parallel_size=2"),
+    ]
+    for settings, mbm, mode, agg, tp, named in cases:
+        bad = megatron_cp.refusals(settings, mbm, mode=mode, agg=agg, tensor_parallel=tp)
+        assert len(bad) == 1 and named in bad[0] and "context parallelism" in bad[0], bad

@@ -102,8 +102,12 @@ def cpu_megatron():
 
     def local_spec(self, vp_stage=None):
         spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False)
+        # context parallelism: mcore_env's CP attention (K and V all-gathered over the CP group, verl's zigzag
+        # split of each packed sequence); TE's ring attention is GPU-only
+        attention = (mcore_env.context_parallel_attention_class() if self.config.context_parallel_size > 1
+                     else core_attention_class())
         for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = core_attention_class()
+            layer.submodules.self_attention.submodules.core_attention = attention
             if self.config.sequence_parallel:
                 layer.submodules.input_layernorm = SequenceParallelRMSNorm
                 layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm

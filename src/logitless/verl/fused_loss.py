@@ -215,7 +215,9 @@ def _through_output(model_output, loss: torch.Tensor, shard=None) -> torch.Tenso
     return (carried if shard is None else carried / shard.size) + loss.detach()
 
 
-def _fused_loss_function(plan: Plan, verl_loss, path: str = "fsdp"):
+def _fused_loss_function(plan: Plan, verl_loss, path: str = "fsdp", through=None):
+    """``through(model_output, loss)``: the loss with its gradient path (default ``_through_output``; the
+    Megatron engine's context parallelism passes ``megatron_cp.carry``)."""
     def loss_function(model_output, data, dp_group=None):
         """The fused loss in verl's normalisation, and verl's metrics of the same log-probs."""
         if plan.result is None:
@@ -232,7 +234,9 @@ def _fused_loss_function(plan: Plan, verl_loss, path: str = "fsdp"):
         finally:
             torch.set_rng_state(after)
         write_record(path, last_backend(), ENTRY)
-        return _through_output(model_output, plan.result.loss, plan.shard) * plan.scale, metrics
+        loss = (through(model_output, plan.result.loss) if through is not None
+                else _through_output(model_output, plan.result.loss, plan.shard))
+        return loss * plan.scale, metrics
     return loss_function
 
 

@@ -25,11 +25,10 @@ Two sites change that under ``install(fused_loss=True)``:
 
 A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfused", entry
 "verl.policy_loss"), logged once per reason, and raised as ``FusedPathUnavailable`` under strict mode: the
-settings of ``fused_loss.make_plan`` plus context parallelism, dynamic context parallelism, pipeline
-parallelism, verl's legacy fused forward (megatron-core without the output-processor hook) and a loss mode
-outside ``MODES``. A fused
-micro-batch records path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the
-backend that ran.
+settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context parallelism
+(``megatron_cp.refusals``), dynamic context parallelism, pipeline parallelism, verl's legacy fused forward
+(megatron-core without the output-processor hook) and a loss mode outside ``MODES``. A fused micro-batch records
+path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the backend that ran.
 """
 from __future__ import annotations
 
@@ -42,6 +41,7 @@ import torch
 
 from ..losses import PolicyLoss
 from ..record import write_record
+from . import megatron_cp
 from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
 from .policy import loss_mode
 from .sites import Site, SiteState
@@ -104,9 +104,6 @@ def unfusable(engine, model, config) -> list:
     mode = loss_mode(config)
     if mode not in MODES:
         bad.append(f"policy_loss.loss_mode={mode!r} (not wired to the fused loss on verl's Megatron engine)")
-    if int(cfg.context_parallel_size or 1) > 1:
-        bad.append(f"context_parallel_size={cfg.context_parallel_size} (the fused loss has not been wired to verl's "
-                   "context-parallel THD split)")
     if getattr(cfg, "dynamic_context_parallel", False):
         bad.append("dynamic_context_parallel=True (not wired to the fused loss)")
     if int(cfg.pipeline_model_parallel_size or 1) > 1:
@@ -116,6 +113,17 @@ def unfusable(engine, model, config) -> list:
     if uses_hook is None or not uses_hook(model):
         bad.append("verl's legacy fused forward (megatron-core without the output-processor hook, < 0.18)")
     return bad
+
+
+def _context_parallel():
+    """(group, size, rank) of Megatron's context-parallel group when its size is > 1, else None."""
+    from megatron.core import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    size = parallel_state.get_context_parallel_world_size()
+    if size <= 1:
+        return None
+    return parallel_state.get_context_parallel_group(), size, parallel_state.get_context_parallel_rank()
 
 
 def _make_processor(original):
@@ -130,7 +138,13 @@ def _make_processor(original):
         try:
             if packed is None or getattr(packed, "cu_seqlens_q_padded", None) is None:
                 raise ValueError("Megatron passed no packed_seq_params.cu_seqlens_q_padded (verl's THD layout)")
-            rows = thd_rows(plan.tokens, labels, packed.cu_seqlens_q_padded)
+            cp = _context_parallel()
+            if cp is None:
+                rows = thd_rows(plan.tokens, labels, packed.cu_seqlens_q_padded)
+            else:      # this rank's slice of verl's zigzag split (megatron_cp.py)
+                cu = packed.cu_seqlens_q_padded
+                whole = thd_rows(plan.tokens, labels.new_zeros(1, int(cu[-1])), cu)
+                rows = megatron_cp.local_rows(whole, labels, cu, cp[1], cp[2])
         except ValueError as exc:
             plan.failure = str(exc)
             return original(hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
@@ -169,8 +183,15 @@ def _make_forward_step(original):
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
         plan, why = make_plan(self, batch, logits_processor_func)
+        cp = None
         if plan is not None:
-            bad = unfusable(self, model, logits_processor_func.keywords["config"])
+            config = logits_processor_func.keywords["config"]
+            bad = unfusable(self, model, config)
+            cp = _context_parallel()
+            if cp is not None:
+                bad += megatron_cp.refusals(plan.settings, plan.micro_batch_mean, mode=loss_mode(config),
+                                            agg=config.loss_agg_mode,
+                                            tensor_parallel=int(self.engine_config.tensor_model_parallel_size or 1))
             if bad:
                 plan, why = None, "; ".join(bad)
         if plan is None:
@@ -187,9 +208,10 @@ def _make_forward_step(original):
         finally:
             _pending.plan = outer
         # verl's post-processing (its loss scaling for Megatron's schedule, metrics, model output) with the
-        # fused loss function in place of verl's
+        # fused loss function in place of verl's; under CP this rank's share, summed over the group in value
+        through = None if cp is None else (lambda model_output, loss: megatron_cp.carry(loss, cp[0]))
         return output, functools.partial(loss_func, loss_function=_fused_loss_function(plan, logits_processor_func,
-                                                                                       path="hook"))
+                                                                                       path="hook", through=through))
 
     return forward_step
 
