@@ -26,10 +26,11 @@ Two sites change that under ``install(fused_loss=True)``:
 A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfused", entry
 "verl.policy_loss"), logged once per reason, and raised as ``FusedPathUnavailable`` under strict mode: the
 settings of ``fused_loss.make_plan`` plus context parallelism, dynamic context parallelism, pipeline
-parallelism, verl's legacy fused forward (megatron-core without the output-processor hook) and a loss mode
+parallelism, a model neither hook nor legacy path reaches (``megatron_legacy.unroutable``) and a loss mode
 outside ``MODES``. A fused
-micro-batch records path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the
-backend that ran.
+micro-batch records path "hook" (Megatron's output-processor hook) or "legacy" (megatron-core < 0.18: verl's
+legacy fused forward replaced by logitless' legacy patch running the same processor, ``megatron_legacy.py``) and
+entry "verl.policy_loss", with the backend that ran.
 """
 from __future__ import annotations
 
