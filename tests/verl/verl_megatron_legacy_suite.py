@@ -3,8 +3,8 @@ output-processor hook: verl's legacy fused forward, which logitless' legacy patc
 micro-batches): ``TrainingWorker.train_mini_batch`` -> ``MegatronEngineWithLMHead``, TP 1 on a 1-rank gloo group
 (the CPU recipe of verl_megatron_engine.py), one SGD step against verl's own unfused Megatron path
 (``use_fused_kernels=False``) on the same batch and parameters: every parameter, every metric verl logs (names and
-values), ``last_path()`` saying "legacy". Not collected by the main suite (no test_ prefix): test_verl_legacy.py
-runs it with .venv-legacy's python."""
+values), ``last_path()`` saying "legacy"; verl's compute_log_prob and a fallback setting on that release too.
+Not collected by the main suite (no test_ prefix): test_verl_legacy.py runs it with .venv-legacy's python."""
 import pytest
 import torch
 import verl_engine as ve
@@ -85,3 +85,38 @@ def test_fused_loss_legacy_matches_verl_megatron_update(actors, case):
         assert max(want[0]["actor/pg_clipfrac_lower"]) > 0, "dual clip never active: the case tests nothing"
     if case.startswith("gspo"):
         assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
+    if case == "vanilla-token-mean":       # verl's compute_log_prob: its legacy fused forward, logitless' head
+        lp_want, ent_want = plain.infer(tensors, meta, settings)
+        lv.install(fused_loss=True, strict=True)
+        try:
+            lp, ent = fused.infer(tensors, meta, settings)
+        finally:
+            lv.uninstall()
+        assert (lv.last_path().path, lv.last_path().entry) == ("legacy", "verl")
+        assert float((lp - lp_want).abs().max()) <= 2e-5 and float((ent - ent_want).abs().max()) <= 2e-5
+        assert lp.abs().sum() > 0
+
+
+def test_unfusable_setting_runs_verl_loss_on_legacy(actors):
+    """A setting the fused loss does not reproduce (sapo's token-mean with a KL loss): verl's own loss through its
+    legacy fused forward, the same update as verl's unfused actor, recorded; refused under strict mode."""
+    plain, fused = actors
+    settings = [f"{P}policy_loss.loss_mode=sapo", f"{P}use_kl_loss=True"]
+    named = "loss_agg_mode='token-mean' and a KL loss"
+    gen = torch.Generator().manual_seed(5)
+    tensors, meta = ve.rollout_batch(gen, plain.model_dir)
+    lv.install(fused_loss=True, strict=True)
+    try:
+        with pytest.raises(lv.FusedPathUnavailable, match=named):
+            fused.update(tensors, meta, settings, calculate_entropy=True, mini_batch_size=6)
+    finally:
+        lv.uninstall()
+    want = plain.update(tensors, meta, settings, calculate_entropy=True, mini_batch_size=6)
+    lv.install(fused_loss=True)
+    try:
+        got = fused.update(tensors, meta, settings, calculate_entropy=True, mini_batch_size=6)
+    finally:
+        lv.uninstall()
+    rec = lv.last_path()
+    assert rec.path == "unfused" and rec.entry == "verl.policy_loss" and named in rec.reason, rec
+    assert_same_update(plain.initial, got, want)
