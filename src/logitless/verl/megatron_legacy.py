@@ -31,10 +31,14 @@ def _route(model) -> tuple[str, Optional[str]]:
     if uses_hook(model):
         return "hook", None
     from ..megatron import fused_forward_mode, unwrap_gpt_model
+    from ..megatron.detect import is_gpt_model
     try:
-        mode = fused_forward_mode(unwrap_gpt_model(model))
+        gpt = unwrap_gpt_model(model)
     except TypeError as exc:
         return "unfused", f"verl's legacy fused forward on a model logitless' legacy patch does not serve ({exc})"
+    if not is_gpt_model(gpt):      # verl's legacy forward patches GPTModels only
+        return "unfused", f"verl's legacy fused forward on a {type(gpt).__name__} (not wired to the fused loss)"
+    mode = fused_forward_mode(gpt)
     if mode != "legacy":
         return "unfused", (f"verl's legacy fused forward on a model whose megatron-core forward logitless reaches "
                            f"as {mode!r}, not through its legacy patch")
