@@ -12,6 +12,8 @@ MCORE_LEGACY ?= 0.16.1
 VERL ?= 0.9.1
 DEEPSPEED ?= 0.19.8
 VERL_DEPS := transformers==5.24.0 ray tensordict==0.10.0 hydra-core codetiming dill pillow accelerate
+# what importing verl's Megatron engine needs besides (.venv has them through the test extra and trl)
+VERL_MEGATRON_DEPS := peft mbridge==0.15.1 datasets einops
 LEGACY := .venv-legacy
 CACHE := .cache
 
@@ -36,7 +38,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 $(LEGACY)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(LEGACY)
 	$(LEGACY)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" \
-		megatron-core==$(MCORE_LEGACY) triton==3.6.0 numpy pytest pytest-timeout $(VERL_DEPS)
+		megatron-core==$(MCORE_LEGACY) triton==3.6.0 numpy pytest pytest-timeout $(VERL_DEPS) $(VERL_MEGATRON_DEPS)
 	$(LEGACY)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . verl==$(VERL)
 	touch $@
 

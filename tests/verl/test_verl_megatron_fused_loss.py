@@ -259,8 +259,9 @@ def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
 ])
 def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, named):
     """Megatron settings the fused loss is not wired to, read from the engine's config (pipeline parallelism,
-    set to 2 on the built engine) or the model (verl's legacy fused-forward mode, as verl marks a
-    model on megatron-core < 0.18): strict mode raises before the model runs, naming the setting."""
+    set to 2 on the built engine) or the model (verl's legacy fused-forward mode on a release with the hook,
+    which logitless' legacy patch does not serve; on megatron-core < 0.18 it does, see
+    verl_megatron_legacy_suite.py): strict mode raises before the model runs, naming the setting."""
     from verl.utils.megatron_utils import unwrap_model
     plain, fused = actors
     gen = torch.Generator().manual_seed(6)

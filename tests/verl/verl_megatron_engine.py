@@ -19,6 +19,8 @@ What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatr
 - float32 parameters: verl's McoreEngineConfig accepts only bfloat16 / float16, so ``dtype`` is set past its
   check; SGD without momentum (``sgd_momentum=0``) so the step is the gradient itself;
 - no tokenizer (verl only reads its pad id, 0 here).
+The same recipe runs on megatron-core 0.16.1 (verl_megatron_legacy_suite.py, in .venv-legacy), whose release has no
+schedule-plan nodes for ``cpu_streams`` to keep.
 """
 from __future__ import annotations
 

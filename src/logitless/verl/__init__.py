@@ -10,7 +10,8 @@ Replaced (see ``sites()``; ``uninstall()`` puts every original back):
   ``linear_cross_entropy`` (backend "triton").
 - The actor's policy loss (``install(fused_loss=True)``): the FSDP engine's ``forward_step``
   (``fused_loss``); the Megatron engine's ``forward_step`` and verl's ``fused_output_processor``
-  (``megatron_loss``).
+  (``megatron_loss``; on megatron-core < 0.18, logitless' legacy patch in place of verl's legacy forward
+  for the fused micro-batches, ``megatron_legacy``).
 - Strict mode (``install(strict=True)`` or LOGITLESS_STRICT=1): verl's silent fallbacks to the
   non-fused path raise ``logitless.megatron.FusedPathUnavailable``.
 
@@ -19,7 +20,8 @@ after a Megatron call, ``logitless.last_backend()`` after any call.
 
 Modules: ``install`` (sites, install / uninstall), ``core`` (verl's contracts on logitless),
 ``megatron`` and ``fsdp`` (the sites of each engine), ``fused_loss`` and ``megatron_loss`` (the fused
-policy loss on each engine; ``policy`` and ``tokens`` map verl's settings and batches onto it).
+policy loss on each engine, ``megatron_legacy`` its route on older megatron-core; ``policy`` and ``tokens``
+map verl's settings and batches onto it).
 """
 from ..record import FusedPathUnavailable, last_backend, last_path
 from .install import install, is_installed, sites, uninstall

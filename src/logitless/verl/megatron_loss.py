@@ -26,14 +26,16 @@ Two sites change that under ``install(fused_loss=True)``:
 A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfused", entry
 "verl.policy_loss"), logged once per reason, and raised as ``FusedPathUnavailable`` under strict mode: the
 settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context parallelism
-(``megatron_cp.refusals``), dynamic context parallelism, pipeline parallelism, verl's legacy fused forward
-(megatron-core without the output-processor hook) and a loss mode outside ``MODES``. A fused micro-batch records
-path "hook" (Megatron's output-processor hook) and entry "verl.policy_loss", with the backend that ran.
+(``megatron_cp.refusals``), dynamic context parallelism, pipeline parallelism, a model neither hook nor legacy
+path reaches (``megatron_legacy.unroutable``) and a loss mode outside ``MODES``. A fused micro-batch records
+path "hook" (Megatron's output-processor hook) or "legacy" (megatron-core < 0.18: verl's legacy fused forward
+replaced by logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
+"verl.policy_loss", with the backend that ran.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
 import threading
 from typing import Optional
 
@@ -43,6 +45,7 @@ from ..losses import PolicyLoss
 from ..record import write_record
 from . import megatron_cp
 from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
+from .megatron_legacy import forward_mode, legacy_route, unroutable
 from .policy import loss_mode
 from .sites import Site, SiteState
 from .tokens import IGNORE, ResponseTokens, Rows
@@ -109,9 +112,9 @@ def unfusable(engine, model, config) -> list:
     if int(cfg.pipeline_model_parallel_size or 1) > 1:
         bad.append(f"pipeline_model_parallel_size={cfg.pipeline_model_parallel_size} (not tested with the fused "
                    "loss)")
-    uses_hook = getattr(sys.modules[FUSED], "_use_output_processor_hook", None)    # verl 0.9's mode test
-    if uses_hook is None or not uses_hook(model):
-        bad.append("verl's legacy fused forward (megatron-core without the output-processor hook, < 0.18)")
+    why = unroutable(model)      # megatron-core < 0.18: logitless' legacy patch (megatron_legacy.py)
+    if why:
+        bad.append(why)
     return bad
 
 
@@ -201,17 +204,19 @@ def _make_forward_step(original):
             if why:     # again after the forward, whose head (logitless') wrote a record of its own
                 write_record("unfused", None, ENTRY, why)
             return out
+        path = forward_mode(model)
         outer, _pending.plan = _pending.plan, plan
         try:
-            output, loss_func = original(self, iter([batch]), model, logits_processor_func,
-                                         postprocess_micro_batch_func)
+            with legacy_route(model) if path == "legacy" else contextlib.nullcontext():
+                output, loss_func = original(self, iter([batch]), model, logits_processor_func,
+                                             postprocess_micro_batch_func)
         finally:
             _pending.plan = outer
         # verl's post-processing (its loss scaling for Megatron's schedule, metrics, model output) with the
         # fused loss function in place of verl's; under CP this rank's share, summed over the group in value
         through = None if cp is None else (lambda model_output, loss: megatron_cp.carry(loss, cp[0]))
         return output, functools.partial(loss_func, loss_function=_fused_loss_function(plan, logits_processor_func,
-                                                                                       path="hook", through=through))
+                                                                                       path=path, through=through))
 
     return forward_step
 
