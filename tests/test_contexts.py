@@ -245,8 +245,13 @@ def test_unchecked_policy_loss_matches_the_checked_one(backend, loss_agg, seed):
     kw = dict(backend=backend, loss_agg=loss_agg, temperature=torch.rand(LEAD[0], 1, device=DEVICE) + 0.5)
     checked = run_step(policy_step, hidden, weight, labels, adv, old, ref, **kw)
     unchecked = run_step(policy_step, hidden, weight, labels, adv, old, ref, check_inputs=False, **kw)
-    for g, c in zip(unchecked[:5], checked[:5], strict=True):
-        assert torch.isfinite(g).all() and torch.allclose(g, c, rtol=1e-5, atol=1e-6), (g, c)
+    # the two calls cut the rows into different chunks: per-token values differ by float32 rounding of
+    # logit - logsumexp, a few ulps of the row's largest |logit / T| (not of the log-prob itself)
+    z = hidden.double() @ weight.double().T / kw["temperature"].double()[..., None]
+    row_atol = 1e-6 + 8 * 2.0 ** -24 * z.abs().amax(-1).float()
+    for i, (g, c) in enumerate(zip(unchecked[:5], checked[:5], strict=True)):
+        atol = row_atol if g.shape == labels.shape else 1e-6
+        assert torch.isfinite(g).all() and ((g - c).abs() <= atol + 1e-5 * c.abs()).all(), (i, g, c)
     assert (unchecked[1][labels == -100] == 0).all() and (unchecked[5][labels == -100] == 0).all()
     tol = 1e-2 if CUDA else 1e-5
     assert rel_err(unchecked[5], checked[5]) <= tol and rel_err(unchecked[6], checked[6]) <= tol

@@ -10,7 +10,7 @@ import sys
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "megatron")]
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "megatron"), os.path.dirname(HERE)]   # tests/: ranks.py
 
 CASES = ("tp2-nosp", "tp2-sp")
 
