@@ -90,6 +90,16 @@ class PolicyLoss:
         sum (still counted in the mean), as TRL's nan_to_num does.
     rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
         sequences, at sequence level), as verl's rollout_is_batch_normalize.
+    rejection_ratio_min, rejection_ratio_max, rejection_k2_max, rejection_k3_max: a rejection mask of *this
+        pass's* log-probs against the rollout's (rollout_logprobs, else old_logprobs; verl's token-level
+        rollout_rs): with e = clamp(logprob - rollout, -20, 20), detached, a token is rejected where the ratio
+        exp(e) lies outside [rejection_ratio_min, rejection_ratio_max] (verl's token_k1 with threshold l_u is
+        the band [1 / u, 1 / l]), 0.5 e^2 > rejection_k2_max (token_k2) or exp(e) - 1 - e > rejection_k3_max
+        (token_k3); the bounds given are ANDed (each > 0; None: not applied). A rejected token's
+        policy-gradient term is dropped; the aggregation keeps the scored tokens' normalisers, except that
+        under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (verl's agg_loss
+        over the rejection-masked mask with the mini-batch's counts given). The KL term and the entropy bonus
+        keep every scored token. Needs old_logprobs or rollout_logprobs; not with surrogate "geo_mean".
     rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]: VESPO
         then counts each sequence's weight once in its sequence weight, as TRL does), when
         computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
@@ -132,6 +142,10 @@ class PolicyLoss:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_coef: float = 1.0
+    rejection_ratio_min: Optional[float] = None
+    rejection_ratio_max: Optional[float] = None
+    rejection_k2_max: Optional[float] = None
+    rejection_k3_max: Optional[float] = None
 
     def __post_init__(self):
         checks.tensor(self.advantages, "advantages")
@@ -236,6 +250,28 @@ class PolicyLoss:
         if (self.rollout_is_min is not None and self.rollout_is_max is not None
                 and self.rollout_is_min > self.rollout_is_max):
             raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
+        self._check_rejection()
+
+    def _check_rejection(self):
+        set_ = object.__setattr__
+        names = ("rejection_ratio_min", "rejection_ratio_max", "rejection_k2_max", "rejection_k3_max")
+        for name in names:
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, checks.finite_float(value, name, minimum=0.0, above=True))
+        given = [name for name in names if getattr(self, name) is not None]
+        if not given:
+            return
+        if (self.rejection_ratio_min is not None and self.rejection_ratio_max is not None
+                and self.rejection_ratio_min > self.rejection_ratio_max):
+            raise ValueError(f"rejection_ratio_min={self.rejection_ratio_min} is above "
+                             f"rejection_ratio_max={self.rejection_ratio_max}")
+        if self.old_logprobs is None and self.rollout_logprobs is None:
+            raise ValueError(f"{given[0]} needs rollout_logprobs or old_logprobs (the rejection mask compares this "
+                             "pass's log-probs with the rollout's)")
+        if self.surrogate == "geo_mean":
+            raise ValueError(f"{given[0]} is a token mask of the policy term; surrogate='geo_mean' is a loss per "
+                             "sequence")
 
     @property
     def rollout_per_sequence(self) -> bool:
@@ -262,7 +298,10 @@ class PolicyLoss:
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
                         rollout_per_sequence=self.rollout_per_sequence,
                         cov_ratio=self.cov_ratio, cov_bounds=(self.clip_cov_lb, self.clip_cov_ub),
-                        cov_kl_coef=self.kl_cov_coef)
+                        cov_kl_coef=self.kl_cov_coef,
+                        rejection_ratio=(None if self.rejection_ratio_min is None and self.rejection_ratio_max is None
+                                         else (self.rejection_ratio_min, self.rejection_ratio_max)),
+                        rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max)
 
 
 def _choice(value, name: str, allowed) -> str:

@@ -37,6 +37,15 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
             (1 - q) quantile of the scored tokens' entropies (with ``entropy_quantile_group``, of every
             rank's scored tokens, as TRL's quantile spans its processes)
         rho: the rollout-correction weights (``rollout_weights``), given per token (0 where masked)
+        rejection (verl's token-level rollout_rs, ``rejection_factor``): with e = clamp(lp - sampling, -20,
+            20), detached (sampling: rollout log-probs, else old; a NaN rollout log-prob gives e = 0), a token
+            is rejected where e lies outside [log ratio_min, log ratio_max] (token_k1), 0.5 e^2 > k2_max
+            (token_k2) or exp(e) - 1 - e > k3_max (token_k3), the bounds given ANDed. A rejected token's
+            policy term is dropped; the aggregation's normalisers stay the scored tokens', except that
+            under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (0 with
+            none): pg <- pg keep (len_i / kept_i there). This is verl's agg_loss of the policy term over
+            its rejection-masked response mask with the mini-batch's token count and sequence count given,
+            as verl's engine gives them; the KL term and the entropy bonus keep every scored token.
     KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
         k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
         low_var_kl) | k3_unclamped: exp(-x) + x - 1 (TRL's) | "+" suffix: that value with the gradient of k2
@@ -109,12 +118,21 @@ class TermSpec:
     cov_ratio: float = 2e-4                  # clip_cov / kl_cov: the share of tokens selected
     cov_bounds: tuple = (1.0, 5.0)           # clip_cov: the covariance band of the candidates
     cov_kl_coef: float = 1.0                 # kl_cov: verl's ppo_kl_coef
+    rejection_ratio: Optional[tuple] = None  # (min, max) of the detached ratio, a side None for unbounded
+    rejection_k2: Optional[float] = None     # the largest 0.5 e^2 kept
+    rejection_k3: Optional[float] = None     # the largest exp(e) - 1 - e kept
+
+    @property
+    def rejects(self) -> bool:
+        """Whether a rejection mask of this pass's log-probs is on (``rejection_factor``)."""
+        return self.rejection_ratio is not None or self.rejection_k2 is not None or self.rejection_k3 is not None
 
     @property
     def coupled(self) -> bool:
         """Whether a token's term depends on other tokens' log-probs or entropies (see the module)."""
         return (self.ratio_level != "token" or self.surrogate in COUPLED_SURROGATES
-                or self.off_policy_threshold is not None or self.entropy_quantile < 1.0)
+                or self.off_policy_threshold is not None or self.entropy_quantile < 1.0
+                or (self.rejects and self.loss_agg == "seq-mean-token-mean"))   # kept tokens per sequence
 
     @property
     def sequence_coupled(self) -> bool:
@@ -369,6 +387,37 @@ def entropy_mask(ent: Tensor, quantile: float, group: Optional[str] = None) -> T
     return e >= torch.quantile(pool, 1.0 - quantile)
 
 
+def rejection_keep(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """bool [n]: the tokens the rejection mask keeps (module docstring; verl's compute_rollout_rejection_mask,
+    token_k1 / token_k2 / token_k3), from this pass's log-probs lp (detached) against the rollout's."""
+    sampling = tokens.rollout if spec.has_rollout else old
+    e = (lp.detach() - sampling).nan_to_num(nan=0.0).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    keep = torch.ones_like(e, dtype=torch.bool)
+    if spec.rejection_ratio is not None:
+        lo, hi = spec.rejection_ratio
+        if lo is not None:
+            keep &= e >= math.log(lo)
+        if hi is not None:
+            keep &= e <= math.log(hi)
+    if spec.rejection_k2 is not None:
+        keep &= 0.5 * e.square() <= spec.rejection_k2
+    if spec.rejection_k3 is not None:
+        keep &= e.exp() - 1.0 - e <= spec.rejection_k3
+    return keep
+
+
+def rejection_factor(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """float64 [n], detached: what the rejection mask multiplies the policy term by (module docstring):
+    keep, and under seq-mean-token-mean keep len_i / kept_i, which turns the weight 1 / (n_seq len_i) of
+    the sequence's scored tokens into 1 / (n_seq kept_i) over its kept ones."""
+    keep = rejection_keep(lp, old, tokens, spec).double()
+    if spec.loss_agg != "seq-mean-token-mean":
+        return keep
+    length = seq_sum(torch.ones_like(keep), tokens, "rejection under loss_agg='seq-mean-token-mean'")
+    kept = seq_sum(keep, tokens, "rejection under loss_agg='seq-mean-token-mean'")
+    return keep * (length / kept.clamp_min(1.0))[tokens.seq]
+
+
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
                     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(f, clipped, kl) per token: the term f = pg + kl_coef kl of the module docstring (the entropy bonus
@@ -390,6 +439,8 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
         pg = pg * entropy_mask(ent, spec.entropy_quantile, spec.entropy_group).double()
     if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
         pg = pg * tokens.rollout_weights
+    if spec.rejects:
+        pg = pg * rejection_factor(lp, old, tokens, spec)
     f = pg
     kl = None
     if spec.has_ref:
