@@ -167,8 +167,9 @@ RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
 
 
 @pytest.mark.parametrize("setting, batch, named", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs=token_k1",
-      f"{RC}rollout_rs_threshold='0.7_1.4'"], {}, "loss_mode='bypass_mode' with rollout_correction.rollout_rs"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs='token_k1,seq_mean_k3'",
+      f"{RC}rollout_rs_threshold='0.7_1.4,0.02'"], {},
+     "loss_mode='bypass_mode' with rollout_correction.rollout_rs='token_k1,seq_mean_k3' (the sequence-level"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce",
       f"{RC}rollout_is=sequence", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
      "rollout_correction.rollout_is='sequence'"),
@@ -313,13 +314,23 @@ BYPASS = [
      {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
     ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.1"], "seq-mean-token-sum",
      {"use_remove_padding": False}),
+    # token-level rejection sampling (rollout_rs): the fused loss's rejection mask
+    ([f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold='0.7_1.4'"], "token-mean",
+     {"use_remove_padding": True}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.25",
+      f"{RC}rollout_rs='token_k2,token_k3'", f"{RC}rollout_rs_threshold='0.02,0.03'"], "seq-mean-token-mean",
+     {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=null", f"{RC}rollout_rs=token_k3", f"{RC}rollout_rs_threshold=0.03"],
+     "seq-mean-token-sum-norm", {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ([f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold=1.3"], "token-sum", {"use_remove_padding": False}),
 ]
 
 
 @pytest.mark.parametrize("rc, agg, engine", BYPASS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BYPASS)])
 def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
     """bypass_mode's fused mappings (bypass.py: ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS
-    -> cispo) against verl's own compute_policy_loss_bypass_mode, every rollout_corr metric included."""
+    -> cispo; token-level rollout_rs -> the rejection mask) against verl's own compute_policy_loss_bypass_mode,
+    every rollout_corr metric included."""
     i = BYPASS.index((rc, agg, engine))
     gen = torch.Generator().manual_seed(60 + i)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=True)
@@ -336,6 +347,10 @@ def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
         # the truncation binds on some token (the weights' maximum before truncation is above the threshold)
         upper = 1.25 if "1.25" in " ".join(rc) else 1.1
         assert max(want[0]["rollout_corr/rollout_is_max"]) >= upper - 1e-6, sorted(want[0])
+    if "rollout_rs=" in " ".join(rc):
+        # the mask rejects some tokens and keeps others
+        rejected = want[0]["rollout_corr/rollout_rs_masked_fraction"]
+        assert max(rejected) > 0 and min(rejected) < 1, rejected
 
 
 FSDP1 = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
@@ -360,3 +375,25 @@ def test_fsdp1_strategy(tmp_path, tied):
     assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
     assert_same_update(actor, got, want)
     assert max(want[0]["actor/pg_clipfrac"]) > 0
+
+
+def test_rejection_settings_read_as_verl_reads_them():
+    """bypass.py reads rollout_rs as verl's compute_rollout_rejection_mask does (options stripped and deduplicated,
+    one threshold shared or one each, token_k1's single threshold u the band [1 / u, u]); what it cannot fuse it
+    names; a rejection mask without the mini-batch's counts is refused where verl would count kept tokens."""
+    from logitless.verl.bypass import rejection_counts_missing, rejection_settings
+
+    got, why = rejection_settings({"rollout_rs": " token_k1 ,token_k2,token_k1", "rollout_rs_threshold": "1.5"})
+    assert why == "" and got == {"rejection_ratio_min": pytest.approx(1 / 1.5),
+                                 "rejection_ratio_max": pytest.approx(1.5), "rejection_k2_max": 1.5}
+    got, why = rejection_settings({"rollout_rs": "token_k3,token_k1", "rollout_rs_threshold": "0.1,0.5_2"})
+    assert why == "" and got == {"rejection_k3_max": 0.1, "rejection_ratio_min": 0.5, "rejection_ratio_max": 2.0}
+    assert rejection_settings({"rollout_rs": None}) == ({}, "")
+    assert "rollout_rs_threshold=None" in rejection_settings({"rollout_rs": "token_k2"})[1]
+    assert "seq_max_k2" in rejection_settings({"rollout_rs": "token_k2,seq_max_k2", "rollout_rs_threshold": 1.0})[1]
+    assert "not options verl knows" in rejection_settings({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0})[1]
+    mask = {"rejection_k2_max": 0.1}
+    assert rejection_counts_missing(mask, "token-mean", batch_num_tokens=None, global_batch_size=4) != ""
+    assert rejection_counts_missing(mask, "seq-mean-token-mean", batch_num_tokens=30, global_batch_size=None) != ""
+    assert rejection_counts_missing(mask, "token-sum", batch_num_tokens=None, global_batch_size=None) == ""
+    assert rejection_counts_missing({}, "token-mean", batch_num_tokens=None, global_batch_size=None) == ""
