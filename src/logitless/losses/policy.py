@@ -12,7 +12,7 @@ from typing import Optional
 from torch import Tensor
 
 from .. import checks
-from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
+from ..ops.policy_terms import CURRENT_IS_MODES, KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
 from .aggregate import check_loss_agg
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -100,6 +100,14 @@ class PolicyLoss:
         under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (verl's agg_loss
         over the rejection-masked mask with the mini-batch's counts given). The KL term and the entropy bonus
         keep every scored token. Needs old_logprobs or rollout_logprobs; not with surrogate "geo_mean".
+    current_is: None, or "token_truncate" / "sequence_truncate" / "token_mask" / "sequence_mask": importance
+        weights of *this pass's* log-probs against the rollout's (rollout_logprobs, else old_logprobs), detached,
+        multiplying the policy-gradient term (verl's bypass_mode reinforce loss, whose old log-probs are the
+        rollout's): exp(clamp(e, -20, 20)) per token, or per sequence of the *sum* of its tokens' e (verl's
+        rollout_is "sequence"), e = logprob - rollout; clamped to [current_is_min, current_is_max] ("truncate",
+        TIS: verl's threshold u is current_is_max=u) or 0 outside it ("mask", IcePop: verl's "l_u"). Needs
+        old_logprobs or rollout_logprobs; not with surrogate "geo_mean".
+    current_is_min, current_is_max: that band (None: unbounded on that side; truncation needs a maximum).
     rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]: VESPO
         then counts each sequence's weight once in its sequence weight, as TRL does), when
         computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
@@ -146,6 +154,9 @@ class PolicyLoss:
     rejection_ratio_max: Optional[float] = None
     rejection_k2_max: Optional[float] = None
     rejection_k3_max: Optional[float] = None
+    current_is: Optional[str] = None
+    current_is_min: Optional[float] = None
+    current_is_max: Optional[float] = None
 
     def __post_init__(self):
         checks.tensor(self.advantages, "advantages")
@@ -251,6 +262,7 @@ class PolicyLoss:
                 and self.rollout_is_min > self.rollout_is_max):
             raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
         self._check_rejection()
+        self._check_current_is()
 
     def _check_rejection(self):
         set_ = object.__setattr__
@@ -272,6 +284,29 @@ class PolicyLoss:
         if self.surrogate == "geo_mean":
             raise ValueError(f"{given[0]} is a token mask of the policy term; surrogate='geo_mean' is a loss per "
                              "sequence")
+
+    def _check_current_is(self):
+        set_ = object.__setattr__
+        for name in ("current_is_min", "current_is_max"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, checks.finite_float(value, name, minimum=0.0))
+        if self.current_is is None:
+            if self.current_is_min is not None or self.current_is_max is not None:
+                raise ValueError("current_is_min / current_is_max need current_is (the weights' mode)")
+            return
+        _choice(self.current_is, "current_is", CURRENT_IS_MODES)
+        if self.current_is.endswith("truncate") and self.current_is_max is None:
+            raise ValueError(f"current_is={self.current_is!r} (truncated importance sampling) needs current_is_max")
+        if (self.current_is_min is not None and self.current_is_max is not None
+                and self.current_is_min > self.current_is_max):
+            raise ValueError(f"current_is_min={self.current_is_min} is above current_is_max={self.current_is_max}")
+        if self.old_logprobs is None and self.rollout_logprobs is None:
+            raise ValueError(f"current_is={self.current_is!r} needs rollout_logprobs or old_logprobs (the weight "
+                             "compares this pass's log-probs with the rollout's)")
+        if self.surrogate == "geo_mean":
+            raise ValueError(f"current_is={self.current_is!r} weights a per-token policy term; surrogate='geo_mean' "
+                             "is a loss per sequence")
 
     @property
     def rollout_per_sequence(self) -> bool:
@@ -301,7 +336,8 @@ class PolicyLoss:
                         cov_kl_coef=self.kl_cov_coef,
                         rejection_ratio=(None if self.rejection_ratio_min is None and self.rejection_ratio_max is None
                                          else (self.rejection_ratio_min, self.rejection_ratio_max)),
-                        rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max)
+                        rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max,
+                        current_is=self.current_is, current_is_band=(self.current_is_min, self.current_is_max))
 
 
 def _choice(value, name: str, allowed) -> str:

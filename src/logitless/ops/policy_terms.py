@@ -46,6 +46,11 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
             none): pg <- pg keep (len_i / kept_i there). This is verl's agg_loss of the policy term over
             its rejection-masked response mask with the mini-batch's token count and sequence count given,
             as verl's engine gives them; the KL term and the entropy bonus keep every scored token.
+        current_is (verl's bypass reinforce IS weights, ``current_is_weights``): with e as above (not
+            clamped), a detached weight w = exp(clamp(e, -20, 20)) per token ("token_*") or w_i =
+            exp(clamp(sum_{t in i} e_t, -20, 20)) per sequence ("sequence_*": the sum, not the mean), clamped
+            to [current_is_min, current_is_max] ("*_truncate", TIS) or set to 0 outside it ("*_mask", IcePop):
+            pg <- pg w
     KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
         k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
         low_var_kl) | k3_unclamped: exp(-x) + x - 1 (TRL's) | "+" suffix: that value with the gradient of k2
@@ -80,6 +85,7 @@ SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl
 # surrogates whose terms depend on other tokens' values (a sequence's, or the batch's)
 COUPLED_SURROGATES = ("vespo", "geo_mean", "clip_cov", "kl_cov")
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
+CURRENT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp; TRL does not
 K3_CLAMP = 10.0             # and the k3 estimate to +-10
 GSPO_TOKEN_LOG_MAX = 10.0   # verl's gspo clamps its log-ratio at 10 (above only)
@@ -121,6 +127,8 @@ class TermSpec:
     rejection_ratio: Optional[tuple] = None  # (min, max) of the detached ratio, a side None for unbounded
     rejection_k2: Optional[float] = None     # the largest 0.5 e^2 kept
     rejection_k3: Optional[float] = None     # the largest exp(e) - 1 - e kept
+    current_is: Optional[str] = None         # CURRENT_IS_MODES: IS weights of this pass's log-probs
+    current_is_band: tuple = (None, None)    # its (min, max), a side None for unbounded
 
     @property
     def rejects(self) -> bool:
@@ -132,7 +140,8 @@ class TermSpec:
         """Whether a token's term depends on other tokens' log-probs or entropies (see the module)."""
         return (self.ratio_level != "token" or self.surrogate in COUPLED_SURROGATES
                 or self.off_policy_threshold is not None or self.entropy_quantile < 1.0
-                or (self.rejects and self.loss_agg == "seq-mean-token-mean"))   # kept tokens per sequence
+                or (self.rejects and self.loss_agg == "seq-mean-token-mean")    # kept tokens per sequence
+                or (self.current_is or "").startswith("sequence"))
 
     @property
     def sequence_coupled(self) -> bool:
@@ -418,6 +427,26 @@ def rejection_factor(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpe
     return keep * (length / kept.clamp_min(1.0))[tokens.seq]
 
 
+def current_is_weights(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """float64 [n], detached: the IS weights of this pass's log-probs against the rollout's (module docstring;
+    verl's compute_rollout_correction_weights of log_prob - rollout_log_prob, as its bypass reinforce loss
+    applies them)."""
+    sampling = tokens.rollout if spec.has_rollout else old
+    e = (lp.detach() - sampling).nan_to_num(nan=0.0)
+    if spec.current_is.startswith("sequence"):
+        e = seq_sum(e, tokens, f"current_is={spec.current_is!r}")[tokens.seq]
+    w = e.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+    lo, hi = spec.current_is_band
+    if spec.current_is.endswith("truncate"):
+        return w.clamp(min=lo, max=hi)
+    out = torch.zeros_like(w, dtype=torch.bool)
+    if lo is not None:
+        out |= w < lo
+    if hi is not None:
+        out |= w > hi
+    return w.masked_fill(out, 0.0)
+
+
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
                     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(f, clipped, kl) per token: the term f = pg + kl_coef kl of the module docstring (the entropy bonus
@@ -439,6 +468,8 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
         pg = pg * entropy_mask(ent, spec.entropy_quantile, spec.entropy_group).double()
     if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
         pg = pg * tokens.rollout_weights
+    if spec.current_is is not None:
+        pg = pg * current_is_weights(lp, old, tokens, spec)
     if spec.rejects:
         pg = pg * rejection_factor(lp, old, tokens, spec)
     f = pg
