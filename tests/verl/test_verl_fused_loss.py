@@ -171,8 +171,9 @@ RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
       f"{RC}rollout_rs_threshold='0.7_1.4,0.02'"], {},
      "loss_mode='bypass_mode' with rollout_correction.rollout_rs='token_k1,seq_mean_k3' (the sequence-level"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce",
-      f"{RC}rollout_is=sequence", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
-     "rollout_correction.rollout_is='sequence'"),
+      f"{RC}rollout_is=sequence", f"{RC}rollout_is_batch_normalize=True",
+      "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
+     "rollout_correction.rollout_is_batch_normalize=True"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
      "loss_agg_mode='token-mean' and a KL loss"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
@@ -208,12 +209,12 @@ def test_every_registered_mode_is_mapped(actor):
     assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | {"geo_mean"} | set(policy.PARTLY_FUSED)
     gen = torch.Generator().manual_seed(9)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir)
-    for extra, named in [([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold='0.5_2.0'"],
-                          "rollout_is_threshold='0.5_2.0' (IcePop"),
+    for extra, named in [([f"{RC}rollout_rs=seq_sum_k1", f"{RC}rollout_rs_threshold='0.5_2.0'"],
+                          "the sequence-level rejection seq_sum_k1"),
                          ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_batch_normalize=True"],
                           "rollout_is_batch_normalize=True"),
-                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=0.8"],
-                          "below 1")]:
+                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_rs=token_k2"],
+                          "rollout_rs_threshold=None")]:
         with pytest.raises(FusedPathUnavailable, match=re.escape(named)):
             run(actor, tensors, meta, [f"{P}policy_loss.loss_mode=bypass_mode", *extra], fused=True, strict=True)
         assert lv.last_path().reason.startswith("policy_loss.loss_mode='bypass_mode' with")
@@ -323,14 +324,24 @@ BYPASS = [
     ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=null", f"{RC}rollout_rs=token_k3", f"{RC}rollout_rs_threshold=0.03"],
      "seq-mean-token-sum-norm", {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
     ([f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold=1.3"], "token-sum", {"use_remove_padding": False}),
+    # reinforce with the weights of this pass's log-probs: current_is (verl's bypass_pg_is: sequence, 2.0)
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence"], "seq-mean-token-mean", {"use_remove_padding": True}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence", f"{RC}rollout_is_threshold='0.5_1.5'"], "token-mean",
+     {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold='0.8_1.3'",
+      f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold='0.85_1.15'"], "seq-mean-token-sum",
+     {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=0.9"], "token-sum",
+     {"use_remove_padding": False}),
 ]
 
 
 @pytest.mark.parametrize("rc, agg, engine", BYPASS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BYPASS)])
 def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
     """bypass_mode's fused mappings (bypass.py: ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS
-    -> cispo; token-level rollout_rs -> the rejection mask) against verl's own compute_policy_loss_bypass_mode,
-    every rollout_corr metric included."""
+    -> cispo, reinforce with sequence / IcePop / below-1 weights -> gpg with current_is; token-level rollout_rs
+    -> the rejection mask) against verl's own compute_policy_loss_bypass_mode, every rollout_corr metric
+    included."""
     i = BYPASS.index((rc, agg, engine))
     gen = torch.Generator().manual_seed(60 + i)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=True)
@@ -343,10 +354,15 @@ def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
     assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
     assert_same_update(actor, got, want)
     assert any(k.startswith("rollout_corr/") for k in want[0]), sorted(want[0])
-    if "rollout_is=token" in " ".join(rc) and "reinforce" in " ".join(rc):
+    text = " ".join(rc)
+    if "reinforce" in text and "rollout_is=token" in text and "_threshold=1." in text:
         # the truncation binds on some token (the weights' maximum before truncation is above the threshold)
-        upper = 1.25 if "1.25" in " ".join(rc) else 1.1
+        upper = 1.25 if "1.25" in text else 1.1
         assert max(want[0]["rollout_corr/rollout_is_max"]) >= upper - 1e-6, sorted(want[0])
+    if "reinforce" in text and "rollout_is_threshold='" in text:
+        # IcePop zeroes some weights and keeps others
+        oob = want[0]["rollout_corr/rollout_is_oob_ratio"]
+        assert max(oob) > 0 and min(oob) < 1, oob
     if "rollout_rs=" in " ".join(rc):
         # the mask rejects some tokens and keeps others
         rejected = want[0]["rollout_corr/rollout_rs_masked_fraction"]

@@ -19,6 +19,9 @@ The batch's own ``rollout_is_weights`` are ignored. Fused (exactly the same term
     reinforce, rollout_is "token", threshold u >= 1 (TIS), no batch normalisation
                                                  cispo with clip_low 1, clip_high u - 1:
                                                  -sg(clamp(exp(clamp(lp - old, +-20)), 0, u)) A lp
+    reinforce, rollout_is "sequence" (threshold u or "l_u"), or "token" with "l_u" or u < 1, no batch
+    normalisation                                gpg with current_is "<level>_truncate" (u) or "<level>_mask"
+                                                 (l_u): -A lp sg(w), w verl's weight of this pass's log-probs
 
 each with verl's token-level ``rollout_rs`` options ("token_k1", "token_k2", "token_k3", comma-chained, their
 ``rollout_rs_threshold`` read by verl's own parser) as the rejection mask of ``PolicyLoss``
@@ -33,11 +36,9 @@ sequences, which the fused loss does not: ``rejection_counts_missing``).
 
 Not fused (``bypass_mapping`` says why): the sequence-level ``rollout_rs`` options (seq_sum_k*, seq_mean_k*,
 seq_max_k*: one keep per sequence from its summed, mean or largest divergence, not defined by the fused
-loss); reinforce with
-``rollout_is`` "sequence" (a detached weight of the *sum* of a sequence's log-ratios: logitless' sequence
-ratios are of the mean), with an IcePop band (a zero weight outside [l, u] of this pass's ratio), with
-``rollout_is_batch_normalize`` (the weights' mean over the micro-batch, all-reduced over every rank) or with a
-truncation below 1 (cispo's band cannot express min(r, u) for u < 1).
+loss); reinforce with ``rollout_is_batch_normalize`` (the weights divided by their mean over the micro-batch,
+all-reduced over every rank: a statistic of this pass's log-probs across ranks that the fused loss does not
+form).
 """
 from __future__ import annotations
 
@@ -125,18 +126,17 @@ def _policy_term(loss_type, rollout_is, threshold, normalize) -> tuple[Optional[
         return None, {}, f"rollout_correction.loss_type={loss_type!r} (verl knows 'ppo_clip' and 'reinforce')"
     if rollout_is is None or threshold is None:
         return "gpg", {}, ""
-    if rollout_is != "token":
-        return None, {}, (f"loss_type 'reinforce' with rollout_correction.rollout_is={rollout_is!r} (a detached "
-                          "weight of the sum of the sequence's log-ratios of this pass; the fused sequence ratios "
-                          "are of the mean)")
-    upper, lower = _parse_rollout_is_threshold(threshold)
-    if lower is not None:
-        return None, {}, (f"loss_type 'reinforce' with rollout_correction.rollout_is_threshold={threshold!r} "
-                          "(IcePop: a zero weight outside the band of this pass's ratio)")
+    if rollout_is not in ("token", "sequence"):
+        return None, {}, f"rollout_correction.rollout_is={rollout_is!r} (verl knows 'token' and 'sequence')"
+    try:
+        upper, lower = _parse_rollout_is_threshold(threshold)
+    except (TypeError, ValueError) as exc:
+        return None, {}, f"rollout_correction.rollout_is_threshold={threshold!r} ({exc})"
     if normalize:
         return None, {}, ("loss_type 'reinforce' with rollout_correction.rollout_is_batch_normalize=True (the "
                           "weights' mean over the micro-batch, all-reduced over the ranks)")
-    if upper < 1.0:
-        return None, {}, (f"loss_type 'reinforce' with rollout_correction.rollout_is_threshold={threshold!r} "
-                          "below 1 (cispo's clip band is [1 - clip_low, 1 + clip_high] with clip_high >= 0)")
-    return "cispo", {"clip_low": 1.0, "clip_high": upper - 1.0}, ""
+    if rollout_is == "token" and lower is None and upper >= 1.0:
+        return "cispo", {"clip_low": 1.0, "clip_high": upper - 1.0}, ""
+    # the sequence's weight (of the sum of its log-ratios), IcePop's band, a truncation below 1
+    mode = f"{rollout_is}_{'truncate' if lower is None else 'mask'}"
+    return "gpg", {"current_is": mode, "current_is_min": lower, "current_is_max": upper}, ""
