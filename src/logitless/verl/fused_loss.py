@@ -19,7 +19,7 @@ entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, d
 remove-padding and loss scaling run unchanged around it; under Ulysses sequence parallelism the head gathers
 the sp group's rows first (``ulysses.py``).
 
-A micro-batch that cannot run fused (bypass_mode's sequence-level rejection sampling and IS weights,
+A micro-batch that cannot run fused (bypass_mode's sequence-level rejection sampling and batch-normalised IS weights,
 ``use_fused_kernels=False``, ...; ``policy.unfusable``, ``bypass.py`` and ``make_plan`` list them)
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
