@@ -504,7 +504,9 @@ def test_missing_inputs_are_named():
 @pytest.mark.parametrize("settings", [dict(ratio_level="sequence", kl_coef=0.2, kl_ratio=True),
                                       dict(surrogate="vespo"), dict(off_policy_threshold=0.01),
                                       dict(rollout_is="sequence_mask", rollout_is_min=0.5, rollout_is_max=1.5),
-                                      dict(surrogate="geo_mean")])
+                                      dict(surrogate="geo_mean"),
+                                      dict(surrogate="gpg", current_is="sequence_truncate", current_is_max=1.5,
+                                           rejection_k2_max=0.05)])
 def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chunks):
     """The sequences of a coupled loss from cu_seqlens (packed 1-D labels) and from [b, s] labels with
     [s, b] hidden states (seq_first, Megatron's layout): the same loss and gradients as the [b, s] rows."""
