@@ -244,6 +244,21 @@ CASES["verl-rejection-reinforce-token_k1-seq-mean-token-sum-norm"] = verl_reject
     rejection_ratio_max=1.4)
 CASES["verl-rejection-reinforce-token_k3-seq-mean-token-sum"] = verl_rejected(
     "reinforce", "seq-mean-token-sum", "token_k3", 0.04, rejection_k3_max=0.04)
+# sequence-level options (a sequence rejected whole), chained with each other and with token options
+CASES["verl-rejection-token_k1-seq_mean_k3-token-mean"] = verl_rejected(
+    "ppo_clip", "token-mean", "token_k1,seq_mean_k3", "0.6_1.6,0.05", kl_coef=0.1, rejection_ratio_min=1 / 1.6,
+    rejection_ratio_max=1 / 0.6, rejection_seq_mean_k3_max=0.05)
+CASES["verl-rejection-reinforce-seq_sum_k1-seq_max_k2-seq-mean-token-mean"] = verl_rejected(
+    "reinforce", "seq-mean-token-mean", "seq_sum_k1,seq_max_k2", "0.5_2.0,0.3", entropy_coef=0.03,
+    rejection_seq_ratio_min=1 / 2.0, rejection_seq_ratio_max=1 / 0.5, rejection_seq_max_k2_max=0.3)
+CASES["verl-rejection-seq_mean_k1-seq_sum_k2-seq_sum_k3-seq-mean-token-sum"] = verl_rejected(
+    "ppo_clip", "seq-mean-token-sum", "seq_mean_k1,seq_sum_k2,seq_sum_k3", "1.3,0.5,0.6",
+    rejection_seq_mean_ratio_min=1 / 1.3, rejection_seq_mean_ratio_max=1.3, rejection_seq_sum_k2_max=0.5,
+    rejection_seq_sum_k3_max=0.6)
+CASES["verl-rejection-reinforce-seq_mean_k2-seq_max_k3-token-sum"] = verl_rejected(
+    "reinforce", "token-sum", "seq_mean_k2,seq_max_k3", "0.06,0.2", is_level="sequence", is_threshold=2.0,
+    current_is="sequence_truncate", current_is_max=2.0, rejection_seq_mean_k2_max=0.06,
+    rejection_seq_max_k3_max=0.2)
 
 # reinforce with IS weights of this pass's log-probs (verl's bypass reinforce): current_is
 CASES["verl-current_is-sequence-tis-token-mean"] = verl_rejected(
@@ -464,6 +479,8 @@ BAD = [
     (dict(rejection_k2_max=-0.1), "rejection_k2_max"),
     (dict(rejection_k3_max=float("nan")), "rejection_k3_max"),
     (dict(rejection_k3_max=0.1, surrogate="geo_mean"), "rejection_k3_max"),
+    (dict(rejection_seq_ratio_min=2.0, rejection_seq_ratio_max=1.5), "rejection_seq_ratio_min"),
+    (dict(rejection_seq_max_k3_max=0.0), "rejection_seq_max_k3_max"),
     (dict(current_is="sequence"), "current_is"),
     (dict(current_is="token_truncate"), "current_is_max"),
     (dict(current_is="token_mask", current_is_min=2.0, current_is_max=1.0), "current_is_min"),
@@ -495,6 +512,9 @@ def test_missing_inputs_are_named():
     with pytest.raises(ValueError, match="current_is='sequence_mask' needs sequences"):
         fused_policy_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), adv.reshape(-1), old.reshape(-1),
                           current_is="sequence_mask", current_is_max=2.0)
+    with pytest.raises(ValueError, match=r"a sequence-level rejection \(rejection_seq_\*\) needs sequences"):
+        fused_policy_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), adv.reshape(-1), old.reshape(-1),
+                          rejection_seq_mean_k2_max=0.1)
     with pytest.raises(TypeError, match="made_up"):
         fused_policy_loss(hidden, weight, labels, adv, old, made_up=1.0)
     with pytest.raises(TypeError, match="entropy_quantile_group"):
@@ -539,7 +559,9 @@ def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chu
 SEQUENCE_COUPLED = ["verl-gspo", "verl-geo_mean", "trl-gspo-bias_corrected_kl", "trl-cispo-sequence", "trl-vespo",
                     "trl-vespo-rollout_weights", "trl-vespo-sequence_rollout_is", "trl-off_policy_mask",
                     "verl-rejection-token_k2_k3-seq-mean-token-mean", "verl-current_is-sequence-tis-token-mean",
-                    "verl-current_is-sequence-icepop-seq-mean-token-sum"]
+                    "verl-current_is-sequence-icepop-seq-mean-token-sum",
+                    "verl-rejection-reinforce-seq_sum_k1-seq_max_k2-seq-mean-token-mean",
+                    "verl-rejection-seq_mean_k1-seq_sum_k2-seq_sum_k3-seq-mean-token-sum"]
 
 
 @pytest.mark.parametrize("backend", ["chunked", TRITON])

@@ -167,9 +167,6 @@ RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
 
 
 @pytest.mark.parametrize("setting, batch, named", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs='token_k1,seq_mean_k3'",
-      f"{RC}rollout_rs_threshold='0.7_1.4,0.02'"], {},
-     "loss_mode='bypass_mode' with rollout_correction.rollout_rs='token_k1,seq_mean_k3' (the sequence-level"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce",
       f"{RC}rollout_is=sequence", f"{RC}rollout_is_batch_normalize=True",
       "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
@@ -209,9 +206,7 @@ def test_every_registered_mode_is_mapped(actor):
     assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | {"geo_mean"} | set(policy.PARTLY_FUSED)
     gen = torch.Generator().manual_seed(9)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir)
-    for extra, named in [([f"{RC}rollout_rs=seq_sum_k1", f"{RC}rollout_rs_threshold='0.5_2.0'"],
-                          "the sequence-level rejection seq_sum_k1"),
-                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_batch_normalize=True"],
+    for extra, named in [([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_batch_normalize=True"],
                           "rollout_is_batch_normalize=True"),
                          ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_rs=token_k2"],
                           "rollout_rs_threshold=None")]:
@@ -333,15 +328,20 @@ BYPASS = [
      {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
     ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=0.9"], "token-sum",
      {"use_remove_padding": False}),
+    # sequence-level rejection sampling (a sequence rejected whole), chained with token options
+    ([f"{RC}rollout_rs='token_k1,seq_mean_k3'", f"{RC}rollout_rs_threshold='0.7_1.4,0.05'"], "seq-mean-token-mean",
+     {"use_remove_padding": True}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence", f"{RC}rollout_rs='seq_sum_k1,seq_max_k2'",
+      f"{RC}rollout_rs_threshold='0.5_2.0,0.25'"], "token-mean", {"use_remove_padding": False}),
 ]
 
 
 @pytest.mark.parametrize("rc, agg, engine", BYPASS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BYPASS)])
 def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
     """bypass_mode's fused mappings (bypass.py: ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS
-    -> cispo, reinforce with sequence / IcePop / below-1 weights -> gpg with current_is; token-level rollout_rs
-    -> the rejection mask) against verl's own compute_policy_loss_bypass_mode, every rollout_corr metric
-    included."""
+    -> cispo, reinforce with sequence / IcePop / below-1 weights -> gpg with current_is; rollout_rs, token and
+    sequence options -> the rejection mask) against verl's own compute_policy_loss_bypass_mode, every
+    rollout_corr metric included."""
     i = BYPASS.index((rc, agg, engine))
     gen = torch.Generator().manual_seed(60 + i)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=True)
@@ -406,7 +406,12 @@ def test_rejection_settings_read_as_verl_reads_them():
     assert why == "" and got == {"rejection_k3_max": 0.1, "rejection_ratio_min": 0.5, "rejection_ratio_max": 2.0}
     assert rejection_settings({"rollout_rs": None}) == ({}, "")
     assert "rollout_rs_threshold=None" in rejection_settings({"rollout_rs": "token_k2"})[1]
-    assert "seq_max_k2" in rejection_settings({"rollout_rs": "token_k2,seq_max_k2", "rollout_rs_threshold": 1.0})[1]
+    got, why = rejection_settings({"rollout_rs": "seq_sum_k1,seq_mean_k1,seq_max_k3,seq_mean_k2",
+                                   "rollout_rs_threshold": "0.5_2,1.25,0.3,0.1"})
+    assert why == "" and got == {"rejection_seq_ratio_min": 0.5, "rejection_seq_ratio_max": 2.0,
+                                 "rejection_seq_mean_ratio_min": pytest.approx(0.8),
+                                 "rejection_seq_mean_ratio_max": pytest.approx(1.25),
+                                 "rejection_seq_max_k3_max": 0.3, "rejection_seq_mean_k2_max": 0.1}
     assert "not options verl knows" in rejection_settings({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0})[1]
     mask = {"rejection_k2_max": 0.1}
     assert rejection_counts_missing(mask, "token-mean", batch_num_tokens=None, global_batch_size=4) != ""

@@ -95,7 +95,12 @@ class PolicyLoss:
         rollout_rs): with e = clamp(logprob - rollout, -20, 20), detached, a token is rejected where the ratio
         exp(e) lies outside [rejection_ratio_min, rejection_ratio_max] (verl's token_k1 with threshold l_u is
         the band [1 / u, 1 / l]), 0.5 e^2 > rejection_k2_max (token_k2) or exp(e) - 1 - e > rejection_k3_max
-        (token_k3); the bounds given are ANDed (each > 0; None: not applied). A rejected token's
+        (token_k3); the bounds given are ANDed (each > 0; None: not applied). Per sequence (verl's sequence-level
+        rollout_rs; a sequence failing one is rejected whole): rejection_seq_ratio_min / _max bound exp(sum of the
+        sequence's e) (seq_sum_k1 with "l_u": [1 / u, 1 / l]), rejection_seq_mean_ratio_min / _max exp(mean of
+        e) (seq_mean_k1); rejection_seq_sum_k2_max, rejection_seq_sum_k3_max, rejection_seq_mean_k2_max,
+        rejection_seq_mean_k3_max, rejection_seq_max_k2_max, rejection_seq_max_k3_max bound the sum, mean or
+        maximum of 0.5 e^2 / exp(e) - 1 - e over the sequence's scored tokens. A rejected token's
         policy-gradient term is dropped; the aggregation keeps the scored tokens' normalisers, except that
         under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (verl's agg_loss
         over the rejection-masked mask with the mini-batch's counts given). The KL term and the entropy bonus
@@ -154,6 +159,16 @@ class PolicyLoss:
     rejection_ratio_max: Optional[float] = None
     rejection_k2_max: Optional[float] = None
     rejection_k3_max: Optional[float] = None
+    rejection_seq_ratio_min: Optional[float] = None
+    rejection_seq_ratio_max: Optional[float] = None
+    rejection_seq_mean_ratio_min: Optional[float] = None
+    rejection_seq_mean_ratio_max: Optional[float] = None
+    rejection_seq_sum_k2_max: Optional[float] = None
+    rejection_seq_sum_k3_max: Optional[float] = None
+    rejection_seq_mean_k2_max: Optional[float] = None
+    rejection_seq_mean_k3_max: Optional[float] = None
+    rejection_seq_max_k2_max: Optional[float] = None
+    rejection_seq_max_k3_max: Optional[float] = None
     current_is: Optional[str] = None
     current_is_min: Optional[float] = None
     current_is_max: Optional[float] = None
@@ -266,7 +281,7 @@ class PolicyLoss:
 
     def _check_rejection(self):
         set_ = object.__setattr__
-        names = ("rejection_ratio_min", "rejection_ratio_max", "rejection_k2_max", "rejection_k3_max")
+        names = [name for name in self.__dataclass_fields__ if name.startswith("rejection_")]
         for name in names:
             value = getattr(self, name)
             if value is not None:
@@ -274,10 +289,10 @@ class PolicyLoss:
         given = [name for name in names if getattr(self, name) is not None]
         if not given:
             return
-        if (self.rejection_ratio_min is not None and self.rejection_ratio_max is not None
-                and self.rejection_ratio_min > self.rejection_ratio_max):
-            raise ValueError(f"rejection_ratio_min={self.rejection_ratio_min} is above "
-                             f"rejection_ratio_max={self.rejection_ratio_max}")
+        for band in ("rejection_ratio", "rejection_seq_ratio", "rejection_seq_mean_ratio"):
+            lo, hi = getattr(self, f"{band}_min"), getattr(self, f"{band}_max")
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"{band}_min={lo} is above {band}_max={hi}")
         if self.old_logprobs is None and self.rollout_logprobs is None:
             raise ValueError(f"{given[0]} needs rollout_logprobs or old_logprobs (the rejection mask compares this "
                              "pass's log-probs with the rollout's)")
@@ -308,6 +323,20 @@ class PolicyLoss:
             raise ValueError(f"current_is={self.current_is!r} weights a per-token policy term; surrogate='geo_mean' "
                              "is a loss per sequence")
 
+    def _rejection_seq(self) -> tuple:
+        """TermSpec.rejection_seq: (stat, k, min, max) for each sequence-level rejection bound given."""
+        out = []
+        for stat, band in (("sum", "rejection_seq_ratio"), ("mean", "rejection_seq_mean_ratio")):
+            lo, hi = getattr(self, f"{band}_min"), getattr(self, f"{band}_max")
+            if lo is not None or hi is not None:
+                out.append((stat, "k1", lo, hi))
+        for stat in ("sum", "mean", "max"):
+            for k in ("k2", "k3"):
+                hi = getattr(self, f"rejection_seq_{stat}_{k}_max")
+                if hi is not None:
+                    out.append((stat, k, None, hi))
+        return tuple(out)
+
     @property
     def rollout_per_sequence(self) -> bool:
         """Whether the rollout weights are one per sequence: rollout_is's sequence modes, or rollout_weights of
@@ -337,6 +366,7 @@ class PolicyLoss:
                         rejection_ratio=(None if self.rejection_ratio_min is None and self.rejection_ratio_max is None
                                          else (self.rejection_ratio_min, self.rejection_ratio_max)),
                         rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max,
+                        rejection_seq=self._rejection_seq(),
                         current_is=self.current_is, current_is_band=(self.current_is_min, self.current_is_max))
 
 

@@ -40,7 +40,10 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
         rejection (verl's token-level rollout_rs, ``rejection_factor``): with e = clamp(lp - sampling, -20,
             20), detached (sampling: rollout log-probs, else old; a NaN rollout log-prob gives e = 0), a token
             is rejected where e lies outside [log ratio_min, log ratio_max] (token_k1), 0.5 e^2 > k2_max
-            (token_k2) or exp(e) - 1 - e > k3_max (token_k3), the bounds given ANDed. A rejected token's
+            (token_k2) or exp(e) - 1 - e > k3_max (token_k3); and a whole sequence where the sum, mean or
+            maximum over its scored tokens of -e (k1), 0.5 e^2 (k2) or exp(e) - 1 - e (k3) fails its bound
+            (verl's seq_sum_k*, seq_mean_k*, seq_max_k*; k1 as the band [log min, log max] of the sum or mean
+            of e); the bounds given ANDed. A rejected token's
             policy term is dropped; the aggregation's normalisers stay the scored tokens', except that
             under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (0 with
             none): pg <- pg keep (len_i / kept_i there). This is verl's agg_loss of the policy term over
@@ -127,13 +130,15 @@ class TermSpec:
     rejection_ratio: Optional[tuple] = None  # (min, max) of the detached ratio, a side None for unbounded
     rejection_k2: Optional[float] = None     # the largest 0.5 e^2 kept
     rejection_k3: Optional[float] = None     # the largest exp(e) - 1 - e kept
+    rejection_seq: tuple = ()                # (stat "sum" / "mean" / "max", "k1" / "k2" / "k3", min, max) per sequence
     current_is: Optional[str] = None         # CURRENT_IS_MODES: IS weights of this pass's log-probs
     current_is_band: tuple = (None, None)    # its (min, max), a side None for unbounded
 
     @property
     def rejects(self) -> bool:
         """Whether a rejection mask of this pass's log-probs is on (``rejection_factor``)."""
-        return self.rejection_ratio is not None or self.rejection_k2 is not None or self.rejection_k3 is not None
+        return (self.rejection_ratio is not None or self.rejection_k2 is not None or self.rejection_k3 is not None
+                or bool(self.rejection_seq))
 
     @property
     def coupled(self) -> bool:
@@ -141,6 +146,7 @@ class TermSpec:
         return (self.ratio_level != "token" or self.surrogate in COUPLED_SURROGATES
                 or self.off_policy_threshold is not None or self.entropy_quantile < 1.0
                 or (self.rejects and self.loss_agg == "seq-mean-token-mean")    # kept tokens per sequence
+                or bool(self.rejection_seq)
                 or (self.current_is or "").startswith("sequence"))
 
     @property
@@ -412,6 +418,23 @@ def rejection_keep(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec)
         keep &= 0.5 * e.square() <= spec.rejection_k2
     if spec.rejection_k3 is not None:
         keep &= e.exp() - 1.0 - e <= spec.rejection_k3
+    for stat, k, lo, hi in spec.rejection_seq:
+        what = f"a sequence-level rejection ({stat} of {k})"
+        value = {"k1": -e, "k2": 0.5 * e.square(), "k3": e.exp() - 1.0 - e}[k]
+        if stat == "max":
+            per_seq = value.new_zeros(tokens.n_seq).scatter_reduce(0, _need_seq(tokens, what), value, "amax",
+                                                                   include_self=False)
+        else:
+            per_seq = (seq_sum if stat == "sum" else seq_mean)(value, tokens, what)
+        if k == "k1":       # the sum (or mean) of e in [log min, log max]: exp of it in the band
+            seq_keep = torch.ones_like(per_seq, dtype=torch.bool)
+            if lo is not None:
+                seq_keep &= -per_seq >= math.log(lo)
+            if hi is not None:
+                seq_keep &= -per_seq <= math.log(hi)
+        else:
+            seq_keep = per_seq <= hi
+        keep &= seq_keep[tokens.seq]
     return keep
 
 

@@ -87,20 +87,20 @@ def rejection_settings(rc) -> tuple[dict, str]:
             options.append(opt)
     if not options or any(opt not in SUPPORTED_ROLLOUT_RS_OPTIONS for opt in options):
         return {}, f"{what} (not options verl knows; verl's loss refuses it)"
-    sequence = [opt for opt in options if opt not in TOKEN_LEVEL_ROLLOUT_RS_OPTIONS]
-    if sequence:
-        return {}, (f"{what} (the sequence-level rejection {', '.join(sequence)}: one keep per sequence from "
-                    "this pass's summed, mean or largest divergence, which the fused loss does not define)")
     try:
         bounds = _parse_rollout_rs_thresholds(options, threshold)
     except (TypeError, ValueError) as exc:
         return {}, f"{what} with rollout_rs_threshold={threshold!r} ({exc})"
     out = {}
     for opt in options:
-        if opt == "token_k1":       # keeps log l <= -(lp - old) <= log u
-            out.update(rejection_ratio_min=1.0 / bounds[opt]["upper"], rejection_ratio_max=1.0 / bounds[opt]["lower"])
+        # the PolicyLoss name: token_k2 -> rejection_k2_max, seq_sum_k3 -> rejection_seq_sum_k3_max, ...
+        level = "" if opt in TOKEN_LEVEL_ROLLOUT_RS_OPTIONS else opt[:-2]
+        if opt.endswith("k1"):      # keeps log l <= -(lp - old) (its sum, its mean) <= log u: the band [1/u, 1/l]
+            band = {"": "rejection_ratio", "seq_sum_": "rejection_seq_ratio",
+                    "seq_mean_": "rejection_seq_mean_ratio"}[level]
+            out.update({f"{band}_min": 1.0 / bounds[opt]["upper"], f"{band}_max": 1.0 / bounds[opt]["lower"]})
         else:
-            out[f"rejection_{opt[-2:]}_max"] = float(bounds[opt]["upper"])
+            out[f"rejection_{level}{opt[-2:]}_max"] = float(bounds[opt]["upper"])
     return out, ""
 
 
