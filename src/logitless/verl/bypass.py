@@ -23,22 +23,21 @@ The batch's own ``rollout_is_weights`` are ignored. Fused (exactly the same term
     normalisation                                gpg with current_is "<level>_truncate" (u) or "<level>_mask"
                                                  (l_u): -A lp sg(w), w verl's weight of this pass's log-probs
 
-each with verl's token-level ``rollout_rs`` options ("token_k1", "token_k2", "token_k3", comma-chained, their
-``rollout_rs_threshold`` read by verl's own parser) as the rejection mask of ``PolicyLoss``
-(``rejection_settings``): token_k1 keeps -(lp - old) in [log l, log u], the ratio band [1 / u, 1 / l]
-(``rejection_ratio_min`` / ``_max``); token_k2 / token_k3 keep 0.5 e^2 / exp(e) - 1 - e at most their
-threshold (``rejection_k2_max`` / ``rejection_k3_max``). The mask removes rejected tokens from verl's policy
-term only (its response mask there), so the KL loss and the entropy bonus keep every token; under
-seq-mean-token-mean each sequence's policy term becomes the mean over its kept tokens, as the fused mask
-defines it. The other aggregations' normalisers are the mini-batch's token and sequence counts, which verl's
-engine passes (``batch_num_tokens``, ``global_batch_size``; without them verl counts the kept tokens and
-sequences, which the fused loss does not: ``rejection_counts_missing``).
+each with verl's ``rollout_rs`` (its options comma-chained, ``rollout_rs_threshold`` read by verl's own parser)
+as the rejection mask of ``PolicyLoss`` (``rejection_settings``): token_k1 keeps -(lp - old) in [log l, log u],
+the ratio band [1 / u, 1 / l] (``rejection_ratio_min`` / ``_max``); token_k2 / token_k3 keep 0.5 e^2 /
+exp(e) - 1 - e at most their threshold (``rejection_k2_max`` / ``rejection_k3_max``); the sequence options
+seq_sum_k*, seq_mean_k*, seq_max_k* keep a sequence whole by the sum, mean or maximum of those over its tokens
+(``rejection_seq_ratio_*``, ``rejection_seq_mean_ratio_*``, ``rejection_seq_<stat>_k2_max`` / ``_k3_max``).
+The mask removes rejected tokens from verl's policy term only (its response mask there), so the KL loss and the
+entropy bonus keep every token; under seq-mean-token-mean each sequence's policy term becomes the mean over its
+kept tokens, as the fused mask defines it. The other aggregations' normalisers are the mini-batch's token and
+sequence counts, which verl's engine passes (``batch_num_tokens``, ``global_batch_size``; without them verl
+counts the kept tokens and sequences, which the fused loss does not: ``rejection_counts_missing``).
 
-Not fused (``bypass_mapping`` says why): the sequence-level ``rollout_rs`` options (seq_sum_k*, seq_mean_k*,
-seq_max_k*: one keep per sequence from its summed, mean or largest divergence, not defined by the fused
-loss); reinforce with ``rollout_is_batch_normalize`` (the weights divided by their mean over the micro-batch,
-all-reduced over every rank: a statistic of this pass's log-probs across ranks that the fused loss does not
-form).
+Not fused (``bypass_mapping`` says why): reinforce with ``rollout_is_batch_normalize`` (the weights divided by
+their mean over the micro-batch, all-reduced over every rank: a statistic of this pass's log-probs across ranks
+that the fused loss does not form); rollout_rs without those counts.
 """
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ def bypass_mapping(config) -> tuple[Optional[str], dict, str]:
 
 def rejection_settings(rc) -> tuple[dict, str]:
     """(PolicyLoss rejection settings, "") for rollout_correction's ``rollout_rs`` (``{}`` without one), or
-    ({}, why) where it is not fused: a sequence-level option, or settings verl's own parser refuses (verl's
-    loss then raises them itself). Options and thresholds are read by verl's ``compute_rollout_rejection_mask``
+    ({}, why) for settings verl's own parser refuses (verl's loss then raises them itself). Options and thresholds are read by verl's ``compute_rollout_rejection_mask``
     rules: comma-separated, stripped, duplicates dropped, one threshold for all or one per option."""
     from verl.trainer.ppo.rollout_corr_helper import (
         SUPPORTED_ROLLOUT_RS_OPTIONS,
