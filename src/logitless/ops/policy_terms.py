@@ -66,8 +66,8 @@ with w the aggregation weights (``losses/aggregate.py``) and u the entropy bonus
 Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms
 the gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO,
 the two masks, current_is's sequence weights and the rejection mask's sequence options (and, under
-seq-mean-token-mean, its kept count per sequence) make f_i depend on other tokens' values (through sums over a sequence, or a quantile over
-the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on all tokens at once: the
+seq-mean-token-mean, its kept count per sequence) make f_i depend on other tokens' values (through sums
+over a sequence, or a quantile over the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on all tokens at once: the
 statistics of every token first, the group reductions and the per-token coefficients dL/dlp_i, dL/dH_i
 from the float64 autograd of this module on [n] vectors, and a second pass over the head for the
 gradients (``logitless.losses.api``).
