@@ -63,14 +63,14 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
 with w the aggregation weights (``losses/aggregate.py``) and u the entropy bonus's (the same, or those of
 ``entropy_agg`` over the tokens the entropy mask keeps). It is minimised.
 
-Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms
-the gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO,
-the two masks, current_is's sequence weights and the rejection mask's sequence options (and, under
-seq-mean-token-mean, its kept count per sequence) make f_i depend on other tokens' values (through sums
-over a sequence, or a quantile over the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on all tokens at once: the
-statistics of every token first, the group reductions and the per-token coefficients dL/dlp_i, dL/dH_i
-from the float64 autograd of this module on [n] vectors, and a second pass over the head for the
-gradients (``logitless.losses.api``).
+Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms the
+gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO, the two
+masks, current_is's sequence weights and the rejection mask's sequence options (and, under
+seq-mean-token-mean, its kept count per sequence) make f_i depend on other tokens' values (through sums over
+a sequence, or a quantile over the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on
+all tokens at once: the statistics of every token first, the group reductions and the per-token coefficients
+dL/dlp_i, dL/dH_i from the float64 autograd of this module on [n] vectors, and a second pass over the head
+for the gradients (``logitless.losses.api``).
 """
 from __future__ import annotations
 

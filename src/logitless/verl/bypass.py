@@ -65,9 +65,10 @@ def bypass_mapping(config) -> tuple[Optional[str], dict, str]:
 
 
 def rejection_settings(rc) -> tuple[dict, str]:
-    """(PolicyLoss rejection settings, "") for rollout_correction's ``rollout_rs`` (``{}`` without one), or
-    ({}, why) for settings verl's own parser refuses (verl's loss then raises them itself). Options and
-    thresholds are read by verl's ``compute_rollout_rejection_mask`` rules: comma-separated, stripped, duplicates dropped, one threshold for all or one per option."""
+    """(PolicyLoss rejection settings, "") for rollout_correction's ``rollout_rs`` (``{}`` without one), or ({},
+    why) for settings verl's own parser refuses (verl's loss then raises them itself). Options and thresholds
+    are read by verl's ``compute_rollout_rejection_mask`` rules: comma-separated, stripped, duplicates dropped,
+    one threshold for all or one per option."""
     from verl.trainer.ppo.rollout_corr_helper import (
         SUPPORTED_ROLLOUT_RS_OPTIONS,
         TOKEN_LEVEL_ROLLOUT_RS_OPTIONS,
