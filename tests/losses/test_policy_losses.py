@@ -204,6 +204,83 @@ CASES["verl-rollout_is-token-icepop-normalized"] = verl_rollout_corrected(
     "token", "0.7_1.4", True, rollout_is="token_mask", rollout_is_min=0.7, rollout_is_max=1.4)
 
 
+def verl_rejected(loss_type, agg, rollout_rs, threshold, kl_coef=0.0, entropy_coef=0.0, is_level=None,
+                  is_threshold=None, **ours):
+    """verl's bypass update's policy term over its rejection mask (compute_rollout_rejection_mask of this pass's
+    log-probs against the rollout's, under no_grad), aggregated with the batch's token and sequence counts given
+    (as verl's engine gives them), plus a k3 KL loss and an entropy bonus over the whole response mask; reinforce
+    with IS weights of this pass's log-probs (compute_rollout_correction_weights) where is_level is given."""
+    def fn(lp, ent, adv, old, ref, ro, m):
+        with torch.no_grad():
+            keep = m
+            if rollout_rs is not None:
+                keep, _ = rollout_corr.compute_rollout_rejection_mask(lp - ro, m, rollout_rs, threshold)
+            weights = None
+            if is_level is not None:
+                weights, _ = rollout_corr.compute_rollout_correction_weights(lp - ro, m, is_level, is_threshold, False)
+        config = verl_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+        info = dict(batch_num_tokens=m.sum(), global_batch_size=(m.sum(-1) > 0).sum())
+        config.global_batch_info.update(info)
+        if loss_type == "reinforce":
+            pg = core.compute_policy_loss_reinforce(old, lp, adv, m * keep, agg, config, rollout_is_weights=weights)[0]
+        else:
+            pg = core.compute_policy_loss_vanilla(old, lp, adv, m * keep, agg, config)[0]
+        kl = core.agg_loss(core.kl_penalty(lp, ref, "low_var_kl"), m, agg, **info)
+        return pg + kl_coef * kl - entropy_coef * core.agg_loss(ent, m, agg, **info)
+    surrogate = dict(surrogate="gpg") if loss_type == "reinforce" else dict(dual_clip=3.0)
+    return dict(loss_agg=agg, kl_coef=kl_coef, kl_type="low_var_kl", entropy_coef=entropy_coef, **surrogate,
+                **ours), fn
+
+
+# verl's token_k1 threshold "l_u" keeps -(lp - rollout) in [log l, log u]: the ratio band [1 / u, 1 / l]
+CASES["verl-rejection-token_k1-token-mean"] = verl_rejected(
+    "ppo_clip", "token-mean", "token_k1", "0.7_1.6", kl_coef=0.1, rejection_ratio_min=1 / 1.6,
+    rejection_ratio_max=1 / 0.7)
+CASES["verl-rejection-token_k2_k3-seq-mean-token-mean"] = verl_rejected(
+    "ppo_clip", "seq-mean-token-mean", "token_k2,token_k3", "0.05,0.06", kl_coef=0.1, entropy_coef=0.03,
+    rejection_k2_max=0.05, rejection_k3_max=0.06)
+CASES["verl-rejection-reinforce-token_k1-seq-mean-token-sum-norm"] = verl_rejected(
+    "reinforce", "seq-mean-token-sum-norm", "token_k1", 1.4, entropy_coef=-0.02, rejection_ratio_min=1 / 1.4,
+    rejection_ratio_max=1.4)
+CASES["verl-rejection-reinforce-token_k3-seq-mean-token-sum"] = verl_rejected(
+    "reinforce", "seq-mean-token-sum", "token_k3", 0.04, rejection_k3_max=0.04)
+# sequence-level options (a sequence rejected whole), chained with each other and with token options
+CASES["verl-rejection-token_k1-seq_mean_k3-token-mean"] = verl_rejected(
+    "ppo_clip", "token-mean", "token_k1,seq_mean_k3", "0.6_1.6,0.05", kl_coef=0.1, rejection_ratio_min=1 / 1.6,
+    rejection_ratio_max=1 / 0.6, rejection_seq_mean_k3_max=0.05)
+CASES["verl-rejection-reinforce-seq_sum_k1-seq_max_k2-seq-mean-token-mean"] = verl_rejected(
+    "reinforce", "seq-mean-token-mean", "seq_sum_k1,seq_max_k2", "0.5_2.0,0.3", entropy_coef=0.03,
+    rejection_seq_ratio_min=1 / 2.0, rejection_seq_ratio_max=1 / 0.5, rejection_seq_max_k2_max=0.3)
+CASES["verl-rejection-seq_mean_k1-seq_sum_k2-seq_sum_k3-seq-mean-token-sum"] = verl_rejected(
+    "ppo_clip", "seq-mean-token-sum", "seq_mean_k1,seq_sum_k2,seq_sum_k3", "1.3,0.5,0.6",
+    rejection_seq_mean_ratio_min=1 / 1.3, rejection_seq_mean_ratio_max=1.3, rejection_seq_sum_k2_max=0.5,
+    rejection_seq_sum_k3_max=0.6)
+CASES["verl-rejection-reinforce-seq_mean_k2-seq_max_k3-token-sum"] = verl_rejected(
+    "reinforce", "token-sum", "seq_mean_k2,seq_max_k3", "0.06,0.2", is_level="sequence", is_threshold=2.0,
+    current_is="sequence_truncate", current_is_max=2.0, rejection_seq_mean_k2_max=0.06,
+    rejection_seq_max_k3_max=0.2)
+
+# reinforce with IS weights of this pass's log-probs (verl's bypass reinforce): current_is
+CASES["verl-current_is-sequence-tis-token-mean"] = verl_rejected(
+    "reinforce", "token-mean", None, None, kl_coef=0.1, is_level="sequence", is_threshold=1.5,
+    current_is="sequence_truncate", current_is_max=1.5)
+CASES["verl-current_is-token-icepop-rejection-seq-mean-token-mean"] = verl_rejected(
+    "reinforce", "seq-mean-token-mean", "token_k2", 0.05, entropy_coef=0.03, is_level="token",
+    is_threshold="0.7_1.4",
+    current_is="token_mask", current_is_min=0.7, current_is_max=1.4, rejection_k2_max=0.05)
+CASES["verl-current_is-sequence-icepop-seq-mean-token-sum"] = verl_rejected(
+    "reinforce", "seq-mean-token-sum", None, None, is_level="sequence", is_threshold="0.2_3.0",
+    current_is="sequence_mask", current_is_min=0.2, current_is_max=3.0)
+CASES["verl-current_is-token-tis-below-1-token-sum"] = verl_rejected(
+    "reinforce", "token-sum", "token_k1", 1.6, is_level="token", is_threshold=0.8, current_is="token_truncate",
+    current_is_max=0.8, rejection_ratio_min=1 / 1.6, rejection_ratio_max=1.6)
+
+
+def uses_rollout(settings) -> bool:
+    return ("rollout_is" in settings or settings.get("off_policy_threshold") is not None
+            or any(name.startswith(("rejection", "current_is")) for name in settings))
+
+
 def truth(inputs, fn, temperature=1.0, softcap=None):
     """(loss, d_hidden, d_weight), float64, of the trainer's definition ``fn`` on materialised logits."""
     hidden, weight, labels, adv, old, ref, rollout = inputs
@@ -239,7 +316,7 @@ def test_loss_equals_trainer_definition(backend, case, small_chunks):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     settings = dict(settings)
     torch.manual_seed(1234)
-    if "rollout_is" in settings or settings.get("off_policy_threshold") is not None:
+    if uses_rollout(settings):
         settings["rollout_logprobs"] = rollout
     out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend, **settings)
     check(out, h, w, want, labels != -100)
@@ -397,6 +474,18 @@ BAD = [
     (dict(off_policy_threshold=float("nan")), "off_policy_threshold"),
     (dict(ratio_log_clamp=0.0), "ratio_log_clamp"),
     (dict(ratio_log_clamp=float("inf")), "ratio_log_clamp"),
+    (dict(rejection_ratio_min=0.0), "rejection_ratio_min"),
+    (dict(rejection_ratio_min=1.5, rejection_ratio_max=1.2), "rejection_ratio_min"),
+    (dict(rejection_k2_max=-0.1), "rejection_k2_max"),
+    (dict(rejection_k3_max=float("nan")), "rejection_k3_max"),
+    (dict(rejection_k3_max=0.1, surrogate="geo_mean"), "rejection_k3_max"),
+    (dict(rejection_seq_ratio_min=2.0, rejection_seq_ratio_max=1.5), "rejection_seq_ratio_min"),
+    (dict(rejection_seq_max_k3_max=0.0), "rejection_seq_max_k3_max"),
+    (dict(current_is="sequence"), "current_is"),
+    (dict(current_is="token_truncate"), "current_is_max"),
+    (dict(current_is="token_mask", current_is_min=2.0, current_is_max=1.0), "current_is_min"),
+    (dict(current_is_max=2.0), "current_is_min / current_is_max need current_is"),
+    (dict(current_is="sequence_mask", current_is_min=-1.0), "current_is_min"),
 ]
 
 
@@ -416,6 +505,16 @@ def test_missing_inputs_are_named():
     with pytest.raises(ValueError, match="ratio_level='sequence' needs sequences"):
         fused_policy_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), adv.reshape(-1), old.reshape(-1),
                           ratio_level="sequence")
+    with pytest.raises(ValueError, match="rejection_k2_max needs rollout_logprobs or old_logprobs"):
+        fused_policy_loss(hidden, weight, labels, adv, None, rejection_k2_max=0.1)
+    with pytest.raises(ValueError, match="current_is='token_mask' needs rollout_logprobs or old_logprobs"):
+        fused_policy_loss(hidden, weight, labels, adv, None, current_is="token_mask", current_is_max=2.0)
+    with pytest.raises(ValueError, match="current_is='sequence_mask' needs sequences"):
+        fused_policy_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), adv.reshape(-1), old.reshape(-1),
+                          current_is="sequence_mask", current_is_max=2.0)
+    with pytest.raises(ValueError, match=r"a sequence-level rejection \(rejection_seq_\*\) needs sequences"):
+        fused_policy_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), adv.reshape(-1), old.reshape(-1),
+                          rejection_seq_mean_k2_max=0.1)
     with pytest.raises(TypeError, match="made_up"):
         fused_policy_loss(hidden, weight, labels, adv, old, made_up=1.0)
     with pytest.raises(TypeError, match="entropy_quantile_group"):
@@ -425,7 +524,9 @@ def test_missing_inputs_are_named():
 @pytest.mark.parametrize("settings", [dict(ratio_level="sequence", kl_coef=0.2, kl_ratio=True),
                                       dict(surrogate="vespo"), dict(off_policy_threshold=0.01),
                                       dict(rollout_is="sequence_mask", rollout_is_min=0.5, rollout_is_max=1.5),
-                                      dict(surrogate="geo_mean")])
+                                      dict(surrogate="geo_mean"),
+                                      dict(surrogate="gpg", current_is="sequence_truncate", current_is_max=1.5,
+                                           rejection_k2_max=0.05)])
 def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chunks):
     """The sequences of a coupled loss from cu_seqlens (packed 1-D labels) and from [b, s] labels with
     [s, b] hidden states (seq_first, Megatron's layout): the same loss and gradients as the [b, s] rows."""
@@ -456,7 +557,11 @@ def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chu
 
 
 SEQUENCE_COUPLED = ["verl-gspo", "verl-geo_mean", "trl-gspo-bias_corrected_kl", "trl-cispo-sequence", "trl-vespo",
-                    "trl-vespo-rollout_weights", "trl-vespo-sequence_rollout_is", "trl-off_policy_mask"]
+                    "trl-vespo-rollout_weights", "trl-vespo-sequence_rollout_is", "trl-off_policy_mask",
+                    "verl-rejection-token_k2_k3-seq-mean-token-mean", "verl-current_is-sequence-tis-token-mean",
+                    "verl-current_is-sequence-icepop-seq-mean-token-sum",
+                    "verl-rejection-reinforce-seq_sum_k1-seq_max_k2-seq-mean-token-mean",
+                    "verl-rejection-seq_mean_k1-seq_sum_k2-seq_sum_k3-seq-mean-token-sum"]
 
 
 @pytest.mark.parametrize("backend", ["chunked", TRITON])
@@ -483,7 +588,7 @@ def test_sequence_coupled_losses_keep_the_one_pass(backend, case, monkeypatch):
     want = truth(inputs, fn, temperature=0.9)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     settings = dict(settings)
-    if "rollout_is" in settings or settings.get("off_policy_threshold") is not None:
+    if uses_rollout(settings):
         settings["rollout_logprobs"] = rollout
     out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend=backend, **settings)
     check(out, h, w, want, labels != -100)

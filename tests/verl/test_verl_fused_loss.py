@@ -167,11 +167,10 @@ RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
 
 
 @pytest.mark.parametrize("setting, batch, named", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs=token_k1",
-      f"{RC}rollout_rs_threshold='0.7_1.4'"], {}, "loss_mode='bypass_mode' with rollout_correction.rollout_rs"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce",
-      f"{RC}rollout_is=sequence", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
-     "rollout_correction.rollout_is='sequence'"),
+      f"{RC}rollout_is=sequence", f"{RC}rollout_is_batch_normalize=True",
+      "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
+     "rollout_correction.rollout_is_batch_normalize=True"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
      "loss_agg_mode='token-mean' and a KL loss"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
@@ -207,12 +206,10 @@ def test_every_registered_mode_is_mapped(actor):
     assert set(POLICY_LOSS_REGISTRY) == set(FUSED_MODES) | {"geo_mean"} | set(policy.PARTLY_FUSED)
     gen = torch.Generator().manual_seed(9)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir)
-    for extra, named in [([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold='0.5_2.0'"],
-                          "rollout_is_threshold='0.5_2.0' (IcePop"),
-                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_batch_normalize=True"],
+    for extra, named in [([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_batch_normalize=True"],
                           "rollout_is_batch_normalize=True"),
-                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=0.8"],
-                          "below 1")]:
+                         ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_rs=token_k2"],
+                          "rollout_rs_threshold=None")]:
         with pytest.raises(FusedPathUnavailable, match=re.escape(named)):
             run(actor, tensors, meta, [f"{P}policy_loss.loss_mode=bypass_mode", *extra], fused=True, strict=True)
         assert lv.last_path().reason.startswith("policy_loss.loss_mode='bypass_mode' with")
@@ -313,13 +310,38 @@ BYPASS = [
      {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
     ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.1"], "seq-mean-token-sum",
      {"use_remove_padding": False}),
+    # token-level rejection sampling (rollout_rs): the fused loss's rejection mask
+    ([f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold='0.7_1.4'"], "token-mean",
+     {"use_remove_padding": True}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.25",
+      f"{RC}rollout_rs='token_k2,token_k3'", f"{RC}rollout_rs_threshold='0.02,0.03'"], "seq-mean-token-mean",
+     {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=null", f"{RC}rollout_rs=token_k3", f"{RC}rollout_rs_threshold=0.03"],
+     "seq-mean-token-sum-norm", {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ([f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold=1.3"], "token-sum", {"use_remove_padding": False}),
+    # reinforce with the weights of this pass's log-probs: current_is (verl's bypass_pg_is: sequence, 2.0)
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence"], "seq-mean-token-mean", {"use_remove_padding": True}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence", f"{RC}rollout_is_threshold='0.5_1.5'"], "token-mean",
+     {"use_remove_padding": False, "micro_batch_size_per_gpu": 3}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold='0.8_1.3'",
+      f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold='0.85_1.15'"], "seq-mean-token-sum",
+     {"use_remove_padding": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=0.9"], "token-sum",
+     {"use_remove_padding": False}),
+    # sequence-level rejection sampling (a sequence rejected whole), chained with token options
+    ([f"{RC}rollout_rs='token_k1,seq_mean_k3'", f"{RC}rollout_rs_threshold='0.7_1.4,0.05'"], "seq-mean-token-mean",
+     {"use_remove_padding": True}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence", f"{RC}rollout_rs='seq_sum_k1,seq_max_k2'",
+      f"{RC}rollout_rs_threshold='0.5_2.0,0.25'"], "token-mean", {"use_remove_padding": False}),
 ]
 
 
 @pytest.mark.parametrize("rc, agg, engine", BYPASS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BYPASS)])
 def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
     """bypass_mode's fused mappings (bypass.py: ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS
-    -> cispo) against verl's own compute_policy_loss_bypass_mode, every rollout_corr metric included."""
+    -> cispo, reinforce with sequence / IcePop / below-1 weights -> gpg with current_is; rollout_rs, token and
+    sequence options -> the rejection mask) against verl's own compute_policy_loss_bypass_mode, every
+    rollout_corr metric included."""
     i = BYPASS.index((rc, agg, engine))
     gen = torch.Generator().manual_seed(60 + i)
     tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=True)
@@ -332,10 +354,19 @@ def test_bypass_mode_matches_verl_update(actor, rc, agg, engine):
     assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
     assert_same_update(actor, got, want)
     assert any(k.startswith("rollout_corr/") for k in want[0]), sorted(want[0])
-    if "rollout_is=token" in " ".join(rc) and "reinforce" in " ".join(rc):
+    text = " ".join(rc)
+    if "reinforce" in text and "rollout_is=token" in text and "_threshold=1." in text:
         # the truncation binds on some token (the weights' maximum before truncation is above the threshold)
-        upper = 1.25 if "1.25" in " ".join(rc) else 1.1
+        upper = 1.25 if "1.25" in text else 1.1
         assert max(want[0]["rollout_corr/rollout_is_max"]) >= upper - 1e-6, sorted(want[0])
+    if "reinforce" in text and "rollout_is_threshold='" in text:
+        # IcePop zeroes some weights and keeps others
+        oob = want[0]["rollout_corr/rollout_is_oob_ratio"]
+        assert max(oob) > 0 and min(oob) < 1, oob
+    if "rollout_rs=" in " ".join(rc):
+        # the mask rejects some tokens and keeps others
+        rejected = want[0]["rollout_corr/rollout_rs_masked_fraction"]
+        assert max(rejected) > 0 and min(rejected) < 1, rejected
 
 
 FSDP1 = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
@@ -360,3 +391,30 @@ def test_fsdp1_strategy(tmp_path, tied):
     assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
     assert_same_update(actor, got, want)
     assert max(want[0]["actor/pg_clipfrac"]) > 0
+
+
+def test_rejection_settings_read_as_verl_reads_them():
+    """bypass.py reads rollout_rs as verl's compute_rollout_rejection_mask does (options stripped and deduplicated,
+    one threshold shared or one each, token_k1's single threshold u the band [1 / u, u]); what it cannot fuse it
+    names; a rejection mask without the mini-batch's counts is refused where verl would count kept tokens."""
+    from logitless.verl.bypass import rejection_counts_missing, rejection_settings
+
+    got, why = rejection_settings({"rollout_rs": " token_k1 ,token_k2,token_k1", "rollout_rs_threshold": "1.5"})
+    assert why == "" and got == {"rejection_ratio_min": pytest.approx(1 / 1.5),
+                                 "rejection_ratio_max": pytest.approx(1.5), "rejection_k2_max": 1.5}
+    got, why = rejection_settings({"rollout_rs": "token_k3,token_k1", "rollout_rs_threshold": "0.1,0.5_2"})
+    assert why == "" and got == {"rejection_k3_max": 0.1, "rejection_ratio_min": 0.5, "rejection_ratio_max": 2.0}
+    assert rejection_settings({"rollout_rs": None}) == ({}, "")
+    assert "rollout_rs_threshold=None" in rejection_settings({"rollout_rs": "token_k2"})[1]
+    got, why = rejection_settings({"rollout_rs": "seq_sum_k1,seq_mean_k1,seq_max_k3,seq_mean_k2",
+                                   "rollout_rs_threshold": "0.5_2,1.25,0.3,0.1"})
+    assert why == "" and got == {"rejection_seq_ratio_min": 0.5, "rejection_seq_ratio_max": 2.0,
+                                 "rejection_seq_mean_ratio_min": pytest.approx(0.8),
+                                 "rejection_seq_mean_ratio_max": pytest.approx(1.25),
+                                 "rejection_seq_max_k3_max": 0.3, "rejection_seq_mean_k2_max": 0.1}
+    assert "not options verl knows" in rejection_settings({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0})[1]
+    mask = {"rejection_k2_max": 0.1}
+    assert rejection_counts_missing(mask, "token-mean", batch_num_tokens=None, global_batch_size=4) != ""
+    assert rejection_counts_missing(mask, "seq-mean-token-mean", batch_num_tokens=30, global_batch_size=None) != ""
+    assert rejection_counts_missing(mask, "token-sum", batch_num_tokens=None, global_batch_size=None) == ""
+    assert rejection_counts_missing({}, "token-mean", batch_num_tokens=None, global_batch_size=None) == ""

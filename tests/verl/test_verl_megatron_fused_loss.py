@@ -167,13 +167,16 @@ def test_geo_mean_matches_verl_megatron_update(actors, agg):
         "no clipped log-ratio: the case does not test the clipping"
 
 
-# bypass_mode's fused mappings (ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS -> cispo), each with
-# a KL loss, an entropy bonus and the batch's rollout_is_weights (which bypass_mode ignores)
+# bypass_mode's fused mappings (ppo_clip -> vanilla, reinforce -> gpg, reinforce with token TIS -> cispo, with
+# sequence IS -> gpg with current_is; rollout_rs -> the rejection mask), each with a KL loss, an entropy
+# bonus and the batch's rollout_is_weights (which bypass_mode ignores)
 BYPASS = [
     ([], "token-mean", {}),
     ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=null"], "seq-mean-token-mean", {"micro_batch_size_per_gpu": 3}),
     ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=token", f"{RC}rollout_is_threshold=1.25"], "token-sum",
      {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ([f"{RC}loss_type=reinforce", f"{RC}rollout_is=sequence", f"{RC}rollout_rs='token_k1,token_k3,seq_max_k2'",
+      f"{RC}rollout_rs_threshold='0.7_1.4,0.03,0.1'"], "seq-mean-token-mean", {}),
 ]
 
 
@@ -190,6 +193,9 @@ def test_bypass_mode_matches_verl_megatron_update(actors, rc, agg, engine):
     assert any(k.startswith("rollout_corr/") for k in want[0]), sorted(want[0])
     if "rollout_is_threshold=1.25" in " ".join(rc):
         assert max(want[0]["rollout_corr/rollout_is_max"]) >= 1.25 - 1e-6, "the truncation never binds"
+    if "rollout_rs=" in " ".join(rc):
+        rejected = want[0]["rollout_corr/rollout_rs_masked_fraction"]
+        assert max(rejected) > 0 and min(rejected) < 1, rejected
 
 
 def test_matches_verl_padded_bshd_update(model_dir, actors):
@@ -230,8 +236,8 @@ def test_untied_head_and_compute_log_prob(tmp_path):
 
 
 @pytest.mark.parametrize("setting, named", [
-    ([f"{P}policy_loss.loss_mode=bypass_mode", f"{RC}rollout_rs=token_k1", f"{RC}rollout_rs_threshold='0.7_1.4'"],
-     "loss_mode='bypass_mode' with rollout_correction.rollout_rs"),
+    ([f"{P}policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce", f"{RC}rollout_is=token",
+      f"{RC}rollout_is_batch_normalize=True"], "rollout_correction.rollout_is_batch_normalize=True"),
     ([f"{P}policy_loss.loss_mode=sapo", f"{P}use_kl_loss=True"], "loss_agg_mode='token-mean' and a KL loss"),
 ])
 def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):

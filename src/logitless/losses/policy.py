@@ -12,7 +12,7 @@ from typing import Optional
 from torch import Tensor
 
 from .. import checks
-from ..ops.policy_terms import KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
+from ..ops.policy_terms import CURRENT_IS_MODES, KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
 from .aggregate import check_loss_agg
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -90,6 +90,29 @@ class PolicyLoss:
         sum (still counted in the mean), as TRL's nan_to_num does.
     rollout_is_batch_normalize: divide the weights by their mean over the scored tokens (over the
         sequences, at sequence level), as verl's rollout_is_batch_normalize.
+    rejection_ratio_min, rejection_ratio_max, rejection_k2_max, rejection_k3_max: a rejection mask of *this
+        pass's* log-probs against the rollout's (rollout_logprobs, else old_logprobs; verl's token-level
+        rollout_rs): with e = clamp(logprob - rollout, -20, 20), detached, a token is rejected where the ratio
+        exp(e) lies outside [rejection_ratio_min, rejection_ratio_max] (verl's token_k1 with threshold l_u is
+        the band [1 / u, 1 / l]), 0.5 e^2 > rejection_k2_max (token_k2) or exp(e) - 1 - e > rejection_k3_max
+        (token_k3); the bounds given are ANDed (each > 0; None: not applied). Per sequence (verl's sequence-level
+        rollout_rs; a sequence failing one is rejected whole): rejection_seq_ratio_min / _max bound exp(sum of the
+        sequence's e) (seq_sum_k1 with "l_u": [1 / u, 1 / l]), rejection_seq_mean_ratio_min / _max exp(mean of
+        e) (seq_mean_k1); rejection_seq_sum_k2_max, rejection_seq_sum_k3_max, rejection_seq_mean_k2_max,
+        rejection_seq_mean_k3_max, rejection_seq_max_k2_max, rejection_seq_max_k3_max bound the sum, mean or
+        maximum of 0.5 e^2 / exp(e) - 1 - e over the sequence's scored tokens. A rejected token's
+        policy-gradient term is dropped; the aggregation keeps the scored tokens' normalisers, except that
+        under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (verl's agg_loss
+        over the rejection-masked mask with the mini-batch's counts given). The KL term and the entropy bonus
+        keep every scored token. Needs old_logprobs or rollout_logprobs; not with surrogate "geo_mean".
+    current_is: None, or "token_truncate" / "sequence_truncate" / "token_mask" / "sequence_mask": importance
+        weights of *this pass's* log-probs against the rollout's (rollout_logprobs, else old_logprobs), detached,
+        multiplying the policy-gradient term (verl's bypass_mode reinforce loss, whose old log-probs are the
+        rollout's): exp(clamp(e, -20, 20)) per token, or per sequence of the *sum* of its tokens' e (verl's
+        rollout_is "sequence"), e = logprob - rollout; clamped to [current_is_min, current_is_max] ("truncate",
+        TIS: verl's threshold u is current_is_max=u) or 0 outside it ("mask", IcePop: verl's "l_u"). Needs
+        old_logprobs or rollout_logprobs; not with surrogate "geo_mean".
+    current_is_min, current_is_max: that band (None: unbounded on that side; truncation needs a maximum).
     rollout_weights: the rollout-correction weights themselves (per token, or per sequence [b, 1]: VESPO
         then counts each sequence's weight once in its sequence weight, as TRL does), when
         computed elsewhere (verl's rollout_is_weights, TRL's importance_sampling_ratio); not with rollout_is.
@@ -132,6 +155,23 @@ class PolicyLoss:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_coef: float = 1.0
+    rejection_ratio_min: Optional[float] = None
+    rejection_ratio_max: Optional[float] = None
+    rejection_k2_max: Optional[float] = None
+    rejection_k3_max: Optional[float] = None
+    rejection_seq_ratio_min: Optional[float] = None
+    rejection_seq_ratio_max: Optional[float] = None
+    rejection_seq_mean_ratio_min: Optional[float] = None
+    rejection_seq_mean_ratio_max: Optional[float] = None
+    rejection_seq_sum_k2_max: Optional[float] = None
+    rejection_seq_sum_k3_max: Optional[float] = None
+    rejection_seq_mean_k2_max: Optional[float] = None
+    rejection_seq_mean_k3_max: Optional[float] = None
+    rejection_seq_max_k2_max: Optional[float] = None
+    rejection_seq_max_k3_max: Optional[float] = None
+    current_is: Optional[str] = None
+    current_is_min: Optional[float] = None
+    current_is_max: Optional[float] = None
 
     def __post_init__(self):
         checks.tensor(self.advantages, "advantages")
@@ -236,6 +276,66 @@ class PolicyLoss:
         if (self.rollout_is_min is not None and self.rollout_is_max is not None
                 and self.rollout_is_min > self.rollout_is_max):
             raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
+        self._check_rejection()
+        self._check_current_is()
+
+    def _check_rejection(self):
+        set_ = object.__setattr__
+        names = [name for name in self.__dataclass_fields__ if name.startswith("rejection_")]
+        for name in names:
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, checks.finite_float(value, name, minimum=0.0, above=True))
+        given = [name for name in names if getattr(self, name) is not None]
+        if not given:
+            return
+        for band in ("rejection_ratio", "rejection_seq_ratio", "rejection_seq_mean_ratio"):
+            lo, hi = getattr(self, f"{band}_min"), getattr(self, f"{band}_max")
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"{band}_min={lo} is above {band}_max={hi}")
+        if self.old_logprobs is None and self.rollout_logprobs is None:
+            raise ValueError(f"{given[0]} needs rollout_logprobs or old_logprobs (the rejection mask compares this "
+                             "pass's log-probs with the rollout's)")
+        if self.surrogate == "geo_mean":
+            raise ValueError(f"{given[0]} is a token mask of the policy term; surrogate='geo_mean' is a loss per "
+                             "sequence")
+
+    def _check_current_is(self):
+        set_ = object.__setattr__
+        for name in ("current_is_min", "current_is_max"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, checks.finite_float(value, name, minimum=0.0))
+        if self.current_is is None:
+            if self.current_is_min is not None or self.current_is_max is not None:
+                raise ValueError("current_is_min / current_is_max need current_is (the weights' mode)")
+            return
+        _choice(self.current_is, "current_is", CURRENT_IS_MODES)
+        if self.current_is.endswith("truncate") and self.current_is_max is None:
+            raise ValueError(f"current_is={self.current_is!r} (truncated importance sampling) needs current_is_max")
+        if (self.current_is_min is not None and self.current_is_max is not None
+                and self.current_is_min > self.current_is_max):
+            raise ValueError(f"current_is_min={self.current_is_min} is above current_is_max={self.current_is_max}")
+        if self.old_logprobs is None and self.rollout_logprobs is None:
+            raise ValueError(f"current_is={self.current_is!r} needs rollout_logprobs or old_logprobs (the weight "
+                             "compares this pass's log-probs with the rollout's)")
+        if self.surrogate == "geo_mean":
+            raise ValueError(f"current_is={self.current_is!r} weights a per-token policy term; surrogate='geo_mean' "
+                             "is a loss per sequence")
+
+    def _rejection_seq(self) -> tuple:
+        """TermSpec.rejection_seq: (stat, k, min, max) for each sequence-level rejection bound given."""
+        out = []
+        for stat, band in (("sum", "rejection_seq_ratio"), ("mean", "rejection_seq_mean_ratio")):
+            lo, hi = getattr(self, f"{band}_min"), getattr(self, f"{band}_max")
+            if lo is not None or hi is not None:
+                out.append((stat, "k1", lo, hi))
+        for stat in ("sum", "mean", "max"):
+            for k in ("k2", "k3"):
+                hi = getattr(self, f"rejection_seq_{stat}_{k}_max")
+                if hi is not None:
+                    out.append((stat, k, None, hi))
+        return tuple(out)
 
     @property
     def rollout_per_sequence(self) -> bool:
@@ -262,7 +362,12 @@ class PolicyLoss:
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
                         rollout_per_sequence=self.rollout_per_sequence,
                         cov_ratio=self.cov_ratio, cov_bounds=(self.clip_cov_lb, self.clip_cov_ub),
-                        cov_kl_coef=self.kl_cov_coef)
+                        cov_kl_coef=self.kl_cov_coef,
+                        rejection_ratio=(None if self.rejection_ratio_min is None and self.rejection_ratio_max is None
+                                         else (self.rejection_ratio_min, self.rejection_ratio_max)),
+                        rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max,
+                        rejection_seq=self._rejection_seq(),
+                        current_is=self.current_is, current_is_band=(self.current_is_min, self.current_is_max))
 
 
 def _choice(value, name: str, allowed) -> str:

@@ -220,7 +220,11 @@ def sequence_needs(policy: PolicyLoss) -> list:
             (policy.surrogate in ("vespo", "geo_mean"), f"surrogate={policy.surrogate!r}"),
             (policy.off_policy_threshold is not None, "off_policy_threshold"),
             (policy.rollout_is is not None and policy.rollout_is.startswith("sequence"),
-             f"rollout_is={policy.rollout_is!r}")]
+             f"rollout_is={policy.rollout_is!r}"),
+            (policy.current_is is not None and policy.current_is.startswith("sequence"),
+             f"current_is={policy.current_is!r}"),
+            (any(getattr(policy, name) is not None for name in policy.__dataclass_fields__
+                 if name.startswith("rejection_seq_")), "a sequence-level rejection (rejection_seq_*)")]
 
 
 def sequence_ids(labels: Tensor, cu: Optional[Tensor]):

@@ -37,6 +37,23 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
             (1 - q) quantile of the scored tokens' entropies (with ``entropy_quantile_group``, of every
             rank's scored tokens, as TRL's quantile spans its processes)
         rho: the rollout-correction weights (``rollout_weights``), given per token (0 where masked)
+        rejection (verl's token-level rollout_rs, ``rejection_factor``): with e = clamp(lp - sampling, -20,
+            20), detached (sampling: rollout log-probs, else old; a NaN rollout log-prob gives e = 0), a token
+            is rejected where e lies outside [log ratio_min, log ratio_max] (token_k1), 0.5 e^2 > k2_max
+            (token_k2) or exp(e) - 1 - e > k3_max (token_k3); and a whole sequence where the sum, mean or
+            maximum over its scored tokens of -e (k1), 0.5 e^2 (k2) or exp(e) - 1 - e (k3) fails its bound
+            (verl's seq_sum_k*, seq_mean_k*, seq_max_k*; k1 as the band [log min, log max] of the sum or mean
+            of e); the bounds given ANDed. A rejected token's
+            policy term is dropped; the aggregation's normalisers stay the scored tokens', except that
+            under seq-mean-token-mean a sequence's policy term is the mean over its kept tokens (0 with
+            none): pg <- pg keep (len_i / kept_i there). This is verl's agg_loss of the policy term over
+            its rejection-masked response mask with the mini-batch's token count and sequence count given,
+            as verl's engine gives them; the KL term and the entropy bonus keep every scored token.
+        current_is (verl's bypass reinforce IS weights, ``current_is_weights``): with e as above (not
+            clamped), a detached weight w = exp(clamp(e, -20, 20)) per token ("token_*") or w_i =
+            exp(clamp(sum_{t in i} e_t, -20, 20)) per sequence ("sequence_*": the sum, not the mean), clamped
+            to [current_is_min, current_is_max] ("*_truncate", TIS) or set to 0 outside it ("*_mask", IcePop):
+            pg <- pg w
     KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
         k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
         low_var_kl) | k3_unclamped: exp(-x) + x - 1 (TRL's) | "+" suffix: that value with the gradient of k2
@@ -46,13 +63,14 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
 with w the aggregation weights (``losses/aggregate.py``) and u the entropy bonus's (the same, or those of
 ``entropy_agg`` over the tokens the entropy mask keeps). It is minimised.
 
-Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms
-the gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO and
-the two masks make f_i depend on other tokens' values (through sums over a sequence, or a quantile over
-the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on all tokens at once: the
-statistics of every token first, the group reductions and the per-token coefficients dL/dlp_i, dL/dH_i
-from the float64 autograd of this module on [n] vectors, and a second pass over the head for the
-gradients (``logitless.losses.api``).
+Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms the
+gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO, the two
+masks, current_is's sequence weights and the rejection mask's sequence options (and, under
+seq-mean-token-mean, its kept count per sequence) make f_i depend on other tokens' values (through sums over
+a sequence, or a quantile over the batch); ``TermSpec.coupled`` says so, and the loss is then evaluated on
+all tokens at once: the statistics of every token first, the group reductions and the per-token coefficients
+dL/dlp_i, dL/dH_i from the float64 autograd of this module on [n] vectors, and a second pass over the head
+for the gradients (``logitless.losses.api``).
 """
 from __future__ import annotations
 
@@ -71,6 +89,7 @@ SURROGATES = ("ppo", "cispo", "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl
 # surrogates whose terms depend on other tokens' values (a sequence's, or the batch's)
 COUPLED_SURROGATES = ("vespo", "geo_mean", "clip_cov", "kl_cov")
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
+CURRENT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 RATIO_LOG_CLAMP = 20.0      # verl clamps lp - old (and ref - lp for k3) to +-20 before exp; TRL does not
 K3_CLAMP = 10.0             # and the k3 estimate to +-10
 GSPO_TOKEN_LOG_MAX = 10.0   # verl's gspo clamps its log-ratio at 10 (above only)
@@ -109,12 +128,27 @@ class TermSpec:
     cov_ratio: float = 2e-4                  # clip_cov / kl_cov: the share of tokens selected
     cov_bounds: tuple = (1.0, 5.0)           # clip_cov: the covariance band of the candidates
     cov_kl_coef: float = 1.0                 # kl_cov: verl's ppo_kl_coef
+    rejection_ratio: Optional[tuple] = None  # (min, max) of the detached ratio, a side None for unbounded
+    rejection_k2: Optional[float] = None     # the largest 0.5 e^2 kept
+    rejection_k3: Optional[float] = None     # the largest exp(e) - 1 - e kept
+    rejection_seq: tuple = ()                # (stat "sum" / "mean" / "max", "k1" / "k2" / "k3", min, max) per sequence
+    current_is: Optional[str] = None         # CURRENT_IS_MODES: IS weights of this pass's log-probs
+    current_is_band: tuple = (None, None)    # its (min, max), a side None for unbounded
+
+    @property
+    def rejects(self) -> bool:
+        """Whether a rejection mask of this pass's log-probs is on (``rejection_factor``)."""
+        return (self.rejection_ratio is not None or self.rejection_k2 is not None or self.rejection_k3 is not None
+                or bool(self.rejection_seq))
 
     @property
     def coupled(self) -> bool:
         """Whether a token's term depends on other tokens' log-probs or entropies (see the module)."""
         return (self.ratio_level != "token" or self.surrogate in COUPLED_SURROGATES
-                or self.off_policy_threshold is not None or self.entropy_quantile < 1.0)
+                or self.off_policy_threshold is not None or self.entropy_quantile < 1.0
+                or (self.rejects and self.loss_agg == "seq-mean-token-mean")    # kept tokens per sequence
+                or bool(self.rejection_seq)
+                or (self.current_is or "").startswith("sequence"))
 
     @property
     def sequence_coupled(self) -> bool:
@@ -369,6 +403,74 @@ def entropy_mask(ent: Tensor, quantile: float, group: Optional[str] = None) -> T
     return e >= torch.quantile(pool, 1.0 - quantile)
 
 
+def rejection_keep(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """bool [n]: the tokens the rejection mask keeps (module docstring; verl's compute_rollout_rejection_mask,
+    token_k1 / token_k2 / token_k3), from this pass's log-probs lp (detached) against the rollout's."""
+    sampling = tokens.rollout if spec.has_rollout else old
+    e = (lp.detach() - sampling).nan_to_num(nan=0.0).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    keep = torch.ones_like(e, dtype=torch.bool)
+    if spec.rejection_ratio is not None:
+        lo, hi = spec.rejection_ratio
+        if lo is not None:
+            keep &= e >= math.log(lo)
+        if hi is not None:
+            keep &= e <= math.log(hi)
+    if spec.rejection_k2 is not None:
+        keep &= 0.5 * e.square() <= spec.rejection_k2
+    if spec.rejection_k3 is not None:
+        keep &= e.exp() - 1.0 - e <= spec.rejection_k3
+    for stat, k, lo, hi in spec.rejection_seq:
+        what = f"a sequence-level rejection ({stat} of {k})"
+        value = {"k1": -e, "k2": 0.5 * e.square(), "k3": e.exp() - 1.0 - e}[k]
+        if stat == "max":
+            per_seq = value.new_zeros(tokens.n_seq).scatter_reduce(0, _need_seq(tokens, what), value, "amax",
+                                                                   include_self=False)
+        else:
+            per_seq = (seq_sum if stat == "sum" else seq_mean)(value, tokens, what)
+        if k == "k1":       # the sum (or mean) of e in [log min, log max]: exp of it in the band
+            seq_keep = torch.ones_like(per_seq, dtype=torch.bool)
+            if lo is not None:
+                seq_keep &= -per_seq >= math.log(lo)
+            if hi is not None:
+                seq_keep &= -per_seq <= math.log(hi)
+        else:
+            seq_keep = per_seq <= hi
+        keep &= seq_keep[tokens.seq]
+    return keep
+
+
+def rejection_factor(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """float64 [n], detached: what the rejection mask multiplies the policy term by (module docstring):
+    keep, and under seq-mean-token-mean keep len_i / kept_i, which turns the weight 1 / (n_seq len_i) of
+    the sequence's scored tokens into 1 / (n_seq kept_i) over its kept ones."""
+    keep = rejection_keep(lp, old, tokens, spec).double()
+    if spec.loss_agg != "seq-mean-token-mean":
+        return keep
+    length = seq_sum(torch.ones_like(keep), tokens, "rejection under loss_agg='seq-mean-token-mean'")
+    kept = seq_sum(keep, tokens, "rejection under loss_agg='seq-mean-token-mean'")
+    return keep * (length / kept.clamp_min(1.0))[tokens.seq]
+
+
+def current_is_weights(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+    """float64 [n], detached: the IS weights of this pass's log-probs against the rollout's (module docstring;
+    verl's compute_rollout_correction_weights of log_prob - rollout_log_prob, as its bypass reinforce loss
+    applies them)."""
+    sampling = tokens.rollout if spec.has_rollout else old
+    e = (lp.detach() - sampling).nan_to_num(nan=0.0)
+    if spec.current_is.startswith("sequence"):
+        e = seq_sum(e, tokens, f"current_is={spec.current_is!r}")[tokens.seq]
+    w = e.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP).exp()
+    lo, hi = spec.current_is_band
+    if spec.current_is.endswith("truncate"):
+        return w.clamp(min=lo, max=hi)
+    out = torch.zeros_like(w, dtype=torch.bool)
+    if lo is not None:
+        out |= w < lo
+    if hi is not None:
+        out |= w > hi
+    return w.masked_fill(out, 0.0)
+
+
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
                     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(f, clipped, kl) per token: the term f = pg + kl_coef kl of the module docstring (the entropy bonus
@@ -390,6 +492,10 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
         pg = pg * entropy_mask(ent, spec.entropy_quantile, spec.entropy_group).double()
     if spec.has_rollout_weights and spec.surrogate not in ("vespo", "geo_mean"):
         pg = pg * tokens.rollout_weights
+    if spec.current_is is not None:
+        pg = pg * current_is_weights(lp, old, tokens, spec)
+    if spec.rejects:
+        pg = pg * rejection_factor(lp, old, tokens, spec)
     f = pg
     kl = None
     if spec.has_ref:

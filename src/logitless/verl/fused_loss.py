@@ -19,7 +19,7 @@ entropy_loss, kl_loss, kl_coef). verl's micro-batching, gradient accumulation, d
 remove-padding and loss scaling run unchanged around it; under Ulysses sequence parallelism the head gathers
 the sp group's rows first (``ulysses.py``).
 
-A micro-batch that cannot run fused (bypass_mode's rejection sampling and its sequence-level IS weights,
+A micro-batch that cannot run fused (bypass_mode's sequence-level rejection sampling and batch-normalised IS weights,
 ``use_fused_kernels=False``, ...; ``policy.unfusable``, ``bypass.py`` and ``make_plan`` list them)
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
@@ -40,6 +40,7 @@ from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
 from . import ulysses
+from .bypass import rejection_counts_missing
 from .policy import (
     MICRO_BATCH_MEAN,
     loss_mode,
@@ -193,6 +194,10 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
         if why:
             return None, why
     kwargs = settings(config, calculate_entropy=entropy)
+    why = rejection_counts_missing(kwargs, config.loss_agg_mode, batch_num_tokens=get("batch_num_tokens"),
+                                   global_batch_size=get("global_batch_size"))
+    if why:
+        return None, why
     scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
                        global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
                        scored_sequences=tokens.sequences, response_width=tokens.width)

@@ -26,7 +26,8 @@ clip_cov_ratio / clip_cov_lb / clip_cov_ub (clip_cov); kl_cov_ratio / ppo_kl_coe
 ``rollout_is_weights`` multiply the policy term (``rollout_weights``). sapo aggregates its policy term by
 seq-mean-token-mean whatever ``loss_agg_mode`` says (verl does), so with a KL loss or an entropy bonus it fuses
 only under that mode. geo_mean's policy term is a plain mean over the micro-batch's sequences, outside that
-normalisation (``micro_batch_mean``). bypass_mode is the vanilla, gpg or cispo settings where its definition
+normalisation (``micro_batch_mean``). bypass_mode is the vanilla, gpg or cispo settings (with current_is and the
+rejection mask where set) where its definition
 equals theirs (``bypass.py``). ``unfusable`` names every setting that has no such mapping.
 """
 from __future__ import annotations

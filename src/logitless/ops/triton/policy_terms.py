@@ -165,10 +165,10 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
 def supports(spec: terms.TermSpec) -> bool:
     """Whether this kernel computes ``spec``'s terms: the clipped surrogate at token level (dual clip, TRL's
     delta cap), every KL estimator (with TRL's kl_ratio), rollout weights, the entropy bonus with its own
-    weights. Other settings (the other surrogates, coupled losses) take the torch derivatives of
-    ``policy_terms.py`` instead (the same definition, exact)."""
+    weights. Other settings (the other surrogates, coupled losses, the rejection mask, current_is) take the torch
+    derivatives of ``policy_terms.py`` instead (the same definition, exact)."""
     return (spec.surrogate == "ppo" and spec.ratio_level == "token" and not spec.coupled
-            and spec.kl_type.rstrip("+") in KL_CODES)
+            and not spec.rejects and spec.current_is is None and spec.kl_type.rstrip("+") in KL_CODES)
 
 
 @dataclass(frozen=True)
