@@ -382,6 +382,11 @@ def test_cp_refusals_name_the_setting():
         (dict(ok, loss_agg="seq-mean-token-mean"), False, "vanilla", "seq-mean-token-mean", 1,
          "loss_agg_mode='seq-mean-token-mean'"),
         (ok, False, "vanilla", "token-mean", 2, "tensor_model_parallel_size=2"),
+        # bypass_mode's mappings that weigh or reject whole sequences by this pass's log-probs
+        ({"surrogate": "gpg", "loss_agg": "token-sum", "current_is": "sequence_truncate", "current_is_max": 2.0},
+         False, "bypass_mode", "token-mean", 1, "'bypass_mode'"),
+        (dict(ok, rejection_seq_ratio_min=0.5, rejection_seq_ratio_max=2.0), False, "bypass_mode", "token-mean", 1,
+         "'bypass_mode'"),
     ]
     for settings, mbm, mode, agg, tp, named in cases:
         bad = megatron_cp.refusals(settings, mbm, mode=mode, agg=agg, tensor_parallel=tp)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..losses import PolicyLoss
 from .tokens import IGNORE, Rows
 
 # fused surrogates whose per-token term reads only that token (with ratio_level "token")
@@ -36,7 +37,7 @@ def refusals(settings: dict, micro_batch_mean: bool, *, mode: str, agg: str, ten
     parallelism, as "setting (why)"; [] when it can. mode / agg: verl's loss_mode and loss_agg_mode."""
     bad = []
     coupled = (settings.get("surrogate") not in TOKEN_LOCAL or settings.get("ratio_level", "token") != "token"
-               or micro_batch_mean)
+               or micro_batch_mean or _couples_tokens(settings))
     if coupled:
         bad.append(f"policy_loss.loss_mode={mode!r} under context parallelism (its policy term couples a "
                    "sequence's or the batch's tokens across the CP ranks; not wired)")
@@ -47,6 +48,14 @@ def refusals(settings: dict, micro_batch_mean: bool, *, mode: str, agg: str, ten
         bad.append(f"tensor_model_parallel_size={tensor_parallel} with context parallelism (not tested with the "
                    "fused loss)")
     return bad
+
+
+def _couples_tokens(settings: dict) -> bool:
+    """Whether the loss's terms read other tokens, as the loss itself says (``TermSpec.coupled``: sequence-level
+    IS weights or rejection of this pass's log-probs, the off-policy mask, ... whatever the mode maps to)."""
+    t = torch.zeros(1, 2)
+    return PolicyLoss(advantages=t, old_logprobs=t, ref_logprobs=t, rollout_logprobs=t,
+                      **settings).term_spec().coupled
 
 
 def local_positions(cu_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
