@@ -215,20 +215,8 @@ def test_every_registered_mode_is_mapped(actor):
         assert lv.last_path().reason.startswith("policy_loss.loss_mode='bypass_mode' with")
 
 
-P = "actor_rollout_ref.actor."
-FUSED_MODES = {
-    "vanilla": [f"{P}clip_ratio_c=1.2"],
-    "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
-    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
-    "gpg": [],
-    "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
-    "dro": [f"{P}policy_loss.dro_beta=0.3"],
-    "dppo_tv": [f"{P}clip_ratio_low=0.05", f"{P}clip_ratio_high=0.08", f"{P}clip_ratio_c=1.3"],
-    "dppo_kl": [f"{P}clip_ratio_low=0.01", f"{P}clip_ratio_high=0.02"],
-    "clip_cov": [f"{P}policy_loss.clip_cov_ratio=0.3", f"{P}policy_loss.clip_cov_lb=0.05",
-                 f"{P}policy_loss.clip_cov_ub=3.0"],
-    "kl_cov": [f"{P}policy_loss.kl_cov_ratio=0.2", f"{P}policy_loss.ppo_kl_coef=0.5"],
-}
+P = ve.P
+FUSED_MODES = ve.FUSED_MODES
 
 
 @pytest.mark.parametrize("mode", sorted(FUSED_MODES))

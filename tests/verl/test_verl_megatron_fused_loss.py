@@ -27,7 +27,7 @@ from logitless.verl import FusedPathUnavailable, fused_loss  # noqa: E402
 from logitless.verl.megatron_loss import thd_rows  # noqa: E402
 from logitless.verl.tokens import IGNORE, ResponseTokens  # noqa: E402
 
-P = "actor_rollout_ref.actor."
+P = ve.P
 RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
 THD = ["actor_rollout_ref.model.use_remove_padding=True"]
 
@@ -111,19 +111,7 @@ def test_fused_loss_matches_verl_megatron_update(actors, agg, settings, engine):
         assert max(want[0]["actor/pg_clipfrac_lower"]) > 0, "dual clip never active: the case tests nothing"
 
 
-FUSED_MODES = {
-    "vanilla": [f"{P}clip_ratio_c=1.2"],
-    "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
-    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
-    "gpg": [],
-    "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
-    "dro": [f"{P}policy_loss.dro_beta=0.3"],
-    "dppo_tv": [f"{P}clip_ratio_low=0.05", f"{P}clip_ratio_high=0.08", f"{P}clip_ratio_c=1.3"],
-    "dppo_kl": [f"{P}clip_ratio_low=0.01", f"{P}clip_ratio_high=0.02"],
-    "clip_cov": [f"{P}policy_loss.clip_cov_ratio=0.3", f"{P}policy_loss.clip_cov_lb=0.05",
-                 f"{P}policy_loss.clip_cov_ub=3.0"],
-    "kl_cov": [f"{P}policy_loss.kl_cov_ratio=0.2", f"{P}policy_loss.ppo_kl_coef=0.5"],
-}
+FUSED_MODES = ve.FUSED_MODES
 
 
 @pytest.mark.parametrize("mode", sorted(FUSED_MODES))

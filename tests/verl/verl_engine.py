@@ -24,6 +24,22 @@ import torch
 VOCAB = 263
 HIDDEN = 40
 
+P = "actor_rollout_ref.actor."
+# every verl policy-loss mode the fused loss runs, with settings that make its own terms bind
+FUSED_MODES = {
+    "vanilla": [f"{P}clip_ratio_c=1.2"],
+    "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
+    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
+    "gpg": [],
+    "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
+    "dro": [f"{P}policy_loss.dro_beta=0.3"],
+    "dppo_tv": [f"{P}clip_ratio_low=0.05", f"{P}clip_ratio_high=0.08", f"{P}clip_ratio_c=1.3"],
+    "dppo_kl": [f"{P}clip_ratio_low=0.01", f"{P}clip_ratio_high=0.02"],
+    "clip_cov": [f"{P}policy_loss.clip_cov_ratio=0.3", f"{P}policy_loss.clip_cov_lb=0.05",
+                 f"{P}policy_loss.clip_cov_ub=3.0"],
+    "kl_cov": [f"{P}policy_loss.kl_cov_ratio=0.2", f"{P}policy_loss.ppo_kl_coef=0.5"],
+}
+
 
 def _stub_missing(name: str) -> None:
     try:
