@@ -126,11 +126,6 @@ def _vllm_batch(trainer, inputs, mode, gen, nan=False):
     inputs["importance_sampling_ratio"] = ratio
 
 
-def _state(trainer):
-    return {k: copy.deepcopy(getattr(trainer, k)) for k in ("entropy_coef", "_last_world_entropy",
-                                                            "_entropy_window_stats")}
-
-
 def _run(trainer, inputs, compute):
     model = trainer.model
     model.zero_grad(set_to_none=True)
@@ -180,9 +175,9 @@ def _assert_matches_trl(trainer, inputs, label):
     """TRL's own _compute_loss, then the enabled trainer's (fused) on the same batch and trainer state: the
     loss within 1e-5 (relative beyond 1), every parameter gradient within 1e-4 (relative), every metric
     with the same name and value, the adaptive-entropy state. Returns the fused (loss, gradients)."""
-    state = _state(trainer)
+    state = trl_tiny.trainer_state(trainer)
     loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
-    state_trl = _state(trainer)
+    state_trl = trl_tiny.trainer_state(trainer)
     for k, v in state.items():
         setattr(trainer, k, v)
     lt.enable(trainer, fused_loss=True)
@@ -197,7 +192,7 @@ def _assert_matches_trl(trainer, inputs, label):
             assert len(m[mode][key]) == len(want), key
             for got_v, want_v in zip(m[mode][key], want, strict=True):
                 assert abs(got_v - want_v) <= TOL * max(1.0, abs(want_v)), (key, got_v, want_v)
-    assert _state(trainer).keys() == state_trl.keys()
+    assert trl_tiny.trainer_state(trainer).keys() == state_trl.keys()
     assert trainer.entropy_coef == state_trl["entropy_coef"]
     lt.disable(trainer)
     return loss, g
@@ -249,7 +244,7 @@ def _float64_trl(trainer, inputs):
     """TRL's own _compute_loss on a float64 copy of the model and batch: (loss, gradients), float64."""
     model = copy.deepcopy(trainer.model).double()
     inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
-    state = _state(trainer)
+    state = trl_tiny.trainer_state(trainer)
     loss = GRPOTrainer._compute_loss(trainer, model, inputs64)
     loss.backward()
     for k, v in state.items():

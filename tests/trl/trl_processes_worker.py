@@ -12,7 +12,6 @@ the policy (the same on both ranks: ratios != 1) and, on each micro-batch, compa
 (and once more in eval mode, where TRL neither splits nor accumulates).
 Completions end early (an EOS made likely by ``exponential_decay_length_penalty``) and truncated ones are masked
 (``mask_truncated_completions``), so the ranks score different numbers of tokens."""
-import copy
 import datetime
 import os
 import traceback
@@ -40,11 +39,6 @@ CASES = {
     "top_entropy_quantile-entropy_bonus": dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.02),
     "top_entropy_quantile-grpo-kl": dict(loss_type="grpo", top_entropy_quantile=0.3, beta=0.02),
 }
-
-
-def _state(trainer):
-    return {k: copy.deepcopy(getattr(trainer, k)) for k in ("entropy_coef", "_last_world_entropy",
-                                                            "_entropy_window_stats")}
 
 
 def _run(trainer, inputs, compute):
@@ -85,13 +79,15 @@ def _micro_batches(trainer, seed):
 
 
 def _compare_micro_batch(trainer, inputs, sync) -> tuple[str, list]:
+    import trl_tiny
+
     import logitless.trl as lt
     from trl import GRPOTrainer
 
     trainer.accelerator.gradient_state._set_sync_gradients(sync)     # the optimizer step closes the window
-    state = _state(trainer)
+    state = trl_tiny.trainer_state(trainer)
     loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
-    state_trl = _state(trainer)
+    state_trl = trl_tiny.trainer_state(trainer)
     for k, v in state.items():
         setattr(trainer, k, v)
     lt.enable(trainer, fused_loss=True)

@@ -3,6 +3,7 @@ a local folder, so TRL can load the reference model from it too), a word-level t
 code, a small in-memory prompt dataset and a rule-based reward."""
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -50,6 +51,13 @@ def reward_even_words(completions, **_):
         words = [w for w in text.split() if w[1:].isdigit()]
         return sum(int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1)
     return [share(c) for c in completions]
+
+
+def trainer_state(trainer) -> dict:
+    """Copies of the trainer's state a loss call may change (the adaptive entropy controller's), to restore
+    between TRL's own call and the fused one."""
+    return {k: copy.deepcopy(getattr(trainer, k)) for k in ("entropy_coef", "_last_world_entropy",
+                                                            "_entropy_window_stats")}
 
 
 def grpo_trainer(folder: str, out_dir: str, seed: int = 0, **overrides):

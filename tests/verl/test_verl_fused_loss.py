@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import verl_engine as ve
+from verl_engine import run
 
 from required import import_or_skip
 
@@ -54,16 +55,6 @@ def uninstalled():
     lv.uninstall()
     yield
     lv.uninstall()
-
-
-def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entropy=True, engine=None):
-    if fused:
-        lv.install(fused_loss=True, strict=strict)
-    try:
-        return actor.update(tensors, meta, overrides, calculate_entropy=calculate_entropy, mini_batch_size=6,
-                            engine=engine)
-    finally:
-        lv.uninstall()
 
 
 def assert_same_update(actor, got, want):

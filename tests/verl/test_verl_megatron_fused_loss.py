@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import verl_engine as ve
+from verl_engine import run
 
 from required import import_or_skip
 
@@ -62,16 +63,6 @@ def uninstalled():
     lv.uninstall()
     yield
     lv.uninstall()
-
-
-def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entropy=True, engine=None):
-    if fused:
-        lv.install(fused_loss=True, strict=strict)
-    try:
-        return actor.update(tensors, meta, overrides, calculate_entropy=calculate_entropy, mini_batch_size=6,
-                            engine=engine)
-    finally:
-        lv.uninstall()
 
 
 def fused_matches(actors, tensors, meta, overrides, *, calculate_entropy=True, engine=None):

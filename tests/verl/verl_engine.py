@@ -192,6 +192,20 @@ def actor_config(model_dir: str, overrides=()):
     return cfg, config
 
 
+def training_config(cfg, config):
+    """The TrainingWorkerConfig ActorRolloutRefWorker.init_model builds from the composed ``cfg`` and the actor
+    ``config`` (``actor_config``'s pair), with the actor's micro-batch settings on the engine's config."""
+    from verl.workers.config import TrainingWorkerConfig
+    training = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
+                                    engine_config=config.engine, optimizer_config=config.optim,
+                                    checkpoint_config=config.checkpoint, profiler_config=None)
+    actor = cfg.actor_rollout_ref.actor
+    training.engine_config.use_dynamic_bsz = actor.use_dynamic_bsz
+    training.engine_config.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    training.engine_config.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    return training
+
+
 class Actor:
     """A built actor (``TrainingWorker``) whose update can be run repeatedly from the same starting
     parameters with another loss config (``set_loss_fn``, as init_model does) and other engine settings
@@ -203,7 +217,6 @@ class Actor:
 
     def __init__(self, model_dir: str, overrides=()):
         setup()
-        from verl.workers.config import TrainingWorkerConfig
         from verl.workers.engine_workers import TrainingWorker
 
         from transformers import Qwen2ForCausalLM
@@ -211,13 +224,7 @@ class Actor:
         self.model_dir = model_dir
         try:
             cfg, config = actor_config(model_dir, overrides)
-            training = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
-                                            engine_config=config.engine, optimizer_config=config.optim,
-                                            checkpoint_config=config.checkpoint, profiler_config=None)
-            actor = cfg.actor_rollout_ref.actor
-            training.engine_config.use_dynamic_bsz = actor.use_dynamic_bsz
-            training.engine_config.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
-            training.engine_config.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+            training = training_config(cfg, config)
             training.engine_config.use_remove_padding = config.model_config.get("use_remove_padding", False)
             self.worker = TrainingWorker(config=training)
             with cpu_fsdp1():
@@ -260,6 +267,18 @@ class Actor:
             params[name] = p.detach().clone()
         # under Ulysses only the first rank of each sp group collects the output (the others: None)
         return (tu.get(out, "metrics") if out is not None else None), params
+
+
+def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entropy=True, engine=None):
+    """``actor.update`` on the batch, with logitless' fused loss installed for it (``fused``) or not."""
+    import logitless.verl as lv
+    if fused:
+        lv.install(fused_loss=True, strict=strict)
+    try:
+        return actor.update(tensors, meta, overrides, calculate_entropy=calculate_entropy, mini_batch_size=6,
+                            engine=engine)
+    finally:
+        lv.uninstall()
 
 
 def infer_logprobs(actor: "Actor", tensors, meta):

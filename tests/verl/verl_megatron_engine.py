@@ -224,17 +224,9 @@ class Actor:
 
     def __init__(self, model_dir: str, overrides=()):
         setup()
-        from verl.workers.config import TrainingWorkerConfig
         from verl.workers.engine_workers import TrainingWorker
         self.model_dir = model_dir
-        cfg, config = actor_config(model_dir, overrides)
-        training = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
-                                        engine_config=config.engine, optimizer_config=config.optim,
-                                        checkpoint_config=config.checkpoint, profiler_config=None)
-        actor = cfg.actor_rollout_ref.actor
-        training.engine_config.use_dynamic_bsz = actor.use_dynamic_bsz
-        training.engine_config.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
-        training.engine_config.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        training = ve.training_config(*actor_config(model_dir, overrides))
         with cpu_megatron():
             self.worker = TrainingWorker(config=training)
             self.worker.reset()
