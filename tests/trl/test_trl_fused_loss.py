@@ -23,6 +23,13 @@ import trl_tiny  # noqa: E402
 
 TOL = 1e-5
 GRAD_TOL = 1e-4
+# Under bf16 autocast the decoder's backward runs in bf16: the gradient at the head's input (the final norm's
+# float32 output) equals TRL's within HIDDEN_GRAD_TOL, but a 1-ulp float32 difference there flips bf16 roundings
+# in the decoder's backward, which moves its weights' gradients by up to about bf16's epsilon (2^-8 = 3.9e-3;
+# 3.7e-3 was the largest in 80 random models, and 9 of them exceeded GRAD_TOL). So the decoder's parameters get
+# a bf16 bound; the head's gradient and the gradient entering the decoder keep the float32 ones.
+HIDDEN_GRAD_TOL = 1e-5
+BF16_DECODER_GRAD_TOL = 2.0 ** -6
 
 # GRPOConfig overrides; "_train": model.train() with 2 accumulation steps; "_vllm": TRL's vLLM importance-
 # sampling correction with this mode (the trainer's flags set after construction: no vLLM on CPU; the
@@ -126,13 +133,24 @@ def _vllm_batch(trainer, inputs, mode, gen, nan=False):
     inputs["importance_sampling_ratio"] = ratio
 
 
-def _run(trainer, inputs, compute):
+def _run(trainer, inputs, compute, hidden_grads=None):
+    """One loss call and its backward: (loss, parameter gradients, logged metrics); hidden_grads, if a list,
+    receives the gradient at the final norm's output (the head's input) of each forward."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
     trainer._metrics["train"].clear()
     trainer._metrics["eval"].clear()
-    loss = compute(model, inputs)
-    loss.backward()
+
+    def tap(module, args, out):
+        if hidden_grads is not None and out.requires_grad:
+            out.register_hook(lambda g: hidden_grads.append(g.detach().clone()))
+
+    handle = model.model.norm.register_forward_hook(tap)
+    try:
+        loss = compute(model, inputs)
+        loss.backward()
+    finally:
+        handle.remove()
     metrics = {mode: {k: list(v) for k, v in trainer._metrics[mode].items()} for mode in ("train", "eval")}
     return loss.detach(), _grads(model), metrics
 
@@ -176,16 +194,19 @@ def _assert_matches_trl(trainer, inputs, label):
     loss within 1e-5 (relative beyond 1), every parameter gradient within 1e-4 (relative), every metric
     with the same name and value, the adaptive-entropy state. Returns the fused (loss, gradients)."""
     state = trl_tiny.trainer_state(trainer)
-    loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
+    h_trl, h = [], []
+    loss_trl, g_trl, m_trl = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), h_trl)
     state_trl = trl_tiny.trainer_state(trainer)
     for k, v in state.items():
         setattr(trainer, k, v)
     lt.enable(trainer, fused_loss=True)
-    loss, g, m = _run(trainer, inputs, trainer._compute_loss)
+    loss, g, m = _run(trainer, inputs, trainer._compute_loss, h)
     print(f"{label}: fused {loss.item():.8g} TRL {loss_trl.item():.8g}; metrics {m_trl}")
     assert loss_trl.abs() > 0
     assert abs(loss.item() - loss_trl.item()) <= TOL * max(1.0, abs(loss_trl.item()))
-    _assert_grads_close(g, g_trl)
+    assert len(h) == len(h_trl) == 1
+    assert float((h[0].double() - h_trl[0].double()).norm() / h_trl[0].double().norm()) <= HIDDEN_GRAD_TOL
+    _assert_grads_close(g, g_trl, BF16_DECODER_GRAD_TOL if trainer.args.bf16 else GRAD_TOL)
     for mode in ("train", "eval"):
         assert m[mode].keys() == m_trl[mode].keys(), mode
         for key, want in m_trl[mode].items():
@@ -198,10 +219,13 @@ def _assert_matches_trl(trainer, inputs, label):
     return loss, g
 
 
-def _assert_grads_close(g, want):
+def _assert_grads_close(g, want, decoder_tol=GRAD_TOL):
+    """Every parameter's gradient within GRAD_TOL (relative); the decoder's (all but the head and the final
+    norm) within decoder_tol."""
     assert g.keys() == want.keys() and want
     for name, gt in want.items():
-        assert float((g[name].double() - gt.double()).norm() / gt.double().norm().clamp_min(1e-30)) <= GRAD_TOL, name
+        tol = GRAD_TOL if name.startswith(("lm_head.", "model.norm.")) else decoder_tol
+        assert float((g[name].double() - gt.double()).norm() / gt.double().norm().clamp_min(1e-30)) <= tol, name
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
