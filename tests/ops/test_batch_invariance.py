@@ -139,6 +139,63 @@ def test_without_entropy_and_policy_loss_give_the_same_bits(seed, monkeypatch):
         _same((out.logprobs[where], out.entropy[where]), ref, f"fused_policy_loss (workspace {workspace})")
 
 
+# fused_policy_loss's routes (losses/api.py): each must give fused_logprobs' bits for the log-prob and entropy
+POLICY_ROUTES = {
+    # the torch derivatives of ops/policy_terms.py instead of the triton terms kernel, one fused pass
+    "rejection mask (torch terms)": dict(rejection_k2_max=0.05, entropy_coef=0.01),
+    "current_is token (torch terms)": dict(surrogate="gpg", current_is="token_truncate", current_is_max=1.5),
+    # coupled within sequences: one fused pass whose chunks are cut at sequence boundaries (api._sequence_bounds)
+    "sequence-level ratio (chunks at sequence boundaries)": dict(ratio_level="sequence",
+                                                                 loss_agg="seq-mean-token-mean"),
+    "sequence rejection (chunks at sequence boundaries)": dict(rejection_seq_mean_k2_max=0.2, loss_agg="token-mean"),
+    # coupled across the batch: fused_logprobs' forward, then a second pass
+    "entropy mask (two passes)": dict(entropy_quantile=0.5, entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("route", list(POLICY_ROUTES))
+def test_every_policy_loss_route_gives_the_same_bits(route, seed, monkeypatch):
+    """Sequences of 7 tokens (some ignored), the policy workspace at its smallest (16-row chunks under the
+    interpreter, so chunks cut at sequence boundaries start off the token tiles): fused_policy_loss's log-probs
+    and entropy equal fused_logprobs' on the same rows, whichever pass the loss takes."""
+    import logitless.losses.api as api
+    g = torch.Generator().manual_seed(seed)
+    b, s = 6, 7
+    hidden = torch.randn(b * s, H, generator=g).bfloat16().to(DEVICE)
+    weight = (torch.randn(V, H, generator=g) * (3 / H ** 0.5)).bfloat16().to(DEVICE)
+    labels = torch.randint(0, V, (b * s,), generator=g).to(DEVICE)
+    labels[torch.rand(b * s, generator=g).to(DEVICE) < 0.2] = -100
+    labels[::s] = torch.randint(0, V, (b,), generator=g).to(DEVICE)      # every sequence scores a token
+    ref = _score(hidden, weight, labels)
+    keep = labels != -100
+    monkeypatch.setenv("LOGITLESS_POLICY_WORKSPACE_BYTES", "1")
+    cuts = []
+    original = api._sequence_bounds
+    monkeypatch.setattr(api, "_sequence_bounds", lambda *a: cuts.append(original(*a)) or cuts[-1])
+    import logitless.losses.function as function
+    kernels = []
+    terms_for = function.policy_terms_for
+    monkeypatch.setattr(function, "policy_terms_for", lambda *a: kernels.append(terms_for(*a)) or kernels[-1])
+    ran = []
+    two_pass = api._reference
+    monkeypatch.setattr(api, "_reference", lambda *a, **k: ran.append(1) or two_pass(*a, **k))
+    old = (ref[0] + 0.1 * torch.randn(b * s, generator=g).to(DEVICE)).masked_fill(~keep, 0.0)
+    adv = torch.randn(b, 1, generator=g).expand(b, s).to(DEVICE)
+    h = hidden.view(b, s, H).clone().requires_grad_(True)
+    out = fused_policy_loss(h, weight, labels.view(b, s), adv, old.view(b, s), backend="triton",
+                            **POLICY_ROUTES[route])
+    out.loss.backward()
+    assert h.grad.abs().sum() > 0
+    _same((out.logprobs.reshape(-1)[keep], out.entropy.reshape(-1)[keep]), (ref[0][keep], ref[1][keep]), route)
+    if "sequence boundaries" in route:
+        # the fused pass ran in several chunks, some starting off a 16-row token tile
+        assert not ran and len(cuts) == 1 and cuts[0] is not None and len(cuts[0]) > 2, cuts
+        assert any(start % 16 for start in cuts[0][1:-1]), cuts
+    assert bool(ran) == route.endswith("(two passes)")
+    if route.endswith("(torch terms)"):
+        assert kernels == [None]      # the triton terms kernel does not cover these settings
+
+
 def test_gradients_are_the_same_bits_run_to_run(seed):
     """A fixed batch with ignored rows: d_hidden and d_weight of a loss on log-probs and entropy, twice."""
     g, hidden, weight, labels = _head(seed)
