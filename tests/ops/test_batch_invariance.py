@@ -3,12 +3,14 @@ whatever batch they are computed in, and a fixed batch's gradients are the same 
 
 - On any machine, without a GPU: every launch of the statistics and combine kernels (Triton and Gluon) uses the
   one compiled build for every token count, as triton's own launcher keys it for an sm_90 GPU (a child process,
-  ``build_keys.py``). This is what broke it on the GPU: triton compiled the combine once for n = 1, once for
-  n % 16 == 0 and once for the rest, with block layouts that sum a token's vocabulary tiles in different orders.
-  The interpreter has no builds, so only this check sees that cause without a GPU.
+  ``build_keys.py``); where the policy loss's pass keys other builds (chunks at sequence boundaries, unaligned
+  slices), they compile to the same sm_90 program. This is what broke it on the GPU: triton compiled the combine
+  once for n = 1, once for n % 16 == 0 and once for the rest, with block layouts that sum a token's vocabulary
+  tiles in different orders. The interpreter has no builds, so only this check sees that cause without a GPU.
 - Under the interpreter (CI) and on a GPU: the guarantee itself, torch.equal on every case (one token a call,
-  larger batches, permutations, ignored rows, per-token temperatures of ones, token chunks of the workspaces,
-  fused_policy_loss against fused_logprobs, the entropy-free call, run to run, gradients run to run).
+  larger batches, permutations, ignored rows, per-token temperatures, token chunks of the workspaces,
+  fused_policy_loss against fused_logprobs on each of its routes, the entropy-free call, run to run, gradients
+  run to run).
 """
 from __future__ import annotations
 
@@ -31,19 +33,27 @@ R, H, V = 21, 96, 523     # 9 vocabulary tiles under the interpreter, the last r
 
 def test_one_build_for_every_token_count():
     """Calls of 1, 7, 16, 37, 64 and 300 tokens: one build per kernel (fails where the token count is
-    specialised: three builds each)."""
+    specialised: three builds each); and the policy loss's pass, in even chunks and in chunks cut at sequence
+    boundaries, compiles to one sm_90 program per kernel variant (fails where the token count is specialised:
+    three programs of the combine)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([HERE, *sys.path])
     out = subprocess.run([sys.executable, "-m", "build_keys"], cwd=HERE, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    keys = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sorted(keys) == ["combine", "forward statistics (Triton)", "policy statistics (Triton)",
-                            "statistics (Gluon)"]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    keys = found["keys"]
+    kernels = ["combine", "forward statistics (Triton)", "policy statistics (Triton)", "statistics (Gluon)"]
+    assert sorted(keys) == kernels
     for kernel, per_n in keys.items():
         assert len(per_n) == 6, kernel
         builds = {json.dumps(k) for k in per_n.values()}
         assert len(builds) == 1, f"{kernel}: {len(builds)} builds for token counts {sorted(per_n, key=int)}"
+    # the policy loss's pass too, with chunks cut at sequence boundaries (their slices start unaligned, which
+    # triton keys as other builds): one sm_90 program per kernel variant
+    assert sorted(found["programs"]) == kernels
+    for kernel, programs in found["programs"].items():
+        assert programs == 1, f"{kernel}: {programs} different sm_90 programs for one variant"
 
 
 def _head(seed: int):
