@@ -131,6 +131,20 @@ def test_fused_logprobs_is_batch_invariant(case, seed, monkeypatch):
     _same(got, ref, case)
 
 
+@pytest.mark.parametrize("value, dtype", [(1.1, torch.float64), (0.75, torch.float32), (0.7, torch.float64)])
+def test_temperature_tensor_holding_the_scalar_gives_the_same_bits(value, dtype, seed):
+    """A per-token temperature tensor that holds the scalar's value exactly (float64, or float32 when the value is
+    a float32 number) gives the scalar's bits, per token and per sequence. A float32 tensor of 1.1 holds
+    1.10000002384...: another temperature (docs/determinism.md)."""
+    g, hidden, weight, labels = _head(seed)
+    ref = _score(hidden, weight, labels, temperature=value)
+    _same(_score(hidden, weight, labels, temperature=torch.full((R,), value, dtype=dtype, device=DEVICE)), ref,
+          f"per-token {dtype} temperature {value}")
+    seq = _score(hidden.view(3, 7, H), weight, labels.view(3, 7),
+                 temperature=torch.full((3, 1), value, dtype=dtype, device=DEVICE))
+    _same((seq[0].reshape(-1), seq[1].reshape(-1)), ref, f"per-sequence {dtype} temperature {value}")
+
+
 def test_without_entropy_and_policy_loss_give_the_same_bits(seed, monkeypatch):
     """The entropy-free call's log-probs, and fused_policy_loss's log-probs and entropy (in a batch with ignored
     rows, its workspace cut into token chunks), equal fused_logprobs' alone."""
