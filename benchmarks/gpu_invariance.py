@@ -297,6 +297,7 @@ def chunked_cases(dev):
 # fused_policy_loss's routes (losses/api.py), each of which must give fused_logprobs' bits
 POLICY_ROUTES = {
     "token-local, triton terms kernel": dict(entropy_coef=0.01),
+    "token-local, check_inputs=False (every row computed)": dict(entropy_coef=0.01, check_inputs=False),
     "rejection mask (torch terms)": dict(rejection_k2_max=0.05, entropy_coef=0.01),
     "current_is token (torch terms)": dict(surrogate="gpg", current_is="token_truncate", current_is_max=1.5),
     "sequence-level ratio (chunks at sequence boundaries)": dict(ratio_level="sequence",
@@ -307,9 +308,9 @@ POLICY_ROUTES = {
 
 
 def policy_routes(dev):
-    """fused_policy_loss on each of its routes, with gradients: the reference tokens at random places among
-    5 sequences (20% of the other rows ignored), compared with fused_logprobs' bits for them alone. The sequence-
-    coupled routes cut the pass's token chunks at sequence boundaries (logged), at rows off the token tiles.
+    """fused_policy_loss on each of its routes, twice with gradients (run to run): the reference tokens at random
+    places among 5 sequences (20% of the other rows ignored), compared with fused_logprobs' bits for them alone.
+    The sequence-coupled routes cut the pass's token chunks at sequence boundaries (logged), off the token tiles.
     Then a scalar temperature of 1.1 against a float64 per-token tensor of 1.1."""
     import logitless.losses.api as api
     from logitless.losses import fused_policy_loss
@@ -336,14 +337,22 @@ def policy_routes(dev):
         for route, settings in POLICY_ROUTES.items():
             cuts.clear()
             try:
-                h = bh.detach().clone().view(b, s, H).requires_grad_(True)
-                out = fused_policy_loss(h, weight, by.view(b, s), adv, old.view(b, s), backend="triton", **settings)
-                out.loss.backward()
+                grads = []
+                for _ in range(2):
+                    h = bh.detach().clone().view(b, s, H).requires_grad_(True)
+                    w = weight.detach().clone().requires_grad_(True)
+                    out = fused_policy_loss(h, w, by.view(b, s), adv, old.view(b, s), backend="triton", **settings)
+                    out.loss.backward()
+                    grads.append((h.grad, w.grad))
                 compare(f"policy: {route}", out.logprobs.reshape(-1)[where], out.entropy.reshape(-1)[where],
                         lp0, ent0)
+                same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1], strict=True)]
+                RESULTS["inv"].append({"case": f"policy: {route}: gradients run to run", "d_hidden_equal": same[0],
+                                       "d_weight_equal": same[1]})
+                log(f"    gradients run to run: d_hidden bit-equal {same[0]}, d_weight bit-equal {same[1]}")
                 if cuts:
                     log(f"    chunk bounds {cuts[0]}")
-                del out, h
+                del out, h, w, grads
             except Exception as exc:  # noqa: BLE001 - report and go on
                 log(f"  policy: {route} failed:", repr(exc)[:300])
     finally:

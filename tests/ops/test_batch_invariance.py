@@ -166,6 +166,8 @@ def test_without_entropy_and_policy_loss_give_the_same_bits(seed, monkeypatch):
 # fused_policy_loss's routes (losses/api.py): each must give fused_logprobs' bits for the log-prob and entropy
 POLICY_ROUTES = {
     # the torch derivatives of ops/policy_terms.py instead of the triton terms kernel, one fused pass
+    # check_inputs=False: every row computed, the ignored ones with no label
+    "token-local, unchecked": dict(entropy_coef=0.01, check_inputs=False),
     "rejection mask (torch terms)": dict(rejection_k2_max=0.05, entropy_coef=0.01),
     "current_is token (torch terms)": dict(surrogate="gpg", current_is="token_truncate", current_is_max=1.5),
     # coupled within sequences: one fused pass whose chunks are cut at sequence boundaries (api._sequence_bounds)
