@@ -12,6 +12,10 @@
    ``fused_policy_loss`` on a batch with ignored rows, the entropy-free call's log-prob, the Triton and Gluon
    forward kernels (LOGITLESS_TRITON_FWD_KERNEL), the pointer-load path (LOGITLESS_TRITON_TMA=0), run to run;
    and a fixed batch's gradients run to run.
+   ``policy``: ``fused_policy_loss`` (with gradients) on each of its routes (the triton terms kernel, the torch
+   terms of rejection masks and current_is, token chunks cut at sequence boundaries for sequence-coupled losses,
+   the two passes of a batch-coupled one) against ``fused_logprobs``' bits; a scalar temperature against a float64
+   tensor of the same value.
 2. ``time``: at the README shapes (A 16384 x 4096 x 151936, B 8192 x 4096 x 131072), the cuBLAS floor (1 GEMM
    forward, 4 GEMMs forward+backward) and ``fused_logprobs`` (triton, with entropy) in rounds that alternate the
    variants: the default, and LOGITLESS_TRITON_FWD_KERNEL=triton (the Triton tile kernel, the forward of the
@@ -290,9 +294,79 @@ def chunked_cases(dev):
     compare("chunked: permuted", lp[inv], ent[inv], lp0, ent0)
 
 
+# fused_policy_loss's routes (losses/api.py), each of which must give fused_logprobs' bits
+POLICY_ROUTES = {
+    "token-local, triton terms kernel": dict(entropy_coef=0.01),
+    "token-local, check_inputs=False (every row computed)": dict(entropy_coef=0.01, check_inputs=False),
+    "rejection mask (torch terms)": dict(rejection_k2_max=0.05, entropy_coef=0.01),
+    "current_is token (torch terms)": dict(surrogate="gpg", current_is="token_truncate", current_is_max=1.5),
+    "sequence-level ratio (chunks at sequence boundaries)": dict(ratio_level="sequence",
+                                                                 loss_agg="seq-mean-token-mean"),
+    "sequence rejection (chunks at sequence boundaries)": dict(rejection_seq_mean_k2_max=0.2),
+    "entropy mask (two passes)": dict(entropy_quantile=0.5, entropy_coef=0.01),
+}
+
+
+def policy_routes(dev):
+    """fused_policy_loss on each of its routes, twice with gradients (run to run): the reference tokens at random
+    places among 5 sequences (20% of the other rows ignored), compared with fused_logprobs' bits for them alone.
+    The sequence-coupled routes cut the pass's token chunks at sequence boundaries (logged), off the token tiles.
+    Then a scalar temperature of 1.1 against a float64 per-token tensor of 1.1."""
+    import logitless.losses.api as api
+    from logitless.losses import fused_policy_loss
+    g = torch.Generator(device=dev).manual_seed(4321)
+    hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    lp0, ent0 = score(hidden, weight, labels)
+    b = 5
+    s = -(-(2 * R + 123) // b)
+    bh, by, where = embed(g, hidden, labels, b * s, dev)
+    others = torch.ones(b * s, dtype=torch.bool, device=dev)
+    others[where] = False
+    drop = others & (torch.rand(b * s, device=dev, generator=g) < 0.2)
+    by = torch.where(drop, torch.full_like(by, -100), by)
+    lp_big, _ = score(bh, weight, by)
+    old = lp_big + 0.05 * torch.randn(b * s, device=dev, generator=g)
+    adv = torch.randn(b, 1, device=dev, generator=g).expand(b, s)
+    cuts = []
+    original = api._sequence_bounds
+    api._sequence_bounds = lambda *a: cuts.append(original(*a)) or cuts[-1]
+    log("policy routes: fused_policy_loss's log-prob / entropy against fused_logprobs alone "
+        f"({R} tokens among {b} x {s} rows)")
+    try:
+        for route, settings in POLICY_ROUTES.items():
+            cuts.clear()
+            try:
+                grads = []
+                for _ in range(2):
+                    h = bh.detach().clone().view(b, s, H).requires_grad_(True)
+                    w = weight.detach().clone().requires_grad_(True)
+                    out = fused_policy_loss(h, w, by.view(b, s), adv, old.view(b, s), backend="triton", **settings)
+                    out.loss.backward()
+                    grads.append((h.grad, w.grad))
+                compare(f"policy: {route}", out.logprobs.reshape(-1)[where], out.entropy.reshape(-1)[where],
+                        lp0, ent0)
+                same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1], strict=True)]
+                RESULTS["inv"].append({"case": f"policy: {route}: gradients run to run", "d_hidden_equal": same[0],
+                                       "d_weight_equal": same[1]})
+                log(f"    gradients run to run: d_hidden bit-equal {same[0]}, d_weight bit-equal {same[1]}")
+                if cuts:
+                    log(f"    chunk bounds {cuts[0]}")
+                del out, h, w, grads
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                log(f"  policy: {route} failed:", repr(exc)[:300])
+    finally:
+        api._sequence_bounds = original
+    lp1, ent1 = score(hidden, weight, labels, temperature=1.1)
+    lp, ent = score(hidden, weight, labels, temperature=torch.full((R,), 1.1, dtype=torch.float64, device=dev))
+    compare("temperature 1.1: float64 tensor against the scalar", lp, ent, lp1, ent1)
+    lp, ent = score(hidden, weight, labels, temperature=torch.full((R,), 1.1, device=dev))
+    compare("temperature 1.1: float32 tensor (1.10000002) against the scalar (no promise)", lp, ent, lp1, ent1)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="inv,time", help="inv, chunked, time")
+    p.add_argument("--sections", default="inv,time", help="inv, policy, chunked, time")
     p.add_argument("--label", default="this")
     p.add_argument("--out", default=".")
     p.add_argument("--million", action="store_true")
@@ -314,6 +388,9 @@ def main():
     if "inv" in sections:
         invariance(dev, args.million)
         log(f"invariance section: {time.time() - t0:.0f} s")
+    if "policy" in sections:
+        policy_routes(dev)
+        log(f"policy section: {time.time() - t0:.0f} s")
     if "chunked" in sections:
         chunked_cases(dev)
     if "time" in sections:

@@ -3,12 +3,14 @@ whatever batch they are computed in, and a fixed batch's gradients are the same 
 
 - On any machine, without a GPU: every launch of the statistics and combine kernels (Triton and Gluon) uses the
   one compiled build for every token count, as triton's own launcher keys it for an sm_90 GPU (a child process,
-  ``build_keys.py``). This is what broke it on the GPU: triton compiled the combine once for n = 1, once for
-  n % 16 == 0 and once for the rest, with block layouts that sum a token's vocabulary tiles in different orders.
-  The interpreter has no builds, so only this check sees that cause without a GPU.
+  ``build_keys.py``); where the policy loss's pass keys other builds (chunks at sequence boundaries, unaligned
+  slices), they compile to the same sm_90 program. This is what broke it on the GPU: triton compiled the combine
+  once for n = 1, once for n % 16 == 0 and once for the rest, with block layouts that sum a token's vocabulary
+  tiles in different orders. The interpreter has no builds, so only this check sees that cause without a GPU.
 - Under the interpreter (CI) and on a GPU: the guarantee itself, torch.equal on every case (one token a call,
-  larger batches, permutations, ignored rows, per-token temperatures of ones, token chunks of the workspaces,
-  fused_policy_loss against fused_logprobs, the entropy-free call, run to run, gradients run to run).
+  larger batches, permutations, ignored rows, per-token temperatures, token chunks of the workspaces,
+  fused_policy_loss against fused_logprobs on each of its routes, the entropy-free call, run to run, gradients
+  run to run).
 """
 from __future__ import annotations
 
@@ -31,19 +33,27 @@ R, H, V = 21, 96, 523     # 9 vocabulary tiles under the interpreter, the last r
 
 def test_one_build_for_every_token_count():
     """Calls of 1, 7, 16, 37, 64 and 300 tokens: one build per kernel (fails where the token count is
-    specialised: three builds each)."""
+    specialised: three builds each); and the policy loss's pass, in even chunks and in chunks cut at sequence
+    boundaries, compiles to one sm_90 program per kernel variant (fails where the token count is specialised:
+    three programs of the combine)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([HERE, *sys.path])
     out = subprocess.run([sys.executable, "-m", "build_keys"], cwd=HERE, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    keys = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sorted(keys) == ["combine", "forward statistics (Triton)", "policy statistics (Triton)",
-                            "statistics (Gluon)"]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    keys = found["keys"]
+    kernels = ["combine", "forward statistics (Triton)", "policy statistics (Triton)", "statistics (Gluon)"]
+    assert sorted(keys) == kernels
     for kernel, per_n in keys.items():
         assert len(per_n) == 6, kernel
         builds = {json.dumps(k) for k in per_n.values()}
         assert len(builds) == 1, f"{kernel}: {len(builds)} builds for token counts {sorted(per_n, key=int)}"
+    # the policy loss's pass too, with chunks cut at sequence boundaries (their slices start unaligned, which
+    # triton keys as other builds): one sm_90 program per kernel variant
+    assert sorted(found["programs"]) == kernels
+    for kernel, programs in found["programs"].items():
+        assert programs == 1, f"{kernel}: {programs} different sm_90 programs for one variant"
 
 
 def _head(seed: int):
@@ -121,6 +131,20 @@ def test_fused_logprobs_is_batch_invariant(case, seed, monkeypatch):
     _same(got, ref, case)
 
 
+@pytest.mark.parametrize("value, dtype", [(1.1, torch.float64), (0.75, torch.float32), (0.7, torch.float64)])
+def test_temperature_tensor_holding_the_scalar_gives_the_same_bits(value, dtype, seed):
+    """A per-token temperature tensor that holds the scalar's value exactly (float64, or float32 when the value is
+    a float32 number) gives the scalar's bits, per token and per sequence. A float32 tensor of 1.1 holds
+    1.10000002384...: another temperature (docs/determinism.md)."""
+    g, hidden, weight, labels = _head(seed)
+    ref = _score(hidden, weight, labels, temperature=value)
+    _same(_score(hidden, weight, labels, temperature=torch.full((R,), value, dtype=dtype, device=DEVICE)), ref,
+          f"per-token {dtype} temperature {value}")
+    seq = _score(hidden.view(3, 7, H), weight, labels.view(3, 7),
+                 temperature=torch.full((3, 1), value, dtype=dtype, device=DEVICE))
+    _same((seq[0].reshape(-1), seq[1].reshape(-1)), ref, f"per-sequence {dtype} temperature {value}")
+
+
 def test_without_entropy_and_policy_loss_give_the_same_bits(seed, monkeypatch):
     """The entropy-free call's log-probs, and fused_policy_loss's log-probs and entropy (in a batch with ignored
     rows, its workspace cut into token chunks), equal fused_logprobs' alone."""
@@ -137,6 +161,65 @@ def test_without_entropy_and_policy_loss_give_the_same_bits(seed, monkeypatch):
         h = big_h.clone().requires_grad_(True)
         out = fused_policy_loss(h, weight, big_y, adv, entropy_coef=0.01, backend="triton")
         _same((out.logprobs[where], out.entropy[where]), ref, f"fused_policy_loss (workspace {workspace})")
+
+
+# fused_policy_loss's routes (losses/api.py): each must give fused_logprobs' bits for the log-prob and entropy
+POLICY_ROUTES = {
+    # the torch derivatives of ops/policy_terms.py instead of the triton terms kernel, one fused pass
+    # check_inputs=False: every row computed, the ignored ones with no label
+    "token-local, unchecked": dict(entropy_coef=0.01, check_inputs=False),
+    "rejection mask (torch terms)": dict(rejection_k2_max=0.05, entropy_coef=0.01),
+    "current_is token (torch terms)": dict(surrogate="gpg", current_is="token_truncate", current_is_max=1.5),
+    # coupled within sequences: one fused pass whose chunks are cut at sequence boundaries (api._sequence_bounds)
+    "sequence-level ratio (chunks at sequence boundaries)": dict(ratio_level="sequence",
+                                                                 loss_agg="seq-mean-token-mean"),
+    "sequence rejection (chunks at sequence boundaries)": dict(rejection_seq_mean_k2_max=0.2, loss_agg="token-mean"),
+    # coupled across the batch: fused_logprobs' forward, then a second pass
+    "entropy mask (two passes)": dict(entropy_quantile=0.5, entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("route", list(POLICY_ROUTES))
+def test_every_policy_loss_route_gives_the_same_bits(route, seed, monkeypatch):
+    """Sequences of 7 tokens (some ignored), the policy workspace at its smallest (16-row chunks under the
+    interpreter, so chunks cut at sequence boundaries start off the token tiles): fused_policy_loss's log-probs
+    and entropy equal fused_logprobs' on the same rows, whichever pass the loss takes."""
+    import logitless.losses.api as api
+    g = torch.Generator().manual_seed(seed)
+    b, s = 6, 7
+    hidden = torch.randn(b * s, H, generator=g).bfloat16().to(DEVICE)
+    weight = (torch.randn(V, H, generator=g) * (3 / H ** 0.5)).bfloat16().to(DEVICE)
+    labels = torch.randint(0, V, (b * s,), generator=g).to(DEVICE)
+    labels[torch.rand(b * s, generator=g).to(DEVICE) < 0.2] = -100
+    labels[::s] = torch.randint(0, V, (b,), generator=g).to(DEVICE)      # every sequence scores a token
+    ref = _score(hidden, weight, labels)
+    keep = labels != -100
+    monkeypatch.setenv("LOGITLESS_POLICY_WORKSPACE_BYTES", "1")
+    cuts = []
+    original = api._sequence_bounds
+    monkeypatch.setattr(api, "_sequence_bounds", lambda *a: cuts.append(original(*a)) or cuts[-1])
+    import logitless.losses.function as function
+    kernels = []
+    terms_for = function.policy_terms_for
+    monkeypatch.setattr(function, "policy_terms_for", lambda *a: kernels.append(terms_for(*a)) or kernels[-1])
+    ran = []
+    two_pass = api._reference
+    monkeypatch.setattr(api, "_reference", lambda *a, **k: ran.append(1) or two_pass(*a, **k))
+    old = (ref[0] + 0.1 * torch.randn(b * s, generator=g).to(DEVICE)).masked_fill(~keep, 0.0)
+    adv = torch.randn(b, 1, generator=g).expand(b, s).to(DEVICE)
+    h = hidden.view(b, s, H).clone().requires_grad_(True)
+    out = fused_policy_loss(h, weight, labels.view(b, s), adv, old.view(b, s), backend="triton",
+                            **POLICY_ROUTES[route])
+    out.loss.backward()
+    assert h.grad.abs().sum() > 0
+    _same((out.logprobs.reshape(-1)[keep], out.entropy.reshape(-1)[keep]), (ref[0][keep], ref[1][keep]), route)
+    if "sequence boundaries" in route:
+        # the fused pass ran in several chunks, some starting off a 16-row token tile
+        assert not ran and len(cuts) == 1 and cuts[0] is not None and len(cuts[0]) > 2, cuts
+        assert any(start % 16 for start in cuts[0][1:-1]), cuts
+    assert bool(ran) == route.endswith("(two passes)")
+    if route.endswith("(torch terms)"):
+        assert kernels == [None]      # the triton terms kernel does not cover these settings
 
 
 def test_gradients_are_the_same_bits_run_to_run(seed):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from logitless import fused_logprobs, last_backend, parallel
+from logitless.losses import fused_policy_loss
 from logitless.parallel import (
     VocabParallel,
     gather_sequence,
@@ -406,10 +407,10 @@ def case_triton_interpreted(ctx):
 
 def case_triton_batch_invariance(ctx):
     """Tensor parallel degree 2 or 3, triton backend (interpreter): a token's log-prob and entropy are the same bits
-    alone, in a larger batch with ignored rows and permuted, with shards on vocabulary-tile boundaries (64 columns
-    under the interpreter) and off them. Against the unsharded call (degree 1) they are not bit-equal (the tiles
-    are combined per shard and the shards across ranks, where one rank combines all tiles in one pass): the
-    bound, measured here as at most a few float32 ulps, is held at TP_BOUND."""
+    alone, in a larger batch with ignored rows, permuted and from fused_policy_loss, with shards on vocabulary-tile
+    boundaries (64 columns under the interpreter) and off them. Against the unsharded call (degree 1) they are not
+    bit-equal (the tiles are combined per shard and the shards across ranks, where one rank combines all tiles in
+    one pass): the bound, measured here as at most a few float32 ulps, is held at TP_BOUND."""
     ck = Checks()
     g = ctx.gen(21)
     r_tokens, n_total = 9, 31
@@ -441,6 +442,11 @@ def case_triton_batch_invariance(ctx):
         perm = torch.randperm(r_tokens, generator=g)
         lp, ent = score(hidden[perm], labels[perm])
         ck.true(f"{tag}: permuted", torch.equal(lp, lp0[perm]) and torch.equal(ent, ent0[perm]))
+        # fused_policy_loss's pass (with gradients) gives the same bits as fused_logprobs at this degree
+        adv = torch.randn(r_tokens, generator=g)
+        out = fused_policy_loss(hidden.clone().requires_grad_(True), w_local, labels, adv, entropy_coef=0.01,
+                                tp_group=ctx.group, backend="triton")
+        ck.true(f"{tag}: fused_policy_loss", torch.equal(out.logprobs, lp0) and torch.equal(out.entropy, ent0))
         lp1, ent1 = score(hidden, labels, group=None, w=weight)
         every = _gathered(ctx, torch.stack([lp0, ent0]))
         ck.true(f"{tag}: same bits on every rank", all(torch.equal(x, every[0]) for x in every))
