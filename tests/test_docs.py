@@ -114,3 +114,49 @@ def test_block_runs(code, needs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)         # a block that writes files writes them here
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
+
+
+# README's API section: each function's signature in a ```text block and its argument table
+SIGNATURE = re.compile(r"^```text\n(logitless[\w.]*)\.(\w+)(\(.*?)\n```", re.M | re.S)
+
+
+def readme_api():
+    import importlib
+    text = (ROOT / "README.md").read_text()
+    found = {}
+    for m in SIGNATURE.finditer(text):
+        module, name, written = m.group(1), m.group(2), m.group(3)
+        section = text[m.end():].split("\n### ", 1)[0].split("\n## ", 1)[0]
+        found[name] = (getattr(importlib.import_module(module), name), written, section)
+    return found
+
+
+@pytest.mark.parametrize("name", ["fused_logprobs", "fused_policy_loss"])
+def test_readme_signature_and_table_match_the_code(name):
+    import ast
+    import inspect
+    api = readme_api()
+    assert name in api, f"README.md has no ```text signature block for {name}"
+    fn, written, section = api[name]
+    node = ast.parse(f"def {name}{written}: pass").body[0]
+    args = node.args
+    # what README.md writes: (name, kind, default) in order, and the return type
+    wrote = [(a.arg, "positional", None) for a in args.posonlyargs + args.args]
+    defaults = [ast.literal_eval(d) for d in args.defaults]
+    for i, value in enumerate(defaults):
+        wrote[len(wrote) - len(defaults) + i] = (wrote[len(wrote) - len(defaults) + i][0], "positional", value)
+    wrote += [(a.arg, "keyword", None if d is None else ast.literal_eval(d))
+              for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]
+    if args.kwarg:
+        wrote.append((args.kwarg.arg, "**", None))
+    sig = inspect.signature(fn)
+    kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional", inspect.Parameter.KEYWORD_ONLY: "keyword",
+             inspect.Parameter.VAR_KEYWORD: "**"}
+    real = [(p.name, kinds[p.kind], None if p.default is inspect.Parameter.empty else p.default)
+            for p in sig.parameters.values()]
+    assert wrote == real, f"README.md's signature of {name} differs from the code:\n{wrote}\n{real}"
+    assert ast.unparse(node.returns) == str(sig.return_annotation)
+    # every argument has its row in the table that follows
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
+    missing = [p for p, kind, _ in real if f"`{'**' if kind == '**' else ''}{p}`" not in table]
+    assert not missing, f"README.md's table for {name} has no row for {missing}"
