@@ -131,3 +131,51 @@ def test_import_resolution(tmp_path, source, expected):
     fake.write_text(source)
     name = "logitless.losses.x" if source.startswith("from ..") else "logitless.x"
     assert imports_of(name, fake, set(mods) | {name}) == expected
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def private_uses(path: Path) -> list[str]:
+    """What a benchmark script takes from logitless beyond its stable surface: a kernel module other than
+    ``ops/triton/stages.py``, or a name with a leading underscore (imported, or read off an imported module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("logitless"):
+                    bound.add(alias.asname or alias.name.split(".")[0])
+                    if alias.name.startswith("logitless.ops.triton.") and alias.name != "logitless.ops.triton.stages":
+                        found.append(f"import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("logitless"):
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                full = f"{node.module}.{alias.name}"
+                kernel = full.startswith("logitless.ops.triton.") and not full.startswith("logitless.ops.triton.stages")
+                if alias.name.startswith("_") or kernel:
+                    found.append(f"from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in bound):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_benchmarks_use_the_stable_surface():
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert len(scripts) > 5
+    used = {p.name: private_uses(p) for p in scripts}
+    assert not {k: v for k, v in used.items() if v}, f"benchmark scripts reach past the stable surface: {used}"
+
+
+@pytest.mark.parametrize("source", [
+    "from logitless.ops.triton import policy_stats_gluon",
+    "import logitless.ops.triton.combine",
+    "from logitless.losses.api import _reference",
+    "import logitless.losses.api as api\napi._reference = None",
+])
+def test_private_uses_are_seen(tmp_path, source):
+    script = tmp_path / "bench.py"
+    script.write_text(source)
+    assert private_uses(script)
