@@ -179,3 +179,45 @@ def test_private_uses_are_seen(tmp_path, source):
     script = tmp_path / "bench.py"
     script.write_text(source)
     assert private_uses(script)
+
+
+def drawn_graphs() -> list[dict[str, set[str]]]:
+    """The ```text drawings under docs/development.md's "The import graph", as {node: its arrows}."""
+    text = (SRC.parent / "docs" / "development.md").read_text()
+    section = text.split("## The import graph", 1)[1].split("\n## ", 1)[0]
+    drawings = []
+    for block in section.split("```text\n")[1:]:
+        drawn: dict[str, set[str]] = {}
+        for line in block.split("```", 1)[0].splitlines():
+            line = line.split("  (", 1)[0].strip()          # a comment in parentheses after two spaces
+            left, _, right = line.partition("->")
+            names = [n.strip() for n in left.split(",") if n.strip()]
+            for name in names:
+                drawn.setdefault(name, set()).update(n.strip() for n in right.split(",") if n.strip())
+        drawings.append(drawn)
+    return drawings
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "logitless"
+
+
+def test_the_drawings_in_development_md_are_the_code():
+    g = graph()
+    packages, ops_edges = drawn_graphs()
+    real: dict[str, set[str]] = {package_of(m): set() for m in g}
+    for a, targets in g.items():
+        for b in targets:
+            if package_of(a) != package_of(b):
+                real[package_of(a)].add(package_of(b))
+    assert packages == real, f"docs/development.md's package graph is not the code's:\ndrawn {packages}\ncode  {real}"
+    # inside ops/: every import between the triton subpackage and the rest of ops/, module by module
+    crossing: dict[str, set[str]] = {}
+    for a, targets in g.items():
+        for b in targets:
+            if a.startswith("logitless.ops.") and b.startswith("logitless.ops."):
+                if a.startswith("logitless.ops.triton.") != b.startswith("logitless.ops.triton."):
+                    crossing.setdefault(a.removeprefix("logitless."), set()).add(b.removeprefix("logitless."))
+    assert ops_edges == crossing, f"docs/development.md's ops/ drawing is not the code's:\ndrawn {ops_edges}\n" \
+                                  f"code  {crossing}"
