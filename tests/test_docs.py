@@ -160,3 +160,26 @@ def test_readme_signature_and_table_match_the_code(name):
     table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
     missing = [p for p, kind, _ in real if f"`{'**' if kind == '**' else ''}{p}`" not in table]
     assert not missing, f"README.md's table for {name} has no row for {missing}"
+
+
+def test_knobs_page_lists_every_environment_variable():
+    """docs/knobs.md names every LOGITLESS_* variable the library reads (all in knobs.py, the tile knobs by stage
+    name) and none that nothing reads."""
+    knobs = (ROOT / "src" / "logitless" / "knobs.py").read_text()
+    stages = set(re.findall(r'choose_tiles\("(\w+)"', "\n".join(
+        p.read_text() for p in (ROOT / "src" / "logitless" / "ops" / "triton").glob("*.py"))))
+    assert stages >= {"FWD", "BWD", "POLICY"}, stages
+    # whole names only (not the f-string prefix of the tile knobs)
+    read = set(re.findall(r"LOGITLESS_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_{])", knobs))
+    read |= {f"LOGITLESS_TRITON_{s}" for s in stages}
+    elsewhere = [p for p in (ROOT / "src").rglob("*.py") if p.name != "knobs.py"
+                 and re.search(r"environ[^\n]*LOGITLESS_|getenv\([^)]*LOGITLESS_", p.read_text())]
+    assert not elsewhere, f"LOGITLESS_* read outside knobs.py: {elsewhere}"
+    page = (ROOT / "docs" / "knobs.md").read_text()
+    documented = set(re.findall(r"LOGITLESS_[A-Z0-9_]*[A-Z0-9]", page))
+    assert read - documented == set(), f"docs/knobs.md does not list {sorted(read - documented)}"
+    test_only = {"LOGITLESS_REQUIRE_INTEGRATIONS", "LOGITLESS_SEED"}      # read by the test suite, said so there
+    tests_text = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    assert all(name in tests_text for name in test_only)
+    assert documented - read - test_only == set(), f"docs/knobs.md lists {sorted(documented - read - test_only)}, " \
+                                                   "which nothing reads"
