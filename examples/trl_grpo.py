@@ -77,9 +77,14 @@ def reward_even_words(completions, **_):
 
 def quiet_known_warnings():
     """TRL 1.16 calls transformers' gradient_checkpointing* names, which transformers 5 deprecates in favour of
-    activation_checkpointing*: a FutureWarning about TRL's code, not this script's settings."""
+    activation_checkpointing*: a FutureWarning about TRL's code, not this script's settings. And DeepSpeed's
+    warning that it found no GPU, on a CPU."""
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
                             category=FutureWarning)
+    # DeepSpeed, where it is installed, is imported by accelerate and logs a WARNING when it finds no GPU;
+    # naming the device it should use (its own DS_ACCELERATOR setting) is all it needs
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def main():

@@ -294,6 +294,10 @@ def run_one(args, mode: str, seed: int) -> dict:
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
                             category=FutureWarning)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        # DeepSpeed, where it is installed, is imported by accelerate and logs a WARNING when it finds no GPU;
+        # naming the device it should use (its own DS_ACCELERATOR setting) is all it needs
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 

@@ -114,3 +114,72 @@ def test_block_runs(code, needs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)         # a block that writes files writes them here
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
+
+
+# README's API section: each function's signature in a ```text block and its argument table
+SIGNATURE = re.compile(r"^```text\n(logitless[\w.]*)\.(\w+)(\(.*?)\n```", re.M | re.S)
+
+
+def readme_api():
+    import importlib
+    text = (ROOT / "README.md").read_text()
+    found = {}
+    for m in SIGNATURE.finditer(text):
+        module, name, written = m.group(1), m.group(2), m.group(3)
+        section = text[m.end():].split("\n### ", 1)[0].split("\n## ", 1)[0]
+        found[name] = (getattr(importlib.import_module(module), name), written, section)
+    return found
+
+
+@pytest.mark.parametrize("name", ["fused_logprobs", "fused_policy_loss"])
+def test_readme_signature_and_table_match_the_code(name):
+    import ast
+    import inspect
+    api = readme_api()
+    assert name in api, f"README.md has no ```text signature block for {name}"
+    fn, written, section = api[name]
+    node = ast.parse(f"def {name}{written}: pass").body[0]
+    args = node.args
+    # what README.md writes: (name, kind, default) in order, and the return type
+    wrote = [(a.arg, "positional", None) for a in args.posonlyargs + args.args]
+    defaults = [ast.literal_eval(d) for d in args.defaults]
+    for i, value in enumerate(defaults):
+        wrote[len(wrote) - len(defaults) + i] = (wrote[len(wrote) - len(defaults) + i][0], "positional", value)
+    wrote += [(a.arg, "keyword", None if d is None else ast.literal_eval(d))
+              for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]
+    if args.kwarg:
+        wrote.append((args.kwarg.arg, "**", None))
+    sig = inspect.signature(fn)
+    kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional", inspect.Parameter.KEYWORD_ONLY: "keyword",
+             inspect.Parameter.VAR_KEYWORD: "**"}
+    real = [(p.name, kinds[p.kind], None if p.default is inspect.Parameter.empty else p.default)
+            for p in sig.parameters.values()]
+    assert wrote == real, f"README.md's signature of {name} differs from the code:\n{wrote}\n{real}"
+    assert ast.unparse(node.returns) == str(sig.return_annotation)
+    # every argument has its row in the table that follows
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
+    missing = [p for p, kind, _ in real if f"`{'**' if kind == '**' else ''}{p}`" not in table]
+    assert not missing, f"README.md's table for {name} has no row for {missing}"
+
+
+def test_knobs_page_lists_every_environment_variable():
+    """docs/knobs.md names every LOGITLESS_* variable the library reads (all in knobs.py, the tile knobs by stage
+    name) and none that nothing reads."""
+    knobs = (ROOT / "src" / "logitless" / "knobs.py").read_text()
+    stages = set(re.findall(r'choose_tiles\("(\w+)"', "\n".join(
+        p.read_text() for p in (ROOT / "src" / "logitless" / "ops" / "triton").glob("*.py"))))
+    assert stages >= {"FWD", "BWD", "POLICY"}, stages
+    # whole names only (not the f-string prefix of the tile knobs)
+    read = set(re.findall(r"LOGITLESS_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_{])", knobs))
+    read |= {f"LOGITLESS_TRITON_{s}" for s in stages}
+    elsewhere = [p for p in (ROOT / "src").rglob("*.py") if p.name != "knobs.py"
+                 and re.search(r"environ[^\n]*LOGITLESS_|getenv\([^)]*LOGITLESS_", p.read_text())]
+    assert not elsewhere, f"LOGITLESS_* read outside knobs.py: {elsewhere}"
+    page = (ROOT / "docs" / "knobs.md").read_text()
+    documented = set(re.findall(r"LOGITLESS_[A-Z0-9_]*[A-Z0-9]", page))
+    assert read - documented == set(), f"docs/knobs.md does not list {sorted(read - documented)}"
+    test_only = {"LOGITLESS_REQUIRE_INTEGRATIONS", "LOGITLESS_SEED"}      # read by the test suite, said so there
+    tests_text = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    assert all(name in tests_text for name in test_only)
+    assert documented - read - test_only == set(), f"docs/knobs.md lists {sorted(documented - read - test_only)}, " \
+                                                   "which nothing reads"

@@ -16,7 +16,8 @@ def run_example(name: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" in line]
+    # Python's "...Warning:" and a library logger's "[WARNING]" alike
+    warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "warning" in line.lower()]
     assert not warned, "\n".join(warned)
     return proc.stdout
 

@@ -131,3 +131,93 @@ def test_import_resolution(tmp_path, source, expected):
     fake.write_text(source)
     name = "logitless.losses.x" if source.startswith("from ..") else "logitless.x"
     assert imports_of(name, fake, set(mods) | {name}) == expected
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def private_uses(path: Path) -> list[str]:
+    """What a benchmark script takes from logitless beyond its stable surface: a kernel module other than
+    ``ops/triton/stages.py``, or a name with a leading underscore (imported, or read off an imported module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("logitless"):
+                    bound.add(alias.asname or alias.name.split(".")[0])
+                    if alias.name.startswith("logitless.ops.triton.") and alias.name != "logitless.ops.triton.stages":
+                        found.append(f"import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("logitless"):
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                full = f"{node.module}.{alias.name}"
+                kernel = full.startswith("logitless.ops.triton.") and not full.startswith("logitless.ops.triton.stages")
+                if alias.name.startswith("_") or kernel:
+                    found.append(f"from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in bound):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_benchmarks_use_the_stable_surface():
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert len(scripts) > 5
+    used = {p.name: private_uses(p) for p in scripts}
+    assert not {k: v for k, v in used.items() if v}, f"benchmark scripts reach past the stable surface: {used}"
+
+
+@pytest.mark.parametrize("source", [
+    "from logitless.ops.triton import policy_stats_gluon",
+    "import logitless.ops.triton.combine",
+    "from logitless.losses.api import _reference",
+    "import logitless.losses.api as api\napi._reference = None",
+])
+def test_private_uses_are_seen(tmp_path, source):
+    script = tmp_path / "bench.py"
+    script.write_text(source)
+    assert private_uses(script)
+
+
+def drawn_graphs() -> list[dict[str, set[str]]]:
+    """The ```text drawings under docs/development.md's "The import graph", as {node: its arrows}."""
+    text = (SRC.parent / "docs" / "development.md").read_text()
+    section = text.split("## The import graph", 1)[1].split("\n## ", 1)[0]
+    drawings = []
+    for block in section.split("```text\n")[1:]:
+        drawn: dict[str, set[str]] = {}
+        for line in block.split("```", 1)[0].splitlines():
+            line = line.split("  (", 1)[0].strip()          # a comment in parentheses after two spaces
+            left, _, right = line.partition("->")
+            names = [n.strip() for n in left.split(",") if n.strip()]
+            for name in names:
+                drawn.setdefault(name, set()).update(n.strip() for n in right.split(",") if n.strip())
+        drawings.append(drawn)
+    return drawings
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "logitless"
+
+
+def test_the_drawings_in_development_md_are_the_code():
+    g = graph()
+    packages, ops_edges = drawn_graphs()
+    real: dict[str, set[str]] = {package_of(m): set() for m in g}
+    for a, targets in g.items():
+        for b in targets:
+            if package_of(a) != package_of(b):
+                real[package_of(a)].add(package_of(b))
+    assert packages == real, f"docs/development.md's package graph is not the code's:\ndrawn {packages}\ncode  {real}"
+    # inside ops/: every import between the triton subpackage and the rest of ops/, module by module
+    crossing: dict[str, set[str]] = {}
+    for a, targets in g.items():
+        for b in targets:
+            if a.startswith("logitless.ops.") and b.startswith("logitless.ops."):
+                if a.startswith("logitless.ops.triton.") != b.startswith("logitless.ops.triton."):
+                    crossing.setdefault(a.removeprefix("logitless."), set()).add(b.removeprefix("logitless."))
+    assert ops_edges == crossing, f"docs/development.md's ops/ drawing is not the code's:\ndrawn {ops_edges}\n" \
+                                  f"code  {crossing}"

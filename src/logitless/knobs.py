@@ -40,8 +40,8 @@ def dlogits_elements(default: int) -> int:
 
 
 def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
-    """LOGITLESS_TRITON_FWD / LOGITLESS_TRITON_BWD = "BM,BN,BK,GROUP_M,warps,stages": the tiles of that
-    kernel (benchmarking only); None when unset."""
+    """LOGITLESS_TRITON_FWD / LOGITLESS_TRITON_BWD / LOGITLESS_TRITON_POLICY = "BM,BN,BK,GROUP_M,warps,stages":
+    the tiles of that kernel (benchmarking only); None when unset."""
     name = f"LOGITLESS_TRITON_{stage}"
     raw = os.environ.get(name, "").strip()
     if not raw:

@@ -75,6 +75,25 @@ def test_launch_settings_restored_and_checked():
             pass
 
 
+def test_gluon_launch_settings_name_real_constants():
+    # every name the surface offers for the Gluon kernel is a constant of that module (FWD_STAGES: the forward's
+    # ring depth, which benchmarks/gpu_invariance.py varies); without Gluon (the interpreter) a change is refused
+    from logitless.ops.triton import policy_stats_gluon
+    _, names = stages._LAUNCH["gluon_stats"]
+    if stages.policy_stats_gluon is None:
+        with pytest.raises(RuntimeError, match="Gluon"):
+            with stages.launch("gluon_stats", FWD_STAGES=5):
+                pass
+        assert stages.launch_settings("gluon_stats") == {}
+        assert all(isinstance(getattr(policy_stats_gluon, name, None), int) for name in names), names
+        return
+    before = stages.launch_settings("gluon_stats")
+    assert set(before) == set(names)
+    with stages.launch("gluon_stats", FWD_STAGES=before["FWD_STAGES"] + 1):
+        assert stages.launch_settings("gluon_stats")["FWD_STAGES"] == before["FWD_STAGES"] + 1
+    assert stages.launch_settings("gluon_stats") == before
+
+
 def test_instrument_policy_pass_sees_every_stage_and_restores(seed):
     from logitless.losses import fused_policy_loss
     from logitless.ops.triton import policy_backend

@@ -185,12 +185,13 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
             that are not scored get no label, inputs and weights 0, and outputs 0 (NaN padding in the
             per-token inputs there is harmless; a non-finite hidden state there reaches d_weight). Token-local
             losses only (no softcap, no rollout_is): others raise ValueError.
-        loss_settings: the other ``PolicyLoss`` settings, by name: surrogate ("ppo", "cispo", "sapo",
-            "gpg", "dro", "vespo", "dppo_tv", "dppo_kl"), ratio_level, ratio_log_clamp, delta, kl_ratio, the
-            masks (entropy_quantile, entropy_quantile_group, off_policy_threshold), rollout correction
-            (rollout_logprobs, rollout_is, rollout_is_min / _max, rollout_weights, rollout_nan_is_missing),
-            entropy_agg and each surrogate's parameters; an
-            unknown name is a TypeError naming it. docs/policy-loss.md defines each.
+        loss_settings: the other ``PolicyLoss`` settings, by name: surrogate (``SURROGATES``: "ppo", "cispo",
+            "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov"), ratio_level,
+            ratio_log_clamp, delta, kl_ratio, the masks (entropy_quantile, entropy_quantile_group,
+            off_policy_threshold), rollout correction (rollout_logprobs, rollout_is, rollout_is_min / _max,
+            rollout_weights, rollout_is_batch_normalize, rollout_nan_is_missing), current_is (with
+            current_is_min / _max), rejection sampling (rejection_*), entropy_agg and each surrogate's
+            parameters; an unknown name is a TypeError naming it. docs/policy-loss.md defines each.
 
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, clip_fraction, kl): ``loss`` is 0-d float32, to be

@@ -142,7 +142,8 @@ def policy_dlogits(bufs: PolicyBuffers, lse: Tensor, ent: Tensor, g_lp: Tensor, 
 # launch constants a benchmark may vary, by stage: name -> (module, attribute)
 _LAUNCH = {
     "dlogits": (_dlogits, ("ROWS_PER_PROGRAM", "TILES_PER_PROGRAM", "WARPS", "FAST_LOG2")),
-    "gluon_stats": (policy_stats_gluon, ("STAGES", "GROUP_M", "BLOCK_K")),
+    # STAGES: the operand ring of the policy pass (which also stores e); FWD_STAGES: fused_logprobs' forward's
+    "gluon_stats": (policy_stats_gluon, ("STAGES", "FWD_STAGES", "GROUP_M", "BLOCK_K")),
 }
 
 
@@ -160,6 +161,8 @@ def launch(stage: str, **values) -> Iterator[None]:
     unknown = set(values) - set(names)
     if unknown:
         raise ValueError(f"launch({stage!r}): unknown constants {sorted(unknown)}; known: {list(names)}")
+    if module is None and values:
+        raise RuntimeError(f"launch({stage!r}): this triton has no Gluon")
     saved = {k: getattr(module, k) for k in values}
     for k, v in values.items():
         setattr(module, k, v)
