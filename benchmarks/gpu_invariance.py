@@ -306,9 +306,9 @@ POLICY_ROUTES = {
 def policy_routes(dev):
     """fused_policy_loss on each of its routes, twice with gradients (run to run): the reference tokens at random
     places among 5 sequences (20% of the other rows ignored), compared with fused_logprobs' bits for them alone.
-    The sequence-coupled routes cut the pass's token chunks at sequence boundaries (logged), off the token tiles.
+    The sequence-coupled routes cut the pass's token chunks at sequence boundaries, off the token tiles
+    (asserted on CPU by tests/ops/test_batch_invariance.py).
     Then a scalar temperature of 1.1 against a float64 per-token tensor of 1.1."""
-    import logitless.losses.api as api
     from logitless.losses import fused_policy_loss
     g = torch.Generator(device=dev).manual_seed(4321)
     hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
@@ -324,35 +324,26 @@ def policy_routes(dev):
     lp_big, _ = score(bh, weight, by)
     old = lp_big + 0.05 * torch.randn(b * s, device=dev, generator=g)
     adv = torch.randn(b, 1, device=dev, generator=g).expand(b, s)
-    cuts = []
-    original = api._sequence_bounds
-    api._sequence_bounds = lambda *a: cuts.append(original(*a)) or cuts[-1]
     log("policy routes: fused_policy_loss's log-prob / entropy against fused_logprobs alone "
         f"({R} tokens among {b} x {s} rows)")
-    try:
-        for route, settings in POLICY_ROUTES.items():
-            cuts.clear()
-            try:
-                grads = []
-                for _ in range(2):
-                    h = bh.detach().clone().view(b, s, H).requires_grad_(True)
-                    w = weight.detach().clone().requires_grad_(True)
-                    out = fused_policy_loss(h, w, by.view(b, s), adv, old.view(b, s), backend="triton", **settings)
-                    out.loss.backward()
-                    grads.append((h.grad, w.grad))
-                compare(f"policy: {route}", out.logprobs.reshape(-1)[where], out.entropy.reshape(-1)[where],
-                        lp0, ent0)
-                same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1], strict=True)]
-                RESULTS["inv"].append({"case": f"policy: {route}: gradients run to run", "d_hidden_equal": same[0],
-                                       "d_weight_equal": same[1]})
-                log(f"    gradients run to run: d_hidden bit-equal {same[0]}, d_weight bit-equal {same[1]}")
-                if cuts:
-                    log(f"    chunk bounds {cuts[0]}")
-                del out, h, w, grads
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                log(f"  policy: {route} failed:", repr(exc)[:300])
-    finally:
-        api._sequence_bounds = original
+    for route, settings in POLICY_ROUTES.items():
+        try:
+            grads = []
+            for _ in range(2):
+                h = bh.detach().clone().view(b, s, H).requires_grad_(True)
+                w = weight.detach().clone().requires_grad_(True)
+                out = fused_policy_loss(h, w, by.view(b, s), adv, old.view(b, s), backend="triton", **settings)
+                out.loss.backward()
+                grads.append((h.grad, w.grad))
+            compare(f"policy: {route}", out.logprobs.reshape(-1)[where], out.entropy.reshape(-1)[where],
+                    lp0, ent0)
+            same = [torch.equal(x, y) for x, y in zip(grads[0], grads[1], strict=True)]
+            RESULTS["inv"].append({"case": f"policy: {route}: gradients run to run", "d_hidden_equal": same[0],
+                                   "d_weight_equal": same[1]})
+            log(f"    gradients run to run: d_hidden bit-equal {same[0]}, d_weight bit-equal {same[1]}")
+            del out, h, w, grads
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            log(f"  policy: {route} failed:", repr(exc)[:300])
     lp1, ent1 = score(hidden, weight, labels, temperature=1.1)
     lp, ent = score(hidden, weight, labels, temperature=torch.full((R,), 1.1, dtype=torch.float64, device=dev))
     compare("temperature 1.1: float64 tensor against the scalar", lp, ent, lp1, ent1)
