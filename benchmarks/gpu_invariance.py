@@ -20,6 +20,16 @@
    forward, 4 GEMMs forward+backward) and ``fused_logprobs`` (triton, with entropy) in rounds that alternate the
    variants: the default, and LOGITLESS_TRITON_FWD_KERNEL=triton (the Triton tile kernel, the forward of the
    code before the Gluon forward). Medians of all rounds; ratio = variant / floor.
+3. ``chunked``: the chunked backend's cases under each LOGITLESS_CHUNKED_COLUMNS rule of --columns ("batch": the
+   vocabulary chunk is budget / N columns wide, CUDA's default; "fixed": the same columns for every batch): run to
+   run, calls of 1 and of 16 tokens, batches of R + 7, 3R and 40000 (token chunks), a permutation, 50% and 37% of
+   the other rows ignored; then what is left under fixed columns, separated: cuBLAS's float32 logits of the same
+   rows in products of other shapes, and torch's row sums of the same rows among other row counts.
+   ``chunked_time``: fused_logprobs (chunked, with entropy) forward and forward+backward under each rule against
+   the cuBLAS floor at --chunked-shapes (A, B and S 1024 x 4096 x 151936), alternating rounds, medians. Both
+   sections end with a table, one column per rule:
+
+    PYTHONPATH=src python3 benchmarks/gpu_invariance.py --label chunked-columns --sections chunked,chunked_time
 
 Run it once per code version (``--label``); the numbers are written to DIR/gpu_invariance-<label>.json.
 """
@@ -38,8 +48,8 @@ from logitless import fused_logprobs
 from logitless.tools.common import GemmFloor, random_head, sample_labels
 
 H, V, R = 4096, 151936, 4096
-SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072)}
-RESULTS: dict = {"inv": [], "time": {}}
+SHAPES = {"A": (16384, 4096, 151936), "B": (8192, 4096, 131072), "S": (1024, 4096, 151936)}
+RESULTS: dict = {"inv": [], "time": {}, "chunked_parts": [], "chunked_time": {}}
 
 
 def log(*a):
@@ -186,14 +196,21 @@ def invariance(dev, million: bool):
 def timed_rounds(variants: dict, rounds: int, reps: int):
     """Median ms of each variant over rounds x reps calls, the variants alternating within every round."""
     times = {k: [] for k in variants}
+    cuda = torch.cuda.is_available()
     for fn in variants.values():     # warm-up: compilation, autotuning, allocator
         fn()
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     for r in range(rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for name in order:
             for _ in range(reps):
+                if not cuda:     # the CPU dry run (--small)
+                    t = time.perf_counter()
+                    variants[name]()
+                    times[name].append((time.perf_counter() - t) * 1e3)
+                    continue
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 variants[name]()
@@ -262,32 +279,151 @@ def time_shape(dev, tag: str, rounds: int, variants: list):
         log(f"  {k:20s} {f:28s} fwd+bwd {med_b[k]:.2f} ms = {med_b[k] / med_b['floor']:.3f}x")
 
 
-def chunked_cases(dev):
-    """The chunked backend: which cases hold (no guarantee: cuBLAS picks its kernels by shape, and the vocabulary
-    chunk width is budget / N)."""
+def chunked_cases(dev, rule: str):
+    """The chunked backend under one LOGITLESS_CHUNKED_COLUMNS rule ("batch": the vocabulary chunk is budget / N
+    columns wide; "fixed": the same columns for every batch): which cases hold. No guarantee either way: cuBLAS
+    picks its kernels by shape, torch's row reductions their thread layout by the number of rows."""
     g = torch.Generator(device=dev).manual_seed(99)
     hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
     labels = sample_labels(hidden, weight, 1.0, g)
+    tag = f"chunked[{rule}]"
 
     def sc(hh, yy):
-        with torch.no_grad():
+        with torch.no_grad(), Env(LOGITLESS_CHUNKED_COLUMNS=rule):
             return fused_logprobs(hh, weight, yy, with_entropy=True, backend="chunked")
 
     lp0, ent0 = sc(hidden, labels)
-    log("chunked backend: case / largest |difference| / share of tokens not bit-equal")
+    log(f"{tag}: case / largest |difference| / share of tokens not bit-equal")
     lp, ent = sc(hidden, labels)
-    compare("chunked: run to run", lp, ent, lp0, ent0)
-    one = [sc(hidden[i:i + 1], labels[i:i + 1]) for i in range(16)]
-    compare("chunked: one token a call (first 16)", torch.cat([o[0] for o in one]), torch.cat([o[1] for o in one]),
-            lp0[:16], ent0[:16])
-    for n_total in (R + 7, 3 * R):
+    compare(f"{tag}: run to run", lp, ent, lp0, ent0)
+    for size in (1, 16):
+        parts = [sc(hidden[i:i + size], labels[i:i + size]) for i in range(0, 64, size)]
+        compare(f"{tag}: calls of {size} token(s) (first 64)", torch.cat([o[0] for o in parts]),
+                torch.cat([o[1] for o in parts]), lp0[:64], ent0[:64])
+    for n_total in (R + 7, 3 * R, 40000 if R == 4096 else 3 * R + 5):    # 40000: token chunks of 16384
         bh, by, where = embed(g, hidden, labels, n_total, dev)
         lp, ent = sc(bh, by)
-        compare(f"chunked: in a batch of {n_total}", lp[where], ent[where], lp0, ent0)
+        compare(f"{tag}: in a batch of {n_total}", lp[where], ent[where], lp0, ent0)
+        del bh, by, lp, ent
     perm = torch.randperm(R, device=dev, generator=g)
     lp, ent = sc(hidden[perm], labels[perm])
-    inv = torch.argsort(perm)
-    compare("chunked: permuted", lp[inv], ent[inv], lp0, ent0)
+    compare(f"{tag}: permuted", lp[torch.argsort(perm)], ent[torch.argsort(perm)], lp0, ent0)
+    for share in (0.5, 0.37):
+        n_total = int(R / (1 - share))
+        bh, by, where = embed(g, hidden, labels, n_total, dev)
+        ignored = torch.ones(n_total, dtype=torch.bool, device=dev)
+        ignored[where] = False
+        lp, ent = sc(bh, torch.where(ignored, torch.full_like(by, -100), by))
+        compare(f"{tag}: {share:.0%} of the other rows ignored", lp[where], ent[where], lp0, ent0)
+
+
+def _bits(name, a, b):
+    """Largest |a - b| and the share of float32 elements not bit-equal, logged and kept."""
+    row = {"case": name, "max": (a.double() - b.double()).abs().max().item(),
+           "share": (a.view(torch.int32) != b.view(torch.int32)).double().mean().item()}
+    RESULTS["chunked_parts"].append(row)
+    log(f"  {name:58s} max {row['max']:.3g} share {row['share']:.4f}")
+
+
+def chunked_parts(dev):
+    """What is left under fixed columns, separated: (1) cuBLAS, the float32 logits of the reference tokens against
+    the first 1024 vocabulary rows (one fixed chunk) computed in products of other row counts, and in a 4096-column
+    product (the "batch" chunk at 4096 tokens); (2) torch's row sums (the online logsumexp's reductions) of the same
+    float32 rows [n, 1024] among other row counts."""
+    from logitless.ops.chunked import MIN_COLUMNS
+    from logitless.ops.maths import mm_fp32
+    g = torch.Generator(device=dev).manual_seed(5)
+    hidden, weight = random_head(R, H, V, torch.bfloat16, dev, g)
+    w = weight[:MIN_COLUMNS]
+    with torch.no_grad():
+        z0 = mm_fp32(hidden, w.t())
+        log(f"chunked parts: the reference's [{R}, {MIN_COLUMNS}] float32 logits / their row sums; "
+            "largest |difference| / share of elements not bit-equal")
+        for size in (1, 7, 16):
+            z = torch.cat([mm_fp32(hidden[i:i + size], w.t()) for i in range(0, 64, size)])
+            _bits(f"cuBLAS logits: products of {size} row(s) (first 64)", z, z0[:64])
+        for n_total in (R + 7, 3 * R):
+            bh, _, where = embed(g, hidden, torch.zeros(R, dtype=torch.long, device=dev), n_total, dev)
+            _bits(f"cuBLAS logits: in a product of {n_total} rows", mm_fp32(bh, w.t())[where], z0)
+        wide = mm_fp32(hidden, weight[:4 * MIN_COLUMNS].t())[:, :MIN_COLUMNS]
+        _bits(f"cuBLAS logits: columns 0-{MIN_COLUMNS - 1} of a {4 * MIN_COLUMNS}-column product", wide, z0)
+        e0 = (z0 - z0.amax(dim=1, keepdim=True)).exp()
+        s0 = e0.sum(dim=1)
+        for size in (1, 7, 16):
+            s = torch.cat([e0[i:i + size].sum(dim=1) for i in range(0, 64, size)])
+            _bits(f"torch row sums: {size} row(s) a call (first 64)", s, s0[:64])
+        for n_total in (R + 7, 3 * R):
+            big = torch.rand(n_total, MIN_COLUMNS, device=dev, generator=g)
+            where = torch.randperm(n_total, device=dev, generator=g)[:R]
+            big[where] = e0
+            _bits(f"torch row sums: among {n_total} rows", big.sum(dim=1)[where], s0)
+
+
+def chunked_time(dev, tag: str, rounds: int, rules: list):
+    """fused_logprobs (chunked, with entropy) forward and forward+backward under each column rule against the
+    cuBLAS floor, in rounds that alternate them (medians); the forward's peak extra memory per rule."""
+    n, h, v = SHAPES[tag]
+    g = torch.Generator(device=dev).manual_seed(7)
+    hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    a = torch.randn(n, device=dev, generator=g)
+    b = torch.randn(n, device=dev, generator=g)
+    floor = GemmFloor(hidden, weight)
+    hg = hidden.detach().clone().requires_grad_(True)
+    wg = weight.detach().clone().requires_grad_(True)
+
+    def fwd(rule):
+        def run():
+            with torch.no_grad(), Env(LOGITLESS_CHUNKED_COLUMNS=rule):
+                fused_logprobs(hidden, weight, labels, with_entropy=True, backend="chunked")
+        return run
+
+    def step(rule):
+        def run():
+            hg.grad = wg.grad = None
+            with Env(LOGITLESS_CHUNKED_COLUMNS=rule):
+                lp, ent = fused_logprobs(hg, wg, labels, with_entropy=True, backend="chunked")
+                ((a * lp).sum() + (b * ent).sum()).backward()
+        return run
+
+    med_f, raw_f = timed_rounds({"floor": floor.forward, **{r: fwd(r) for r in rules}}, rounds, 3)
+    med_b, raw_b = timed_rounds({"floor": floor.forward_backward, **{r: step(r) for r in rules}}, rounds, 2)
+    floor.close()
+    peaks = {}
+    if dev.type == "cuda":
+        for r in rules:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd(r)()
+            torch.cuda.synchronize()
+            peaks[r] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    RESULTS["chunked_time"][tag] = {"shape": [n, h, v], "fwd_ms": med_f, "fwdbwd_ms": med_b, "fwd_raw": raw_f,
+                                    "fwdbwd_raw": raw_b, "fwd_peak_extra_mib": peaks}
+
+
+def chunked_summary(rules: list):
+    """The chunked cases and timings, one column per rule: log-prob / entropy share of tokens not bit-equal."""
+    rows: dict = {}
+    for row in RESULTS["inv"]:
+        if row["case"].startswith("chunked["):
+            rule, case = row["case"][len("chunked["):].split("]: ", 1)
+            rows.setdefault(case, {})[rule] = f"{row['lp_share']:.3f} / {row['ent_share']:.3f}"
+    if rows:
+        log("\nchunked backend, share of tokens not bit-equal (log-prob / entropy):")
+        log(f"  {'case':44s}" + "".join(f"{r:>18s}" for r in rules))
+        for case, by_rule in rows.items():
+            log(f"  {case:44s}" + "".join(f"{by_rule.get(r, '-'):>18s}" for r in rules))
+    if RESULTS["chunked_time"]:
+        log("\nchunked backend timing, medians in ms (x the cuBLAS floor: 1 GEMM fwd, 4 GEMMs fwd+bwd):")
+        for tag, t in RESULTS["chunked_time"].items():
+            f, b = t["fwd_ms"], t["fwdbwd_ms"]
+            cells = "".join(f"  {r}: fwd {f[r]:.2f} ({f[r] / f['floor']:.3f}x) fwd+bwd {b[r]:.2f} "
+                            f"({b[r] / b['floor']:.3f}x)" for r in rules)
+            log(f"  {tag} {'x'.join(map(str, t['shape']))}: floor {f['floor']:.2f} / {b['floor']:.2f}{cells}")
+            if len(rules) == 2:
+                log(f"    {rules[1]} / {rules[0]}: fwd {f[rules[1]] / f[rules[0]]:.3f}, "
+                    f"fwd+bwd {b[rules[1]] / b[rules[0]]:.3f}; fwd peak extra MiB {t['fwd_peak_extra_mib']}")
 
 
 # fused_policy_loss's routes (losses/api.py), each of which must give fused_logprobs' bits
@@ -353,18 +489,21 @@ def policy_routes(dev):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="inv,time", help="inv, policy, chunked, time")
+    p.add_argument("--sections", default="inv,time", help="inv, policy, chunked, chunked_time, time")
     p.add_argument("--label", default="this")
     p.add_argument("--out", default=".")
     p.add_argument("--million", action="store_true")
     p.add_argument("--shapes", default="A,B")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--variants", default="default,triton_fwd_kernel")
+    p.add_argument("--columns", default="batch,fixed", help="chunked sections: LOGITLESS_CHUNKED_COLUMNS rules")
+    p.add_argument("--chunked-shapes", default="A,B,S")
     p.add_argument("--small", action="store_true", help="CPU dry run under TRITON_INTERPRET=1: tiny shapes")
     args = p.parse_args()
     global H, V, R
     if args.small:
         H, V, R = 96, 1031, 24
+        SHAPES.update(A=(64, 96, 1031), B=(40, 96, 1024), S=(8, 96, 1031))
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import triton
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
@@ -378,8 +517,19 @@ def main():
     if "policy" in sections:
         policy_routes(dev)
         log(f"policy section: {time.time() - t0:.0f} s")
+    rules = args.columns.split(",")
     if "chunked" in sections:
-        chunked_cases(dev)
+        for rule in rules:
+            chunked_cases(dev, rule)
+        chunked_parts(dev)
+        log(f"chunked section: {time.time() - t0:.0f} s")
+    if "chunked_time" in sections:
+        for tag in args.chunked_shapes.split(","):
+            chunked_time(dev, tag, args.rounds, rules)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        log(f"chunked_time section: {time.time() - t0:.0f} s")
+    chunked_summary(rules)
     if "time" in sections:
         for tag in args.shapes.split(","):
             time_shape(dev, tag, args.rounds, args.variants.split(","))

@@ -77,6 +77,7 @@ def test_checks_name_the_argument(check, args, error):
     ("LOGITLESS_TRITON_BWD", "a,b,c,d,e,f", lambda: knobs.triton_tiles("BWD")),
     ("LOGITLESS_POLICY_STATS_KERNEL", "gluon", knobs.policy_stats_kernel),
     ("LOGITLESS_TRITON_FWD_KERNEL", "gluon", knobs.forward_stats_kernel),
+    ("LOGITLESS_CHUNKED_COLUMNS", "wide", knobs.chunked_columns),
 ])
 def test_a_knob_that_does_not_parse_names_the_variable(monkeypatch, var, value, call):
     monkeypatch.setenv(var, value)
@@ -93,6 +94,8 @@ def test_knobs_are_read_at_call_time(monkeypatch):
     assert knobs.policy_stats_kernel() == "triton"
     monkeypatch.setenv("LOGITLESS_TRITON_FWD_KERNEL", " TRITON ")
     assert knobs.forward_stats_kernel() == "triton"
+    monkeypatch.setenv("LOGITLESS_CHUNKED_COLUMNS", " FIXED ")
+    assert knobs.chunked_columns() == "fixed"
     monkeypatch.setenv("LOGITLESS_STRICT", "yes")
     assert knobs.strict()
     monkeypatch.delenv("LOGITLESS_STRICT")

@@ -34,6 +34,16 @@ def chunk_elements(default: int) -> int:
     return _int("LOGITLESS_CHUNK_ELEMENTS", default)
 
 
+def chunked_columns() -> str:
+    """LOGITLESS_CHUNKED_COLUMNS: where the chunked backend's forward cuts the vocabulary: "auto" (the default: the
+    device's rule, ``chunked.DEFAULT_COLUMNS``), "fixed" (at columns set by the vocabulary and the tile budget alone,
+    the same for every batch), "batch" (chunks of LOGITLESS_CHUNK_ELEMENTS / N columns, N the call's tokens)."""
+    raw = os.environ.get("LOGITLESS_CHUNKED_COLUMNS", "").strip().lower() or "auto"
+    if raw not in ("auto", "fixed", "batch"):
+        raise ValueError(f"LOGITLESS_CHUNKED_COLUMNS={raw!r} must be auto, fixed or batch")
+    return raw
+
+
 def dlogits_elements(default: int) -> int:
     """LOGITLESS_TRITON_DLOGITS_ELEMENTS: elements of the triton backward's dlogits workspace."""
     return _int("LOGITLESS_TRITON_DLOGITS_ELEMENTS", default)

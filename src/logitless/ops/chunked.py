@@ -3,7 +3,8 @@
 The vocabulary is streamed in chunks of rows of ``weight``; each chunk's float32 logits
 [T, chunk] are folded into per-token running statistics (online logsumexp) and dropped. On CPU the forward's
 chunks have one width for every batch (``stats_columns``), so a token's bits depend on the batch only through
-the BLAS (docs/determinism.md).
+the BLAS and torch's reductions (docs/determinism.md); on CUDA by default the width is the budget over N
+(LOGITLESS_CHUNKED_COLUMNS chooses).
 Backward recomputes each chunk and produces that chunk's d_weight rows whole, while d_hidden
 is accumulated in float32. One call takes at most T = LOGITLESS_CHUNK_ELEMENTS / 1024 tokens
 (``token_rows``); ``ops/token_chunks.py`` feeds it larger inputs in chunks of T tokens. Peak extra
@@ -34,6 +35,10 @@ name = "chunked"
 # pages fault in on first touch (measured: 1.59x the 4-GEMM floor at 64 MiB, 1.08-1.15x at 4-8 MiB).
 DEFAULT_CHUNK_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 21}
 
+# Where the forward cuts the vocabulary (LOGITLESS_CHUNKED_COLUMNS=auto): "fixed", at the same columns for every
+# batch; "batch", the budget over N (wider products, so fewer and larger GEMMs, for small batches).
+DEFAULT_COLUMNS = {"cuda": "batch", "cpu": "fixed"}
+
 
 def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
     return None
@@ -53,20 +58,28 @@ def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
     return max(1, min(vocab, _tile_budget(device) // max(n_tokens, 1)))
 
 
+def _max_tokens(device: torch.device) -> int:
+    return max(1, _tile_budget(device) // MIN_COLUMNS)
+
+
 def stats_columns(n_tokens: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary rows per forward chunk. On CPU a function of the vocabulary alone (the budget over the most
-    tokens of a call, ``token_rows``: MIN_COLUMNS), so a token's online logsumexp rescales at the same columns in
-    every batch and its bits depend on the batch only through the BLAS (docs/determinism.md). On CUDA the budget
-    over N (``chunk_rows``): wider products for small batches, and cuBLAS chooses its kernels by shape anyway."""
-    if device.type == "cuda":
+    """Vocabulary rows per forward chunk. "fixed" columns (CPU's default): a function of the vocabulary and the
+    budget alone (the budget over the most tokens of a call, ``token_rows``: MIN_COLUMNS by default), so a token's
+    online logsumexp rescales at the same columns in every batch and its bits depend on the batch only through the
+    BLAS and the row reductions (docs/determinism.md). "batch" columns (CUDA's default): the budget over N
+    (``chunk_rows``), wider products for small batches. LOGITLESS_CHUNKED_COLUMNS overrides the device's rule."""
+    rule = knobs.chunked_columns()
+    if rule == "auto":
+        rule = DEFAULT_COLUMNS["cuda" if device.type == "cuda" else "cpu"]
+    if rule == "batch":
         return chunk_rows(n_tokens, vocab, device)
-    return max(1, min(vocab, _tile_budget(device) // max(1, _tile_budget(device) // MIN_COLUMNS)))
+    return max(1, min(vocab, _tile_budget(device) // _max_tokens(device)))
 
 
 def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
     """Most tokens per call, both stages: the tile budget over MIN_COLUMNS (2^24 / 1024 = 16384 on CUDA,
     2048 on CPU by default). Depends on the device only, as the backward's chunking must (contract.py)."""
-    return max(1, _tile_budget(hidden.device) // MIN_COLUMNS)
+    return _max_tokens(hidden.device)
 
 
 def _chunks(vocab: int, step: int):
