@@ -4,7 +4,7 @@ suite runs in one spawn (spawning is the slow part); each rank writes {case: [ok
 FSDP2 suite (2 ranks, each scoring its own batch, so the gradients FSDP2 reduce-scatters are a real average):
 fused_forward, patch_model and fused_policy_loss on a model with ``fully_shard`` on each decoder layer and the
 root, the head in the root unit or its own, tied embeddings, reshard_after_forward True / False, a bf16
-MixedPrecisionPolicy; against the unsharded model (its logits in float64; the bf16 case against the unsharded
+MixedPrecisionPolicy (and each under inference_mode / no_grad: the values of the call with grad); against the unsharded model (its logits in float64; the bf16 case against the unsharded
 model cast to bf16).
 TP suite (2 or 3 ranks, the same batch everywhere): the head sharded over the vocabulary by parallelize_module's
 ColwiseParallel (uneven shards), against the unsharded model; a Shard(1) head refused."""
@@ -136,11 +136,18 @@ def _check_fsdp2(kind, layout, reshard, bf16, seed, mesh) -> str:
     assert torch.equal(out.logprobs, fused.logprobs.detach()) and torch.equal(out.entropy, fused.entropy.detach())
     unpatch_model(model)
     model.zero_grad(set_to_none=True)
+    with torch.inference_mode():   # how trainers score old log-probs: the head's unit gathered without autograd
+        scored = fused_forward(model, ids, mask, temperature=temp)
+    assert torch.equal(scored.logprobs, fused.logprobs.detach()) and torch.equal(scored.entropy, fused.entropy.detach())
 
     policy = _policy_inputs(ids)
     res = fused_policy_loss(model, ids, mask, temperature=temp, **policy)
     res.loss.backward()
     got = _grads(model)
+    with torch.no_grad():          # the statistics only: the same loss and metrics
+        stats = fused_policy_loss(model, ids, mask, temperature=temp, **policy)
+    for s, r in zip(stats, res, strict=True):
+        assert not s.requires_grad and torch.allclose(s, r.detach(), rtol=1e-6, atol=1e-7), (s, r)
     plain.zero_grad(set_to_none=True)
     targets = expected_targets(ids, mask)
     if bf16:
