@@ -87,11 +87,20 @@ def test_autocast_of_another_device_type_changes_nothing(autocast_of_the_other_d
         fused_logprobs(hidden.bfloat16(), weight, labels)
 
 
+# (hidden's dtype, weight's dtype): float32 operands; the model's bf16 hidden states with a float32 head; and the
+# two half types crossed (F.linear under autocast casts both to the autocast dtype whatever they were)
+POLICY_OPERANDS = {"float32": (torch.float32, torch.float32), "bf16 hidden, fp32 weight": (torch.bfloat16, torch.float32),
+                   "bf16 hidden, fp16 weight": (torch.bfloat16, torch.float16)}
+
+
 @pytest.mark.parametrize("backend", ["chunked", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_policy_loss_under_autocast(backend, dtype, seed):
+@pytest.mark.parametrize("operands", list(POLICY_OPERANDS))
+def test_fused_policy_loss_under_autocast(backend, dtype, operands, seed):
     torch.manual_seed(seed)
     hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
+    hidden_dtype, weight_dtype = POLICY_OPERANDS[operands]
+    hidden, weight = hidden.to(hidden_dtype), weight.to(weight_dtype)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     spec = dict(ref_logprobs=ref, kl_coef=0.05, entropy_coef=0.01)
@@ -99,7 +108,7 @@ def test_fused_policy_loss_under_autocast(backend, dtype, seed):
         out = fused_policy_loss(h, w, labels, adv, old, backend=backend, **spec)
     out.loss.backward()
     assert out.loss.dtype == out.logprobs.dtype == torch.float32
-    assert h.grad.dtype == w.grad.dtype == torch.float32
+    assert h.grad.dtype == hidden_dtype and w.grad.dtype == weight_dtype     # as F.linear's: the leaves' dtypes
     want = loss64(as_used(hidden, dtype), as_used(weight, dtype), labels, adv, old, ref=ref, kl_coef=0.05,
                   entropy_coef=0.01)
     valid = labels != -100
