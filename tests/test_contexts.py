@@ -89,7 +89,8 @@ def test_autocast_of_another_device_type_changes_nothing(autocast_of_the_other_d
 
 # (hidden's dtype, weight's dtype): float32 operands; the model's bf16 hidden states with a float32 head; and the
 # two half types crossed (F.linear under autocast casts both to the autocast dtype whatever they were)
-POLICY_OPERANDS = {"float32": (torch.float32, torch.float32), "bf16 hidden, fp32 weight": (torch.bfloat16, torch.float32),
+POLICY_OPERANDS = {"float32": (torch.float32, torch.float32),
+                   "bf16 hidden, fp32 weight": (torch.bfloat16, torch.float32),
                    "bf16 hidden, fp16 weight": (torch.bfloat16, torch.float16)}
 
 

@@ -4,8 +4,8 @@ suite runs in one spawn (spawning is the slow part); each rank writes {case: [ok
 FSDP2 suite (2 ranks, each scoring its own batch, so the gradients FSDP2 reduce-scatters are a real average):
 fused_forward, patch_model and fused_policy_loss on a model with ``fully_shard`` on each decoder layer and the
 root, the head in the root unit or its own, tied embeddings, reshard_after_forward True / False, a bf16
-MixedPrecisionPolicy (and each under inference_mode / no_grad: the values of the call with grad); against the unsharded model (its logits in float64; the bf16 case against the unsharded
-model cast to bf16).
+MixedPrecisionPolicy (each also under inference_mode / no_grad: the values of the call with grad); against the
+unsharded model (its logits in float64; the bf16 case against the unsharded model cast to bf16).
 TP suite (2 or 3 ranks, the same batch everywhere): the head sharded over the vocabulary by parallelize_module's
 ColwiseParallel (uneven shards), against the unsharded model; a Shard(1) head refused."""
 import copy
