@@ -224,10 +224,13 @@ def test_compiled_under_autocast_matches_eager(seed):
     assert (got[2] - lp64)[valid].abs().max() <= LP_TOL
 
 
+DYNAMIC_BACKEND = "triton" if CUDA else "chunked"      # the triton backend is opaque to the compiler either way
+
+
 def float_step(hidden, weight, labels, adv, old, ref, temperature, kl_coef, clip_low):
     out = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=kl_coef, clip_low=clip_low,
-                            temperature=temperature, backend="chunked")
-    lp = fused_logprobs(hidden, weight, labels, backend="chunked")     # its default temperature is a float too
+                            temperature=temperature, backend=DYNAMIC_BACKEND)
+    lp = fused_logprobs(hidden, weight, labels, backend=DYNAMIC_BACKEND)     # its default temperature: a float too
     return out.loss + 1e-2 * lp.logprobs.sum(), out.logprobs, out.kl, lp.entropy
 
 
@@ -238,7 +241,7 @@ def test_compiled_with_dynamic_shapes_and_float_arguments(seed):
     torch._dynamo.reset()
     compiled = torch.compile(float_step, fullgraph=True, dynamic=True)
     for lead, settings in (((3, 5), (0.7, 0.05, 0.2)), ((2, 9), (1.3, 0.1, 0.3))):
-        hidden, weight, labels, adv, old, ref = policy_inputs(lead, H, V)
+        hidden, weight, labels, adv, old, ref = policy_inputs(lead, H, V, device=DEVICE)
         got = run_step(compiled, hidden, weight, labels, adv, old, ref, *settings)
         eager = run_step(float_step, hidden, weight, labels, adv, old, ref, *settings)
         for g, e in zip(got, eager, strict=True):
@@ -247,7 +250,8 @@ def test_compiled_with_dynamic_shapes_and_float_arguments(seed):
         want = loss64(hidden, weight, labels, adv, old, ref=ref, kl_coef=settings[1], clip_low=settings[2],
                       temperature=settings[0])
         valid = labels != -100
-        assert (got[1] - want[1])[valid].abs().max() <= 1e-5 and abs(float(got[2]) - float(want[4])) <= 1e-5
+        tol = TOL[torch.float32][0]
+        assert (got[1] - want[1])[valid].abs().max() <= tol and abs(float(got[2]) - float(want[4])) <= tol
     # a number refused while tracing: under fullgraph=True torch reports it as Unsupported, caused by the
     # op's own ValueError (the argument named, its value shown)
     with pytest.raises(Exception, match="clip_low must lie in") as info:
