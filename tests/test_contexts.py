@@ -167,6 +167,23 @@ def test_policy_loss_without_grad_gives_the_same_numbers(backend, mode, monkeypa
     assert abs(float(got.loss) - float(want[0])) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_policy_loss_under_autocast_without_grad(backend, mode, seed):
+    # the statistics-only pass takes the cast operands too (it once returned the loss of the uncast ones)
+    torch.manual_seed(seed)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=0.05, backend=backend)
+    want = loss64(as_used(hidden, torch.bfloat16), as_used(weight, torch.bfloat16), labels, adv, old, ref=ref,
+                  kl_coef=0.05)
+    valid = labels != -100
+    assert out.loss.dtype == torch.float32 and not out.loss.requires_grad
+    assert abs(float(out.loss) - float(want[0])) <= LP_TOL and abs(float(out.kl) - float(want[4])) <= LP_TOL
+    assert (out.logprobs - want[1])[valid].abs().max() <= LP_TOL
+
+
 # ------------------------------------------------------------------------------------------ compile
 
 def policy_step(hidden, weight, labels, adv, old, ref, **kw):
