@@ -87,11 +87,21 @@ def test_autocast_of_another_device_type_changes_nothing(autocast_of_the_other_d
         fused_logprobs(hidden.bfloat16(), weight, labels)
 
 
+# (hidden's dtype, weight's dtype): float32 operands; the model's bf16 hidden states with a float32 head; and the
+# two half types crossed (F.linear under autocast casts both to the autocast dtype whatever they were)
+POLICY_OPERANDS = {"float32": (torch.float32, torch.float32),
+                   "bf16 hidden, fp32 weight": (torch.bfloat16, torch.float32),
+                   "bf16 hidden, fp16 weight": (torch.bfloat16, torch.float16)}
+
+
 @pytest.mark.parametrize("backend", ["chunked", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_policy_loss_under_autocast(backend, dtype, seed):
+@pytest.mark.parametrize("operands", list(POLICY_OPERANDS))
+def test_fused_policy_loss_under_autocast(backend, dtype, operands, seed):
     torch.manual_seed(seed)
     hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
+    hidden_dtype, weight_dtype = POLICY_OPERANDS[operands]
+    hidden, weight = hidden.to(hidden_dtype), weight.to(weight_dtype)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     spec = dict(ref_logprobs=ref, kl_coef=0.05, entropy_coef=0.01)
@@ -99,7 +109,7 @@ def test_fused_policy_loss_under_autocast(backend, dtype, seed):
         out = fused_policy_loss(h, w, labels, adv, old, backend=backend, **spec)
     out.loss.backward()
     assert out.loss.dtype == out.logprobs.dtype == torch.float32
-    assert h.grad.dtype == w.grad.dtype == torch.float32
+    assert h.grad.dtype == hidden_dtype and w.grad.dtype == weight_dtype     # as F.linear's: the leaves' dtypes
     want = loss64(as_used(hidden, dtype), as_used(weight, dtype), labels, adv, old, ref=ref, kl_coef=0.05,
                   entropy_coef=0.01)
     valid = labels != -100
@@ -157,6 +167,23 @@ def test_policy_loss_without_grad_gives_the_same_numbers(backend, mode, monkeypa
     assert abs(float(got.loss) - float(want[0])) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_policy_loss_under_autocast_without_grad(backend, mode, seed):
+    # the statistics-only pass takes the cast operands too (it once returned the loss of the uncast ones)
+    torch.manual_seed(seed)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, device=DEVICE)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=0.05, backend=backend)
+    want = loss64(as_used(hidden, torch.bfloat16), as_used(weight, torch.bfloat16), labels, adv, old, ref=ref,
+                  kl_coef=0.05)
+    valid = labels != -100
+    assert out.loss.dtype == torch.float32 and not out.loss.requires_grad
+    assert abs(float(out.loss) - float(want[0])) <= LP_TOL and abs(float(out.kl) - float(want[4])) <= LP_TOL
+    assert (out.logprobs - want[1])[valid].abs().max() <= LP_TOL
+
+
 # ------------------------------------------------------------------------------------------ compile
 
 def policy_step(hidden, weight, labels, adv, old, ref, **kw):
@@ -212,6 +239,41 @@ def test_compiled_under_autocast_matches_eager(seed):
     lp64, _ = logprobs_entropy64(as_used(hidden, torch.bfloat16), as_used(weight, torch.bfloat16), labels)
     valid = labels != -100
     assert (got[2] - lp64)[valid].abs().max() <= LP_TOL
+
+
+DYNAMIC_BACKEND = "triton" if CUDA else "chunked"      # the triton backend is opaque to the compiler either way
+
+
+def float_step(hidden, weight, labels, adv, old, ref, temperature, kl_coef, clip_low):
+    out = fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=kl_coef, clip_low=clip_low,
+                            temperature=temperature, backend=DYNAMIC_BACKEND)
+    lp = fused_logprobs(hidden, weight, labels, backend=DYNAMIC_BACKEND)     # its default temperature: a float too
+    return out.loss + 1e-2 * lp.logprobs.sum(), out.logprobs, out.kl, lp.entropy
+
+
+def test_compiled_with_dynamic_shapes_and_float_arguments(seed):
+    # dynamic=True makes the float arguments (and the ops' float defaults) symbolic: the ops' number checks must
+    # trace them (math.isfinite cannot), and the values must still be those of eager for every shape and setting
+    torch.manual_seed(seed)
+    torch._dynamo.reset()
+    compiled = torch.compile(float_step, fullgraph=True, dynamic=True)
+    for lead, settings in (((3, 5), (0.7, 0.05, 0.2)), ((2, 9), (1.3, 0.1, 0.3))):
+        hidden, weight, labels, adv, old, ref = policy_inputs(lead, H, V, device=DEVICE)
+        got = run_step(compiled, hidden, weight, labels, adv, old, ref, *settings)
+        eager = run_step(float_step, hidden, weight, labels, adv, old, ref, *settings)
+        for g, e in zip(got, eager, strict=True):
+            assert g.shape == e.shape and torch.allclose(g, e, rtol=1e-5, atol=1e-6), (lead, (g - e).abs().max())
+        # and the settings reached the op: the log-probs at this temperature, the KL at this coefficient
+        want = loss64(hidden, weight, labels, adv, old, ref=ref, kl_coef=settings[1], clip_low=settings[2],
+                      temperature=settings[0])
+        valid = labels != -100
+        tol = TOL[torch.float32][0]
+        assert (got[1] - want[1])[valid].abs().max() <= tol and abs(float(got[2]) - float(want[4])) <= tol
+    # a number refused while tracing: under fullgraph=True torch reports it as Unsupported, caused by the
+    # op's own ValueError (the argument named, its value shown)
+    with pytest.raises(Exception, match="clip_low must lie in") as info:
+        compiled(hidden, weight, labels, adv, old, ref, 0.7, 0.05, 1.5)
+    assert isinstance(info.value, ValueError) or "clip_low must lie in" in repr(info.value.__cause__)
 
 
 def test_compiled_policy_loss_still_checks_inputs():

@@ -65,6 +65,13 @@ def ignore_index(value, name: str = "ignore_index") -> int:
     return value
 
 
+def is_finite(value) -> bool:
+    """math.isfinite of a number, written as comparisons (NaN fails both): under torch.compile a float
+    argument may be a symbolic float (``dynamic=True``, or a value that changed between calls), which
+    comparisons guard on but math.isfinite cannot take (a graph break, an error under fullgraph=True)."""
+    return -math.inf < value < math.inf
+
+
 def positive_float(value, name: str, expected: str = "a positive float") -> float:
     """``value`` as a float if it is a real number (not a bool), finite and > 0.
 
@@ -72,9 +79,10 @@ def positive_float(value, name: str, expected: str = "a positive float") -> floa
     ValueError for a number that is not finite and positive."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
+    value = float(value)   # a symbolic float (torch.compile) as a number an error message can show
+    if not (is_finite(value) and value > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return float(value)
+    return value
 
 
 def optional_positive_float(value, name: str) -> Optional[float]:
@@ -129,9 +137,11 @@ def temperature(value, device: Optional[torch.device] = None, max_dim: Optional[
         if check_values and t.numel() and not bool(temperature_ok(precise(value, t)).all()):
             raise ValueError(f"{TEMPERATURE_RULE} everywhere")
         return t
-    t = positive_float(value, "temperature", "a positive float or a tensor")
-    if t < MIN_TEMPERATURE:
-        raise ValueError(f"{TEMPERATURE_RULE} (1 / temperature scales float32 logits), got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"temperature must be a positive float or a tensor, got {type(value).__name__}")
+    t = float(value)
+    if not (is_finite(t) and t >= MIN_TEMPERATURE):
+        raise ValueError(f"{TEMPERATURE_RULE} (1 / temperature scales float32 logits), got {t!r}")
     return t
 
 
@@ -177,7 +187,7 @@ def finite_float(value, name: str, minimum: Optional[float] = None, above: bool 
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
+    if not is_finite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if minimum is not None and (value <= minimum if above else value < minimum):
         raise ValueError(f"{name} must be {'>' if above else '>='} {minimum}, got {value!r}")

@@ -96,11 +96,15 @@ def tensor_parallel_shard(weight: Tensor, what: str = "lm_head.weight"):
             and placements[0].dim == 0:
         # to_local is differentiable: the shard's gradient becomes the DTensor parameter's, Shard(0)
         return weight.to_local(), weight.device_mesh.get_group()
+    # on a mesh of several dimensions (data x tensor parallel, say) the head belongs to its 1-D tensor-parallel
+    # submesh: a copy per data-parallel rank as a Replicate() placement would leave its gradient unreduced here
+    submesh = (" On a mesh of several dimensions, parallelize the head over its 1-D tensor-parallel submesh "
+               "(parallelize_module(model, mesh['tp'], ...))." if weight.device_mesh.ndim > 1 else "")
     raise ValueError(
         f"{what} is a DTensor with {_describe(weight)}: logitless computes a head sharded over the vocabulary "
         "only (Shard(0) of the [V, H] weight on a 1-D mesh, what torch's ColwiseParallel gives), or replicated. "
         "Shard the head with ColwiseParallel (or leave it out of the tensor-parallel plan) to use logitless, "
-        "or use the model's own logits.")
+        f"or use the model's own logits.{submesh}")
 
 
 def replicated(hidden: Tensor) -> Tensor:

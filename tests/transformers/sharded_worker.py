@@ -4,8 +4,8 @@ suite runs in one spawn (spawning is the slow part); each rank writes {case: [ok
 FSDP2 suite (2 ranks, each scoring its own batch, so the gradients FSDP2 reduce-scatters are a real average):
 fused_forward, patch_model and fused_policy_loss on a model with ``fully_shard`` on each decoder layer and the
 root, the head in the root unit or its own, tied embeddings, reshard_after_forward True / False, a bf16
-MixedPrecisionPolicy; against the unsharded model (its logits in float64; the bf16 case against the unsharded
-model cast to bf16).
+MixedPrecisionPolicy (each also under inference_mode / no_grad: the values of the call with grad); against the
+unsharded model (its logits in float64; the bf16 case against the unsharded model cast to bf16).
 TP suite (2 or 3 ranks, the same batch everywhere): the head sharded over the vocabulary by parallelize_module's
 ColwiseParallel (uneven shards), against the unsharded model; a Shard(1) head refused."""
 import copy
@@ -33,7 +33,8 @@ FSDP2 = [
 ]
 FSDP2_CASES = [c[0] for c in FSDP2]
 TP_CASES = ["ColwiseParallel head", "RowwiseParallel head (Shard(1)): refused",
-            "FSDP2 and ColwiseParallel both on the head: refused"]
+            "FSDP2 and ColwiseParallel both on the head: refused",
+            "a head on a 2-D mesh (Replicate(), Shard(0)): refused"]
 
 
 def _layers(model):
@@ -136,11 +137,18 @@ def _check_fsdp2(kind, layout, reshard, bf16, seed, mesh) -> str:
     assert torch.equal(out.logprobs, fused.logprobs.detach()) and torch.equal(out.entropy, fused.entropy.detach())
     unpatch_model(model)
     model.zero_grad(set_to_none=True)
+    with torch.inference_mode():   # how trainers score old log-probs: the head's unit gathered without autograd
+        scored = fused_forward(model, ids, mask, temperature=temp)
+    assert torch.equal(scored.logprobs, fused.logprobs.detach()) and torch.equal(scored.entropy, fused.entropy.detach())
 
     policy = _policy_inputs(ids)
     res = fused_policy_loss(model, ids, mask, temperature=temp, **policy)
     res.loss.backward()
     got = _grads(model)
+    with torch.no_grad():          # the statistics only: the same loss and metrics
+        stats = fused_policy_loss(model, ids, mask, temperature=temp, **policy)
+    for s, r in zip(stats, res, strict=True):
+        assert not s.requires_grad and torch.allclose(s, r.detach(), rtol=1e-6, atol=1e-7), (s, r)
     plain.zero_grad(set_to_none=True)
     targets = expected_targets(ids, mask)
     if bf16:
@@ -252,6 +260,30 @@ def _check_fsdp2_and_tp_refused(seed) -> str:
     raise AssertionError("FSDP2 + tensor parallelism on the head was not refused")
 
 
+def _check_2d_mesh_refused(seed) -> str:
+    """A vocabulary shard on a (1, W) mesh, replicated over the first dimension: not the 1-D layout logitless
+    computes (a per-rank copy's gradient would stay unreduced), refused naming the placements and the submesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from logitless.transformers import fused_forward, patch_model
+    from test_transformers import tiny_model
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(seed)
+    model = tiny_model("llama").train()
+    weight = distribute_tensor(model.lm_head.weight.detach(), mesh, [Replicate(), Shard(0)])
+    model.lm_head.weight = torch.nn.Parameter(weight)
+    ids, mask, _, _, _ = _batch(seed + 1)
+    for call in (lambda: patch_model(model), lambda: fused_forward(model, ids, mask)):
+        try:
+            call()
+        except ValueError as e:
+            assert "(Replicate(), Shard(dim=0))" in str(e) and "mesh['tp']" in str(e), str(e)
+        else:
+            raise AssertionError("a head on a 2-D mesh was not refused")
+    return "refused"
+
+
 def run(rank: int, world: int, suite: str, init_file: str, seed: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
@@ -267,7 +299,7 @@ def run(rank: int, world: int, suite: str, init_file: str, seed: int, out_dir: s
         else:
             cases = TP_CASES
             checks = [lambda: _check_tp_colwise(seed, mesh), lambda: _check_tp_rowwise_refused(seed, mesh),
-                      lambda: _check_fsdp2_and_tp_refused(seed)]
+                      lambda: _check_fsdp2_and_tp_refused(seed), lambda: _check_2d_mesh_refused(seed)]
         for case, check in zip(cases, checks, strict=True):
             if only and case not in only.split(";"):
                 continue
