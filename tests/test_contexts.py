@@ -269,11 +269,11 @@ def test_compiled_with_dynamic_shapes_and_float_arguments(seed):
         valid = labels != -100
         tol = TOL[torch.float32][0]
         assert (got[1] - want[1])[valid].abs().max() <= tol and abs(float(got[2]) - float(want[4])) <= tol
-    # a number refused while tracing: under fullgraph=True torch reports it as Unsupported, caused by the
-    # op's own ValueError (the argument named, its value shown)
-    with pytest.raises(Exception, match="clip_low must lie in") as info:
+    # a number refused while tracing: under fullgraph=True torch reports it as its own Unsupported error whose
+    # text carries the op's ValueError (the argument named, its value shown); how torch links the two (its
+    # __cause__) differs between torch releases
+    with pytest.raises(Exception, match="clip_low must lie in"):
         compiled(hidden, weight, labels, adv, old, ref, 0.7, 0.05, 1.5)
-    assert isinstance(info.value, ValueError) or "clip_low must lie in" in repr(info.value.__cause__)
 
 
 def test_compiled_policy_loss_still_checks_inputs():
