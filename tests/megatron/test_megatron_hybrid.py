@@ -163,3 +163,45 @@ def test_hook_mode_when_hybrid_forward_gains_the_hook(megatron_tp1, seed):
     assert "forward" not in model.__dict__
     _, rec, _ = env.compare_with_unfused(model, 2, 8, 1.1, gen)
     assert rec.path == "hook" and rec.model == "HookedHybridModel"
+
+
+@pytest.mark.parametrize("cls_name,tied", [("HybridModel", False), ("MambaModel", True)])
+def test_labels_none_returns_the_models_own_output(megatron_tp1, seed, cls_name, tied):
+    """labels=None through the legacy patch of a HybridModel / MambaModel: exactly the model's own output
+    without the processor (logits [b, s, V]) and its parameter gradients; or, configured, the hidden states
+    the output layer would have been given. No fused op runs, and the record says so."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.models.mamba import MambaModel
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = env.build_hybrid(cls={"HybridModel": HybridModel, "MambaModel": MambaModel}[cls_name], tied=tied,
+                             seed=seed)
+    assert patch_fused_forward(Wrapper(model)) == "legacy"
+    b, s = 2, 7
+    ids, pos, _ = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = torch.randn(b, s, model.vocab_size, generator=gen)
+
+    model.zero_grad(set_to_none=True)
+    out = Wrapper(model)(ids, pos, mask, output_processor=fused_output_processor)
+    rec = last_path()
+    (w * out).sum().backward()
+    got = env.param_grads(model)
+    model.zero_grad(set_to_none=True)
+    want = model(ids, pos, mask)                                   # the model's own forward, no processor
+    (w * want).sum().backward()
+    assert out.shape == (b, s, model.vocab_size) and torch.equal(out, want)
+    for name, g in env.param_grads(model).items():
+        assert (g is None) == (got[name] is None) and (g is None or torch.equal(g, got[name])), name
+    assert (rec.path, rec.model, rec.backend) == ("legacy", cls_name, None) and "labels is None" in rec.reason
+
+    seen = []
+    handle = model.output_layer.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        hidden = model(ids, pos, mask, output_processor=fused_output_processor,
+                       output_processor_context=FusedOutputProcessorContext(without_labels="hidden_states"))
+        seen.clear()                                               # (the patch's intercepted call fired the hook)
+        model(ids, pos, mask)
+    handle.remove()
+    assert len(seen) == 1 and hidden.shape == (s, b, 48) and torch.equal(hidden, seen[0])
+    assert "forward" not in model.output_layer.__dict__
