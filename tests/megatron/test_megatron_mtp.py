@@ -160,3 +160,54 @@ def test_fused_mtp_through_forward_packed(megatron_tp1, seed, monkeypatch):
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
         assert (a - b).abs().max() <= LP_TOL
     check_grads(env, g_got, g_want)
+
+
+class LargestTensors:
+    """While open, records the shape of every tensor an aten op returns (forward and backward) whose number of
+    elements reaches ``limit``: what a [tokens x vocab] logits tensor of any MTP depth would be caught by."""
+
+    def __init__(self, limit: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.numel() >= limit:
+                        seen.append((str(func), tuple(t.shape)))
+                return out
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid-tied"])
+def test_no_tokens_by_vocab_tensor_at_any_depth(megatron_tp1, seed, kind, monkeypatch):
+    """A training step (forward and backward, MTP tracker on) of a model with two MTP depths through
+    logitless' processor creates no tensor as large as one depth's [tokens x vocab] logits, anywhere (the
+    fused op's tiles and the acceptance argmax's blocks made small here); megatron-core's own step does."""
+    from logitless.megatron import mtp
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = build(env, kind, seed).train()
+    patch_fused_forward(model)
+    b, s = 2, 40                                       # tokens per depth (80) above the hidden size (48)
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen))
+    limit = b * s * model.vocab_size
+    monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", "4096")        # tiles of 4 tokens x 262
+    monkeypatch.setattr(mtp, "_ARGMAX_BLOCK", 4 * model.vocab_size)
+    with LargestTensors(limit) as fused:
+        out, _, tracker, calls = run(env, model, True, ids, pos, mask, labels, None, w, processor=True)
+    assert calls == 0 and fused.seen == [], fused.seen[:5]
+    assert tracker["loss_values"].abs().min() > 0      # both depths' losses were computed (and logged)
+    with LargestTensors(limit) as megatron:            # the detector sees the logits of megatron-core's step
+        run(env, model, False, ids, pos, mask, labels, None, (w[0],))
+    assert len(megatron.seen) >= 3, megatron.seen      # main + 2 MTP depths' logits at least
