@@ -534,7 +534,8 @@ def build_hybrid(*, pattern: str = "*-*-", vocab: int = 262, hidden: int = 48, h
 
 class cpu_streams:
     """While open, megatron-core's schedule plans run on CPU: torch.cuda.Event, current_stream, stream
-    and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps). The
+    and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps), and so do
+    torch.cuda.nvtx's range markers (megatron-core 0.16's schedule nodes call them directly). The
     overlapped run needs CUDA streams and is a GPU test."""
 
     class _Event:
@@ -548,6 +549,8 @@ class cpu_streams:
         import contextlib
         cuda = torch.cuda
         self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream)
+        self.nvtx = (cuda.nvtx.range_push, cuda.nvtx.range_pop)
+        cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *a, **k: None
         self.free = keep_schedule_node_inputs().__enter__()
         cuda.Event = lambda *a, **k: cpu_streams._Event()
         cuda.current_stream = lambda *a, **k: None
@@ -558,6 +561,7 @@ class cpu_streams:
     def __exit__(self, *exc):
         cuda = torch.cuda
         cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream = self.saved
+        cuda.nvtx.range_push, cuda.nvtx.range_pop = self.nvtx
         self.free.__exit__(*exc)
 
 
