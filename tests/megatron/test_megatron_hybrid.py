@@ -205,3 +205,30 @@ def test_labels_none_returns_the_models_own_output(megatron_tp1, seed, cls_name,
     handle.remove()
     assert len(seen) == 1 and hidden.shape == (s, b, 48) and torch.equal(hidden, seen[0])
     assert "forward" not in model.output_layer.__dict__
+
+
+def test_float16module_wrapped_hybrid_bf16(megatron_tp1, seed):
+    """A bf16 HybridModel inside Megatron's Float16Module: the patch reaches the inner model through the
+    wrapper, the processor runs on the bf16 hidden states and the fp32 results come back through the wrapper;
+    values against float64 from those very hidden states and the bf16 weight."""
+    from megatron.core.transformer.module import Float16Module
+
+    from reference64 import logprobs_entropy64
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    inner = env.build_hybrid(seed=seed, bf16=True)
+    model = Float16Module(inner.config, inner)
+    assert patch_fused_forward(model) == "legacy" and "forward" in inner.__dict__ and "forward" not in model.__dict__
+    ids, pos, labels = env.random_batch(2, 8, 262, gen)
+    mask = env.causal_mask(8)
+    with torch.no_grad():
+        lp, ent = model(ids, pos, mask, labels=labels, output_processor=fused_output_processor,
+                        output_processor_context=FusedOutputProcessorContext(temperature=0.9))
+        rec = last_path()
+        hidden = model(ids, pos, mask, labels=labels, output_processor=lambda **kw: kw["hidden_states"])
+    assert (rec.path, rec.model) == ("legacy", "HybridModel") and lp.dtype == ent.dtype == torch.float32
+    weight = inner.output_layer.weight
+    assert weight.dtype == torch.bfloat16      # (the wrapper hands the hidden states back as fp32 of bf16 values)
+    lp64, ent64 = logprobs_entropy64(hidden.to(torch.bfloat16).transpose(0, 1), weight, labels, 0.9)
+    assert (lp.double() - lp64).abs().max() <= 1e-3
+    assert (ent.double() - ent64).abs().max() <= 2e-3
