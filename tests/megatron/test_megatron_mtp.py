@@ -211,3 +211,29 @@ def test_no_tokens_by_vocab_tensor_at_any_depth(megatron_tp1, seed, kind, monkey
     with LargestTensors(limit) as megatron:            # the detector sees the logits of megatron-core's step
         run(env, model, False, ids, pos, mask, labels, None, (w[0],))
     assert len(megatron.seen) >= 3, megatron.seen      # main + 2 MTP depths' logits at least
+
+
+def test_unknown_process_mtp_loss_arguments_warn_or_refuse_in_strict_mode(megatron_tp1, seed, monkeypatch):
+    """A newer megatron-core calling process_mtp_loss with an argument the fused MTP losses do not know: the
+    opted-in model gets megatron-core's own (unfused) MTP losses with a RuntimeWarning naming it, not a silent
+    fallback; strict mode refuses with FusedPathUnavailable."""
+    from logitless.megatron import FusedPathUnavailable, mtp
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = build(env, "gpt", seed).train()
+    patch_fused_forward(model)
+    b, s = 2, 9
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen),)
+    want, g_want, _, n_want = run(env, model, False, ids, pos, mask, labels, None, w)     # megatron-core's own
+
+    # a release whose caller passes an argument this version does not know: here, input_ids made unknown
+    monkeypatch.setattr(mtp, "_KNOWN_ARGS", mtp._KNOWN_ARGS - {"input_ids"})
+    with pytest.warns(RuntimeWarning, match="input_ids"):
+        got, g_got, _, n_got = run(env, model, True, ids, pos, mask, labels, None, w)
+    assert n_got == n_want == 3 and torch.equal(got, want)     # megatron-core's MTP losses, its numbers
+    check_grads(env, g_got, g_want)
+    monkeypatch.setenv("LOGITLESS_STRICT", "1")
+    with pytest.raises(FusedPathUnavailable, match="input_ids"):
+        run(env, model, True, ids, pos, mask, labels, None, w)

@@ -15,18 +15,21 @@ How it is reached: the module global ``process_mtp_loss`` of megatron-core's gpt
 is replaced once by ``_dispatch``, which runs the fused version only for models that opted in
 (``enable_fused_mtp``, done by ``patch_fused_forward`` and every logitless entry point) and megatron-core's
 own function for every other model. The model is known from the bound ``compute_language_model_loss``
-argument. A call with arguments this version does not know also goes to megatron-core's function.
+argument. A call with arguments this version does not know also goes to megatron-core's function, with a
+warning (strict mode: ``FusedPathUnavailable`` instead).
 Releases without ``process_mtp_loss`` (before 0.18) keep their own, unfused MTP losses.
 """
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from ..api import fused_logprobs
+from ..record import FusedPathUnavailable, strict_enabled
 
 _FLAG = "_logitless_fused_mtp"
 _MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
@@ -74,10 +77,20 @@ def _install_dispatch() -> None:
 
 
 def _dispatch(*args, **kwargs):
-    """megatron-core's ``process_mtp_loss`` for every model, the fused one for opted-in models."""
+    """megatron-core's ``process_mtp_loss`` for every model, the fused one for opted-in models. An opted-in
+    model whose call this version cannot reproduce (positional or unknown arguments: a newer megatron-core)
+    gets megatron-core's unfused MTP losses with a warning, or FusedPathUnavailable in strict mode."""
     model = getattr(kwargs.get("compute_language_model_loss"), "__self__", None)
-    if not args and model is not None and fused_mtp_enabled(model) and set(kwargs) <= _KNOWN_ARGS:
-        return fused_process_mtp_loss(**kwargs)
+    if model is not None and fused_mtp_enabled(model):
+        unknown = sorted(set(kwargs) - _KNOWN_ARGS)
+        if not args and not unknown:
+            return fused_process_mtp_loss(**kwargs)
+        why = (f"megatron-core's process_mtp_loss was called with arguments logitless' fused MTP losses do not "
+               f"know ({len(args)} positional, unknown {unknown}); {type(model).__name__}'s MTP losses are computed "
+               "from full logits by megatron-core")
+        if strict_enabled():
+            raise FusedPathUnavailable(why + " (strict mode: LOGITLESS_STRICT=1)")
+        warnings.warn(why, RuntimeWarning, stacklevel=2)
     return importlib.import_module(_MTP_MODULE).process_mtp_loss(*args, **kwargs)
 
 
