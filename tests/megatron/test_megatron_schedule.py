@@ -216,3 +216,14 @@ def test_schedule_plan_without_labels_returns_the_plans_own_output(megatron_tp1,
         at_node = Plan.run(model.build_schedule_plan(ids, pos, mask, labels=None,
                                                      output_processor=lambda **k: k["hidden_states"]), None)
     assert hidden.shape == (s, b, 48) and torch.equal(hidden, at_node)
+
+
+def test_schedule_plan_refuses_a_hybrid_model(megatron_tp1, seed):
+    """megatron-core 0.19's HybridModel has no build_schedule_plan: the schedule-plan path refuses it by name
+    (its forward runs through the legacy patch instead)."""
+    env = megatron_tp1
+    model = env.build_hybrid(seed=seed)
+    ids, pos, labels = env.random_batch(2, 5, model.vocab_size, torch.Generator().manual_seed(seed))
+    assert not supports_schedule_plan_hook(model)
+    with pytest.raises(FusedPathUnavailable, match="HybridModel.build_schedule_plan"):
+        build_fused_schedule_plan(model, ids, pos, env.causal_mask(5), labels=labels)
