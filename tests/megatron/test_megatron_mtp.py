@@ -2,6 +2,8 @@
 megatron-core's own ``process_mtp_loss`` on the same model and batch: the main output, every
 parameter gradient (MTP layers included) and the MTP tracker (logged loss per depth, acceptance
 counts); and the output layer is called for no MTP depth (no [tokens x vocab] logits)."""
+import warnings
+
 import pytest
 import torch
 
@@ -129,8 +131,9 @@ def test_blockwise_argmax_equals_argmax_of_the_logits(monkeypatch, seed):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(7, 3, 24, generator=gen)
     weight = torch.randn(263, 24, generator=gen)
+    weight[17] *= 10                                  # a row no other can outscore at hidden = that row
     weight[200] = weight[17]                          # a tie: the lowest id wins, as torch.argmax
-    hidden[2, 1] = weight[17] * 3
+    hidden[2, 1] = weight[17]
     monkeypatch.setattr(mtp, "_ARGMAX_BLOCK", 263 * 4)  # 4 tokens per block
     got = mtp.blockwise_argmax(hidden, weight, None)
     assert torch.equal(got, (hidden @ weight.t()).argmax(-1)) and got[2, 1] == 17
@@ -237,3 +240,45 @@ def test_unknown_process_mtp_loss_arguments_warn_or_refuse_in_strict_mode(megatr
     monkeypatch.setenv("LOGITLESS_STRICT", "1")
     with pytest.raises(FusedPathUnavailable, match="input_ids"):
         run(env, model, True, ids, pos, mask, labels, None, w)
+
+
+def test_processor_without_patch_warns_then_fuses_or_refuses_in_strict_mode(megatron_tp1, seed, monkeypatch):
+    """The processor passed straight to an MTP model's forward (hook mode, no patch_fused_forward): megatron-core
+    computed that forward's MTP losses from full logits before the processor ran, so the processor says so (a
+    RuntimeWarning) and opts the model in: the next forward makes no output-layer call at all. Strict mode
+    refuses instead. The numbers are the same either way."""
+    from logitless.megatron import FusedPathUnavailable
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    b, s = 2, 9
+    model = build(env, "gpt", seed).train()
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen))
+    monkeypatch.setenv("LOGITLESS_STRICT", "1")
+    with pytest.raises(FusedPathUnavailable, match="patch_fused_forward"):
+        with torch.no_grad():
+            env.run_fused(model, ids, pos, mask, labels, 1.0)
+    assert not fused_mtp_enabled(model)
+    monkeypatch.delenv("LOGITLESS_STRICT")
+
+    calls = []
+    handle = model.output_layer.register_forward_hook(lambda *_: calls.append(1))
+    outs = []
+    try:
+        for expect_warning in (True, False):
+            calls.clear()
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = env.run_fused(model, ids, pos, mask, labels, 1.0)
+            ours = [c for c in caught if "patch_fused_forward" in str(c.message)]
+            assert len(ours) == int(expect_warning) and all(c.category is RuntimeWarning for c in ours)
+            ((w[0] * out.logprobs).sum() + (w[1] * out.entropy).sum()).backward()
+            outs.append((out, env.param_grads(model), len(calls)))
+    finally:
+        handle.remove()
+    (first, g_first, n_first), (second, g_second, n_second) = outs
+    assert n_first == 2 and n_second == 0 and fused_mtp_enabled(model)   # 2 MTP depths' logits, then none
+    assert (first.logprobs - second.logprobs).abs().max() <= LP_TOL
+    check_grads(env, g_second, g_first)

@@ -58,6 +58,23 @@ def enable_fused_mtp(model: nn.Module) -> bool:
     return True
 
 
+def opt_in_late(model: Optional[nn.Module], in_inference: bool) -> None:
+    """Called by the output processor, after megatron-core computed this forward's MTP losses. A model with
+    MTP layers that never opted in (the processor passed to its forward without ``patch_fused_forward``) had
+    them computed from full logits: strict mode refuses; otherwise a warning, and the fused MTP losses from the
+    next forward on. Nothing to do in inference mode (no MTP losses) or for a model without MTP layers."""
+    if (in_inference or model is None or fused_mtp_enabled(model) or not getattr(model, "mtp_process", False)
+            or not release_has_process_mtp_loss()):
+        return
+    why = (f"{type(model).__name__} has MTP layers whose losses megatron-core computed from full [tokens x vocab] "
+           "logits in this forward: call logitless.megatron.patch_fused_forward(model) before the first forward "
+           "so that they come from the fused op")
+    if strict_enabled():
+        raise FusedPathUnavailable(why + " (strict mode: LOGITLESS_STRICT=1)")
+    enable_fused_mtp(model)
+    warnings.warn(why + "; fused from the next forward on", RuntimeWarning, stacklevel=3)
+
+
 def disable_fused_mtp(model: nn.Module) -> None:
     model.__dict__.pop(_FLAG, None)
 

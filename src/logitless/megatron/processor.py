@@ -20,8 +20,9 @@ from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import last_backend, processor_path, write_record
+from .mtp import opt_in_late
 from .temperature import check_temperature, temperature_bs
-from .unlabelled import WITHOUT_LABELS, log_outputs, megatron_logits
+from .unlabelled import WITHOUT_LABELS, inference_mode_active, log_outputs, megatron_logits
 
 _SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)
 
@@ -141,6 +142,8 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     if not isinstance(context, FusedOutputProcessorContext):
         raise TypeError("output_processor_context must be a FusedOutputProcessorContext, got "
                         f"{type(context).__name__}")
+    opt_in_late(getattr(kwargs.get("compute_language_model_loss"), "__self__", None),
+                inference_mode_active(kwargs.get("inference_context"), config))
     if labels is None:
         write_record(processor_path(), None, "processor", f"labels is None: the model's own {context.without_labels}",
                      model_name(kwargs))
