@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import sys
-import types
 
 import pytest
 import torch
@@ -56,8 +57,11 @@ def mamba_mixer_module():
                 raise
             pytest.skip(f"mamba-ssm's Triton ops need {name}: {exc}")
     if "mamba_ssm" not in sys.modules:
-        package = types.ModuleType("mamba_ssm")
-        package.__path__ = [os.path.join(folder, "mamba_ssm")]
+        path = os.path.join(folder, "mamba_ssm")
+        spec = importlib.machinery.ModuleSpec("mamba_ssm", None, is_package=True)
+        spec.submodule_search_locations = [path]
+        package = importlib.util.module_from_spec(spec)
+        package.__path__ = [path]
         sys.modules["mamba_ssm"] = package
     import megatron.core.ssm.mamba_mixer as mixer
     if not mixer.HAVE_MAMBA_SSM or mixer.mamba_chunk_scan_combined is None:
@@ -90,6 +94,17 @@ def ssd_recurrence(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None
     if z is not None:
         y = y * torch.nn.functional.silu(z.float())
     return y.to(x.dtype)
+
+
+@contextlib.contextmanager
+def mamba_mixer():
+    """``mamba_mixer_module()`` for a test module; afterwards ``mamba_ssm`` leaves ``sys.modules`` again (the
+    mixer keeps the functions it imported), so that nothing after it takes the bare package for an install."""
+    try:
+        yield mamba_mixer_module()
+    finally:
+        for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+            del sys.modules[name]
 
 
 @contextlib.contextmanager

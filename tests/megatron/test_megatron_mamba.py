@@ -65,10 +65,16 @@ def check_against_own_logits(model, device, gen, b=2, s=16, temperature=0.8):
     return worst, gworst
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_mamba_hybrid_matches_its_own_logits(megatron_tp1, seed, tied):
+@pytest.fixture(scope="module")
+def mixer():
     import mamba_env
-    mixer = mamba_env.mamba_mixer_module()
+    with mamba_env.mamba_mixer() as module:
+        yield module
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mamba_hybrid_matches_its_own_logits(megatron_tp1, mixer, seed, tied):
+    import mamba_env
     gen = torch.Generator().manual_seed(seed)
     model = mamba_env.build_mamba_hybrid(mixer, tied=tied, seed=seed)
     assert isinstance(model.decoder.layers[0].mixer, mixer.MambaMixer)
@@ -76,12 +82,12 @@ def test_mamba_hybrid_matches_its_own_logits(megatron_tp1, seed, tied):
         check_against_own_logits(model, "cpu", gen, b=2, s=13)
 
 
-def test_ssd_recurrence_equals_mamba_ssms_chunked_reference(seed):
+def test_ssd_recurrence_equals_mamba_ssms_chunked_reference(mixer, seed):
     """The CPU stand-in for the SSD scan against mamba-ssm's own chunked pure-torch reference (two chunks of 8,
     two groups of heads; decays small enough for that reference's exponentials), forward values."""
-    import mamba_env
-    mamba_env.mamba_mixer_module()
     from mamba_ssm.ops.triton.ssd_combined import ssd_chunk_scan_combined_ref
+
+    import mamba_env
     gen = torch.Generator().manual_seed(seed)
     b, s, h, p, g, n, chunk = 2, 16, 4, 6, 2, 5, 8
     x, z = torch.randn(b, s, h, p, generator=gen), torch.randn(b, s, h, p, generator=gen)

@@ -20,10 +20,16 @@ def megatron_gpu():
         yield
 
 
-def test_mamba_hybrid_on_gpu(megatron_gpu):
+@pytest.fixture(scope="module")
+def mixer():
+    import mamba_env
+    with mamba_env.mamba_mixer() as module:
+        yield module
+
+
+def test_mamba_hybrid_on_gpu(megatron_gpu, mixer):
     import mamba_env
     from test_megatron_mamba import check_against_own_logits
-    mixer = mamba_env.mamba_mixer_module()
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     # Triton's tl.dot wants blocks of 16 or more: chunks of 64 tokens (two here, the second partial), heads of 64
