@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from ..api import fused_logprobs
 from ..record import FusedPathUnavailable, strict_enabled
+from .head import logit_scale, tp_group_and_size
 
 _FLAG = "_logitless_fused_mtp"
 _MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
@@ -113,8 +114,7 @@ def _dispatch(*args, **kwargs):
 
 def _head(output_layer, config, hidden: Tensor):
     """(hidden gathered over SP if needed, tp group or None, reduce_grad_hidden)."""
-    from .processor import _tp_group_and_size
-    group, tp_size = _tp_group_and_size(output_layer, config)
+    group, tp_size = tp_group_and_size(output_layer, config)
     if tp_size > 1 and getattr(output_layer, "sequence_parallel", False):
         from ..parallel import gather_sequence
         return gather_sequence(hidden, group, dim=0), group, False
@@ -211,7 +211,6 @@ def fused_process_mtp_loss(hidden_states: Tensor, labels: Tensor, loss_mask: Opt
         roll_tensor,
     )
 
-    from .processor import logit_scale
 
     hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
     hidden_states = hidden_states_list[0]
