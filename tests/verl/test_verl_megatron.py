@@ -146,3 +146,5 @@ def test_1f1b_overlap_forward_runs_on_the_schedule_plan(env, seed):
     with pytest.raises(AssertionError, match="only support fused kernel"):   # verl's own function, unchanged
         overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=labels, labels_mask=mask,
                                               logits_processor=env.verl_logits_processor)
+    with pytest.raises(ValueError, match="labels is None"):       # verl's own would fail in the plan's node
+        overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=None, labels_mask=mask)
