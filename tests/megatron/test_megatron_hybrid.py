@@ -163,6 +163,11 @@ def test_hook_mode_when_hybrid_forward_gains_the_hook(megatron_tp1, seed):
     assert "forward" not in model.__dict__
     _, rec, _ = env.compare_with_unfused(model, 2, 8, 1.1, gen)
     assert rec.path == "hook" and rec.model == "HookedHybridModel"
+    ids, pos, _ = env.random_batch(2, 8, model.vocab_size, gen)
+    with torch.no_grad():                           # labels=None through the hook: the model's own logits
+        got = model(ids, pos, env.causal_mask(8), output_processor=fused_output_processor)
+        assert (last_path().path, last_path().backend) == ("hook", None)
+        assert torch.equal(got, model(ids, pos, env.causal_mask(8)))
 
 
 @pytest.mark.parametrize("cls_name,tied", [("HybridModel", False), ("MambaModel", True)])
