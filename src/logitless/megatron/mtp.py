@@ -211,7 +211,6 @@ def fused_process_mtp_loss(hidden_states: Tensor, labels: Tensor, loss_mask: Opt
         roll_tensor,
     )
 
-
     hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
     hidden_states = hidden_states_list[0]
     derived = False
