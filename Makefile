@@ -16,9 +16,13 @@ VERL_DEPS := transformers==5.24.0 ray tensordict==0.10.0 hydra-core codetiming d
 VERL_MEGATRON_DEPS := peft mbridge==0.15.1 datasets einops
 LEGACY := .venv-legacy
 CACHE := .cache
+# mamba-ssm's source (PyPI has no wheels; its Triton ops run megatron-core's Mamba layers in the tests, its CUDA
+# extension is not built): unpacked into $(CACHE), see tests/megatron/mamba_env.py
+MAMBA_SSM ?= 2.3.2.post1
+MAMBA_SRC := $(CACHE)/mamba_ssm-$(MAMBA_SSM)
 
 .PHONY: setup test bench doctor clean
-setup: $(VENV)/.ready $(LEGACY)/.ready
+setup: $(VENV)/.ready $(LEGACY)/.ready $(MAMBA_SRC)/.ready
 
 $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +37,14 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(PY) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python \
 		megatron-core==$(MCORE) -d $(CACHE)
 	$(PIP) --ignore-requires-python $(CACHE)/megatron_core-$(MCORE).tar.gz
+	touch $@
+
+$(MAMBA_SRC)/.ready: $(VENV)/.ready
+	mkdir -p $(CACHE)
+	@# preparing the sdist's metadata runs its setup.py: told to skip the CUDA build, in .venv (which has torch)
+	MAMBA_SKIP_CUDA_BUILD=TRUE $(PY) -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+		mamba-ssm==$(MAMBA_SSM) -d $(CACHE)
+	tar -xzf $(CACHE)/mamba_ssm-$(MAMBA_SSM).tar.gz -C $(CACHE)
 	touch $@
 
 $(LEGACY)/.ready: pyproject.toml Makefile

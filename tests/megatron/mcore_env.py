@@ -10,6 +10,7 @@ DotProductAttention applied to each packed sequence with a causal mask (TE is GP
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -55,6 +56,26 @@ def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file
         torch.cuda.current_device = lambda: "cpu"
     parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+@contextlib.contextmanager
+def megatron_on_gpu():
+    """One NCCL process group (world 1) on GPU 0 and megatron's model-parallel state, for the GPU tests."""
+    import tempfile
+
+    from megatron.core import parallel_state, tensor_parallel
+    init = tempfile.mktemp(prefix="logitless_nccl_")
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        if os.path.exists(init):
+            os.remove(init)
 
 
 def teardown_cpu_megatron() -> None:
@@ -534,7 +555,8 @@ def build_hybrid(*, pattern: str = "*-*-", vocab: int = 262, hidden: int = 48, h
 
 class cpu_streams:
     """While open, megatron-core's schedule plans run on CPU: torch.cuda.Event, current_stream, stream
-    and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps). The
+    and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps), and so do
+    torch.cuda.nvtx's range markers (megatron-core 0.16's schedule nodes call them directly). The
     overlapped run needs CUDA streams and is a GPU test."""
 
     class _Event:
@@ -548,6 +570,8 @@ class cpu_streams:
         import contextlib
         cuda = torch.cuda
         self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream)
+        self.nvtx = (cuda.nvtx.range_push, cuda.nvtx.range_pop)
+        cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *a, **k: None
         self.free = keep_schedule_node_inputs().__enter__()
         cuda.Event = lambda *a, **k: cpu_streams._Event()
         cuda.current_stream = lambda *a, **k: None
@@ -558,6 +582,7 @@ class cpu_streams:
     def __exit__(self, *exc):
         cuda = torch.cuda
         cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream = self.saved
+        cuda.nvtx.range_push, cuda.nvtx.range_pop = self.nvtx
         self.free.__exit__(*exc)
 
 

@@ -163,3 +163,77 @@ def test_hook_mode_when_hybrid_forward_gains_the_hook(megatron_tp1, seed):
     assert "forward" not in model.__dict__
     _, rec, _ = env.compare_with_unfused(model, 2, 8, 1.1, gen)
     assert rec.path == "hook" and rec.model == "HookedHybridModel"
+    ids, pos, _ = env.random_batch(2, 8, model.vocab_size, gen)
+    with torch.no_grad():                           # labels=None through the hook: the model's own logits
+        got = model(ids, pos, env.causal_mask(8), output_processor=fused_output_processor)
+        assert (last_path().path, last_path().backend) == ("hook", None)
+        assert torch.equal(got, model(ids, pos, env.causal_mask(8)))
+
+
+@pytest.mark.parametrize("cls_name,tied", [("HybridModel", False), ("MambaModel", True)])
+def test_labels_none_returns_the_models_own_output(megatron_tp1, seed, cls_name, tied):
+    """labels=None through the legacy patch of a HybridModel / MambaModel: exactly the model's own output
+    without the processor (logits [b, s, V]) and its parameter gradients; or, configured, the hidden states
+    the output layer would have been given. No fused op runs, and the record says so."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.models.mamba import MambaModel
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = env.build_hybrid(cls={"HybridModel": HybridModel, "MambaModel": MambaModel}[cls_name], tied=tied,
+                             seed=seed)
+    assert patch_fused_forward(Wrapper(model)) == "legacy"
+    b, s = 2, 7
+    ids, pos, _ = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = torch.randn(b, s, model.vocab_size, generator=gen)
+
+    model.zero_grad(set_to_none=True)
+    out = Wrapper(model)(ids, pos, mask, output_processor=fused_output_processor)
+    rec = last_path()
+    (w * out).sum().backward()
+    got = env.param_grads(model)
+    model.zero_grad(set_to_none=True)
+    want = model(ids, pos, mask)                                   # the model's own forward, no processor
+    (w * want).sum().backward()
+    assert out.shape == (b, s, model.vocab_size) and torch.equal(out, want)
+    for name, g in env.param_grads(model).items():
+        assert (g is None) == (got[name] is None) and (g is None or torch.equal(g, got[name])), name
+    assert (rec.path, rec.model, rec.backend) == ("legacy", cls_name, None) and "labels is None" in rec.reason
+
+    seen = []
+    handle = model.output_layer.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        hidden = model(ids, pos, mask, output_processor=fused_output_processor,
+                       output_processor_context=FusedOutputProcessorContext(without_labels="hidden_states"))
+        seen.clear()                                               # (the patch's intercepted call fired the hook)
+        model(ids, pos, mask)
+    handle.remove()
+    assert len(seen) == 1 and hidden.shape == (s, b, 48) and torch.equal(hidden, seen[0])
+    assert "forward" not in model.output_layer.__dict__
+
+
+def test_float16module_wrapped_hybrid_bf16(megatron_tp1, seed):
+    """A bf16 HybridModel inside Megatron's Float16Module: the patch reaches the inner model through the
+    wrapper, the processor runs on the bf16 hidden states and the fp32 results come back through the wrapper;
+    values against float64 from those very hidden states and the bf16 weight."""
+    from megatron.core.transformer.module import Float16Module
+
+    from reference64 import logprobs_entropy64
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    inner = env.build_hybrid(seed=seed, bf16=True)
+    model = Float16Module(inner.config, inner)
+    assert patch_fused_forward(model) == "legacy" and "forward" in inner.__dict__ and "forward" not in model.__dict__
+    ids, pos, labels = env.random_batch(2, 8, 262, gen)
+    mask = env.causal_mask(8)
+    with torch.no_grad():
+        lp, ent = model(ids, pos, mask, labels=labels, output_processor=fused_output_processor,
+                        output_processor_context=FusedOutputProcessorContext(temperature=0.9))
+        rec = last_path()
+        hidden = model(ids, pos, mask, labels=labels, output_processor=lambda **kw: kw["hidden_states"])
+    assert (rec.path, rec.model) == ("legacy", "HybridModel") and lp.dtype == ent.dtype == torch.float32
+    weight = inner.output_layer.weight
+    assert weight.dtype == torch.bfloat16      # (the wrapper hands the hidden states back as fp32 of bf16 values)
+    lp64, ent64 = logprobs_entropy64(hidden.to(torch.bfloat16).transpose(0, 1), weight, labels, 0.9)
+    assert (lp.double() - lp64).abs().max() <= 1e-3
+    assert (ent.double() - ent64).abs().max() <= 2e-3

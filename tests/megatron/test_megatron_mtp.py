@@ -2,6 +2,8 @@
 megatron-core's own ``process_mtp_loss`` on the same model and batch: the main output, every
 parameter gradient (MTP layers included) and the MTP tracker (logged loss per depth, acceptance
 counts); and the output layer is called for no MTP depth (no [tokens x vocab] logits)."""
+import warnings
+
 import pytest
 import torch
 
@@ -129,8 +131,9 @@ def test_blockwise_argmax_equals_argmax_of_the_logits(monkeypatch, seed):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(7, 3, 24, generator=gen)
     weight = torch.randn(263, 24, generator=gen)
+    weight[17] *= 10                                  # a row no other can outscore at hidden = that row
     weight[200] = weight[17]                          # a tie: the lowest id wins, as torch.argmax
-    hidden[2, 1] = weight[17] * 3
+    hidden[2, 1] = weight[17]
     monkeypatch.setattr(mtp, "_ARGMAX_BLOCK", 263 * 4)  # 4 tokens per block
     got = mtp.blockwise_argmax(hidden, weight, None)
     assert torch.equal(got, (hidden @ weight.t()).argmax(-1)) and got[2, 1] == 17
@@ -160,3 +163,122 @@ def test_fused_mtp_through_forward_packed(megatron_tp1, seed, monkeypatch):
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
         assert (a - b).abs().max() <= LP_TOL
     check_grads(env, g_got, g_want)
+
+
+class LargestTensors:
+    """While open, records the shape of every tensor an aten op returns (forward and backward) whose number of
+    elements reaches ``limit``: what a [tokens x vocab] logits tensor of any MTP depth would be caught by."""
+
+    def __init__(self, limit: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.numel() >= limit:
+                        seen.append((str(func), tuple(t.shape)))
+                return out
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid-tied"])
+def test_no_tokens_by_vocab_tensor_at_any_depth(megatron_tp1, seed, kind, monkeypatch):
+    """A training step (forward and backward, MTP tracker on) of a model with two MTP depths through
+    logitless' processor creates no tensor as large as one depth's [tokens x vocab] logits, anywhere (the
+    fused op's tiles and the acceptance argmax's blocks made small here); megatron-core's own step does."""
+    from logitless.megatron import mtp
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = build(env, kind, seed).train()
+    patch_fused_forward(model)
+    b, s = 2, 40                                       # tokens per depth (80) above the hidden size (48)
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen))
+    limit = b * s * model.vocab_size
+    monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", "4096")        # tiles of 4 tokens x 262
+    monkeypatch.setattr(mtp, "_ARGMAX_BLOCK", 4 * model.vocab_size)
+    with LargestTensors(limit) as fused:
+        out, _, tracker, calls = run(env, model, True, ids, pos, mask, labels, None, w, processor=True)
+    assert calls == 0 and fused.seen == [], fused.seen[:5]
+    assert tracker["loss_values"].abs().min() > 0      # both depths' losses were computed (and logged)
+    with LargestTensors(limit) as megatron:            # the detector sees the logits of megatron-core's step
+        run(env, model, False, ids, pos, mask, labels, None, (w[0],))
+    assert len(megatron.seen) >= 3, megatron.seen      # main + 2 MTP depths' logits at least
+
+
+def test_unknown_process_mtp_loss_arguments_warn_or_refuse_in_strict_mode(megatron_tp1, seed, monkeypatch):
+    """A newer megatron-core calling process_mtp_loss with an argument the fused MTP losses do not know: the
+    opted-in model gets megatron-core's own (unfused) MTP losses with a RuntimeWarning naming it, not a silent
+    fallback; strict mode refuses with FusedPathUnavailable."""
+    from logitless.megatron import FusedPathUnavailable, mtp
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    model = build(env, "gpt", seed).train()
+    patch_fused_forward(model)
+    b, s = 2, 9
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen),)
+    want, g_want, _, n_want = run(env, model, False, ids, pos, mask, labels, None, w)     # megatron-core's own
+
+    # a release whose caller passes an argument this version does not know: here, input_ids made unknown
+    monkeypatch.setattr(mtp, "_KNOWN_ARGS", mtp._KNOWN_ARGS - {"input_ids"})
+    with pytest.warns(RuntimeWarning, match="input_ids"):
+        got, g_got, _, n_got = run(env, model, True, ids, pos, mask, labels, None, w)
+    assert n_got == n_want == 3 and torch.equal(got, want)     # megatron-core's MTP losses, its numbers
+    check_grads(env, g_got, g_want)
+    monkeypatch.setenv("LOGITLESS_STRICT", "1")
+    with pytest.raises(FusedPathUnavailable, match="input_ids"):
+        run(env, model, True, ids, pos, mask, labels, None, w)
+
+
+def test_processor_without_patch_warns_then_fuses_or_refuses_in_strict_mode(megatron_tp1, seed, monkeypatch):
+    """The processor passed straight to an MTP model's forward (hook mode, no patch_fused_forward): megatron-core
+    computed that forward's MTP losses from full logits before the processor ran, so the processor says so (a
+    RuntimeWarning) and opts the model in: the next forward makes no output-layer call at all. Strict mode
+    refuses instead. The numbers are the same either way."""
+    from logitless.megatron import FusedPathUnavailable
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    b, s = 2, 9
+    model = build(env, "gpt", seed).train()
+    ids, pos, labels = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = (torch.randn(b, s, generator=gen), torch.randn(b, s, generator=gen))
+    monkeypatch.setenv("LOGITLESS_STRICT", "1")
+    with pytest.raises(FusedPathUnavailable, match="patch_fused_forward"):
+        with torch.no_grad():
+            env.run_fused(model, ids, pos, mask, labels, 1.0)
+    assert not fused_mtp_enabled(model)
+    monkeypatch.delenv("LOGITLESS_STRICT")
+
+    calls = []
+    handle = model.output_layer.register_forward_hook(lambda *_: calls.append(1))
+    outs = []
+    try:
+        for expect_warning in (True, False):
+            calls.clear()
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = env.run_fused(model, ids, pos, mask, labels, 1.0)
+            ours = [c for c in caught if "patch_fused_forward" in str(c.message)]
+            assert len(ours) == int(expect_warning) and all(c.category is RuntimeWarning for c in ours)
+            ((w[0] * out.logprobs).sum() + (w[1] * out.entropy).sum()).backward()
+            outs.append((out, env.param_grads(model), len(calls)))
+    finally:
+        handle.remove()
+    (first, g_first, n_first), (second, g_second, n_second) = outs
+    assert n_first == 2 and n_second == 0 and fused_mtp_enabled(model)   # 2 MTP depths' logits, then none
+    assert (first.logprobs - second.logprobs).abs().max() <= LP_TOL
+    check_grads(env, g_second, g_first)

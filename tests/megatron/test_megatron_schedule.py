@@ -180,3 +180,50 @@ def test_combined_1f1b_two_micro_batches_moe(megatron_tp1, seed, mtp):
     model = env.build_gpt(moe_experts=4, moe_dispatcher="allgather", mtp=mtp, seed=seed, vocab=1031).train()
     with env.cpu_streams():
         check_two_micro_batches(model, gen, b=2, s=10)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied-mup"])
+def test_schedule_plan_without_labels_returns_the_plans_own_output(megatron_tp1, seed, kind):
+    """labels=None (a rollout / inference forward) through build_fused_schedule_plan: the post-process node
+    returns exactly what megatron-core's own plan returns without a processor (logits [b, s, V], MuP scaling
+    included), with the same parameter gradients through the plan's backward; or, configured, the hidden
+    states the node was given. No fused op runs, and the record says so."""
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
+    env = megatron_tp1
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(use_mup=True, mup_base_hidden_size=24) if kind == "tied-mup" else {}
+    model = env.build_gpt(tied=kind != "untied", seed=seed, **kw)
+    b, s = 2, 7
+    ids, pos, _ = env.random_batch(b, s, model.vocab_size, gen)
+    mask = env.causal_mask(s)
+    w = torch.randn(b, s, model.vocab_size, generator=gen)
+
+    out, rec, got = plan_forward_backward(env, model, lambda o: w, input_ids=ids, position_ids=pos,
+                                          attention_mask=mask, labels=None)
+    assert rec.path == "schedule-plan" and rec.backend is None and "labels is None" in rec.reason, rec
+    model.zero_grad(set_to_none=True)
+    with env.cpu_streams():
+        plan = model.build_schedule_plan(ids, pos, mask, labels=None)     # megatron-core's own plan
+        want = Plan.run(plan, None)
+        Plan.run(None, plan, b_grad=w)
+    assert out.shape == (b, s, model.vocab_size) and torch.equal(out, want)
+    for name, g in env.param_grads(model).items():
+        assert (g is None) == (got[name] is None) and (g is None or torch.equal(g, got[name])), name
+
+    with env.cpu_streams(), torch.no_grad():
+        hidden = Plan.run(build_fused_schedule_plan(model, ids, pos, mask, labels=None,
+                                                    without_labels="hidden_states"), None)
+        at_node = Plan.run(model.build_schedule_plan(ids, pos, mask, labels=None,
+                                                     output_processor=lambda **k: k["hidden_states"]), None)
+    assert hidden.shape == (s, b, 48) and torch.equal(hidden, at_node)
+
+
+def test_schedule_plan_refuses_a_hybrid_model(megatron_tp1, seed):
+    """megatron-core 0.19's HybridModel has no build_schedule_plan: the schedule-plan path refuses it by name
+    (its forward runs through the legacy patch instead)."""
+    env = megatron_tp1
+    model = env.build_hybrid(seed=seed)
+    ids, pos, labels = env.random_batch(2, 5, model.vocab_size, torch.Generator().manual_seed(seed))
+    assert not supports_schedule_plan_hook(model)
+    with pytest.raises(FusedPathUnavailable, match="HybridModel.build_schedule_plan"):
+        build_fused_schedule_plan(model, ids, pos, env.causal_mask(5), labels=labels)

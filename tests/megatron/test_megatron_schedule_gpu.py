@@ -8,7 +8,6 @@ Needs CUDA (the overlap needs streams); on CPU, test_megatron_schedule.py runs t
 (check_two_micro_batches) with streams and events as no-ops.
 """
 import os
-import tempfile
 
 import pytest
 import torch
@@ -22,18 +21,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the overl
 
 @pytest.fixture(scope="module")
 def megatron_gpu():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-    init = tempfile.mktemp(prefix="logitless_nccl_")
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(123)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    if os.path.exists(init):
-        os.remove(init)
+    import mcore_env
+    with mcore_env.megatron_on_gpu():
+        yield
 
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["moe", "moe-mtp"])

@@ -22,7 +22,8 @@ def _case_names():
                 names.append(f"hook-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-{temp}")
     names += ["hook-nosp-mtp", "legacy-nosp-untied", "legacy-sp-tied", "inference-no-grad",
               "labels-none-sp", "labels-none-legacy-nosp", "hybrid-nosp-untied", "hybrid-sp-tied",
-              "hybrid-forward_padded-sp", "mtp-gpt-sp-tied", "mtp-hybrid-nosp",
+              "hybrid-forward_padded-sp", "mtp-gpt-sp-tied", "mtp-gpt-nosp", "mtp-hybrid-nosp",
+              "mtp-hybrid-sp-tied", "labels-none-hybrid-sp",
               "forward_padded-sp-thd", "forward_packed-nosp-thd", "forward_padded-sp-bshd"]
     names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy",
               "cp2-forward_padded-hybrid"]
@@ -189,7 +190,10 @@ def run_case(name, env, torch, seed):
         from logitless.megatron import fused_output_processor, patch_fused_forward
         cls = env.old_signature_gpt_class() if "legacy" in parts else None
         kw = dict(tp=TP, sequence_parallel=sp, tied=True, seed=seed)
-        model = env.build_with_class(cls, **kw) if cls else env.build_gpt(**kw)
+        if "hybrid" in parts:                    # the HybridModel's legacy patch (output-layer call intercepted)
+            model = env.build_hybrid(**kw)
+        else:
+            model = env.build_with_class(cls, **kw) if cls else env.build_gpt(**kw)
         patch_fused_forward(model)
         ids, pos, _ = env.random_batch(2, 8, model.vocab_size, gen)
         mask = env.causal_mask(8)
@@ -204,6 +208,7 @@ def run_case(name, env, torch, seed):
         assert a.shape == (2, 8, model.vocab_size // TP) and torch.equal(a, b)
         assert all((g is None and ga[n] is None) or torch.equal(g, ga[n]) for n, g in gb.items())
         assert last_path().backend is None and "labels is None" in last_path().reason
+        assert last_path().model == type(model).__name__, last_path()
         return "equal"
     if name == "inference-no-grad":
         from logitless.megatron import FusedOutputProcessorContext, fused_output_processor

@@ -107,8 +107,11 @@ def test_tensor_parallel_two_ranks_with_and_without_sequence_parallelism(env):
 def test_1f1b_overlap_forward_runs_on_the_schedule_plan(env, seed):
     """verl's combined-1F1B forward (gptmodel_forward_1f1b_overlap) on logitless: a schedule plan with
     logitless' processor, log-probs and entropy (verl's own returns log-probs only), run here without
-    overlap on CPU; against verl's fused generation forward (hook mode, logitless) on the same batch:
-    values and every parameter gradient. megatron-core's plan skips a dense decoder's final layernorm,
+    overlap on CPU; against verl's fused generation forward (hook mode, logitless) and verl's unfused one
+    (its vocab-parallel log-probs and entropy on the model's logits) on the same batch: values and every
+    parameter gradient (verl's own overlapped function cannot run on megatron-core 0.19: the plan's
+    post-process node passes output_processor to verl's _postprocess replacement, which refuses it).
+    megatron-core's plan skips a dense decoder's final layernorm,
     so the model has none (then the plan and the forward compute the same hidden states)."""
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
     from verl.models.mcore import model_forward_1f1b_overlap as overlap
@@ -129,15 +132,19 @@ def test_1f1b_overlap_forward_runs_on_the_schedule_plan(env, seed):
         Plan.run(None, plan, b_grad=(a, c))
     got = env.grads(model)
     assert record.path == "schedule-plan" and record.model == "GPTModel", record
-    from verl.models.mcore.model_forward_fused import patch_fused_forward
-    patch_fused_forward(model)                              # verl's mode resolution (hook here)
-    model.zero_grad(set_to_none=True)
-    want = env.run_gen(model, ids, mask, labels, pos, 0.8, True)
-    ((a * want["log_probs"]).sum() + (c * want["entropy"]).sum()).backward()
-    assert torch.allclose(lp, want["log_probs"], atol=1e-5, rtol=0)
-    assert torch.allclose(ent, want["entropy"], atol=1e-5, rtol=0) and lp[mask].abs().sum() > 0
-    for name, g in env.grads(model).items():
-        assert float((got[name] - g).norm() / g.norm().clamp_min(1e-30)) <= 1e-4, name
+    for fused in (True, False):     # verl's fused generation forward (logitless' head) and its unfused one
+        from verl.models.mcore.model_forward_fused import patch_fused_forward
+        patch_fused_forward(model)                          # verl's mode resolution (hook here)
+        model.zero_grad(set_to_none=True)
+        want = env.run_gen(model, ids, mask, labels, pos, 0.8, fused)
+        m = mask.float()                                    # (the unfused entropy is not zeroed at pads)
+        ((a * want["log_probs"] * m).sum() + (c * want["entropy"] * m).sum()).backward()
+        assert torch.allclose(lp, want["log_probs"] * m, atol=1e-5, rtol=0)
+        assert torch.allclose(ent, want["entropy"] * m, atol=1e-5, rtol=0) and lp[mask].abs().sum() > 0
+        for name, g in env.grads(model).items():
+            assert float((got[name] - g).norm() / g.norm().clamp_min(1e-30)) <= 1e-4, (fused, name)
     with pytest.raises(AssertionError, match="only support fused kernel"):   # verl's own function, unchanged
         overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=labels, labels_mask=mask,
                                               logits_processor=env.verl_logits_processor)
+    with pytest.raises(ValueError, match="labels is None"):       # verl's own would fail in the plan's node
+        overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=None, labels_mask=mask)

@@ -67,3 +67,44 @@ def test_uninstall_restores_verl_kernel(env, seed):
     assert mff.linear_cross_entropy is not kernel
     lv.uninstall()
     assert mff.linear_cross_entropy is kernel
+
+
+def test_1f1b_overlap_runs_verls_own_function_without_the_plan_hook(env, seed):
+    """megatron-core 0.16.1's build_schedule_plan has no output_processor hook: logitless.verl's
+    gptmodel_forward_1f1b_overlap falls back to verl's own function (its _postprocess patch of the plan), whose
+    head is logitless' (path "legacy"). Run through the plan's forward and backward (streams as no-ops on CPU),
+    against verl's unfused generation forward (verl's vocab-parallel log-probs on the model's logits) on a model
+    with the same weights: log-probs (verl's function returns no entropy) and every parameter gradient.
+    megatron-core's plan applies no final layernorm after dense layers (its post-process node runs one only for
+    an empty decoder, and verl's replacement of that node's forward_impl is never called: the node holds the
+    original method), so the models have none; then the plan and the forward compute the same hidden states."""
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
+    from verl.models.mcore import model_forward_1f1b_overlap as overlap
+
+    import mcore_env
+    from logitless.megatron import last_path, supports_schedule_plan_hook
+    lv.install()
+    assert getattr(overlap.gptmodel_forward_1f1b_overlap, "__wrapped__", None) is not None   # logitless' wrapper
+    gen = torch.Generator().manual_seed(seed)
+    model, ref = env.build_rope_gpt(seed), env.build_rope_gpt(seed)
+    model.decoder.final_layernorm = ref.decoder.final_layernorm = None
+    assert not supports_schedule_plan_hook(model)
+    ids, mask, labels, pos = env.padded_batch(gen)
+    a = torch.randn(ids.shape, generator=gen)
+    model.zero_grad(set_to_none=True)
+    with mcore_env.cpu_streams():
+        plan = overlap.gptmodel_forward_1f1b_overlap(model, ids, pos, mask, labels=labels, labels_mask=mask,
+                                                     temperature=0.8)
+        out = Plan.run(plan, None)
+        record = last_path()
+        Plan.run(None, plan, b_grad=(a,))
+    assert isinstance(out, tuple) and len(out) == 1, type(out)   # verl's own function: log-probs only
+    assert (record.path, record.entry) == ("legacy", "verl") and record.model.endswith("GPTModel"), record
+    got = env.grads(model)
+    ref.zero_grad(set_to_none=True)
+    want = env.run_gen(ref, ids, mask, labels, pos, 0.8, False)["log_probs"]
+    (a * want).sum().backward()
+    assert (out[0] - want).abs().max() <= env.LP_TOL and want[mask].abs().sum() > 0
+    assert set(got) == set(env.grads(ref))
+    for name, g in env.grads(ref).items():
+        assert float((got[name] - g).norm() / g.norm().clamp_min(1e-30)) <= env.GRAD_TOL, name

@@ -15,18 +15,22 @@ How it is reached: the module global ``process_mtp_loss`` of megatron-core's gpt
 is replaced once by ``_dispatch``, which runs the fused version only for models that opted in
 (``enable_fused_mtp``, done by ``patch_fused_forward`` and every logitless entry point) and megatron-core's
 own function for every other model. The model is known from the bound ``compute_language_model_loss``
-argument. A call with arguments this version does not know also goes to megatron-core's function.
+argument. A call with arguments this version does not know also goes to megatron-core's function, with a
+warning (strict mode: ``FusedPathUnavailable`` instead).
 Releases without ``process_mtp_loss`` (before 0.18) keep their own, unfused MTP losses.
 """
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from ..api import fused_logprobs
+from ..record import FusedPathUnavailable, strict_enabled
+from .head import logit_scale, tp_group_and_size
 
 _FLAG = "_logitless_fused_mtp"
 _MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
@@ -55,6 +59,23 @@ def enable_fused_mtp(model: nn.Module) -> bool:
     return True
 
 
+def opt_in_late(model: Optional[nn.Module], in_inference: bool) -> None:
+    """Called by the output processor, after megatron-core computed this forward's MTP losses. A model with
+    MTP layers that never opted in (the processor passed to its forward without ``patch_fused_forward``) had
+    them computed from full logits: strict mode refuses; otherwise a warning, and the fused MTP losses from the
+    next forward on. Nothing to do in inference mode (no MTP losses) or for a model without MTP layers."""
+    if (in_inference or model is None or fused_mtp_enabled(model) or not getattr(model, "mtp_process", False)
+            or not release_has_process_mtp_loss()):
+        return
+    why = (f"{type(model).__name__} has MTP layers whose losses megatron-core computed from full [tokens x vocab] "
+           "logits in this forward: call logitless.megatron.patch_fused_forward(model) before the first forward "
+           "so that they come from the fused op")
+    if strict_enabled():
+        raise FusedPathUnavailable(why + " (strict mode: LOGITLESS_STRICT=1)")
+    enable_fused_mtp(model)
+    warnings.warn(why + "; fused from the next forward on", RuntimeWarning, stacklevel=3)
+
+
 def disable_fused_mtp(model: nn.Module) -> None:
     model.__dict__.pop(_FLAG, None)
 
@@ -74,17 +95,26 @@ def _install_dispatch() -> None:
 
 
 def _dispatch(*args, **kwargs):
-    """megatron-core's ``process_mtp_loss`` for every model, the fused one for opted-in models."""
+    """megatron-core's ``process_mtp_loss`` for every model, the fused one for opted-in models. An opted-in
+    model whose call this version cannot reproduce (positional or unknown arguments: a newer megatron-core)
+    gets megatron-core's unfused MTP losses with a warning, or FusedPathUnavailable in strict mode."""
     model = getattr(kwargs.get("compute_language_model_loss"), "__self__", None)
-    if not args and model is not None and fused_mtp_enabled(model) and set(kwargs) <= _KNOWN_ARGS:
-        return fused_process_mtp_loss(**kwargs)
+    if model is not None and fused_mtp_enabled(model):
+        unknown = sorted(set(kwargs) - _KNOWN_ARGS)
+        if not args and not unknown:
+            return fused_process_mtp_loss(**kwargs)
+        why = (f"megatron-core's process_mtp_loss was called with arguments logitless' fused MTP losses do not "
+               f"know ({len(args)} positional, unknown {unknown}); {type(model).__name__}'s MTP losses are computed "
+               "from full logits by megatron-core")
+        if strict_enabled():
+            raise FusedPathUnavailable(why + " (strict mode: LOGITLESS_STRICT=1)")
+        warnings.warn(why, RuntimeWarning, stacklevel=2)
     return importlib.import_module(_MTP_MODULE).process_mtp_loss(*args, **kwargs)
 
 
 def _head(output_layer, config, hidden: Tensor):
     """(hidden gathered over SP if needed, tp group or None, reduce_grad_hidden)."""
-    from .processor import _tp_group_and_size
-    group, tp_size = _tp_group_and_size(output_layer, config)
+    group, tp_size = tp_group_and_size(output_layer, config)
     if tp_size > 1 and getattr(output_layer, "sequence_parallel", False):
         from ..parallel import gather_sequence
         return gather_sequence(hidden, group, dim=0), group, False
@@ -180,8 +210,6 @@ def fused_process_mtp_loss(hidden_states: Tensor, labels: Tensor, loss_mask: Opt
         MTPLossLoggingHelper,
         roll_tensor,
     )
-
-    from .processor import logit_scale
 
     hidden_states_list = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
     hidden_states = hidden_states_list[0]

@@ -9,21 +9,19 @@ returns ``TokenLogProbs`` in the labels' layout [b, s], float32; or, when the co
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
 from torch import Tensor
 
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import last_backend, processor_path, write_record
+from .head import logit_scale, tp_group_and_size
+from .mtp import opt_in_late
 from .temperature import check_temperature, temperature_bs
-from .unlabelled import WITHOUT_LABELS, log_outputs, megatron_logits
-
-_SCALE_PROBE = (1.0, -2.5, 0.75, 3.0)
+from .unlabelled import WITHOUT_LABELS, inference_mode_active, log_outputs, megatron_logits
 
 
 @dataclass
@@ -61,36 +59,6 @@ class FusedOutputProcessorContext:
             raise TypeError(f"loss must be a logitless.losses.PolicyLoss or None, got {type(self.loss).__name__}")
         if self.without_labels not in WITHOUT_LABELS:
             raise ValueError(f"without_labels must be one of {WITHOUT_LABELS}, got {self.without_labels!r}")
-
-
-def _tp_group_and_size(output_layer, config):
-    """The output layer's tensor-parallel group and its size. Releases whose layers do not carry
-    ``tp_group`` use the global model-parallel state when the config says TP > 1."""
-    group = getattr(output_layer, "tp_group", None)
-    if group is None and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
-        from megatron.core import parallel_state
-        group = parallel_state.get_tensor_model_parallel_group()
-    if group is None:
-        return None, 1
-    return group, group.size()
-
-
-def logit_scale(scale_logits) -> float:
-    """The constant c with scale_logits(z) == c * z (Megatron's MuP output multiplier), probed on a
-    few values. Raises ValueError for anything else (e.g. a soft cap), which the fused path cannot
-    reproduce; None means no scaling."""
-    if scale_logits is None:
-        return 1.0
-    probe = torch.tensor(_SCALE_PROBE, dtype=torch.float32)
-    out = scale_logits(probe.clone())
-    if not isinstance(out, Tensor) or out.shape != probe.shape:
-        raise ValueError("scale_logits must map a logits tensor to one of the same shape; logitless "
-                         "cannot fuse it")
-    c = float(out[0])
-    if not (math.isfinite(c) and c > 0 and torch.allclose(out.float(), probe * c, rtol=1e-6, atol=0.0)):
-        raise ValueError("scale_logits is not multiplication by a positive constant (e.g. a logit soft "
-                         "cap); the fused path cannot reproduce it. Disable it or use the unfused path")
-    return c
 
 
 def model_name(hook_kwargs: dict) -> Optional[str]:
@@ -141,6 +109,8 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     if not isinstance(context, FusedOutputProcessorContext):
         raise TypeError("output_processor_context must be a FusedOutputProcessorContext, got "
                         f"{type(context).__name__}")
+    opt_in_late(getattr(kwargs.get("compute_language_model_loss"), "__self__", None),
+                inference_mode_active(kwargs.get("inference_context"), config))
     if labels is None:
         write_record(processor_path(), None, "processor", f"labels is None: the model's own {context.without_labels}",
                      model_name(kwargs))
@@ -159,7 +129,7 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
     if weight is None:
         raise ValueError("no output weight: output_weight is None and output_layer.weight is None")
 
-    group, tp_size = _tp_group_and_size(output_layer, config)
+    group, tp_size = tp_group_and_size(output_layer, config)
     hidden = hidden_states
     reduce_grad_hidden = True
     if tp_size > 1 and getattr(output_layer, "sequence_parallel", False):

@@ -13,7 +13,9 @@ What the post-process node returns (the schedule's output tensor(s), all float32
   function);
 - with ``loss``: the fused policy loss, a 0-d tensor (the schedule back-propagates through every output
   of the node, and only the loss is differentiable), carrying the whole ``PolicyLossOutput`` (metrics
-  included) as its attribute ``policy_output``.
+  included) as its attribute ``policy_output``;
+- with ``labels=None``: what megatron-core's own plan returns there, the logits [b, s, V] (or, with
+  ``without_labels="hidden_states"``, the hidden states [s, b, h] the node was given).
 A model whose ``build_schedule_plan`` lacks the two hook parameters raises ``FusedPathUnavailable``:
 there is no unfused plan that returns log-probabilities.
 """
@@ -56,7 +58,7 @@ def build_fused_schedule_plan(model: nn.Module, input_ids: Tensor, position_ids:
                               attention_mask: Optional[Tensor], *, labels: Optional[Tensor],
                               temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True,
                               loss: Optional[PolicyLoss] = None, ignore_index: int = -100, backend: str = "auto",
-                              **plan_kwargs):
+                              without_labels: str = "logits", **plan_kwargs):
     """``model.build_schedule_plan(input_ids, position_ids, attention_mask, labels=labels, **plan_kwargs)``
     with logitless' processor: the plan's post-process node returns per-token log-probs (and entropy),
     or the fused policy loss with ``loss``, instead of the model's loss (see the module docstring).
@@ -66,8 +68,10 @@ def build_fused_schedule_plan(model: nn.Module, input_ids: Tensor, position_ids:
             parameters (megatron-core 0.19+).
         input_ids, position_ids, attention_mask: as for the model's forward.
         labels: [b, s] int token ids in the labels' layout of the processor (ignore_index where nothing
-            is scored); None: the node returns the model's own logits.
-        temperature, with_entropy, loss, ignore_index, backend: as in ``FusedOutputProcessorContext``.
+            is scored); None: the node returns what the model's own plan returns, its logits [b, s, V]
+            (``without_labels="hidden_states"``: the [s, b, h] hidden states at the node instead).
+        temperature, with_entropy, loss, ignore_index, backend, without_labels: as in
+            ``FusedOutputProcessorContext``.
         plan_kwargs: the rest of ``build_schedule_plan``'s arguments (packed_seq_params, loss_mask, ...).
     Returns:
         megatron-core's ``TransformerModelChunkSchedulePlan``.
@@ -81,7 +85,7 @@ def build_fused_schedule_plan(model: nn.Module, input_ids: Tensor, position_ids:
         if name in plan_kwargs:
             raise TypeError(f"build_fused_schedule_plan sets {name} itself; do not pass it")
     ctx = FusedOutputProcessorContext(temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index,
-                                      backend=backend, loss=loss)
+                                      backend=backend, loss=loss, without_labels=without_labels)
     enable_fused_mtp(gpt)
     return gpt.build_schedule_plan(input_ids, position_ids, attention_mask, labels=labels,
                                    output_processor=schedule_plan_processor, output_processor_context=ctx,

@@ -21,7 +21,7 @@ from torch import Tensor
 WITHOUT_LABELS = ("logits", "hidden_states")
 
 
-def _inference_mode_active(inference_context, config) -> bool:
+def inference_mode_active(inference_context, config) -> bool:
     try:
         from megatron.core.inference.utils import InferenceMode
     except ImportError:  # releases before InferenceMode: inference is "a context and not training"
@@ -33,7 +33,7 @@ def megatron_logits(*, hidden_states: Tensor, output_layer, output_weight, runti
                     inference_context=None, scale_logits=None, config=None, **kwargs) -> Tensor:
     """The model's own logits [b, s, V] from the hidden states [s, b, h] at the hook point: the
     same calls, in the same order, as Megatron's post-processing (see the module docstring)."""
-    in_inference = _inference_mode_active(inference_context, config)
+    in_inference = inference_mode_active(inference_context, config)
     sp_override = False
     if (in_inference and inference_context is not None
             and getattr(getattr(inference_context, "config", None), "materialize_only_last_token_logits", False)):

@@ -126,9 +126,15 @@ def _make_overlap_forward(original):
         Falls back to verl's function (its _postprocess patch, whose head is logitless too) where the
         schedule plan lacks the hook, or for verl's unfused logits_processor path."""
         from ..megatron.schedule import supports_schedule_plan_hook
+        if labels is None:
+            # verl's own function builds a plan whose post-process node then fails on labels=None (its packing
+            # reads the labels); say so here, before any work
+            raise ValueError("labels is None: verl's gptmodel_forward_1f1b_overlap scores labels (its own function "
+                             "needs them too); for the model's logits run its forward or "
+                             "logitless.megatron.build_fused_schedule_plan(..., labels=None)")
         mod = sys.modules[OVERLAP]
         inner = mod.unwrap_model(model)
-        if logits_processor is not None or labels is None or not supports_schedule_plan_hook(inner):
+        if logits_processor is not None or not supports_schedule_plan_hook(inner):
             return original(model, input_ids, position_ids, attention_mask, labels=labels, labels_mask=labels_mask,
                             multi_modal_inputs=multi_modal_inputs, logits_processor=logits_processor,
                             logits_processor_args=logits_processor_args, temperature=temperature)
