@@ -239,16 +239,22 @@ def _variant(fn, env: dict, ring):
     return run
 
 
-def time_shape(dev, tag: str, rounds: int, variants: list):
-    n, h, v = SHAPES[tag]
+def timing_inputs(dev, n: int, h: int, v: int):
+    """A timing shape's head (bf16), labels drawn from its softmax, the two per-token weights of the backward's
+    loss (a . lp + b . entropy), and leaf copies of hidden and weight for the backward."""
     g = torch.Generator(device=dev).manual_seed(7)
     hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
     labels = sample_labels(hidden, weight, 1.0, g)
     a = torch.randn(n, device=dev, generator=g)
     b = torch.randn(n, device=dev, generator=g)
+    return (hidden, weight, labels, a, b, hidden.detach().clone().requires_grad_(True),
+            weight.detach().clone().requires_grad_(True))
+
+
+def time_shape(dev, tag: str, rounds: int, variants: list):
+    n, h, v = SHAPES[tag]
+    hidden, weight, labels, a, b, hg, wg = timing_inputs(dev, n, h, v)
     floor = GemmFloor(hidden, weight)
-    hg = hidden.detach().clone().requires_grad_(True)
-    wg = weight.detach().clone().requires_grad_(True)
 
     def fwd():
         with torch.no_grad():
@@ -363,14 +369,8 @@ def chunked_time(dev, tag: str, rounds: int, rules: list):
     """fused_logprobs (chunked, with entropy) forward and forward+backward under each column rule against the
     cuBLAS floor, in rounds that alternate them (medians); the forward's peak extra memory per rule."""
     n, h, v = SHAPES[tag]
-    g = torch.Generator(device=dev).manual_seed(7)
-    hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
-    labels = sample_labels(hidden, weight, 1.0, g)
-    a = torch.randn(n, device=dev, generator=g)
-    b = torch.randn(n, device=dev, generator=g)
+    hidden, weight, labels, a, b, hg, wg = timing_inputs(dev, n, h, v)
     floor = GemmFloor(hidden, weight)
-    hg = hidden.detach().clone().requires_grad_(True)
-    wg = weight.detach().clone().requires_grad_(True)
 
     def fwd(rule):
         def run():
