@@ -49,3 +49,18 @@ def close_group() -> None:
         except RuntimeError:  # a peer already died: its own error is the one to report
             pass
     dist.destroy_process_group()
+
+
+def refused(calls, needles: tuple, what: str) -> str:
+    """Each of ``calls`` raises a ValueError whose message holds every one of ``needles`` (a layout refused by
+    name, before any work); returns the last message. ``what`` names the layout in the failure."""
+    message = None
+    for call in calls:
+        try:
+            call()
+        except ValueError as e:
+            message = str(e)
+            assert all(n in message for n in needles), message
+        else:
+            raise AssertionError(f"{what} was not refused")
+    return message

@@ -9,7 +9,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ranks import finish
+from ranks import finish, refused
 
 # (model kind, use_orig_params, lm_head in its own unit): Llama's head is its own weight, GPT-2's is tied to
 # the input embedding
@@ -61,12 +61,8 @@ def _check_through_fsdp(kind: str, use_orig_params: bool, own_unit: bool, seed: 
         assert isinstance(model.lm_head, FSDP)
     assert unwrap_model(fsdp) is model
     if use_orig_params and not own_unit:  # the module inside, outside FSDP's forward: its head weight is a flat shard
-        try:
-            patch_model(model)
-        except ValueError as e:
-            assert "FSDP" in str(e) and "lm_head.weight" in str(e), str(e)
-        else:
-            raise AssertionError("patching the module inside FSDP, with its head sharded, was not refused")
+        refused([lambda: patch_model(model)], ("FSDP", "lm_head.weight"),
+                "patching the module inside FSDP, with its head sharded,")
     fused = fused_forward(fsdp, ids, mask, temperature=temp)
     assert not is_patched(fsdp)
     (a * fused.logprobs).sum().add((b * fused.entropy).sum()).backward()
@@ -101,13 +97,8 @@ def _check_own_unit_refused(kind: str, wrapped: type, seed: int) -> str:
     from test_transformers import tiny_model
     torch.manual_seed(seed)
     fsdp = FSDP(tiny_model(kind), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({wrapped}))
-    for call in (lambda: fused_forward(fsdp, torch.randint(0, 1031, (2, 5))), lambda: patch_model(fsdp)):
-        try:
-            call()
-        except ValueError as e:
-            assert "FSDP" in str(e) and "lm_head" in str(e), str(e)
-        else:
-            raise AssertionError("a tied embedding in its own FSDP unit was not refused")
+    refused([lambda: fused_forward(fsdp, torch.randint(0, 1031, (2, 5))), lambda: patch_model(fsdp)],
+            ("FSDP", "lm_head"), "a tied embedding in its own FSDP unit")
     return "refused"
 
 
