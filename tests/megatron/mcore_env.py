@@ -290,6 +290,25 @@ def param_grads(model):
     return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
+def assert_own_output_without_labels(model, call, ids, pos, mask, weights):
+    """``call()`` (a forward through logitless' processor with labels=None) gives exactly the model's own forward
+    without a processor (logits [b, s, V]) and, for the loss sum(weights * logits), its parameter gradients.
+    Returns the PathRecord of the call."""
+    from logitless.megatron import last_path
+    model.zero_grad(set_to_none=True)
+    out = call()
+    rec = last_path()
+    (weights * out).sum().backward()
+    got = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    want = model(ids, pos, mask)
+    (weights * want).sum().backward()
+    assert out.shape == weights.shape and torch.equal(out, want)
+    for name, g in param_grads(model).items():
+        assert (g is None) == (got[name] is None) and (g is None or torch.equal(g, got[name])), name
+    return rec
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))

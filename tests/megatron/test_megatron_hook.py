@@ -104,17 +104,8 @@ def test_labels_none_returns_the_models_own_output(megatron_tp1, seed, kind):
     from logitless.megatron import patch_fused_forward
     patch_fused_forward(model)
 
-    model.zero_grad(set_to_none=True)
-    out = model(ids, pos, mask, output_processor=fused_output_processor)
-    rec = last_path()
-    (w * out).sum().backward()
-    got = env.param_grads(model)
-    model.zero_grad(set_to_none=True)
-    want = model(ids, pos, mask)                           # the model's own forward, no processor
-    (w * want).sum().backward()
-    assert out.shape == (2, 7, 262) and torch.equal(out, want)
-    for name, g in env.param_grads(model).items():
-        assert (g is None) == (got[name] is None) and (g is None or torch.equal(g, got[name])), name
+    rec = env.assert_own_output_without_labels(
+        model, lambda: model(ids, pos, mask, output_processor=fused_output_processor), ids, pos, mask, w)
     assert rec.path == ("legacy" if kind == "legacy" else "hook") and rec.backend is None
     assert "labels is None" in rec.reason
     with torch.no_grad():
