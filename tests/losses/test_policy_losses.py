@@ -509,6 +509,12 @@ def test_missing_inputs_are_named():
         fused_policy_loss(hidden, weight, labels, adv, None, rejection_k2_max=0.1)
     with pytest.raises(ValueError, match="current_is='token_mask' needs rollout_logprobs or old_logprobs"):
         fused_policy_loss(hidden, weight, labels, adv, None, current_is="token_mask", current_is_max=2.0)
+    # per-token terms against the rollout have no place in geo_mean's per-sequence loss
+    with pytest.raises(ValueError, match="rejection_k2_max is a token mask .* surrogate='geo_mean'"):
+        fused_policy_loss(hidden, weight, labels, adv, old, rejection_k2_max=0.1, surrogate="geo_mean")
+    with pytest.raises(ValueError, match="current_is='token_mask' weights a per-token .* surrogate='geo_mean'"):
+        fused_policy_loss(hidden, weight, labels, adv, old, current_is="token_mask", current_is_max=2.0,
+                          surrogate="geo_mean")
     with pytest.raises(ValueError, match="current_is='sequence_mask' needs sequences"):
         fused_policy_loss(hidden.reshape(-1, H), weight, labels.reshape(-1), adv.reshape(-1), old.reshape(-1),
                           current_is="sequence_mask", current_is_max=2.0)

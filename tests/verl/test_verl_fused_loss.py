@@ -38,13 +38,6 @@ ENTROPY_TOL = 3e-5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("qwen2"))
-    ve.save_tiny_qwen2(path, seed=3, tied=True)
-    return path
-
-
-@pytest.fixture(scope="module")
 def actor(model_dir):
     """An actor built with verl's fused kernels (use_fused_kernels=True, backend "torch")."""
     return ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True"])

@@ -34,13 +34,6 @@ THD = ["actor_rollout_ref.model.use_remove_padding=True"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("qwen2"))
-    ve.save_tiny_qwen2(path, seed=3, tied=True)
-    return path
-
-
-@pytest.fixture(scope="module")
 def actors(model_dir):
     """(verl's unfused actor, an actor built with verl's fused kernels): the same weights (loaded from the
     same checkpoint by mbridge), THD (remove-padding) micro-batches."""

@@ -293,12 +293,7 @@ class PolicyLoss:
             lo, hi = getattr(self, f"{band}_min"), getattr(self, f"{band}_max")
             if lo is not None and hi is not None and lo > hi:
                 raise ValueError(f"{band}_min={lo} is above {band}_max={hi}")
-        if self.old_logprobs is None and self.rollout_logprobs is None:
-            raise ValueError(f"{given[0]} needs rollout_logprobs or old_logprobs (the rejection mask compares this "
-                             "pass's log-probs with the rollout's)")
-        if self.surrogate == "geo_mean":
-            raise ValueError(f"{given[0]} is a token mask of the policy term; surrogate='geo_mean' is a loss per "
-                             "sequence")
+        self._check_per_token_rollout_term(given[0], "the rejection mask", "is a token mask of the policy term")
 
     def _check_current_is(self):
         set_ = object.__setattr__
@@ -316,12 +311,17 @@ class PolicyLoss:
         if (self.current_is_min is not None and self.current_is_max is not None
                 and self.current_is_min > self.current_is_max):
             raise ValueError(f"current_is_min={self.current_is_min} is above current_is_max={self.current_is_max}")
+        self._check_per_token_rollout_term(f"current_is={self.current_is!r}", "the weight",
+                                           "weights a per-token policy term")
+
+    def _check_per_token_rollout_term(self, what: str, term: str, role: str):
+        """A term of this pass's log-probs against the rollout's (rejection sampling, current_is) needs those
+        log-probs, and acts per token, which a per-sequence loss (geo_mean) has no place for."""
         if self.old_logprobs is None and self.rollout_logprobs is None:
-            raise ValueError(f"current_is={self.current_is!r} needs rollout_logprobs or old_logprobs (the weight "
-                             "compares this pass's log-probs with the rollout's)")
+            raise ValueError(f"{what} needs rollout_logprobs or old_logprobs ({term} compares this pass's "
+                             "log-probs with the rollout's)")
         if self.surrogate == "geo_mean":
-            raise ValueError(f"current_is={self.current_is!r} weights a per-token policy term; surrogate='geo_mean' "
-                             "is a loss per sequence")
+            raise ValueError(f"{what} {role}; surrogate='geo_mean' is a loss per sequence")
 
     def _rejection_seq(self) -> tuple:
         """TermSpec.rejection_seq: (stat, k, min, max) for each sequence-level rejection bound given."""
