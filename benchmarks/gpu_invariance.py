@@ -91,8 +91,13 @@ def compare(name, lp, ent, lp0, ent0):
         row[key + "_max"] = diff.max().item()
         row[key + "_share"] = (a.view(torch.int32) != b.view(torch.int32)).double().mean().item()
     RESULTS["inv"].append(row)
-    log(f"  {name:44s} lp max {row['lp_max']!s:>10.10} share {row['lp_share']!s:>8.8}   "
-        f"ent max {row['ent_max']!s:>10.10} share {row['ent_share']!s:>8.8}")
+    log(f"  {name:44s} lp max {_g(row['lp_max']):>9} share {_g(row['lp_share']):>9}   "
+        f"ent max {_g(row['ent_max']):>9} share {_g(row['ent_share']):>9}")
+
+
+def _g(x) -> str:
+    """3 significant digits with the exponent (a fixed-width cut of repr dropped it), or None."""
+    return "None" if x is None else f"{x:.3g}"
 
 
 def embed(g, hidden, labels, n_total, dev):
