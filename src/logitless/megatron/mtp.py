@@ -70,10 +70,16 @@ def opt_in_late(model: Optional[nn.Module], in_inference: bool) -> None:
     why = (f"{type(model).__name__} has MTP layers whose losses megatron-core computed from full [tokens x vocab] "
            "logits in this forward: call logitless.megatron.patch_fused_forward(model) before the first forward "
            "so that they come from the fused op")
+    _unfused(why, "; fused from the next forward on", stacklevel=4)
+    enable_fused_mtp(model)
+
+
+def _unfused(why: str, then: str, stacklevel: int) -> None:
+    """MTP losses that megatron-core computed from full logits: FusedPathUnavailable in strict mode, else a
+    RuntimeWarning saying why (and ``then``, what happens next)."""
     if strict_enabled():
         raise FusedPathUnavailable(why + " (strict mode: LOGITLESS_STRICT=1)")
-    enable_fused_mtp(model)
-    warnings.warn(why + "; fused from the next forward on", RuntimeWarning, stacklevel=3)
+    warnings.warn(why + then, RuntimeWarning, stacklevel=stacklevel)
 
 
 def disable_fused_mtp(model: nn.Module) -> None:
@@ -106,9 +112,7 @@ def _dispatch(*args, **kwargs):
         why = (f"megatron-core's process_mtp_loss was called with arguments logitless' fused MTP losses do not "
                f"know ({len(args)} positional, unknown {unknown}); {type(model).__name__}'s MTP losses are computed "
                "from full logits by megatron-core")
-        if strict_enabled():
-            raise FusedPathUnavailable(why + " (strict mode: LOGITLESS_STRICT=1)")
-        warnings.warn(why, RuntimeWarning, stacklevel=2)
+        _unfused(why, "", stacklevel=3)
     return importlib.import_module(_MTP_MODULE).process_mtp_loss(*args, **kwargs)
 
 
