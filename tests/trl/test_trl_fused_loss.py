@@ -297,6 +297,39 @@ def test_policy_far_from_the_old_one_equals_trl(folder, tmp_path, seed, config):
     assert abs(clamped.loss.item() * p.scale - loss64.item()) > 1e-3 * max(1.0, abs(loss64.item()))
 
 
+# CISPO's bound below 1: TRL's epsilon_high defaults to epsilon (0.2), and TRL clamps the ratio at it
+CISPO_LOW_BOUND_CONFIGS = {
+    "default_bound-kl": dict(loss_type="cispo", beta=0.02),
+    "bound_0.7-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon=0.7),
+    "bound_0.5-train-entropy_bonus": dict(loss_type="cispo", epsilon=0.3, epsilon_high=0.5, entropy_coef=0.02,
+                                          _train=True),
+}
+
+
+@pytest.mark.parametrize("config", list(CISPO_LOW_BOUND_CONFIGS))
+def test_cispo_with_a_bound_below_one_equals_trl(folder, tmp_path, seed, config):
+    """TRL's cispo weight min(ratio, epsilon_high), detached, with epsilon_high < 1: old log-probs moved so that
+    the ratios of a random half of the tokens spread over (0.05, 1), on both sides of the bound."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    trainer, inputs = _setup(folder, tmp_path, seed, CISPO_LOW_BOUND_CONFIGS[config])
+    assert trainer.epsilon_high < 1.0
+    old = inputs["old_per_token_logps"].clone()
+    low = torch.rand(old.shape, generator=gen) < 0.5
+    old[low] += torch.empty(int(low.sum())).uniform_(0.0, 3.0, generator=gen)     # ratio below exp(-d)
+    inputs["old_per_token_logps"] = old
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask,
+                                                                  inputs["completion_ids"].size(1))
+    log_ratio = lp - old
+    if trainer.importance_sampling_level == "sequence":
+        log_ratio = log_ratio.mean(-1)
+    below = log_ratio.exp() < trainer.epsilon_high
+    assert below.any() and not below.all()          # the clamp binds at some ratios, not at others
+    _assert_matches_trl(trainer, inputs, config)
+
+
 def test_the_metrics_of_an_entropy_bonus_are_logged(folder, tmp_path, seed):
     """TRL logs policy_loss and entropy_coef with an entropy bonus (train mode, at an optimizer step)."""
     trainer, inputs = _setup(folder, tmp_path, seed, CONFIGS["grpo-entropy_bonus-train"])
@@ -323,8 +356,8 @@ def test_unmappable_settings_are_named(folder, tmp_path):
     with pytest.raises(ValueError, match="loss_type='made_up'"):
         lt.enable(trainer, fused_loss=True)
     assert not lt.is_enabled(trainer)
-    trainer.loss_type, trainer.epsilon_high = "cispo", 0.5
-    with pytest.raises(ValueError, match="epsilon_high=0.5"):
+    trainer.loss_type, trainer.epsilon_high = "cispo", -0.1                # a negative weight bound
+    with pytest.raises(ValueError, match="epsilon_high=-0.1"):
         lt.enable(trainer, fused_loss=True)
     trainer.loss_type, trainer.epsilon_high = "sapo", 0.28
     trainer.args.sapo_temperature_neg = -1.0
