@@ -119,6 +119,20 @@ def test_every_mode_matches_verl_megatron_update(actors, mode):
         assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_sapo_terms_aggregated_apart_match_verl_megatron_update(actors, agg):
+    """sapo with a KL loss and an entropy bonus under loss_agg_mode other than seq-mean-token-mean (verl: the policy
+    term by seq-mean-token-mean, the others by loss_agg_mode; fused: kl_agg / entropy_agg), fixed and dynamic
+    micro-batch sizes."""
+    gen = torch.Generator().manual_seed(70 + len(agg))
+    tensors, meta = ve.rollout_batch(gen, actors[0].model_dir, is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=sapo", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type=low_var_kl", f"{P}kl_loss_coef=0.2", f"{P}entropy_coeff=0.03",
+                 *FUSED_MODES["sapo"]]
+    engine = {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30} if agg == "token-mean" else None
+    fused_matches(actors, tensors, meta, overrides, engine=engine)
+
+
 AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
 
@@ -210,7 +224,6 @@ def test_untied_head_and_compute_log_prob(tmp_path):
 @pytest.mark.parametrize("setting, named", [
     ([f"{P}policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce", f"{RC}rollout_is=token",
       f"{RC}rollout_is_batch_normalize=True"], "rollout_correction.rollout_is_batch_normalize=True"),
-    ([f"{P}policy_loss.loss_mode=sapo", f"{P}use_kl_loss=True"], "loss_agg_mode='token-mean' and a KL loss"),
 ])
 def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
     """A setting the fused loss cannot reproduce: verl's own loss runs on the Megatron engine (the same update

@@ -29,7 +29,7 @@ P = "actor_rollout_ref.actor."
 FUSED_MODES = {
     "vanilla": [f"{P}clip_ratio_c=1.2"],
     "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
-    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
+    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8"],
     "gpg": [],
     "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
     "dro": [f"{P}policy_loss.dro_beta=0.3"],
