@@ -599,7 +599,9 @@ def build_hybrid(*, pattern: str = "*-*-", vocab: int = 262, hidden: int = 48, h
 class cpu_streams:
     """While open, megatron-core's schedule plans run on CPU: torch.cuda.Event, current_stream, stream
     and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps), and so do
-    torch.cuda.nvtx's range markers (megatron-core 0.16's schedule nodes call them directly). The
+    torch.cuda.nvtx's range markers (megatron-core 0.16's schedule nodes call them directly) and
+    torch.cuda.synchronize (its pipeline p2p calls it after gloo's batched isend / irecv, which have completed
+    by then: their requests were waited on). The
     overlapped run needs CUDA streams and is a GPU test."""
 
     class _Event:
@@ -612,7 +614,7 @@ class cpu_streams:
     def __enter__(self):
         import contextlib
         cuda = torch.cuda
-        self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream)
+        self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream, cuda.synchronize)
         self.nvtx = (cuda.nvtx.range_push, cuda.nvtx.range_pop)
         cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *a, **k: None
         self.free = keep_schedule_node_inputs().__enter__()
@@ -620,11 +622,12 @@ class cpu_streams:
         cuda.current_stream = lambda *a, **k: None
         cuda.stream = lambda *a, **k: contextlib.nullcontext()
         torch.Tensor.record_stream = lambda self, stream: None
+        cuda.synchronize = lambda *a, **k: None
         return self
 
     def __exit__(self, *exc):
         cuda = torch.cuda
-        cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream = self.saved
+        cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream, cuda.synchronize = self.saved
         cuda.nvtx.range_push, cuda.nvtx.range_pop = self.nvtx
         self.free.__exit__(*exc)
 

@@ -19,6 +19,7 @@ import_or_skip("mbridge", "make setup installs mbridge (the test extra)")
 import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-deps) and its import deps")
 
 import verl_megatron_cp2_worker  # noqa: E402
+import verl_megatron_pp2_worker  # noqa: E402
 import verl_megatron_engine as vme  # noqa: E402
 import verl_megatron_tp2_worker  # noqa: E402
 from verl_megatron_engine import assert_same_update  # noqa: E402
@@ -245,7 +246,6 @@ def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
 
 
 @pytest.mark.parametrize("setting, named", [
-    ("pipeline_model_parallel_size", "pipeline_model_parallel_size=2"),
     ("legacy", "legacy fused forward"),
 ])
 def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, named):
@@ -376,3 +376,21 @@ def test_cp_refusals_name_the_setting():
     for settings, mbm, mode, agg, tp, named in cases:
         bad = megatron_cp.refusals(settings, mbm, mode=mode, agg=agg, tensor_parallel=tp)
         assert len(bad) == 1 and named in bad[0] and "context parallelism" in bad[0], bad
+
+
+@pytest.fixture(scope="module")
+def pp2_results(tmp_path_factory):
+    """Pipeline parallelism 2 over two spawned gloo ranks (verl_megatron_pp2_worker.py), every case in one spawn."""
+    from ranks import spawn
+    tmp = tmp_path_factory.mktemp("verl_megatron_pp2")
+    return spawn(verl_megatron_pp2_worker.run, (str(tmp / "store"), str(tmp), str(tmp)), 2, tmp)
+
+
+@pytest.mark.parametrize("case", verl_megatron_pp2_worker.CASES)
+def test_pipeline_parallel_two_ranks(pp2_results, case):
+    """verl's unfused Megatron actor against the fused loss at PP 2 (the output processor on the last stage), with
+    and without 2 virtual stages per rank: vanilla token-mean (dual clip, KL loss, entropy bonus), gspo
+    seq-mean-token-mean with dynamic micro-batch sizes, sapo seq-mean-token-sum (its terms aggregated apart); every
+    rank's parameters after the step, the last stage's metrics."""
+    from ranks import check
+    check(pp2_results, case)

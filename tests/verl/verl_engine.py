@@ -136,11 +136,11 @@ def setup() -> None:
     _READY = True
 
 
-def save_tiny_qwen2(path: str, seed: int, tied: bool = True) -> None:
-    """A 2-layer Qwen2 with random weights (logits spread so log-probs and entropies vary)."""
+def save_tiny_qwen2(path: str, seed: int, tied: bool = True, layers: int = 2) -> None:
+    """A Qwen2 of ``layers`` layers with random weights (logits spread so log-probs and entropies vary)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=tied, attn_implementation="eager")
     model = Qwen2ForCausalLM(cfg)
