@@ -19,8 +19,8 @@ import_or_skip("mbridge", "make setup installs mbridge (the test extra)")
 import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-deps) and its import deps")
 
 import verl_megatron_cp2_worker  # noqa: E402
-import verl_megatron_pp2_worker  # noqa: E402
 import verl_megatron_engine as vme  # noqa: E402
+import verl_megatron_pp2_worker  # noqa: E402
 import verl_megatron_tp2_worker  # noqa: E402
 from verl_megatron_engine import assert_same_update  # noqa: E402
 
