@@ -28,7 +28,8 @@ A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfuse
 settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context parallelism
 (``megatron_cp.refusals``), dynamic context parallelism, a model neither hook nor legacy path reaches
 (``megatron_legacy.unroutable``) and a loss mode outside ``MODES``. A fused micro-batch records path "hook"
-(Megatron's output-processor hook) or "legacy" (megatron-core < 0.18: verl's legacy fused forward replaced by logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
+(Megatron's output-processor hook) or "legacy" (megatron-core < 0.18: verl's legacy fused forward replaced by
+logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
 "verl.policy_loss", with the backend that ran.
 
 Pipeline parallelism (with or without virtual stages): Megatron's schedule calls the forward step on every stage
