@@ -6,8 +6,9 @@ fused kernel and verl unfused, times and peak memory.
 Each variant is verl's real actor update (``TrainingWorker.train_mini_batch`` -> ``FSDPEngineWithLMHead`` on FSDP2,
 one rank, NCCL; tests/verl/verl_engine.py builds it as verl's ``ActorRolloutRefWorker.init_model`` does) of a
 2-layer Qwen2 (H=1024, tied head, V=151936, float32 parameters, SGD), one mini-batch of 6 sequences (prompt 64,
-response 1024 tokens, micro-batches of 2, remove-padding on: verl's "triton" backend returns flat log-probs, which
-its padded path cannot take, with verl's own kernel as with logitless'; eager attention, no flash-attn), vanilla PPO (dual clip) with a low_var_kl KL loss
+response 1024 tokens, micro-batches of 2, remove-padding on: verl's "triton" backend returns flat log-probs,
+which its padded path cannot take, with verl's own kernel as with logitless'; eager attention, no flash-attn),
+vanilla PPO (dual clip) with a low_var_kl KL loss
 and an entropy bonus, token-mean:
   verl-unfused         use_fused_kernels=False: the model's logits, verl's log-softmax / entropy, ppo_loss
   verl-fused-torch     use_fused_kernels=True, impl_backend "torch" (verl's FusedLinearForPPO, chunked torch)
@@ -16,20 +17,20 @@ and an entropy bonus, token-mean:
 Per variant: the median (min, max) of 5 timed updates after 2 warm-ups (CUDA events), the peak memory allocated
 during one update above what was allocated before it, and the parameters after the step against verl-unfused's
 (largest relative difference over the parameters). Writes DIR/gpu_verl_actor.json and .md; prints a table last.
-Runs in about 2 minutes on one H100.
+Sized to finish within 3 minutes on one H100 (not yet run on a GPU: no number here comes from one).
 
 The GPU machine has torch, triton and transformers but not verl. verl's actor import chain
 (``verl.workers.engine_workers``, ``verl.workers.engine.fsdp.transformer_impl``, ``verl.workers.utils.losses``;
-the config through hydra) needs these wheels beyond them, checked on CPU by blocking each module in turn (every
-one below is imported unconditionally on that chain; megatron-core, einops, msgpack, peft's absence is
-tolerated except peft, which verl's FSDP engine imports):
+the config through hydra) needs these wheels beyond them, checked on CPU by blocking each module in turn: every
+one below is imported unconditionally on that chain (hydra by the config composition), while megatron-core,
+einops and msgpack may be absent:
   verl==0.9.1 (py3-none-any, installed with --no-deps), ray==2.60.0 (cp312 manylinux x86_64; verl/__init__ ->
   verl/protocol.py and verl/single_controller/base/worker.py ``import ray`` at module level: unavoidable, about
   70 MB), tensordict==0.10.0 (cp312 manylinux), pyvers==0.1.0, hydra-core==1.3.8, omegaconf==2.3.1,
-  antlr4-python3-runtime==4.9.3, codetiming==1.4.0, peft==0.21.2, accelerate (peft's), datasets==5.2.0 with
+  antlr4-python3-runtime==4.9.3, codetiming==1.4.0, peft==0.21.2, accelerate==1.16.0 (peft's), datasets==5.2.0 with
   pyarrow==26.0.1 (cp312 manylinux, about 40 MB), pandas==3.1.1 (cp312 manylinux), multiprocess==0.70.19,
-  dill, xxhash==4.1.0 (cp312 manylinux), pydantic==2.14.4 with pydantic_core==2.50.5 (cp312 manylinux),
-  typing-inspection==0.4.5, annotated-types, jsonschema==4.26.0 with jsonschema-specifications==2025.9.1,
+  dill==0.4.1, xxhash==4.1.0 (cp312 manylinux), pydantic==2.14.4 with pydantic_core==2.50.5 (cp312 manylinux),
+  typing-inspection==0.4.5, annotated-types==0.8.0, jsonschema==4.26.0 with jsonschema-specifications==2025.9.1,
   referencing==0.37.0, rpds-py==2026.9.1 (cp312 manylinux), orjson==3.13.0 (cp312 manylinux), psutil==7.2.2
   (cp312 manylinux), colorama==0.4.6, python-dateutil==4.0.0, requests==2.34.2, urllib3==2.8.0, protobuf==7.36.2.
   Versions: those of the CPU venv where this chain was checked (verl 0.9.1 pins none of them tightly). The
