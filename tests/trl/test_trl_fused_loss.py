@@ -318,7 +318,7 @@ def test_policy_far_from_the_old_one_equals_trl(folder, tmp_path, seed, config):
 # CISPO's bound below 1: TRL's epsilon_high defaults to epsilon (0.2), and TRL clamps the ratio at it
 CISPO_LOW_BOUND_CONFIGS = {
     "default_bound-kl": dict(loss_type="cispo", beta=0.02),
-    "bound_0.7-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon=0.7),
+    "bound_0.5-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon=0.5),
     "bound_0.5-train-entropy_bonus": dict(loss_type="cispo", epsilon=0.3, epsilon_high=0.5, entropy_coef=0.02,
                                           _train=True),
 }
@@ -327,13 +327,19 @@ CISPO_LOW_BOUND_CONFIGS = {
 @pytest.mark.parametrize("config", list(CISPO_LOW_BOUND_CONFIGS))
 def test_cispo_with_a_bound_below_one_equals_trl(folder, tmp_path, seed, config):
     """TRL's cispo weight min(ratio, epsilon_high), detached, with epsilon_high < 1: old log-probs moved so that
-    the ratios of a random half of the tokens spread over (0.05, 1), on both sides of the bound."""
+    the ratios of a random half of the tokens spread over (0.05, 1) (at sequence level: every token of the
+    even sequences, by 1.5-3 nats), on both sides of the bound."""
     gen = torch.Generator().manual_seed(seed + 2)
     trainer, inputs = _setup(folder, tmp_path, seed, CISPO_LOW_BOUND_CONFIGS[config])
     assert trainer.epsilon_high < 1.0
     old = inputs["old_per_token_logps"].clone()
-    low = torch.rand(old.shape, generator=gen) < 0.5
-    old[low] += torch.empty(int(low.sum())).uniform_(0.0, 3.0, generator=gen)     # ratio below exp(-d)
+    if trainer.importance_sampling_level == "sequence":
+        low = torch.zeros(old.shape, dtype=torch.bool)
+        low[0::2] = True
+        old[low] += torch.empty(int(low.sum())).uniform_(1.5, 3.0, generator=gen)
+    else:
+        low = torch.rand(old.shape, generator=gen) < 0.5
+        old[low] += torch.empty(int(low.sum())).uniform_(0.0, 3.0, generator=gen)     # ratio below exp(-d)
     inputs["old_per_token_logps"] = old
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
