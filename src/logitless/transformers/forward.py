@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -45,6 +46,7 @@ from .labels import (
     targets_from_input_ids,
     targets_from_unshifted_labels,
 )
+from .model_kwargs import check_model_kwargs
 
 _STATE = "_logitless_patch"
 # DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
@@ -283,6 +285,7 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
         raise ValueError("logits_to_keep is not supported by a logitless-patched model (it returns no logits); "
                          "call logitless.transformers.unpatch_model(model) before generating")
     kwargs = {k: v for k, v in kwargs.items() if not (v is None and k.startswith("output_"))}
+    check_model_kwargs(_backbone(self), kwargs, "a logitless-patched forward", _PATCHED_NAMES)
     if kwargs.get("use_cache") is None:
         # No logits, so no generation: a KV cache would only cost memory, and transformers
         # ignores the packing in position_ids when a cache is present.
@@ -411,13 +414,15 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
             ``logit_scale``, Granite ``logits_scaling``, ...), is folded in exactly; Gemma 2 / 3's
             ``final_logit_softcapping`` is applied exactly before the temperature, as the model does.
         with_entropy: also return the entropy.
-        model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``).
+        model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``): only names its base
+            model's forward declares (``model_kwargs.py``); any other name is a TypeError, never dropped.
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32 [b, s]; 0 at ignored positions. Differentiable
         w.r.t. every parameter that produced them.
     """
     core = unwrap_model(model)
+    check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_forward", _FORWARD_NAMES)
     _check_settings(temperature, with_entropy, ignore_index)
     shape = _batch_shape(input_ids, labels, "labels")
     if labels is not None:
@@ -455,7 +460,8 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     (advantages, old_logprobs, ref_logprobs) are in that same [b, s] layout: position t holds the values of
     the token it is scored against (per sequence: [b, 1]). Sequences for ``loss_agg`` are the rows, or, in
     one padding-free packed row, the packed sequences found from ``position_ids``. The other arguments are
-    ``logitless.losses.PolicyLoss``'s (the other settings by name in ``loss_settings``). Heads with
+    ``logitless.losses.PolicyLoss``'s (the other settings by name in ``loss_settings``; one given as a keyword
+    here is a TypeError saying so, as is any name the model's forward does not declare). Heads with
     final_logit_softcapping (Gemma 2 / 3) take the exact two-pass path (``logitless.losses.policy_loss``).
 
     Returns a PolicyLossOutput (loss 0-d, differentiable once to every parameter that produced the
@@ -463,11 +469,12 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     """
     if loss_settings is not None and not isinstance(loss_settings, dict):
         raise TypeError(f"loss_settings must be a dict of PolicyLoss settings, got {type(loss_settings).__name__}")
+    core = unwrap_model(model)
+    check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_policy_loss", _POLICY_NAMES)
     policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                         kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
                         **(loss_settings or {}))
-    core = unwrap_model(model)
     _check_settings(temperature, True, ignore_index)
     shape = _batch_shape(input_ids, labels, "labels")
     if labels is not None:
@@ -483,3 +490,11 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     shift_labels=labels, ignore_index=ignore_index, **model_kwargs)
     return out.policy_loss
+
+
+def _names(fn) -> tuple:
+    return tuple(inspect.signature(fn).parameters)
+
+
+# each entry point's own argument names: the suggestions for a misspelled keyword
+_FORWARD_NAMES, _POLICY_NAMES, _PATCHED_NAMES = map(_names, (fused_forward, fused_policy_loss, _patched_forward))
