@@ -109,7 +109,7 @@ def test_through_a_wrapper_and_labels_given():
     targets = expected_targets(ids, mask)
     old, ref = old_and_ref(model, ids, mask, None, targets, 1.0)
     adv = torch.randn(2, 8)
-    compare(model, lambda: fused_policy_loss(wrapped, ids, mask, labels=targets, advantages=adv, old_logprobs=old,
+    compare(model, lambda: fused_policy_loss(wrapped, ids, mask, shift_labels=targets, advantages=adv, old_logprobs=old,
                                              ref_logprobs=ref, **SPEC),
             ids, mask, None, targets, 1.0, adv, old, ref, "token-mean")
     assert wrapped.calls == 1

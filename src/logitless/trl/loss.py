@@ -244,7 +244,8 @@ def compute_loss(self, model, inputs):
     base = {name: p.settings[name] for name in BASE_SETTINGS if name in p.settings}
     others = {name: value for name, value in p.settings.items() if name not in BASE_SETTINGS}
     with self.accelerator.autocast(), head_in_fp32(bool(getattr(self.args, "cast_lm_head_to_fp32", False))):
-        out = fused_policy_loss(model, p.input_ids, p.attention_mask, labels=p.labels, loss_settings=others, **base)
+        out = fused_policy_loss(model, p.input_ids, p.attention_mask, shift_labels=p.labels, loss_settings=others,
+                                **base)
     loss = out.loss * p.scale
     log_metrics(self, out.logprobs, out.entropy, inputs, p, loss.detach())
     return loss
