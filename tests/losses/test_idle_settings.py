@@ -81,7 +81,7 @@ def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
         rest["rollout_logprobs"] = old + 0.3 * torch.randn_like(old)
     with torch.no_grad():
         lp = fused_policy_loss(hidden, weight, labels, adv).logprobs
-    old = lp + 0.5 * torch.randn_like(lp)          # ratios away from 1, so clips and caps bind
+    old = (lp + 0.5 * torch.randn_like(lp)).clamp(max=0.0)     # ratios away from 1, so clips and caps bind
     base = fused_policy_loss(hidden, weight, labels, adv, old, **rest)
     given = fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
     assert abs(float(base.loss) - float(given.loss)) > 1e-6, (name, float(base.loss))

@@ -56,7 +56,7 @@ def old_and_ref(model, ids, mask, pos, targets, temperature):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         t = temperature.unsqueeze(-1) if torch.is_tensor(temperature) else temperature
         lp = torch.log_softmax(logits.float() / t, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return lp + 0.4 * torch.randn_like(lp), lp + 0.4 * torch.randn_like(lp)
+    return (lp + 0.4 * torch.randn_like(lp)).clamp(max=0.0), (lp + 0.4 * torch.randn_like(lp)).clamp(max=0.0)
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

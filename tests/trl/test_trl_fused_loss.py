@@ -107,7 +107,7 @@ def _grads(model):
 def _sampling_logps(inputs, gen, noise=0.3, nan=False):
     """Sampling log-probs around the old ones; nan: a quarter NaN (tokens vLLM could not score)."""
     old = inputs["old_per_token_logps"]
-    sampling = old + noise * torch.randn(old.shape, generator=gen)
+    sampling = (old + noise * torch.randn(old.shape, generator=gen)).clamp(max=0.0)
     if nan:
         sampling[torch.rand(old.shape, generator=gen) < 0.25] = float("nan")
     return sampling
