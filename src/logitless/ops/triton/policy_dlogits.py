@@ -54,7 +54,9 @@ def _log2(x, FAST: tl.constexpr):
 def _load_e(e_ptr, tile, rows64, row_ok, n_cols, s_en, BLOCK_N: tl.constexpr, pred):
     """The e of statistics tile ``tile`` for the program's rows (0 where masked or where ``pred`` is false)."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = row_ok[:, None] & (cols < n_cols)[None, :] & pred
+    # cast to int1: ``pred`` is a Python bool under the interpreter, and newer tritons (3.9) make the & of an int1
+    # tensor and a Python bool an int32, which tl.load refuses as a mask ("mask has unsupported dtype")
+    ok = (row_ok[:, None] & (cols < n_cols)[None, :] & pred).to(tl.int1)
     return tl.load(e_ptr + rows64[:, None] * s_en + cols[None, :], mask=ok, other=0.0)
 
 
