@@ -85,3 +85,29 @@ def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
     base = fused_policy_loss(hidden, weight, labels, adv, old, **rest)
     given = fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
     assert abs(float(base.loss) - float(given.loss)) > 1e-6, (name, float(base.loss))
+
+
+def test_a_name_that_belongs_elsewhere_says_where():
+    hidden, weight, labels, adv, old = inputs()
+    with pytest.raises(TypeError, match="softcap") as err:
+        fused_policy_loss(hidden, weight, labels, adv, old, softcap=30.0)
+    assert "policy_loss(PolicyLoss(...), hidden, weight, labels, softcap=...)" in str(err.value)
+    with pytest.raises(TypeError, match="did you mean 'entropy_coef'"):
+        fused_policy_loss(hidden, weight, labels, adv, old, entropy_coeff=0.1)
+
+
+def test_softcap_goes_to_policy_loss_and_runs():
+    """Where the message points: the softcapped head's loss, which differs from the uncapped one."""
+    from logitless.losses import policy_loss
+    hidden, weight, labels, adv, old = inputs()
+    policy = PolicyLoss(advantages=adv, old_logprobs=old)
+    capped = policy_loss(policy, hidden * 20, weight, labels, softcap=5.0)
+    plain = policy_loss(policy, hidden * 20, weight, labels)
+    assert torch.isfinite(capped.loss) and abs(float(capped.loss) - float(plain.loss)) > 1e-4
+
+
+def test_loss_agg_error_points_at_sequence_ratios():
+    hidden, weight, labels, adv, old = inputs()
+    with pytest.raises(ValueError, match="loss_agg must be one of") as err:
+        fused_policy_loss(hidden, weight, labels, adv, old, loss_agg="seq-mean")
+    assert "cannot be fused" not in str(err.value) and "ratio_level='sequence'" in str(err.value)
