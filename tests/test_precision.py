@@ -196,3 +196,52 @@ def test_split_order_along_k_and_gradient_views(precision, parts):
         assert len(views) == parts
         for v, p in zip(views, want, strict=True):
             assert torch.equal(v, p) and v.untyped_storage().data_ptr() == stats.untyped_storage().data_ptr()
+
+
+def _odd_float32(shape, device):
+    # wide exponents (a split's low parts then span many binades), signed zeros, tiny and subnormal values,
+    # inf and nan: the kernel and the reference round them all the same way
+    x = torch.randn(shape, dtype=torch.float64, device=device) * torch.exp2(torch.randint(
+        -140, 60, shape, device=device).double())
+    x = x.float()
+    flat = x.view(-1)
+    flat[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45], device=device)
+    return x
+
+
+@pytest.mark.parametrize("blocks", [(0, 1, 0), (0, 1, 0)[::-1], (2, 1, 0, 1, 0, 0), (1,), (2, 2, 0)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided rows and columns"])
+def test_split_kernel_is_the_reference_bit_for_bit(blocks, layout):
+    # the one-pass kernel (triton's interpreter on CPU; compiled on CUDA) against the torch definition, on odd
+    # shapes: H not a multiple of the kernel's column block, rows not of its row block
+    from logitless.ops.precision import split_concat, split_concat_reference
+    from logitless.ops.triton.split import BLOCK_C, BLOCK_R
+    from logitless.ops.triton.split import split_concat as kernel
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, h = 4 * BLOCK_R + 3, 2 * BLOCK_C + 5
+    if layout == "contiguous":
+        x = _odd_float32((rows, h), device)
+    elif layout == "transposed":
+        x = _odd_float32((h, rows), device).t()
+    else:
+        x = _odd_float32((2 * rows + 1, 3 * h), device)[1::2, ::3]
+    assert x.shape == (rows, h) and (layout == "contiguous") == x.is_contiguous()
+    want = split_concat_reference(x, blocks)
+    got = kernel(x, blocks)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, len(blocks) * h) and got.is_contiguous()
+    assert _same_bits(got, want) and _same_bits(split_concat(x, blocks), want)
+    # and the reference is the split's parts, block by block
+    parts = split_parts(x, max(blocks) + 1)
+    for b, i in enumerate(blocks):
+        assert _same_bits(want[:, b * h:(b + 1) * h], parts[i])
+    with pytest.raises(ValueError, match="float32"):
+        kernel(x.double(), blocks)
+    with pytest.raises(ValueError, match="blocks must be"):
+        kernel(x, (0, 3))
+
+
+def _same_bits(a, b):
+    """bit for bit, except that any nan equals any nan (torch's own conversions give different nan payloads on
+    CPU, vectorised or not, and CUDA)"""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])

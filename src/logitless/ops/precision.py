@@ -97,6 +97,26 @@ def split_parts(x: Tensor, parts: int) -> list[Tensor]:
     return out
 
 
+def split_concat_reference(x: Tensor, blocks: tuple) -> Tensor:
+    """[rows, len(blocks) * H] bfloat16 whose block b of columns is ``split_parts(x, ...)[blocks[b]]``: a split
+    operand, the parts concatenated along K. The definition the CUDA kernel (``ops.triton.split``) matches."""
+    h = x.shape[1]
+    parts = split_parts(x, max(blocks) + 1)
+    out = torch.empty((x.shape[0], len(blocks) * h), dtype=torch.bfloat16, device=x.device)
+    for b, i in enumerate(blocks):
+        out[:, b * h:(b + 1) * h] = parts[i]
+    return out
+
+
+def split_concat(x: Tensor, blocks: tuple) -> Tensor:
+    """``split_concat_reference`` in one pass over x on CUDA (a triton kernel: the torch path reads and writes
+    the float32 operand several times, in the forward and again in the backward); the reference elsewhere."""
+    if x.is_cuda:
+        from .triton.split import split_concat as kernel  # lazy: no triton on the CPU path
+        return kernel(x, blocks)
+    return split_concat_reference(x, blocks)
+
+
 def round_tf32(x: Tensor) -> Tensor:
     """x (float32) rounded to TF32's 10-bit mantissa (to nearest, ties away from zero, as the hardware's
     conversion), a float32 tensor: its products with TF32 dots are exact."""
@@ -167,10 +187,8 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
         return None
     if precision in _SPLITS:
         parts, pairs = _SPLITS[precision]
-        h_parts, w_parts = split_parts(hidden, parts), split_parts(weight, parts)
-        h_stats = torch.cat([h_parts[i] for i, _ in pairs], dim=1)
-        w_stats = torch.cat([w_parts[j] for _, j in pairs], dim=1)
-        del h_parts, w_parts
+        h_stats = split_concat(hidden, tuple(i for i, _ in pairs))
+        w_stats = split_concat(weight, tuple(j for _, j in pairs))
         h = hidden.shape[1]
         # views of the concatenation: block b of K holds parts pairs[b]; part i's view is the first block that
         # holds it (the dict keeps the last assignment, hence reversed)
