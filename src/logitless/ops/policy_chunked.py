@@ -48,8 +48,10 @@ def _shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return m, m + log_s, log_s - t / s
 
 
-def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The most token rows one chunk of ``policy_pass`` may hold (``bounds`` are cut to it)."""
+def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
+    """The most token rows one chunk of ``policy_pass`` may hold (``bounds`` are cut to it). The chunk does not
+    grow for a longer group of tokens (``longest``): its float32 logits and their temporaries cost 8-12 bytes a
+    logit, so a sequence longer than the budget's rows takes the two-pass path."""
     return _chunk_rows(n, plan_vocab, device)
 
 
@@ -95,7 +97,7 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         dw.copy_(acc)
 
 
-def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
     return max(1, n)
 
 
