@@ -200,7 +200,7 @@ def main():
         with open(os.path.join(a.out, name), "w") as f:
             json.dump(results, f, indent=1)
         print_table(tag, res)
-        if a.coupled:
+        if a.coupled and not a.dry_run:
             floor = sum(res["floor4_ms"]) / len(res["floor4_ms"])
             for name, r in res["losses"].items():
                 extra = r["fused_extra_bytes"]
