@@ -21,10 +21,13 @@ from .. import knobs
 from .maths import (
     accumulate_mm,
     apply_softcap_derivative,
-    dlogits_from_logits,
+    block_scratch,
+    dlogits_in_blocks,
+    ieee_fp32,
     label_logits,
     logits_from_products,
     mm_fp32,
+    row_blocks,
 )
 
 name = "chunked"
@@ -105,11 +108,12 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
         zy += label_logits(z, _local_labels(labels, start, stop))
         x = z.sub_(m_new.unsqueeze(1))      # z - m_new, in place
         e = x.exp()
+        e_sum = e.sum(dim=1)
         if t is not None:
             # re-centre the old sum on the new max: sum e_old' (z - m_new) = rescale * (t + s * (m - m_new))
             shift = torch.where(torch.isfinite(m), m - m_new, torch.zeros_like(m))
-            t.add_(s * shift).mul_(rescale).add_((e * x).sum(dim=1))
-        s.mul_(rescale).add_(e.sum(dim=1))
+            t.add_(s * shift).mul_(rescale).add_(e.mul_(x).sum(dim=1))     # e * x in place: no temporary
+        s.mul_(rescale).add_(e_sum)
         m = m_new
     log_s = torch.log(s)
     lse = m + log_s
@@ -123,19 +127,29 @@ def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need
     dw = None
     if need_dw and dw_acc is None:
         dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
+    step = chunk_rows(n, vocab, hidden.device)
+    # the row blocks' scratch of the dlogits, once a call (CPU: a block of the [N, step] tile stays in L2)
+    blocks = row_blocks(n, step, hidden.device)
+    scratch = block_scratch(n, step, hidden.device)
+    for start, stop in _chunks(vocab, step):
         w = weight[start:stop]
         # with a softcap, t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
         z, t = logits_from_products(mm_fp32(hidden, w.t()), inv_temp, softcap, keep_tanh=True)
-        dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent)
+        if stop - start != step:
+            blocks = row_blocks(n, stop - start, hidden.device)
+        dz = dlogits_in_blocks(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent, scratch,
+                               blocks)
         dz = apply_softcap_derivative(dz, t)
         if hidden.is_cuda and hidden.dtype != torch.float32:
             # half-precision GEMMs on the tensor cores (fp32 accumulation); a float32 dz would force
             # fp32 GEMMs ~9x slower. Rounding dlogits to the input dtype costs ~3e-3 relative in grads.
             dz = dz.to(hidden.dtype)
-        if dh is not None:
-            dh += mm_fp32(dz, w)
-        if dw is not None:
+        if dh is not None:       # in the BLAS's own accumulation where it can: no [N, H] temporary a chunk
+            accumulate_mm(dh, dz, w)
+        if dw is not None and dz.dtype == hidden.dtype == dw.dtype == torch.float32:
+            with ieee_fp32(hidden):
+                torch.mm(dz.t(), hidden, out=dw[start:stop])
+        elif dw is not None:
             dw[start:stop] = mm_fp32(dz.t(), hidden)
         elif need_dw:
             accumulate_mm(dw_acc[start:stop], dz.t(), hidden)

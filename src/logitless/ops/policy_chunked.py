@@ -19,7 +19,16 @@ from torch import Tensor
 
 from .. import knobs
 from .chunked import DEFAULT_CHUNK_ELEMENTS
-from .maths import accumulate_mm, ieee_fp32, label_logits, mm_fp32
+from .maths import (
+    accumulate_mm,
+    block_scratch,
+    dlogits_in_blocks,
+    ieee_fp32,
+    label_logits,
+    mm_fp32,
+    one_thread_on_cpu,
+    row_blocks,
+)
 from .policy_parts import Combine, accumulate_product, product_into
 
 # Fewest token rows per chunk by default (an explicit LOGITLESS_CHUNK_ELEMENTS is obeyed): the three
@@ -34,18 +43,6 @@ def _chunk_rows(n: int, vocab: int, device: torch.device) -> int:
     return max(1, min(n, knobs.chunk_elements(default) // vocab))
 
 
-# Elements of one row block of the CPU's elementwise passes over a chunk's [c, V] logits: a block and its scratch
-# (2 x 1 MiB of float32) stay in the cores' L2 caches from one pass to the next, so the statistics and the
-# dlogits each cost about one read and one write of the chunk from memory, not one per operation
-# (benchmarks/DESIGN.md). On CUDA a chunk is one block (each operation a kernel over the whole chunk).
-BLOCK_ELEMENTS = 1 << 18
-
-
-def _row_blocks(c: int, vocab: int, device: torch.device) -> list[tuple[int, int]]:
-    step = c if device.type != "cpu" else max(1, min(c, BLOCK_ELEMENTS // max(vocab, 1)))
-    return [(r, min(r + step, c)) for r in range(0, c, step)]
-
-
 def _statistics(z: Tensor, labels: Tensor, inv_temp: Tensor, scratch: Tensor, blocks) -> tuple[Tensor, ...]:
     """(zy, m, lse, ent) [c] of the tempered logits z * inv_temp, from the float32 products z [c, V], which
     become x = z * inv_temp - m in place (m the row max), block by block.
@@ -54,44 +51,17 @@ def _statistics(z: Tensor, labels: Tensor, inv_temp: Tensor, scratch: Tensor, bl
     entropy = log s - t / s (the gradient stage takes its own exp of x - log s)."""
     c, vocab = z.shape
     zy, m, s, t = torch.empty((4, c), dtype=torch.float32, device=z.device)
-    for r0, r1 in blocks:
-        zb = z[r0:r1].mul_(inv_temp[r0:r1].unsqueeze(1))
-        zy[r0:r1] = label_logits(zb, labels[r0:r1])
-        mb = torch.amax(zb, dim=1, out=m[r0:r1])
-        xb = zb.sub_(mb.unsqueeze(1))
-        e = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
-        torch.sum(e, dim=1, out=s[r0:r1])
-        torch.sum(e.mul_(xb), dim=1, out=t[r0:r1])
+    with one_thread_on_cpu(z.device):
+        for r0, r1 in blocks:
+            zb = z[r0:r1].mul_(inv_temp[r0:r1].unsqueeze(1))
+            zy[r0:r1] = label_logits(zb, labels[r0:r1])
+            mb = torch.amax(zb, dim=1, out=m[r0:r1])
+            xb = zb.sub_(mb.unsqueeze(1))
+            e = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
+            torch.sum(e, dim=1, out=s[r0:r1])
+            torch.sum(e.mul_(xb), dim=1, out=t[r0:r1])
     log_s = s.log()
     return zy, m, m + log_s, log_s - t / s
-
-
-def _dlogits(x: Tensor, labels: Tensor, inv_temp: Tensor, log_s: Tensor, ent: Tensor, g_lp: Tensor,
-             g_ent: Optional[Tensor], scratch: Tensor, blocks) -> Tensor:
-    """The dlogits of ``policy_parts.py`` in place of x = z - m [c, V] (float32), block by block, with
-    log_s = lse - m (the global lse: under tensor parallelism the other shards' mass is in it):
-    with x' = x - log_s = log p and p = exp(x'),
-
-        dlogits = p * (b * x' + a) + inv_temp * g_lp at the label,  b = -inv_temp * g_ent,
-        a = -inv_temp * (g_lp + g_ent * ent)   (b = 0 without an entropy term)."""
-    vocab = x.shape[1]
-    if g_ent is None:
-        a, b = -inv_temp * g_lp, None
-    else:
-        a, b = -inv_temp * (g_lp + g_ent * ent), (-inv_temp * g_ent).unsqueeze(1)
-    a = a.unsqueeze(1)
-    for r0, r1 in blocks:
-        xb = x[r0:r1].sub_(log_s[r0:r1].unsqueeze(1))
-        p = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
-        if b is None:
-            torch.mul(p, a[r0:r1], out=xb)
-        else:
-            xb.mul_(b[r0:r1]).add_(a[r0:r1]).mul_(p)    # (addcmul with two broadcast rows is not vectorised)
-    # + inv_temp * g_lp at the label, as a scatter of zeros where the row has no label here: no host
-    # synchronisation (a nonzero() would stall the stream and break CUDA-graph capture)
-    has = (labels >= 0) & (labels < vocab)
-    cols = torch.where(has, labels, torch.zeros_like(labels)).unsqueeze(1)
-    return x.scatter_add_(1, cols, torch.where(has, inv_temp * g_lp, torch.zeros_like(g_lp)).unsqueeze(1))
 
 
 def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
@@ -118,19 +88,18 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     vocab = weight.shape[0]
     most = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     # the row blocks' scratch, once a pass (a fresh large tensor per chunk would fault its pages in on CPU)
-    scratch = torch.empty(_row_blocks(most, vocab, hidden.device)[0][1] * vocab, dtype=torch.float32,
-                          device=hidden.device)
+    scratch = block_scratch(most, vocab, hidden.device)
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         h = hidden[start:stop]
         it = inv_temp[start:stop]
         lab = labels[start:stop]
-        blocks = _row_blocks(stop - start, vocab, hidden.device)
+        blocks = row_blocks(stop - start, vocab, hidden.device)
         z = mm_fp32(h, weight.t())
         zy, m, lse, ent = _statistics(z, lab, it, scratch, blocks)        # z now holds z * it - m
         lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
         if dh is None and dw is None:
             continue
-        dz = _dlogits(z, lab, it, lse - m, ent, g_lp, g_ent, scratch, blocks)
+        dz = dlogits_in_blocks(z, lab, it, lse - m, ent, g_lp, g_ent, scratch, blocks)
         if half_gemms:
             # tensor-core GEMMs in the inputs' dtype, as the chunked fused_logprobs backward does
             dz = dz.to(hidden.dtype)
