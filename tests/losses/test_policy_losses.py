@@ -48,7 +48,7 @@ def batch(gen_seed=None, ignored=0.2, noise=0.4, s=S):
     ignore[2, 1:] = True
     labels = torch.where(ignore, torch.full_like(labels, -100), labels)
     adv = torch.randn(B, S)
-    old, ref, rollout = ((lp + noise * torch.randn(B, S).double()).float() for _ in range(3))
+    old, ref, rollout = ((lp + noise * torch.randn(B, S).double()).clamp(max=0.0).float() for _ in range(3))
     nan = torch.full((B, S), float("nan"))
     adv, old, ref, rollout = (torch.where(ignore, nan, t) for t in (adv, old, ref, rollout))
     return hidden, weight, labels, adv, old, ref, rollout
@@ -146,6 +146,14 @@ CASES = {
         dict(surrogate="cispo", ratio_level="sequence", clip_low=1.0, clip_high=0.1, loss_agg="token-sum"),
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
             -torch.clamp(seq_ratio(lp, old, m), max=1.1).detach() * adv * lp, m.bool(), "token-sum")),
+    # TRL's cispo with epsilon_high unset: the ratio clamped at epsilon, 0.2, below 1 (the old log-probs' noise
+    # puts ratios on both sides of it)
+    "trl-cispo-bound_below_1": (
+        dict(surrogate="cispo", clip_low=1.0, clip_high=-0.8, kl_coef=0.05, kl_type="k3_unclamped", kl_ratio=True,
+             loss_agg="token-sum"),
+        lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+            -torch.clamp(torch.exp(lp - old), max=0.2).detach() * adv * lp
+            + 0.05 * trl_k3(lp, ref) * torch.exp(lp - old), m.bool(), "token-sum")),
     "trl-vespo": (dict(surrogate="vespo", loss_agg="token-sum"),
                   lambda lp, ent, adv, old, ref, ro, m: aggregate64(
                       -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, None) * adv * lp, m.bool(),
@@ -277,6 +285,22 @@ CASES["verl-current_is-token-tis-below-1-token-sum"] = verl_rejected(
     current_is_max=0.8, rejection_ratio_min=1 / 1.6, rejection_ratio_max=1.6)
 
 
+def verl_sapo_apart(agg, kl_type, kl_coef, entropy_coef):
+    """verl's ppo_loss for sapo: the policy term by seq-mean-token-mean (compute_policy_loss_sapo), its KL loss
+    and entropy bonus by loss_agg_mode ``agg``: three aggregations, kl_agg and entropy_agg."""
+    def fn(lp, ent, adv, old, ref, ro, m):
+        pg = core.compute_policy_loss_sapo(old, lp, adv, m, agg, verl_config(tau_pos=1.2, tau_neg=0.9))[0]
+        kl = core.agg_loss(core.kl_penalty(lp, ref, kl_type), m, agg)
+        return pg + kl_coef * kl - entropy_coef * core.agg_loss(ent, m, agg)
+    return dict(surrogate="sapo", sapo_tau_pos=1.2, sapo_tau_neg=0.9, loss_agg="seq-mean-token-mean", kl_agg=agg,
+                entropy_agg=agg, kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef), fn
+
+
+CASES["verl-sapo-kl-entropy-token-mean"] = verl_sapo_apart("token-mean", "low_var_kl", 0.3, 0.05)
+CASES["verl-sapo-kl-entropy-seq-mean-token-sum-norm"] = verl_sapo_apart("seq-mean-token-sum-norm", "mse", 0.5, -0.04)
+CASES["verl-sapo-kl-seq-mean-token-sum"] = verl_sapo_apart("seq-mean-token-sum", "kl", 0.2, 0.0)
+
+
 def uses_rollout(settings) -> bool:
     return ("rollout_is" in settings or settings.get("off_policy_threshold") is not None
             or any(name.startswith(("rejection", "current_is")) for name in settings))
@@ -386,7 +410,7 @@ def test_rollout_logprobs_missing_as_nan(backend, small_chunks):
 def test_k3_unclamped_differs_from_verls_clamped_k3():
     """ref far above the policy's log-prob: verl's k3 clamps at 10, TRL's does not."""
     hidden, weight, labels, adv, old, ref, rollout = batch()
-    ref = ref + 6.0
+    ref = (ref + 6.0).clamp(max=0.0)          # still a log-prob
     outs = [fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=1.0, kl_type=k).loss.item()
             for k in ("k3", "k3_unclamped")]
     assert outs[1] > outs[0] + 1.0
@@ -460,6 +484,9 @@ BAD = [
     (dict(surrogate="dro", dro_beta=-1.0), "dro_beta"),
     (dict(delta=0.9), "delta"),
     (dict(delta=1.5, surrogate="cispo"), "delta"),
+    (dict(clip_high=-0.1), "clip_high"),                                    # a bound below 1: cispo's only
+    (dict(surrogate="cispo", clip_low=1.0, clip_high=-1.5), "clip_high"),    # a negative weight bound
+    (dict(surrogate="cispo", clip_low=0.2, clip_high=-0.5), "below its lower bound"),
     (dict(dual_clip=3.0, surrogate="sapo"), "dual_clip"),
     (dict(cov_ratio=0.0, surrogate="kl_cov"), "cov_ratio"),
     (dict(clip_cov_lb=5.0, clip_cov_ub=1.0, surrogate="clip_cov"), "clip_cov_lb"),
@@ -472,6 +499,8 @@ BAD = [
     (dict(rollout_is="tis"), "rollout_is"),
     (dict(rollout_is_min=2.0, rollout_is_max=1.0), "rollout_is_min"),
     (dict(entropy_agg="mean"), "loss_agg"),
+    (dict(kl_agg="mean"), "loss_agg"),
+    (dict(kl_agg="token-sum"), "kl_agg='token-sum' aggregates the KL term, which needs ref_logprobs"),
     (dict(off_policy_threshold=float("nan")), "off_policy_threshold"),
     (dict(ratio_log_clamp=0.0), "ratio_log_clamp"),
     (dict(ratio_log_clamp=float("inf")), "ratio_log_clamp"),

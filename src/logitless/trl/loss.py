@@ -12,7 +12,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
                                        ratio_log_clamp=None: TRL's exp(log_ratio) is not clamped
     loss_type grpo, bnpo, dr_grpo,
               dapo, luspo           -> surrogate "ppo"
-    loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high
+    loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high (clip_low 1,
+                                       clip_high epsilon_high - 1: below 0 for TRL's default bound, epsilon)
     loss_type sapo                  -> surrogate "sapo" (sapo_temperature_pos / _neg)
     loss_type vespo                 -> surrogate "vespo" (vespo_k_pos, vespo_lambda_pos, ...)
     the aggregation of each type    -> a loss_agg times a constant (``loss_scale``), with TRL's
@@ -29,8 +30,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
 
 The metrics TRL logs from ``_compute_loss`` (entropy, kl, clip ratios, cispo_clip_ratio,
 vespo/phi_seq_mean, policy_loss, entropy_coef) are logged under TRL's names, computed as TRL computes them
-from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, cispo
-with epsilon_high < 1) is refused by ``check_mappable``.
+from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss) is
+refused by ``check_mappable``.
 The ratio's log is not clamped (``ratio_log_clamp=None``), as TRL does not clamp it: equal values and
 gradients however far the policy drifted from the old one (VESPO's weight keeps the +-20 clamps that TRL's
 get_gamma_weights itself applies).
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES
 from .names import VISION_ARGS
 
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -65,9 +67,9 @@ def unmappable(trainer) -> list:
     level = getattr(trainer, "importance_sampling_level", "token")
     if level not in ("token", "sequence"):
         bad.append(f"importance_sampling_level={level!r}")
-    if trainer.loss_type == "cispo" and trainer.epsilon_high < 1.0:
+    if trainer.loss_type == "cispo" and not trainer.epsilon_high >= 0.0:
         bad.append(f"epsilon_high={trainer.epsilon_high} with loss_type='cispo' (CISPO's ratio is clamped to at most "
-                   "epsilon_high; logitless takes a bound >= 1)")
+                   "epsilon_high, a weight >= 0: logitless takes a bound >= 0)")
     if not 0.0 <= trainer.epsilon_low <= 1.0:
         bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1])")
     if getattr(trainer, "aux_loss_enabled", False):
@@ -137,7 +139,8 @@ def scalar_settings(trainer) -> dict:
                     ratio_level=getattr(trainer, "importance_sampling_level", "token"), ratio_log_clamp=None)
     if kind in PPO_TYPES and getattr(args, "delta", None) is not None:      # TRL's two-sided clip: ppo types only
         settings["delta"] = float(args.delta)
-    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
+    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached (epsilon_high defaults to epsilon,
+        # so the bound is often below 1); the ratio is > 0, so no lower bound
         settings.update(clip_low=1.0, clip_high=float(trainer.epsilon_high) - 1.0)
     elif kind == "sapo":
         settings.update(sapo_tau_pos=float(args.sapo_temperature_pos), sapo_tau_neg=float(args.sapo_temperature_neg))
@@ -154,6 +157,12 @@ def scalar_settings(trainer) -> dict:
             settings["entropy_quantile_group"] = torch.distributed.group.WORLD.group_name
     if trainer.off_policy_mask_threshold is not None:
         settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
+    # PolicyLoss refuses a setting its loss does not read: TRL's epsilons are not read by sapo / vespo, and
+    # vespo has no ratio to leave unclamped (unless the KL term is multiplied by it)
+    if settings["surrogate"] not in CLIPPED_SURROGATES:
+        del settings["clip_low"], settings["clip_high"]
+    if settings["surrogate"] not in RATIO_SURROGATES and not settings.get("kl_ratio"):
+        del settings["ratio_log_clamp"]
     return settings
 
 
@@ -164,6 +173,8 @@ def _invalid_settings(trainer) -> list:
     settings = scalar_settings(trainer)
     if trainer.beta != 0.0:
         settings["ref_logprobs"] = torch.zeros(())
+    if trainer.off_policy_mask_threshold is not None:    # the mask reads the rollout's (or old) log-probs
+        settings["old_logprobs"] = torch.zeros(())
     try:
         PolicyLoss(advantages=torch.zeros(()), **settings)
     except (TypeError, ValueError) as exc:
@@ -222,7 +233,7 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
     if trainer.off_policy_mask_threshold is not None:
         settings["rollout_logprobs"] = at_positions(inputs.get("sampling_per_token_logps"))
         # vLLM's missing log-probs are NaN: TRL's mask takes them as no drift (nan_to_num)
-        settings["rollout_nan_is_missing"] = True
+        settings["rollout_nan_is_missing"] = settings["rollout_logprobs"] is not None
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         settings["rollout_weights"] = at_positions(inputs["importance_sampling_ratio"])
     scale = loss_scale(trainer, inputs, scored)
@@ -244,7 +255,8 @@ def compute_loss(self, model, inputs):
     base = {name: p.settings[name] for name in BASE_SETTINGS if name in p.settings}
     others = {name: value for name, value in p.settings.items() if name not in BASE_SETTINGS}
     with self.accelerator.autocast(), head_in_fp32(bool(getattr(self.args, "cast_lm_head_to_fp32", False))):
-        out = fused_policy_loss(model, p.input_ids, p.attention_mask, labels=p.labels, loss_settings=others, **base)
+        out = fused_policy_loss(model, p.input_ids, p.attention_mask, shift_labels=p.labels, loss_settings=others,
+                                **base)
     loss = out.loss * p.scale
     log_metrics(self, out.logprobs, out.entropy, inputs, p, loss.detach())
     return loss
