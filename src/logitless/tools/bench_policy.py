@@ -5,7 +5,8 @@ bench's inputs and against the same GEMM floor.
 The loss: clipped ratio (clip 0.2 / 0.28), k3 KL to a reference policy (coefficient 0.01), entropy bonus
 (0.01), token-mean. A peer row computes it as TRL's GRPOTrainer does: its loss in torch on the log-probs and
 entropies of its fused head (``trl_loss_fn``). Advantages are the bench's signed per-token ``a``; old and
-reference log-probs are the current ones plus N(0, 0.1) noise, so the ratio clips on both sides for some tokens.
+reference log-probs are the current ones plus N(0, 0.1) noise (at most 0), so the ratio clips on both sides for
+some tokens.
 
 fwd = the loss without gradients (metrics only); fwd+bwd = the loss and its backward. Errors are against
 ``policy_loss_reference`` on the reference backend (fp32 logits) over the first ``check_tokens`` tokens:
@@ -39,7 +40,8 @@ def make_policy_inputs(x, temperature: float, seed: int) -> PolicyInputs:
     with torch.no_grad():
         lp = fused_logprobs(x.hidden, x.weight, x.labels, temperature=temperature, with_entropy=False).logprobs
     noise = torch.randn((2,) + tuple(lp.shape), device=lp.device, generator=gen) * NOISE
-    return PolicyInputs(x.a, lp + noise[0], lp + noise[1])
+    # log-probabilities stay <= 0 (the losses refuse others): a likely token's noisy log-prob is clamped at 0
+    return PolicyInputs(x.a, (lp + noise[0]).clamp(max=0.0), (lp + noise[1]).clamp(max=0.0))
 
 
 @dataclass
