@@ -304,7 +304,7 @@ def test_trl_head_that_does_not_import_keeps_its_rows_with_the_reason(monkeypatc
     x = bench.make_inputs(cfg)
     meter = bench.PeakMemory(torch.device("cpu"))
     for name in ("trl-head", "trl-policy-loss"):
-        row = bench.run_row(peers.get(name), x, cfg, bench.Checker(x, cfg.temperature, 13), meter)
+        row, _ = bench.prepare_row(peers.get(name), x, cfg, bench.Checker(x, cfg.temperature, 13), meter)
         assert row.status == "unavailable" and "trl.trainer.utils" in row.reason, row
     with pytest.raises(peers.Unavailable, match="trl.trainer.utils"):
         peers.trl_divergence(torch.device("cpu"))
