@@ -40,15 +40,19 @@ if TYPE_CHECKING:
 
 
 def fused_logprobs_k(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, options: OpOptions,
-                     with_tail: bool = False) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(logprobs [N, k], entropy [N] or None, tail [N] or None), float32, differentiable w.r.t. hidden and
-    weight, for hidden [N, H], labels [N, k] int64 (global ids, or ignore_index on all k of an ignored row)."""
-    lp, ent, tail, _ = torch.ops.logitless.fused_logprobs_k(
+                     with_tail: bool = False, select: int = 0
+                     ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(logprobs [N, k], entropy [N] or None, tail [N] or None, top ids [N, select] or None), float32 (ids
+    int64), logprobs and tail differentiable w.r.t. hidden and weight, for hidden [N, H], labels [N, k] int64
+    (global ids, or ignore_index on all k of an ignored row). ``select`` > 0: also the ids of the ``select``
+    largest logits per token (ties to the lower id; -1 on ignored rows), from the same pass, not differentiable."""
+    lp, ent, tail, top, _ = torch.ops.logitless.fused_logprobs_k(
         hidden, weight, labels, inv_temp, backend=options.backend, with_entropy=options.with_entropy,
-        with_tail=with_tail, ignore_index=options.ignore_index, softcap=options.softcap,
+        with_tail=with_tail, select=select, ignore_index=options.ignore_index, softcap=options.softcap,
         tp_group=options.tp_group, reduce_grad_hidden=options.reduce_grad_hidden,
         check_inputs=options.check_inputs)
-    return lp, ent if options.with_entropy else None, tail if with_tail else None
+    return (lp, ent if options.with_entropy else None, tail if with_tail else None,
+            top if select else None)
 
 
 def fused_topk(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, k: int, backend: str,
@@ -133,17 +137,28 @@ def _pass_columns(backend: str, hidden: Tensor, weight: Tensor, n: int) -> tuple
                                                                                          hidden.device)
 
 
-def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, given=None, given_local=None):
-    """label_sets.vocab_pass over the kept rows in token blocks -> one SetPartial [n]."""
+def _pass_name(backend: str) -> str:
+    """What ran the torch vocabulary pass, for ``last_backend()``: the reference's one tile or the chunked
+    backend's tiles (also for backend "triton", whose kernels run the backward only)."""
+    return "reference" if backend == "reference" else "chunked"
+
+
+def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, given=None, given_local=None,
+              select=0):
+    """label_sets.vocab_pass over the kept rows in token blocks -> (one SetPartial [n], the selection or None)."""
     step, columns = _pass_columns(backend, hidden, weight, n)
-    parts = []
+    parts, sels = [], []
     for start, stop in _blocks(n, step):
-        parts.append(label_sets.vocab_pass(
+        part, sel = label_sets.vocab_pass(
             _rows(hidden, rows, start, stop), weight, inv_temp[start:stop], softcap, columns, offset, k,
-            None if given is None else given[start:stop], None if given_local is None else given_local[start:stop]))
+            None if given is None else given[start:stop], None if given_local is None else given_local[start:stop],
+            select)
+        parts.append(part)
+        sels.append(sel)
     if len(parts) == 1:
-        return parts[0]
-    return label_sets.SetPartial(*(torch.cat([getattr(p, f) for p in parts]) for f in label_sets.SetPartial._fields))
+        return parts[0], sels[0]
+    part = label_sets.SetPartial(*(torch.cat([getattr(p, f) for p in parts]) for f in label_sets.SetPartial._fields))
+    return part, (None if sels[0] is None else (torch.cat([s[0] for s in sels]), torch.cat([s[1] for s in sels])))
 
 
 def _gather_partials(tp: "VocabParallel", part: label_sets.SetPartial, select: bool) -> list[label_sets.SetPartial]:
@@ -164,6 +179,17 @@ def _gather_partials(tp: "VocabParallel", part: label_sets.SetPartial, select: b
             for r in range(tp.world_size)]
 
 
+def _global_selection(sel: tuple[Tensor, Tensor], tp: Optional["VocabParallel"], k: int) -> Tensor:
+    """The global top-k ids from every rank's candidates (values and ids [n, k])."""
+    vals, ids = sel
+    if tp is None:
+        return ids
+    parts = _gather_partials(tp, label_sets.SetPartial(vals[:, 0], vals[:, 0], vals, ids), select=True)
+    vals, ids = label_sets.order_by_value_then_id(torch.cat([p.vals for p in parts], 1),
+                                                  torch.cat([p.ids for p in parts], 1))
+    return ids[:, :k].contiguous()
+
+
 def _global(part, tp, k, select):
     if tp is None:
         return part
@@ -174,18 +200,18 @@ def _global(part, tp, k, select):
 
 @torch.library.custom_op("logitless::fused_logprobs_k", mutates_args=())
 def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
-                  with_entropy: bool, with_tail: bool, ignore_index: int, softcap: Optional[float],
+                  with_entropy: bool, with_tail: bool, select: int, ignore_index: int, softcap: Optional[float],
                   tp_group: Optional[str], reduce_grad_hidden: bool, check_inputs: bool
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
-        return _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, ignore_index, softcap,
-                          tp_group, reduce_grad_hidden, check_inputs)
+        return _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, select, ignore_index,
+                          softcap, tp_group, reduce_grad_hidden, check_inputs)
 
 
-def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, ignore_index, softcap, tp_group,
-               reduce_grad_hidden, check_inputs):
-    if with_tail and with_entropy:
-        raise ValueError("with_tail and with_entropy cannot both be set: the tail pass computes no entropy")
+def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, select, ignore_index, softcap,
+               tp_group, reduce_grad_hidden, check_inputs):
+    if (with_tail or select) and with_entropy:
+        raise ValueError("with_entropy cannot be set with the tail or a selection: their pass computes no entropy")
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N, k = labels.shape
@@ -195,12 +221,16 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         local, inv_temp, ids = local[rows], inv_temp[rows], labels[rows]
     n = local.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    ent = tail = None
-    if with_tail:
-        part = _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, mod.name, 0, given=ids, given_local=local)
+    ent = tail = top = None
+    if with_tail or select:
+        part, sel = _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, mod.name,
+                              tp.vocab_offset if tp is not None else 0, given=ids, given_local=local, select=select)
         part = _global(part, tp, k, select=False)
         lse, tail = part.lse_and_tail()
         lp = part.vals - lse.unsqueeze(1)
+        if select:
+            top = _global_selection(sel, tp, select)
+        tail = tail if with_tail else None
     else:
         if n == 0:
             lse = torch.zeros(0, **f32)
@@ -222,22 +252,27 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         lp, lse = _scatter(lp, rows, N), _scatter(lse, rows, N)
         ent = _scatter(ent, rows, N) if ent is not None else None
         tail = _scatter(tail, rows, N) if tail is not None else None
+        top = (torch.full((N, select), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, top)
+               if top is not None else None)
     elif not check_inputs:
         lp = torch.where(valid.unsqueeze(1), lp, torch.zeros_like(lp))
         ent = torch.where(valid, ent, torch.zeros_like(ent)) if ent is not None else None
         tail = torch.where(valid, tail, torch.zeros_like(tail)) if tail is not None else None
-    record_backend(mod.name)
+        top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
+    record_backend(_pass_name(mod.name) if with_tail or select else mod.name)
     empty = lp.new_empty(0)
-    return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), lse.clone()
+    top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
+    return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
 
 
 @_forward_k_op.register_fake
-def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, with_tail, ignore_index, softcap,
-                    tp_group, reduce_grad_hidden, check_inputs):
+def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, with_tail, select, ignore_index,
+                    softcap, tp_group, reduce_grad_hidden, check_inputs):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return (hidden.new_empty(labels.shape, **f), hidden.new_empty(n if with_entropy else 0, **f),
-            hidden.new_empty(n if with_tail else 0, **f), hidden.new_empty(n, **f))
+            hidden.new_empty(n if with_tail else 0, **f), hidden.new_empty((n, select), dtype=torch.int64),
+            hidden.new_empty(n, **f))
 
 
 @torch.library.custom_op("logitless::fused_topk", mutates_args=())
@@ -249,6 +284,7 @@ def _topk_op(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, *, 
 
 
 def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden):
+    mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N = hidden.shape[0]
     if N and not bool(checks.inverse_temperature_ok(inv_temp)):
@@ -259,14 +295,14 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
         inv_temp = inv_temp[rows]
     n = inv_temp.shape[0]
     offset = tp.vocab_offset if tp is not None else 0
-    part = _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset)
+    part, _ = _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, mod.name, offset)
     part = _global(part, tp, k, select=True)
     lse, tail = part.lse_and_tail()
     lp, ids = part.vals - lse.unsqueeze(1), part.ids
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend(backend)
+    record_backend(_pass_name(mod.name))
     return ids, lp, tail, lse
 
 
@@ -356,17 +392,17 @@ def _backward_call(ctx, g_lp, g_ent, g_tail, labels, ignore_index, check_inputs)
 
 def _setup_k(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, labels, inv_temp = inputs
-    lp, entropy, tail, lse = output
+    lp, entropy, tail, top, lse = output
     ctx.save_for_backward(hidden, weight, inv_temp, lse, entropy, lp, tail, labels)
     ctx.options = keyword_only_inputs
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, top)
     for flag, out in (("with_entropy", entropy), ("with_tail", tail)):
         if not keyword_only_inputs[flag]:
             ctx.mark_non_differentiable(out)
     ctx.set_materialize_grads(False)
 
 
-def _backward_k_autograd(ctx, g_lp, g_ent, g_tail, _g_lse):
+def _backward_k_autograd(ctx, g_lp, g_ent, g_tail, _g_top, _g_lse):
     o = ctx.options
     dh, dw = _backward_call(ctx, g_lp, g_ent if o["with_entropy"] else None, g_tail if o["with_tail"] else None,
                             ctx.saved_tensors[7], o["ignore_index"], o["check_inputs"])

@@ -181,14 +181,16 @@ def _chunk_topk(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Optional[float], columns: int,
-               offset: int, k: int, given: Optional[Tensor] = None, given_local: Optional[Tensor] = None
-               ) -> SetPartial:
+               offset: int, k: int, given: Optional[Tensor] = None, given_local: Optional[Tensor] = None,
+               select: int = 0) -> tuple[SetPartial, Optional[tuple[Tensor, Tensor]]]:
     """One pass over this weight's rows in chunks of ``columns``, for hidden [n, H].
 
     ``given`` [n, k] (global ids) with ``given_local`` (their rows here, -1 elsewhere): the set is those ids;
-    their logits come from the same tiles as the rest (so lp <= 0 and the tail are consistent) and their
-    columns are left out of ``rest``. ``given`` None: the set is the top-k so far (global ids = offset +
-    row), each chunk's own top-k are left out of its sum and the candidates evicted by a merge are added back."""
+    their logits come from the same tiles as the rest (so the log-probs and the tail agree) and their columns
+    are left out of ``rest``; ``select`` > 0 also selects the top ``select`` logits (returned as (values, global
+    ids) [n, select], the second item; None without). ``given`` None: the set is the top-k (global ids =
+    offset + row), each chunk's own top-k are left out of its sum and the candidates a merge evicts are added
+    back."""
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
@@ -199,6 +201,10 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
     else:
         vals = torch.full((n, k), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((n, k), -1, dtype=torch.int64, device=dev)
+    sel = None
+    if given is not None and select:
+        sel = (torch.full((n, select), float("-inf"), dtype=torch.float32, device=dev),
+               torch.full((n, select), -1, dtype=torch.int64, device=dev))
     neg_inf = torch.tensor(float("-inf"), device=dev)
     for start in range(0, vocab, columns):
         stop = min(start + columns, vocab)
@@ -206,6 +212,11 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
         m_new = torch.maximum(m, z.amax(dim=1))
         rest = rest * torch.exp(m - m_new)       # exp(-inf) = 0 before the first chunk
         if given is not None:
+            if sel is not None:
+                cv, cc = _chunk_topk(z, select)
+                sv, si, _ = merge_candidates(torch.cat([sel[0], cv], 1), torch.cat([sel[1], cc + (offset + start)], 1),
+                                             select, m_new, rest)
+                sel = (sv, si)
             local = given_local - start
             inside = (given_local >= 0) & (local >= 0) & (local < stop - start)
             cols = torch.where(inside, local, torch.zeros_like(local))
@@ -221,7 +232,7 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
             vals, ids, rest = merge_candidates(torch.cat([vals, cv], 1), torch.cat([ids, cc + (offset + start)], 1),
                                                k, m_new, rest)
         m = m_new
-    return SetPartial(m, rest, vals, ids)
+    return SetPartial(m, rest, vals, ids), sel
 
 
 def combine_partials(parts: list[SetPartial], k: int, select: bool) -> SetPartial:
