@@ -246,3 +246,22 @@ def test_compile_fullgraph(seed):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(gh, hidden.grad)
     torch.testing.assert_close(gw, weight.grad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_no_token_and_every_token_masked(backend, seed):
+    """Zero tokens, every token ignored / masked: zeros out, zero gradients, no kernel fed an empty batch."""
+    _, weight, gen = inputs(torch.float32, seed)
+    empty = torch.randn(0, H, requires_grad=True)
+    out = fused_logprobs(empty, weight, torch.zeros(0, K, dtype=torch.long), backend=backend)
+    assert out.logprobs.shape == (0, K) and out.entropy.shape == (0,)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert weight.grad.abs().max() == 0
+    top = fused_topk(empty, weight, K, backend=backend)
+    assert top.ids.shape == (0, K) and top.tail_logprob.shape == (0,)
+    hidden = torch.randn(4, H, generator=gen, requires_grad=True)
+    top = fused_topk(hidden, weight, K, mask=torch.zeros(4, dtype=torch.bool), backend=backend)
+    assert (top.ids == -1).all() and (top.logprobs == 0).all() and (top.tail_logprob == 0).all()
+    out = fused_logprobs(hidden, weight, torch.full((4, K), -100), backend=backend)
+    (top.logprobs.sum() + top.tail_logprob.sum() + out.logprobs.sum() + out.entropy.sum()).backward()
+    assert hidden.grad.abs().max() == 0 and (out.logprobs == 0).all()
