@@ -83,6 +83,19 @@ def checks(hidden, weight, scored, labels, t_ids, t_lp, k):
     for name, want in (("forward_kl_topk", kl), ("forward_kl_topk_tail", kl_tail)):
         got = topk_divergence(h, weight, labels[:n], t_ids[:n], t_lp[:n], divergence=name).divergence
         res[f"{name}_err"] = float((got[m].double() - want[m]).abs().max())
+    # gradients through the compiled backward (backend "auto": Triton's kernels on CUDA) against float64 autograd
+    hg, wg = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    d = topk_divergence(hg, wg, labels[:n], t_ids[:n], t_lp[:n], divergence="forward_kl_topk_tail")
+    d.divergence.sum().backward()
+    res["grad_backend"] = last_backend()
+    h64, w64 = h.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.t(), -1)
+    s = logp.gather(1, t_ids[:n])
+    s_tail = torch.logsumexp(logp.scatter(1, t_ids[:n], float("-inf")), -1)
+    want = (q.exp() * (q - s)).sum(-1) + torch.where(qt > 0, qt * (qt.clamp_min(1e-300).log() - s_tail), 0.0)
+    (want * m).sum().backward()
+    for name, got, ref in (("d_hidden", hg.grad, h64.grad), ("d_weight", wg.grad, w64.grad)):
+        res[f"tail_{name}_rel_err"] = float((got.double() - ref).norm() / ref.norm())
     return res
 
 
