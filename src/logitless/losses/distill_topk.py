@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_head, inv_temperature, tp_group_name, vocab_layout
+from ..api import check_head, inv_temperature, tp_group_name
 from ..ops import function, label_set_function
 from ..ops.registry import choose_backend
 
@@ -86,13 +86,9 @@ def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int) -> tuple[Te
         if t.device != labels.device:
             raise ValueError(f"{name} is on {t.device}, the student's tokens on {labels.device}")
     scored = labels != ignore_index
-    lp = logprobs.detach().float()
-    bad = scored.unsqueeze(-1) & (torch.isnan(lp) | (lp > 0))
-    if lp.numel() and bool(bad.any()):
-        raise ValueError(f"teacher_topk_logprobs must be <= 0 and not NaN on scored tokens; got "
-                         f"{float(lp[bad][0])!r}")
+    lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs")
     ids = torch.where(scored.unsqueeze(-1), ids.long(), torch.full_like(ids, ignore_index, dtype=torch.int64))
-    return scored, ids, torch.where(scored.unsqueeze(-1), lp, torch.zeros_like(lp))
+    return scored, ids, lp
 
 
 def _masked_stats(x: Tensor, scored: Tensor, name: str) -> dict:
@@ -121,17 +117,15 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
     scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index)
     k = ids.shape[-1]
-    _, vocab = vocab_layout(weight, tp_group)
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     flat_ids = ids.reshape(-1, k)
-    label_set_function.validate_sets(flat_ids, inv_temp, vocab, ignore_index, name="teacher_topk_ids")
     mod, _ = choose_backend(hidden, weight, backend)
     options = function.OpOptions(backend=mod.name, with_entropy=False, ignore_index=ignore_index, softcap=softcap,
                                  tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden)
     with_tail = divergence == "forward_kl_topk_tail"
     s_lp, _, s_tail, s_top = label_set_function.fused_logprobs_k(
         hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,
-        select=k if with_overlap else 0)
+        select=k if with_overlap else 0, labels_name="teacher_topk_ids")
     s_lp = s_lp.view(ids.shape)
     terms = topk_terms(s_lp, t_lp, clamp)
     if with_tail:
