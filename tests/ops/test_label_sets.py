@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from logitless import fused_logprobs, fused_topk, last_backend
+from logitless.ops import label_set_function
+from logitless.ops.function import OpOptions
 from reference64 import rel_err
 
 V, H, K = 4099, 96, 5
@@ -193,6 +195,11 @@ def test_topk_tail_of_one_in_a_billion():
         # the cancelling way in float32 cannot see it
         naive = torch.log1p(-out.logprobs.exp().sum())
         assert not abs(float(naive) - float(want)) < 1.0
+        # the tail outside given ids (the student's, at a teacher's ids) is summed the same way
+        options = OpOptions(backend=backend, with_entropy=False)
+        _, _, tail, _ = label_set_function.fused_logprobs_k(hidden, weight, torch.arange(K).flip(0).unsqueeze(0),
+                                                            torch.ones(1), options, with_tail=True)
+        assert abs(tail[0].double() - want) < 1e-5, (backend, tail, want)
 
 
 def test_topk_ties_go_to_the_lower_id():
