@@ -34,7 +34,7 @@ def _chunk_rows(n: int, vocab: int, device: torch.device) -> int:
     return max(1, min(n, knobs.chunk_elements(default) // vocab))
 
 
-def _shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max).
 
     One exponential per element: with e = exp(x), s = sum e and t = sum e * x, lse = m + log s and
@@ -72,7 +72,7 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         it = inv_temp[start:stop]
         z, _ = logits_from_products(mm_fp32(h, weight.t()), it, None)
         zy = label_logits(z, labels[start:stop])
-        m, lse, ent = _shifted_statistics(z)          # z now holds z - m
+        m, lse, ent = shifted_statistics(z)          # z now holds z - m
         lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
         if dh is None and dw is None:
             continue
