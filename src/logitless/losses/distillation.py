@@ -209,7 +209,9 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
         if t.device != s_hidden.device:
             raise ValueError(f"{name} is on {t.device}, student_hidden on {s_hidden.device}: both heads must be on "
                              "one device")
-    if t_weight.dim() == 2 and t_weight.shape[0] != s_weight.shape[0]:
+    # under tp_group the op compares the two heads' shards on every rank alike (a refusal on some ranks only
+    # would leave the others waiting in a collective)
+    if tp_group is None and t_weight.dim() == 2 and t_weight.shape[0] != s_weight.shape[0]:
         raise ValueError(f"teacher_weight has {t_weight.shape[0]} vocabulary rows, student_weight "
                          f"{s_weight.shape[0]}: the two heads must share the vocabulary")
     t_hidden, t_weight = _head(t_hidden, t_weight, labels, "teacher")
