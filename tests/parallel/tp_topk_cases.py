@@ -7,7 +7,7 @@ import torch
 
 from logitless import fused_logprobs, fused_topk
 from logitless.losses.distill_topk import topk_divergence
-from tp_cases import V, Checks, configure_process, even_sizes, same_on_every_rank, shard, uneven_sizes  # noqa: F401
+from tp_cases import Checks, V, configure_process, even_sizes, same_on_every_rank, shard, uneven_sizes  # noqa: F401
 
 H, LEAD, K = 48, (2, 7), 5
 
