@@ -60,6 +60,21 @@ def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
         assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-7)
 
 
+def test_topk_route_without_overlap():
+    """with_overlap=False passes through: no overlap diagnostics, the same loss and gradients."""
+    hidden, weight, t_ids, t_lp, labels = batch()
+    kw = dict(teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp, divergence="forward_kl_topk")
+    grads = []
+    for overlap in (True, False):
+        h = hidden.clone().requires_grad_()
+        out = fused_distillation_loss(h, weight, labels, with_overlap=overlap, **kw)
+        out.loss.backward()
+        grads.append((out.loss.detach(), h.grad))
+        assert (out.overlap_count is None) == (not overlap)
+        assert ("distillation/overlap_ratio" in out.metrics) == overlap
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6) and torch.allclose(grads[0][1], grads[1][1], rtol=1e-5)
+
+
 @pytest.mark.parametrize("changes,error,match", [
     ({"student_logit_scale": 2.0}, ValueError, "student_logit_scale has no effect"),
     ({"teacher_softcap": 5.0}, ValueError, "teacher_softcap has no effect"),
