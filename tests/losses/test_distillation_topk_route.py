@@ -57,7 +57,7 @@ def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
     for name, value in ref.metrics.items():
         assert torch.equal(out.metrics[name], value), name
     for got, want in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
-        assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-7)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
 
 
 def test_topk_route_without_overlap():
@@ -72,7 +72,8 @@ def test_topk_route_without_overlap():
         grads.append((out.loss.detach(), h.grad))
         assert (out.overlap_count is None) == (not overlap)
         assert ("distillation/overlap_ratio" in out.metrics) == overlap
-    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6) and torch.allclose(grads[0][1], grads[1][1], rtol=1e-5)
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6)
+    assert (grads[0][1] - grads[1][1]).abs().max() <= 1e-5 * grads[1][1].abs().max()
 
 
 @pytest.mark.parametrize("changes,error,match", [
