@@ -42,6 +42,21 @@ def _chunk_rows(n: int, vocab: int, device: torch.device) -> int:
     return max(1, min(n, knobs.chunk_elements(default) // vocab))
 
 
+def shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max); the
+    distillation pass's statistics of the student (``distill_chunked``).
+
+    One exponential per element: with e = exp(x), s = sum e and t = sum e * x, lse = m + log s and
+    entropy = log s - t / s."""
+    m = z.amax(dim=1)
+    x = z.sub_(m.unsqueeze(1))
+    e = x.exp()
+    s = e.sum(dim=1)
+    t = e.mul_(x).sum(dim=1)
+    log_s = s.log()
+    return m, m + log_s, log_s - t / s
+
+
 def _statistics(z: Tensor, labels: Tensor, inv_temp: Tensor, scratch: Tensor, blocks) -> tuple[Tensor, ...]:
     """(zy, m, lse, ent) [c] of the tempered logits z * inv_temp, from the float32 products z [c, V], which
     become x = z * inv_temp - m in place (m the row max), block by block.
