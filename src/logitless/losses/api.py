@@ -7,6 +7,7 @@ return a ``PolicyLossOutput``; they agree within the op's tolerances.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -117,18 +118,21 @@ def _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
 
 def _sequence_bounds(tokens, backend_name: str, weight: Tensor, tp_group, hidden: Tensor,
                      seq_first: bool) -> Optional[list]:
-    """Chunk boundaries [0, ..., n] at sequence boundaries, each chunk at most the backend's rows, so that
-    a sequence-coupled loss keeps the one fused pass; None when that cannot be (a sequence longer than a
-    chunk, sequences not contiguous in the rows: seq_first). One host read (the sequences' lengths)."""
+    """Chunk boundaries [0, ..., n] at sequence boundaries, each chunk at most the backend's rows (on triton grown
+    to the longest sequence within LOGITLESS_POLICY_WORKSPACE_MAX_BYTES), so that a sequence-coupled loss keeps the
+    one fused pass; None when that cannot be (a sequence longer than the largest chunk, sequences not contiguous
+    in the rows: seq_first). One host read (the sequences' lengths)."""
     n = tokens.count
     seq = tokens.inputs.seq
     if seq_first or seq is None or n == 0:
         return None
     tp, _ = vocab_layout(weight, tp_group)
     plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
-    limit = max_chunk_rows_for(backend_name)(n, plan_vocab, hidden.dtype, hidden.device)
+    counts = torch.unique_consecutive(seq, return_counts=True)[1].tolist()
+    # the backend's chunk, grown to the longest sequence where its bounded workspace allows (ops/policy.py)
+    limit = max_chunk_rows_for(backend_name)(n, plan_vocab, hidden.dtype, hidden.device, longest=max(counts))
     bounds, size, pos = [0], 0, 0
-    for count in torch.unique_consecutive(seq, return_counts=True)[1].tolist():
+    for count in counts:
         if count > limit:
             return None
         if size + count > limit:
@@ -233,11 +237,24 @@ def _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_cl
             loss_agg, cu_seqlens, loss_settings) -> PolicyLoss:
     unknown = sorted(set(loss_settings) - _POLICY_FIELDS)
     if unknown:
-        raise TypeError(f"unknown policy-loss setting(s) {', '.join(unknown)}; PolicyLoss takes "
-                        f"{sorted(_POLICY_FIELDS)}")
+        raise TypeError(f"unknown policy-loss setting(s) {', '.join(unknown)}; {_where(unknown[0])}")
     return PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_type=kl_type,
                       entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens, **loss_settings)
+
+
+# names that are arguments elsewhere, not PolicyLoss settings: where they go
+_ELSEWHERE = {
+    "softcap": "a softcapped head's loss is logitless.losses.policy_loss(PolicyLoss(...), hidden, weight, labels, "
+               "softcap=...) (exact, four GEMMs); logitless.transformers reads a model's own from its config",
+}
+
+
+def _where(name: str) -> str:
+    if name in _ELSEWHERE:
+        return _ELSEWHERE[name]
+    close = difflib.get_close_matches(name, sorted(_POLICY_FIELDS), n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}?" if close else f"PolicyLoss takes {sorted(_POLICY_FIELDS)}"
 
 
 def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
