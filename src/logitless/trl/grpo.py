@@ -141,11 +141,13 @@ def enable(trainer, *, fused_loss: bool = False):
         from .loss import compute_loss
         trainer.__dict__["_compute_loss"] = types.MethodType(compute_loss, trainer)
     else:
-        _restore(trainer, state, "_compute_loss")
+        restore_method(trainer, state, "_compute_loss")
     return trainer
 
 
-def _restore(trainer, state, name):
+def restore_method(trainer, state, name):
+    """Put back on ``trainer`` what enable() replaced of ``name`` (the class's method when it was not an instance
+    attribute before)."""
     if name in state["previous"]:
         trainer.__dict__[name] = state["previous"][name]
     else:
@@ -158,7 +160,7 @@ def disable(trainer):
     state = trainer.__dict__.pop(STATE, None)
     if state is not None:
         for name in (METHOD, "_compute_loss"):
-            _restore(trainer, state, name)
+            restore_method(trainer, state, name)
     return trainer
 
 
