@@ -127,9 +127,9 @@ def unmappable(trainer) -> list:
     beta = trainer.beta
     if isinstance(beta, bool) or not isinstance(beta, Real) or not 0.0 <= float(beta) <= 1.0:
         bad.append(f"beta={beta!r} (TRL's generalized JSD takes beta in [0, 1])")
-    temperature = trainer.temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not 0.0 < float(temperature) < float("inf"):
-        bad.append(f"temperature={temperature!r} (must be finite and > 0)")
+    temp = trainer.temperature
+    if isinstance(temp, bool) or not isinstance(temp, Real) or not 0.0 < float(temp) < float("inf"):
+        bad.append(f"temperature={temp!r} (must be finite and > 0)")
     if getattr(trainer, "_is_vlm", False):
         bad.append("a vision-language model (logitless.trl scores text-only models)")
     if getattr(trainer, "is_deepspeed_enabled", False):
