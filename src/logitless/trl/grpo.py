@@ -19,7 +19,7 @@ from .. import checks
 from .names import METHOD, STATE, VISION_ARGS
 
 
-def _grpo_trainer_class():
+def grpo_trainer_class():
     try:
         from trl import GRPOTrainer
     except Exception as exc:  # noqa: BLE001 - any failure means trl cannot be used here
@@ -28,7 +28,7 @@ def _grpo_trainer_class():
 
 
 def _check_trainer(trainer):
-    cls = _grpo_trainer_class()
+    cls = grpo_trainer_class()
     if not isinstance(trainer, cls):
         raise TypeError(f"trainer must be a trl.GRPOTrainer instance, got {type(trainer).__name__}")
 
