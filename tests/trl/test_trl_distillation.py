@@ -33,13 +33,6 @@ BF16_TOL = 2e-3
 BF16_NOISE_FLOOR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"teacher seed={seed}")
-    return trl_tiny.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_teacher")), seed, hidden_size=48, layers=3)
-
-
 def _grads(model):
     return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 

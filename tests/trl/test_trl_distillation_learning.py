@@ -49,7 +49,7 @@ def test_learning_script_modes_agree_step_by_step(tmp_path, capsys):
         assert run["models"] == models
     assert runs["fused"]["logitless_backend"] in ("chunked", "reference")
     trl, fused = runs["trl"]["steps"], runs["fused"]["steps"]
-    for a, b in zip(trl, fused):
+    for a, b in zip(trl, fused, strict=True):
         _close(b["loss"], a["loss"], 1e-5, f"step {a['step']} loss")
         _close(b["grad_norm"], a["grad_norm"], 1e-4, f"step {a['step']} grad norm")
         _close(b["entropy"], a["entropy"], 1e-5, f"step {a['step']} entropy")
