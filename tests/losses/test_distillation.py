@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill64 import distill64
+from distill64 import distill64, weights64
 from logitless import last_backend
 from logitless.losses import LOSS_AGGS, fused_distillation_loss
 
 V, HS, HT = 4099, 96, 80
 LEAD = (3, 7)
-BACKENDS = ["chunked", "reference"]
+BACKENDS = ["chunked", "reference", "triton"]   # triton: through its interpreter on CPU (conftest)
 CASES = [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.5), ("jsd", 0.1), ("jsd", 0.0), ("jsd", 1.0)]
 
 
@@ -78,25 +78,31 @@ def test_against_float64(backend, kind, beta, small_chunks):
     check(out, dh, dw, truth, labels)
 
 
-@pytest.mark.parametrize("s_dtype,t_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
-                                             (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("kind,beta", [("reverse_kl", None), ("jsd", 0.5)])
-def test_dtypes(s_dtype, t_dtype, kind, beta, small_chunks):
+DTYPES = [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("backend,s_dtype,t_dtype,kind,beta",
+                         [("chunked", *d, *c) for d in DTYPES for c in (("reverse_kl", None), ("jsd", 0.5))]
+                         + [("triton", torch.bfloat16, torch.float32, "jsd", 0.5)])
+def test_dtypes(backend, s_dtype, t_dtype, kind, beta, small_chunks):
     """Heads in different dtypes: float32 statistics of the rounded inputs; the gradients come back in the
     student's dtype (one rounding)."""
     hs, ws, ht, wt, labels = heads(s_dtype=s_dtype, t_dtype=t_dtype)
-    out, dh, dw = run("chunked", hs, ws, ht, wt, labels, kind, beta, temperature=0.8)
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, kind, beta, temperature=0.8)
     assert dh.dtype == s_dtype and dw.dtype == s_dtype
     truth = distill64(hs, ws, ht, wt, labels, kind, beta, temperature=0.8)
     check(out, dh, dw, truth, labels, tol=3e-5, grad_tol=1e-2)
 
 
-@pytest.mark.parametrize("kind,beta", [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.7)])
-def test_softcap_scale_and_temperature_per_sequence(kind, beta, small_chunks):
+@pytest.mark.parametrize("backend,kind,beta", [("chunked", "forward_kl", None), ("chunked", "reverse_kl", None),
+                                               ("chunked", "jsd", 0.7), ("triton", "jsd", 0.7),
+                                               ("triton", "reverse_kl", None)])
+def test_softcap_scale_and_temperature_per_sequence(backend, kind, beta, small_chunks):
     hs, ws, ht, wt, labels = heads()
     temperature = torch.rand(LEAD[0], 1) + 0.5
     kw = dict(student_logit_scale=1.7, teacher_logit_scale=0.6, student_softcap=4.0, teacher_softcap=9.0)
-    out, dh, dw = run("chunked", hs, ws, ht, wt, labels, kind, beta, temperature=temperature, **kw)
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, kind, beta, temperature=temperature, **kw)
     truth = distill64(hs, ws, ht, wt, labels, kind, beta, temperature=temperature, s_scale=1.7, t_scale=0.6,
                       s_softcap=4.0, t_softcap=9.0)
     check(out, dh, dw, truth, labels)
@@ -106,32 +112,8 @@ def test_softcap_scale_and_temperature_per_sequence(kind, beta, small_chunks):
 def test_every_loss_agg(loss_agg, small_chunks):
     hs, ws, ht, wt, labels = heads(ignored=5)
     out, dh, dw = run("chunked", hs, ws, ht, wt, labels, "jsd", 0.4, loss_agg=loss_agg)
-    w = _weights64(labels != -100, loss_agg)
+    w = weights64(labels != -100, loss_agg)
     check(out, dh, dw, distill64(hs, ws, ht, wt, labels, "jsd", 0.4, token_w=w), labels)
-
-
-def _weights64(valid, loss_agg, cu=None):
-    """The per-token weights of each loss_agg, written from aggregate.py's table (rows are sequences)."""
-    v = valid.double()
-    if loss_agg == "token-mean":
-        return v / v.sum()
-    if loss_agg == "token-sum":
-        return v
-    if cu is not None:
-        seqs = [v[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
-    else:
-        seqs = list(v)
-    n_seq = sum(1 for s in seqs if s.sum() > 0)
-    horizon = max(len(s) for s in seqs)
-    out = []
-    for s in seqs:
-        if loss_agg == "seq-mean-token-mean":
-            out.append(s / (n_seq * max(s.sum().item(), 1.0)))
-        elif loss_agg == "seq-mean-token-sum":
-            out.append(s / n_seq)
-        else:
-            out.append(s / (n_seq * horizon))
-    return torch.cat(out).view(valid.shape)
 
 
 def test_packed_sequences():
@@ -139,7 +121,7 @@ def test_packed_sequences():
     cu = torch.tensor([0, 5, 6, 13, 17])
     out, dh, dw = run("chunked", hs, ws, ht, wt, labels, "reverse_kl", loss_agg="seq-mean-token-mean",
                       cu_seqlens=cu)
-    w = _weights64(labels != -100, "seq-mean-token-mean", cu)
+    w = weights64(labels != -100, "seq-mean-token-mean", cu)
     check(out, dh, dw, distill64(hs, ws, ht, wt, labels, "reverse_kl", token_w=w), labels)
 
 
@@ -182,10 +164,11 @@ def test_second_backward_refused_and_upstream_scaled():
         out.loss.backward()
 
 
-def test_every_token_ignored():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_token_ignored(backend):
     hs, ws, ht, wt, labels = heads()
     labels.fill_(-100)
-    out, dh, dw = run("chunked", hs, ws, ht, wt, labels, "forward_kl")
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, "forward_kl")
     assert out.loss.item() == 0.0 and (out.divergence == 0).all()
     assert (dh == 0).all() and (dw == 0).all()
 
@@ -212,6 +195,6 @@ def test_compiled_fullgraph_matches_eager():
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
     truth = distill64(hs, ws, ht, wt, labels, "jsd", 0.3, temperature=temperature,
-                      token_w=_weights64(labels != -100, "seq-mean-token-mean"))
+                      token_w=weights64(labels != -100, "seq-mean-token-mean"))
     close(results[1][3], 2.0 * truth[3], None, 1e-4)
     assert abs(results[1][0].item() - 2.0 * truth[0].item()) <= 1e-5
