@@ -47,9 +47,9 @@ import trl_grpo_learning as common  # noqa: E402
 MODES = ("trl", "fused")
 # per-size defaults; every one can be overridden by its flag
 SIZES = {
-    "cpu": dict(vocab=1031, task_words=1024, hidden=96, layers=2, heads=4, kv_heads=2, student_hidden=48,
-                student_layers=1, student_heads=4, prompts=16, prompt_words=4, completion_length=12, lr=3e-3,
-                steps=60, teacher_steps=500, teacher_lr=3e-3, teacher_batch=64, eval_every=5, dtype="float32"),
+    "cpu": dict(vocab=1031, task_words=256, hidden=96, layers=2, heads=4, kv_heads=2, student_hidden=48,
+                student_layers=1, student_heads=4, prompts=8, prompt_words=4, completion_length=12, lr=3e-3,
+                steps=40, teacher_steps=100, teacher_lr=3e-3, teacher_batch=32, eval_every=4, dtype="float32"),
     "gpu": dict(vocab=151936, task_words=4096, hidden=1024, layers=4, heads=16, kv_heads=4, student_hidden=512,
                 student_layers=2, student_heads=8, prompts=32, prompt_words=8, completion_length=128, lr=1e-3,
                 steps=60, teacher_steps=600, teacher_lr=1e-3, teacher_batch=64, eval_every=5, dtype="bfloat16"),
