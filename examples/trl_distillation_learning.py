@@ -8,7 +8,8 @@
 The task: words "w0", "w1", ... (a word-level tokenizer made in code; nothing from the Hub) where the next word of a
 sequence is always the following task word, w_i -> w_(i+1) (mod ``--task-words``). A teacher (a random Qwen2 built
 from a config) is trained on it briefly with the usual next-token loss; a smaller, random student is then distilled
-from it with TRL's DistillationTrainer: the student samples completions of prompts of consecutive words, and its
+from it with TRL's DistillationTrainer: the student samples completions of prompts of consecutive words (task words
+only: the rest of the vocabulary is suppressed in sampling, not in the loss, which spans the whole head), and its
 next-token distribution at each completion token is trained toward the teacher's (TRL's generalized JSD, ``--beta``;
 TRL's default 1.0 is the reverse KL). The held-out metric: on sequences the student never trained on, the share of
 positions where the student's most likely next word is the rule's (teacher-forced, no sampling).
@@ -196,6 +197,11 @@ def prepare_models(args) -> dict:
     return record
 
 
+def outside_task(args) -> list:
+    """The ids that are not task words: the special tokens and the words past ``--task-words``."""
+    return [0, 1, 2] + list(range(3 + args.task_words, args.vocab))
+
+
 def build_prompts(args, n: int = 512):
     """``n`` prompts of ``--prompt-words`` consecutive task words from the training starts (a fixed draw)."""
     train_starts, _ = split_starts(args)
@@ -238,7 +244,10 @@ def run_one(args, mode: str, seed: int) -> dict:
             per_device_train_batch_size=args.prompts, gradient_accumulation_steps=1,
             max_completion_length=args.completion_length, temperature=args.temperature, beta=args.beta,
             bf16=args.dtype == "bfloat16", use_cpu=not torch.cuda.is_available(), logging_steps=1,
-            report_to="none", save_strategy="no", disable_tqdm=True)
+            report_to="none", save_strategy="no", disable_tqdm=True,
+            # the student samples task words only (the loss still spans the whole vocabulary): a word outside the
+            # task is a context the teacher never saw, and teaches the student nothing
+            generation_kwargs={"suppress_tokens": outside_task(args)})
         trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                       train_dataset=Dataset.from_dict({"prompt": build_prompts(args)}),
                                       processing_class=common.build_tokenizer(args.vocab))
