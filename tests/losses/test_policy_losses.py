@@ -145,6 +145,14 @@ CASES = {
         dict(surrogate="cispo", ratio_level="sequence", clip_low=1.0, clip_high=0.1, loss_agg="token-sum"),
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
             -torch.clamp(seq_ratio(lp, old, m), max=1.1).detach() * adv * lp, m.bool(), "token-sum")),
+    # TRL's cispo with epsilon_high unset: the ratio clamped at epsilon, 0.2, below 1 (the old log-probs' noise
+    # puts ratios on both sides of it)
+    "trl-cispo-bound_below_1": (
+        dict(surrogate="cispo", clip_low=1.0, clip_high=-0.8, kl_coef=0.05, kl_type="k3_unclamped", kl_ratio=True,
+             loss_agg="token-sum"),
+        lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+            -torch.clamp(torch.exp(lp - old), max=0.2).detach() * adv * lp
+            + 0.05 * trl_k3(lp, ref) * torch.exp(lp - old), m.bool(), "token-sum")),
     "trl-vespo": (dict(surrogate="vespo", loss_agg="token-sum"),
                   lambda lp, ent, adv, old, ref, ro, m: aggregate64(
                       -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, None) * adv * lp, m.bool(),
@@ -274,6 +282,22 @@ CASES["verl-current_is-sequence-icepop-seq-mean-token-sum"] = verl_rejected(
 CASES["verl-current_is-token-tis-below-1-token-sum"] = verl_rejected(
     "reinforce", "token-sum", "token_k1", 1.6, is_level="token", is_threshold=0.8, current_is="token_truncate",
     current_is_max=0.8, rejection_ratio_min=1 / 1.6, rejection_ratio_max=1.6)
+
+
+def verl_sapo_apart(agg, kl_type, kl_coef, entropy_coef):
+    """verl's ppo_loss for sapo: the policy term by seq-mean-token-mean (compute_policy_loss_sapo), its KL loss
+    and entropy bonus by loss_agg_mode ``agg``: three aggregations, kl_agg and entropy_agg."""
+    def fn(lp, ent, adv, old, ref, ro, m):
+        pg = core.compute_policy_loss_sapo(old, lp, adv, m, agg, verl_config(tau_pos=1.2, tau_neg=0.9))[0]
+        kl = core.agg_loss(core.kl_penalty(lp, ref, kl_type), m, agg)
+        return pg + kl_coef * kl - entropy_coef * core.agg_loss(ent, m, agg)
+    return dict(surrogate="sapo", sapo_tau_pos=1.2, sapo_tau_neg=0.9, loss_agg="seq-mean-token-mean", kl_agg=agg,
+                entropy_agg=agg, kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef), fn
+
+
+CASES["verl-sapo-kl-entropy-token-mean"] = verl_sapo_apart("token-mean", "low_var_kl", 0.3, 0.05)
+CASES["verl-sapo-kl-entropy-seq-mean-token-sum-norm"] = verl_sapo_apart("seq-mean-token-sum-norm", "mse", 0.5, -0.04)
+CASES["verl-sapo-kl-seq-mean-token-sum"] = verl_sapo_apart("seq-mean-token-sum", "kl", 0.2, 0.0)
 
 
 def uses_rollout(settings) -> bool:
@@ -459,6 +483,9 @@ BAD = [
     (dict(surrogate="dro", dro_beta=-1.0), "dro_beta"),
     (dict(delta=0.9), "delta"),
     (dict(delta=1.5, surrogate="cispo"), "delta"),
+    (dict(clip_high=-0.1), "clip_high"),                                    # a bound below 1: cispo's only
+    (dict(surrogate="cispo", clip_low=1.0, clip_high=-1.5), "clip_high"),    # a negative weight bound
+    (dict(surrogate="cispo", clip_low=0.2, clip_high=-0.5), "below its lower bound"),
     (dict(dual_clip=3.0, surrogate="sapo"), "dual_clip"),
     (dict(cov_ratio=0.0, surrogate="kl_cov"), "cov_ratio"),
     (dict(clip_cov_lb=5.0, clip_cov_ub=1.0, surrogate="clip_cov"), "clip_cov_lb"),
@@ -471,6 +498,8 @@ BAD = [
     (dict(rollout_is="tis"), "rollout_is"),
     (dict(rollout_is_min=2.0, rollout_is_max=1.0), "rollout_is_min"),
     (dict(entropy_agg="mean"), "loss_agg"),
+    (dict(kl_agg="mean"), "loss_agg"),
+    (dict(kl_agg="token-sum"), "kl_agg='token-sum' aggregates the KL term, which needs ref_logprobs"),
     (dict(off_policy_threshold=float("nan")), "off_policy_threshold"),
     (dict(ratio_log_clamp=0.0), "ratio_log_clamp"),
     (dict(ratio_log_clamp=float("inf")), "ratio_log_clamp"),

@@ -36,7 +36,8 @@ class PolicyLoss:
         means on-policy (ratio 1 in value; the gradient is that of -A * logprob).
     ref_logprobs: log-probs under the reference policy, for the KL term and metric; None for none.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher when
-        they differ); clip_low in [0, 1] (1: no lower clip), clip_high >= 0.
+        they differ); clip_low in [0, 1] (1: no lower clip), clip_high >= 0 (surrogate "cispo": >= -1, the
+        bound 1 + clip_high may lie below 1, as TRL's cispo with epsilon_high < 1; never below 1 - clip_low).
     dual_clip: None, or c > 1: for negative advantages the term is at most -A * c (dual-clip PPO).
     kl_coef: weight of the KL estimate in the loss (needs ref_logprobs when not 0).
     kl_type: "k1" ("kl"), "k2" ("mse"), "k3" ("low_var_kl", clamped as verl clamps it), "abs", or "k1+" /
@@ -73,6 +74,8 @@ class PolicyLoss:
         group (or its name): the quantile of every rank's scored tokens, as TRL's top_entropy_quantile spans
         its processes (each rank of the group makes the call; its entropies are gathered, a host sync).
     entropy_agg: None (the entropy bonus aggregated like the loss) or a ``loss_agg`` name for the bonus.
+    kl_agg: None (the KL term aggregated like the loss) or a ``loss_agg`` name for the KL term (verl
+        aggregates sapo's policy term by seq-mean-token-mean and its KL loss by loss_agg_mode); needs a KL term.
     rollout_logprobs: the rollout engine's log-probs of the labels (per token), for ``rollout_is`` and the
         off-policy mask (which otherwise uses old_logprobs).
     rollout_is: None, or "token_truncate" / "sequence_truncate" (TIS: the weight exp(old - rollout), per
@@ -144,6 +147,7 @@ class PolicyLoss:
     entropy_quantile: float = 1.0
     entropy_quantile_group: Optional[str] = None
     entropy_agg: Optional[str] = None
+    kl_agg: Optional[str] = None
     rollout_logprobs: Optional[Tensor] = None
     rollout_is: Optional[str] = None
     rollout_is_min: Optional[float] = None
@@ -185,7 +189,13 @@ class PolicyLoss:
         if self.clip_low > 1.0:
             raise ValueError(f"clip_low must lie in [0, 1] (the ratio's lower bound 1 - clip_low >= 0; 1: none), "
                              f"got {self.clip_low!r}")
-        set_(self, "clip_high", checks.finite_float(self.clip_high, "clip_high", minimum=0.0))
+        # CISPO's detached weight is only clamped: its upper bound 1 + clip_high may lie below 1 (TRL's cispo
+        # clamps the ratio at epsilon_high, 0.2 by default), down to 0
+        set_(self, "clip_high", checks.finite_float(self.clip_high, "clip_high",
+                                                    minimum=-1.0 if self.surrogate == "cispo" else 0.0))
+        if self.clip_high < -self.clip_low:
+            raise ValueError(f"clip_high={self.clip_high!r} puts the ratio's upper bound 1 + clip_high below its "
+                             f"lower bound 1 - clip_low (clip_low={self.clip_low!r})")
         if self.dual_clip is not None:
             set_(self, "dual_clip", checks.finite_float(self.dual_clip, "dual_clip", minimum=1.0, above=True))
         set_(self, "kl_coef", checks.finite_float(self.kl_coef, "kl_coef"))
@@ -257,6 +267,10 @@ class PolicyLoss:
             set_(self, "entropy_quantile_group", group.group_name)     # the op takes groups by name
         if self.entropy_agg is not None:
             check_loss_agg(self.entropy_agg)
+        if self.kl_agg is not None:
+            check_loss_agg(self.kl_agg)
+            if self.ref_logprobs is None:
+                raise ValueError(f"kl_agg={self.kl_agg!r} aggregates the KL term, which needs ref_logprobs")
         if self.rollout_is is not None:
             _choice(self.rollout_is, "rollout_is", ROLLOUT_IS_MODES)
             if self.rollout_logprobs is None:
@@ -357,7 +371,7 @@ class PolicyLoss:
                         vespo_neg=(self.vespo_k_neg, self.vespo_lambda_neg),
                         off_policy_threshold=self.off_policy_threshold, entropy_quantile=self.entropy_quantile,
                         entropy_group=self.entropy_quantile_group,
-                        entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
+                        entropy_agg=self.entropy_agg, kl_agg=self.kl_agg, loss_agg=self.loss_agg,
                         has_rollout=self.rollout_logprobs is not None,
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
                         rollout_per_sequence=self.rollout_per_sequence,
