@@ -10,9 +10,11 @@ sequence is always the following task word, w_i -> w_(i+1) (mod ``--task-words``
 from a config) is trained on it briefly with the usual next-token loss; a smaller, random student is then distilled
 from it with TRL's DistillationTrainer: the student samples completions of prompts of consecutive words (task words
 only: the rest of the vocabulary is suppressed in sampling, not in the loss, which spans the whole head), and its
-next-token distribution at each completion token is trained toward the teacher's (TRL's generalized JSD, ``--beta``;
-TRL's default 1.0 is the reverse KL). The held-out metric: on sequences the student never trained on, the share of
-positions where the student's most likely next word is the rule's (teacher-forced, no sampling).
+next-token distribution at each completion token is trained toward the teacher's (TRL's generalized JSD, ``--beta``,
+0.5 here; TRL's default 1.0, the reverse KL, moves a near-uniform student toward a near-one-hot teacher slowly: on the
+CPU size from seed 0, 0.015 held-out accuracy after 60 steps at lr 2e-2, where the JSD reaches 0.89 in 40).
+The held-out metric: on sequences the student never trained on, the share of positions where the student's most
+likely next word is the rule's (teacher-forced, no sampling).
 
 Modes (each a fresh trainer from the same teacher and the same student weights; the same ``--seed`` samples the
 same first batch):
@@ -49,11 +51,11 @@ MODES = ("trl", "fused")
 # per-size defaults; every one can be overridden by its flag
 SIZES = {
     "cpu": dict(vocab=1031, task_words=256, hidden=96, layers=2, heads=4, kv_heads=2, student_hidden=48,
-                student_layers=1, student_heads=4, prompts=8, prompt_words=4, completion_length=12, lr=3e-3,
+                student_layers=1, student_heads=4, prompts=8, prompt_words=4, completion_length=12, lr=1e-2,
                 steps=40, teacher_steps=100, teacher_lr=3e-3, teacher_batch=32, eval_every=4, dtype="float32"),
     "gpu": dict(vocab=151936, task_words=4096, hidden=1024, layers=4, heads=16, kv_heads=4, student_hidden=512,
-                student_layers=2, student_heads=8, prompts=32, prompt_words=8, completion_length=128, lr=1e-3,
-                steps=60, teacher_steps=600, teacher_lr=1e-3, teacher_batch=64, eval_every=5, dtype="bfloat16"),
+                student_layers=2, student_heads=8, prompts=32, prompt_words=8, completion_length=128, lr=3e-3,
+                steps=80, teacher_steps=600, teacher_lr=1e-3, teacher_batch=64, eval_every=5, dtype="bfloat16"),
     # what the test runs: the smallest shapes that still make a distillation step
     "tiny": dict(vocab=259, task_words=256, hidden=48, layers=1, heads=4, kv_heads=2, student_hidden=32,
                  student_layers=1, student_heads=4, prompts=4, prompt_words=3, completion_length=6, lr=3e-3,
@@ -78,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=sorted(SIZES), default="cpu")
     for name in SIZES["cpu"]:
         p.add_argument("--" + name.replace("_", "-"), type=type(SIZES["cpu"][name]), default=None)
-    p.add_argument("--beta", type=float, default=1.0, help="TRL's beta: 0 forward KL, 1 reverse KL (TRL's default)")
+    p.add_argument("--beta", type=float, default=0.5, help="TRL's beta: 0 forward KL, 0.5 the JSD, 1 reverse KL")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and divergence temperature (TRL's)")
     p.add_argument("--plot", action="store_true", help="after the runs, draw the curves and print the table")
     p.add_argument("--plot-only", action="store_true", help="only plot the runs already in --out")
