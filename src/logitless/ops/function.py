@@ -12,7 +12,8 @@ backward: backend grads from the saved global lse / entropy (in token chunks, ea
 Saved between the two: the inputs and float32 [N] vectors (lse, entropy). Nothing [N x V]; lse is an
 output only so that backward gets it (it is not differentiable).
 
-With ``check_inputs`` (the default) the op validates labels and temperatures, and rows whose label is
+With ``check_inputs`` (the default) the op validates labels, temperatures and the scored rows' hidden states
+(finite), and rows whose label is
 ignore_index never reach a backend: they cost nothing (prompt and padding tokens in RL batches), and a
 non-finite hidden state there cannot leak into d_weight through 0 * inf. That needs host
 synchronisations (one for the checks, one more to list the kept rows when some are ignored, again in
@@ -32,7 +33,8 @@ from torch import Tensor
 from .. import checks
 from ..record import record_backend
 from . import token_chunks
-from .maths import no_autocast
+from .maths import no_autocast, tf32_products
+from .precision import make_operands
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ class OpOptions:
     tp_group: None, or the ``group_name`` of the process group the weight's vocabulary rows are sharded over.
     reduce_grad_hidden: under ``tp_group``, all-reduce d_hidden in backward (else leave it partial).
     check_inputs: validate labels / temperatures and skip ignored rows (host synchronisations; see above).
+    precision, grad_precision: how the products of float32 operands run, as ``precision.resolve`` returns them
+    ("native" for half-precision operands); the split operands are made inside each op (``precision.py``).
     """
     backend: str
     with_entropy: bool
@@ -58,6 +62,8 @@ class OpOptions:
     tp_group: Optional[str] = None
     reduce_grad_hidden: bool = True
     check_inputs: bool = True
+    precision: str = "native"
+    grad_precision: str = "native"
 
 
 def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
@@ -67,7 +73,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Ten
     lp, ent, _ = torch.ops.logitless.fused_logprobs(
         hidden, weight, labels, inv_temp, backend=options.backend, with_entropy=options.with_entropy,
         ignore_index=options.ignore_index, softcap=options.softcap, tp_group=options.tp_group,
-        reduce_grad_hidden=options.reduce_grad_hidden, check_inputs=options.check_inputs)
+        reduce_grad_hidden=options.reduce_grad_hidden, check_inputs=options.check_inputs,
+        precision=options.precision, grad_precision=options.grad_precision)
     return lp, ent if options.with_entropy else None
 
 
@@ -84,30 +91,35 @@ def _layout(tp_group: Optional[str], weight: Tensor, reduce: bool) -> Optional["
     return VocabParallel.for_group(_resolve_process_group(tp_group), weight).with_reduce(reduce)
 
 
-def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int) -> bool:
-    """Raise ValueError for a label outside [0, vocab) that is not ignore_index, or a temperature outside
-    the supported range (``checks.temperature``); return whether every row is kept. One host synchronisation
-    for all three."""
+def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int,
+              hidden: Tensor) -> bool:
+    """Raise ValueError for a label outside [0, vocab) that is not ignore_index, a temperature outside
+    the supported range (``checks.temperature``), or a non-finite hidden state in a scored row (its log-prob
+    would be NaN and so would every entry of d_weight); return whether every row is kept. One host
+    synchronisation for all four."""
     if labels.numel() == 0:
         return True
     bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
     bad_temp = ~checks.inverse_temperature_ok(inv_temp)
-    bad_label, bad_temp, every = torch.stack([bad_label, bad_temp, valid.all()]).tolist()
+    bad_hidden = checks.non_finite_rows(hidden, valid)
+    bad_label, bad_temp, bad_hidden, every = torch.stack([bad_label, bad_temp, bad_hidden, valid.all()]).tolist()
     if bad_label:
         checks.check_label_range(labels, valid, vocab, ignore_index)
     if bad_temp:
         raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
+    if bad_hidden:
+        raise ValueError(checks.NON_FINITE_HIDDEN)
     return bool(every)
 
 
 def _kept_rows(labels: Tensor, inv_temp: Tensor, weight: Tensor, tp: Optional["VocabParallel"],
-               ignore_index: int, check_inputs: bool, validate: bool):
+               ignore_index: int, check_inputs: bool, validate: bool, hidden: Tensor):
     """(valid [N] bool, rows int64 [n] or None for every row, local labels [N] int64): the label's row in
     this weight, -1 where the row is ignored or (under tensor parallelism) another rank holds it."""
     valid = labels != ignore_index
     rows = None
     if check_inputs:
-        every = (_validate(labels, valid, inv_temp, tp.vocab_size if tp else weight.shape[0], ignore_index)
+        every = (_validate(labels, valid, inv_temp, tp.vocab_size if tp else weight.shape[0], ignore_index, hidden)
                  if validate else bool(valid.all()))
         if not every:
             rows = valid.nonzero().squeeze(1)
@@ -126,25 +138,32 @@ def _scatter(values: Tensor, rows: Tensor, n: int) -> Tensor:
 @torch.library.custom_op("logitless::fused_logprobs", mutates_args=())
 def _forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
                 with_entropy: bool, ignore_index: int, softcap: Optional[float], tp_group: Optional[str],
-                reduce_grad_hidden: bool, check_inputs: bool) -> tuple[Tensor, Tensor, Tensor]:
+                reduce_grad_hidden: bool, check_inputs: bool, precision: str = "native",
+                grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         return _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_index, softcap, tp_group,
-                        reduce_grad_hidden, check_inputs)
+                        reduce_grad_hidden, check_inputs, precision, grad_precision)
 
 
 def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_index, softcap, tp_group,
-             reduce_grad_hidden, check_inputs):
+             reduce_grad_hidden, check_inputs, precision, grad_precision):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     n = hidden.shape[0]
-    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True)
+    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True,
+                                    hidden=hidden)
     if rows is not None:
         local, inv_temp = local[rows], inv_temp[rows]
     if local.shape[0] == 0:   # no scored tokens: no kernel launch
         lse = zy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
         ent = lse if with_entropy else None
     else:
-        lse, ent, zy = token_chunks.stats(mod, hidden, weight, local, inv_temp, rows, with_entropy, softcap)
+        # a precision's statistics operands (the split, made here and dropped after: never saved for backward)
+        ops = make_operands(hidden, weight, precision, grad_precision, with_grad=False)
+        h_stats, w_stats = (hidden, weight) if ops is None else (ops.hidden, ops.weight)
+        with tf32_products(ops is not None and ops.tf32):
+            lse, ent, zy = token_chunks.stats(mod, h_stats, w_stats, local, inv_temp, rows, with_entropy, softcap)
+        del ops, h_stats, w_stats
     if tp is not None:
         lse, ent, zy = tp.combine_stats(lse, ent, zy)
     lp = zy - lse
@@ -157,13 +176,13 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = torch.where(valid, ent, zero) if with_entropy else None
     elif lse is ent:   # the outputs must not alias each other
         ent = ent.clone()
-    record_backend(mod.name)
+    record_backend(mod.name, (precision, grad_precision))
     return lp, ent if with_entropy else lp.new_empty(0), lse
 
 
 @_forward_op.register_fake
 def _forward_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, ignore_index, softcap, tp_group,
-                  reduce_grad_hidden, check_inputs):
+                  reduce_grad_hidden, check_inputs, precision="native", grad_precision="native"):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n if with_entropy else 0, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.float32))
@@ -175,18 +194,21 @@ def _forward_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, ig
 def _backward_op(g_logprobs: Optional[Tensor], g_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
                  labels: Tensor, inv_temp: Tensor, lse: Tensor, entropy: Tensor, *, backend: str, with_entropy: bool,
                  ignore_index: int, softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
-                 check_inputs: bool, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+                 check_inputs: bool, need_dh: bool, need_dw: bool, precision: str = "native",
+                 grad_precision: str = "native") -> tuple[Tensor, Tensor]:
     with no_autocast(hidden):
         return _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, backend,
                               with_entropy, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs,
-                              need_dh, need_dw)
+                              need_dh, need_dw, precision, grad_precision)
 
 
 def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, backend, with_entropy,
-                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
+                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw, precision,
+                   grad_precision):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
-    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False)
+    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False,
+                                    hidden=hidden)
     # contiguous: the gradient of a sum arrives as a stride-0 expand, and the kernels index [N] vectors densely
     g_lp = torch.zeros_like(lse) if g_logprobs is None else g_logprobs.float().contiguous()
     g_ent = g_entropy.float().contiguous() if with_entropy and g_entropy is not None else None
@@ -200,14 +222,18 @@ def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse,
         g_lp = torch.where(valid, g_lp, 0.0)
         g_ent = torch.where(valid, g_ent, 0.0) if g_ent is not None else None
     finish = tp.reduce_grad_hidden if tp is not None else (lambda dh: dh)
-    dh, dw = token_chunks.grads(mod, hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, rows, need_dh, need_dw,
-                                softcap, finish)
+    # the split again (forward and backward each make their own: nothing but hidden and weight is saved)
+    ops = make_operands(hidden, weight, precision, grad_precision)
+    with tf32_products(ops is not None and ops.tf32):
+        dh, dw = token_chunks.grads(mod, hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, rows, need_dh,
+                                    need_dw, softcap, finish, operands=ops)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
 
 
 @_backward_op.register_fake
 def _backward_fake(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, *, backend, with_entropy,
-                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
+                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw,
+                   precision="native", grad_precision="native"):
     dh = hidden.new_empty(hidden.shape) if need_dh else hidden.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     return dh, dw

@@ -39,7 +39,8 @@ def make_policy_inputs(x, temperature: float, seed: int) -> PolicyInputs:
     with torch.no_grad():
         lp = fused_logprobs(x.hidden, x.weight, x.labels, temperature=temperature, with_entropy=False).logprobs
     noise = torch.randn((2,) + tuple(lp.shape), device=lp.device, generator=gen) * NOISE
-    return PolicyInputs(x.a, lp + noise[0], lp + noise[1])
+    # log-probabilities stay <= 0 (the loss refuses anything else): a near-certain token's noise is cut at 0
+    return PolicyInputs(x.a, (lp + noise[0]).clamp(max=0.0), (lp + noise[1]).clamp(max=0.0))
 
 
 @dataclass
