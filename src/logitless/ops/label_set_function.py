@@ -139,6 +139,15 @@ def _pass_columns(backend: str, hidden: Tensor, weight: Tensor, n: int) -> tuple
                                                                                          hidden.device)
 
 
+def _products(backend: str):
+    """The ids' raw products for this backend: the triton backend's kernel (a fixed summation order per token,
+    so its log-probs keep the backend's batch invariance), torch's batched product elsewhere."""
+    if backend == "triton":
+        from .triton.set_products import set_products
+        return set_products
+    return label_sets.set_products
+
+
 def _pass_name(backend: str) -> str:
     """What ran the torch vocabulary pass, for ``last_backend()``: the reference's one tile or the chunked
     backend's tiles (also for backend "triton", whose kernels run the backward only)."""
@@ -268,7 +277,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         zy = torch.zeros((n, k), **f32)
         for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, hidden.shape[1])):
             zy[start:stop], _ = label_sets.set_logits(_rows(hidden, rows, start, stop), weight, local[start:stop],
-                                                      inv_temp[start:stop], softcap)
+                                                      inv_temp[start:stop], softcap, _products(mod.name))
         if tp is not None and tp.world_size > 1:
             import torch.distributed as dist
             dist.all_reduce(zy, group=tp.group)    # each id's logit comes from the one rank holding it
@@ -377,7 +386,7 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
     if softcap is not None:
         raw = torch.zeros(local.shape, dtype=torch.float32, device=hidden.device)
         for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, hidden.shape[1])):
-            raw[start:stop] = label_sets.set_products(_rows(hidden, rows, start, stop), weight, local[start:stop])
+            raw[start:stop] = _products(mod.name)(_rows(hidden, rows, start, stop), weight, local[start:stop])
     c = label_sets.onehot_coefficients(coef, raw, inv_temp, softcap, local)
 
     def add_dh(dh: Tensor, start: int, stop: int) -> None:
