@@ -59,8 +59,8 @@ def stats(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
 def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor,
           ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], rows: Optional[Tensor],
           need_dh: bool, need_dw: bool, softcap: Optional[float],
-          finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh,
-          add_dh: Optional[Callable[[Tensor, int, int], None]] = None, operands: Optional[Operands] = None):
+          finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh, operands: Optional[Operands] = None,
+          add_dh: Optional[Callable[[Tensor, int, int], None]] = None):
     """(d_hidden hidden.dtype [N, H] or None, d_weight weight.dtype [V, H] or None) for hidden [N, H].
     operands: a precision's operands for hidden and weight (``ops/precision.py``): the backend recomputes the
     logits from their statistics operands and forms the gradients with their gradient products; None: from
