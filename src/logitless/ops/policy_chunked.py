@@ -43,8 +43,11 @@ def _chunk_rows(n: int, vocab: int, device: torch.device) -> int:
 
 
 def shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max): the
-    distillation pass's statistics (``distill_chunked.py``), the exponentials as in ``_statistics``."""
+    """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max); the
+    distillation pass's statistics of the student (``distill_chunked``).
+
+    One exponential per element: with e = exp(x), s = sum e and t = sum e * x, lse = m + log s and
+    entropy = log s - t / s."""
     m = z.amax(dim=1)
     x = z.sub_(m.unsqueeze(1))
     e = x.exp()
