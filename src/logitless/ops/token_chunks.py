@@ -58,13 +58,16 @@ def stats(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
 def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor,
           ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], rows: Optional[Tensor],
           need_dh: bool, need_dw: bool, softcap: Optional[float],
-          finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh):
+          finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh,
+          add_dh: Optional[Callable[[Tensor, int, int], None]] = None):
     """(d_hidden hidden.dtype [N, H] or None, d_weight weight.dtype [V, H] or None) for hidden [N, H].
 
     labels, inv_temp, lse, ent, g_lp, g_ent: [n] vectors of the kept rows (``rows``, or all N). Rows not
     kept get a zero d_hidden. ``finish_dh`` maps each chunk's float32 d_hidden [T, H] before it is
     written (the tensor-parallel all-reduce); it is called the same number of times on every rank, as
-    the chunking depends on hidden's shape, dtype and device only."""
+    the chunking depends on hidden's shape, dtype and device only. ``add_dh(dh, start, stop)`` adds to a
+    chunk's float32 d_hidden (kept rows start..stop) before ``finish_dh``: the one-hot part of k ids per
+    token (``label_sets``), so that it is all-reduced with the rest."""
     n_all, n = hidden.shape[0], labels.shape[0]
     step = max(1, backend.token_rows("backward", hidden, weight, g_ent is not None))
     chunks = [(start, min(start + step, n)) for start in range(0, n, step)]
@@ -90,6 +93,8 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
             dw = dw_part
         if dh is None:
             continue
+        if add_dh is not None:
+            add_dh(dh, start, stop)
         dh = finish_dh(dh)
         if whole:
             out_dh = dh.to(hidden.dtype)     # no copy for float32 inputs
