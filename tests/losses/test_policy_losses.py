@@ -276,6 +276,22 @@ CASES["verl-current_is-token-tis-below-1-token-sum"] = verl_rejected(
     current_is_max=0.8, rejection_ratio_min=1 / 1.6, rejection_ratio_max=1.6)
 
 
+def verl_sapo_apart(agg, kl_type, kl_coef, entropy_coef):
+    """verl's ppo_loss for sapo: the policy term by seq-mean-token-mean (compute_policy_loss_sapo), its KL loss
+    and entropy bonus by loss_agg_mode ``agg``: three aggregations, kl_agg and entropy_agg."""
+    def fn(lp, ent, adv, old, ref, ro, m):
+        pg = core.compute_policy_loss_sapo(old, lp, adv, m, agg, verl_config(tau_pos=1.2, tau_neg=0.9))[0]
+        kl = core.agg_loss(core.kl_penalty(lp, ref, kl_type), m, agg)
+        return pg + kl_coef * kl - entropy_coef * core.agg_loss(ent, m, agg)
+    return dict(surrogate="sapo", sapo_tau_pos=1.2, sapo_tau_neg=0.9, loss_agg="seq-mean-token-mean", kl_agg=agg,
+                entropy_agg=agg, kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef), fn
+
+
+CASES["verl-sapo-kl-entropy-token-mean"] = verl_sapo_apart("token-mean", "low_var_kl", 0.3, 0.05)
+CASES["verl-sapo-kl-entropy-seq-mean-token-sum-norm"] = verl_sapo_apart("seq-mean-token-sum-norm", "mse", 0.5, -0.04)
+CASES["verl-sapo-kl-seq-mean-token-sum"] = verl_sapo_apart("seq-mean-token-sum", "kl", 0.2, 0.0)
+
+
 def uses_rollout(settings) -> bool:
     return ("rollout_is" in settings or settings.get("off_policy_threshold") is not None
             or any(name.startswith(("rejection", "current_is")) for name in settings))
@@ -471,6 +487,8 @@ BAD = [
     (dict(rollout_is="tis"), "rollout_is"),
     (dict(rollout_is_min=2.0, rollout_is_max=1.0), "rollout_is_min"),
     (dict(entropy_agg="mean"), "loss_agg"),
+    (dict(kl_agg="mean"), "loss_agg"),
+    (dict(kl_agg="token-sum"), "kl_agg='token-sum' aggregates the KL term, which needs ref_logprobs"),
     (dict(off_policy_threshold=float("nan")), "off_policy_threshold"),
     (dict(ratio_log_clamp=0.0), "ratio_log_clamp"),
     (dict(ratio_log_clamp=float("inf")), "ratio_log_clamp"),

@@ -15,6 +15,7 @@ import os
 import warnings
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -41,9 +42,29 @@ class Wrapper(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
+class CudaOnCpu(TorchFunctionMode):
+    """megatron-core's hard-coded CUDA tensors on the CPU: factory calls with a CUDA device (or an index) get
+    device "cpu", ``Tensor.cuda()`` returns the tensor, and ``Tensor.type()`` names CPU tensors as CUDA ones
+    (the optimizer's clipping asserts 'torch.cuda.FloatTensor'; the pipeline schedules of megatron-core 0.19
+    count tokens in ``torch.zeros([], device="cuda")``)."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        dev = kwargs.get("device")
+        if (dev == "cuda" or (isinstance(dev, torch.device) and dev.type == "cuda")
+                or (isinstance(dev, int) and not isinstance(dev, bool))):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
 def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file: str | None = None,
-                      seed: int = 123, cp: int = 1) -> None:
-    """gloo process group + megatron model-parallel state on CPU."""
+                      seed: int = 123, cp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+    """gloo process group + megatron model-parallel state on CPU (pp pipeline stages, vpp virtual ones)."""
     global _saved_current_device
     from megatron.core import parallel_state, tensor_parallel
     if not dist.is_initialized():
@@ -54,7 +75,8 @@ def init_cpu_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, init_file
     if _saved_current_device is None:
         _saved_current_device = torch.cuda.current_device
         torch.cuda.current_device = lambda: "cpu"
-    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+                                             context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
@@ -191,9 +213,10 @@ class SequenceParallelTorchNorm:
 def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int = 2, max_seq: int = 64,
               tied: bool = False, mtp: bool = False, tp: int = 1, sequence_parallel: bool = False,
               packed_attention: bool = False, post_process: bool = True, seed: int = 0, moe_experts: int = 0,
-              moe_dispatcher: str = "alltoall", **cfg_kw):
+              moe_dispatcher: str = "alltoall", pre_process: bool = True, vp_stage: int | None = None, **cfg_kw):
     """A small fp32 GPTModel (local layer spec) with random weights from ``seed``; ``mtp``: False, or
-    True / a number of MTP depths."""
+    True / a number of MTP depths. A pipeline stage: pre_process / post_process / vp_stage as megatron-core's
+    model builders pass them (``pipeline_model_parallel_size`` and the rest in ``cfg_kw``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -227,7 +250,8 @@ def build_gpt(*, vocab: int = 262, hidden: int = 48, heads: int = 4, layers: int
                 sub = layer.submodules
                 sub.enorm = sub.hnorm = sub.layer_norm = SequenceParallelTorchNorm
     model = GPTModel(config=cfg, transformer_layer_spec=layer_spec, vocab_size=vocab, max_sequence_length=max_seq,
-                     share_embeddings_and_output_weights=tied, post_process=post_process, **kw)
+                     share_embeddings_and_output_weights=tied, pre_process=pre_process, post_process=post_process,
+                     **({} if vp_stage is None else {"vp_stage": vp_stage}), **kw)
     # small random weights give nearly uniform softmaxes; widen the logits so log-probs vary
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -575,7 +599,9 @@ def build_hybrid(*, pattern: str = "*-*-", vocab: int = 262, hidden: int = 48, h
 class cpu_streams:
     """While open, megatron-core's schedule plans run on CPU: torch.cuda.Event, current_stream, stream
     and Tensor.record_stream become no-ops (test-side only; one stream, nothing overlaps), and so do
-    torch.cuda.nvtx's range markers (megatron-core 0.16's schedule nodes call them directly). The
+    torch.cuda.nvtx's range markers (megatron-core 0.16's schedule nodes call them directly) and
+    torch.cuda.synchronize (its pipeline p2p calls it after gloo's batched isend / irecv, which have completed
+    by then: their requests were waited on). The
     overlapped run needs CUDA streams and is a GPU test."""
 
     class _Event:
@@ -588,7 +614,7 @@ class cpu_streams:
     def __enter__(self):
         import contextlib
         cuda = torch.cuda
-        self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream)
+        self.saved = (cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream, cuda.synchronize)
         self.nvtx = (cuda.nvtx.range_push, cuda.nvtx.range_pop)
         cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *a, **k: None
         self.free = keep_schedule_node_inputs().__enter__()
@@ -596,11 +622,12 @@ class cpu_streams:
         cuda.current_stream = lambda *a, **k: None
         cuda.stream = lambda *a, **k: contextlib.nullcontext()
         torch.Tensor.record_stream = lambda self, stream: None
+        cuda.synchronize = lambda *a, **k: None
         return self
 
     def __exit__(self, *exc):
         cuda = torch.cuda
-        cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream = self.saved
+        cuda.Event, cuda.current_stream, cuda.stream, torch.Tensor.record_stream, cuda.synchronize = self.saved
         cuda.nvtx.range_push, cuda.nvtx.range_pop = self.nvtx
         self.free.__exit__(*exc)
 

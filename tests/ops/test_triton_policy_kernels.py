@@ -147,6 +147,32 @@ def test_terms_kernel_trl_settings_match_autograd(kl_type, kl_ratio, delta, with
     assert (got - want.sums).abs().max() <= 1e-12 * want.sums.abs().max()
 
 
+@pytest.mark.parametrize("kl_type, with_u", [("k3", True), ("k2", False), ("k1+", True)])
+def test_terms_kernel_kl_weights_match_autograd(kl_type, with_u):
+    """The KL term with weights of its own (kl_agg: verl's sapo aggregates its KL loss apart from the policy
+    term), with and without the entropy bonus's own, against the autograd of the definitions."""
+    import dataclasses
+    n = 150 if INTERPRETING else 3000
+    (lp, ent), inputs = term_inputs(n, True, True)
+    g = torch.Generator().manual_seed(11)
+    v = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(DEVICE)
+    u = torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE) if with_u else None
+    inputs = dataclasses.replace(inputs, kl_weights=v, ent_weights=u)
+    spec = TermSpec(0.2, 0.28, 3.0, 0.3, kl_type, 0.05, True, True, kl_agg="token-sum",
+                    entropy_agg="token-sum" if with_u else None)
+    assert policy_terms.supports(spec)
+    want = TermTotals.zeros(DEVICE, True)
+    g_lp, g_ent = chunk_gradients(lp, ent, inputs, spec, want)
+    plain = TermTotals.zeros(DEVICE, True)
+    g_plain, _ = chunk_gradients(lp, ent, dataclasses.replace(inputs, kl_weights=None), spec, plain)
+    assert (g_lp - g_plain).abs().max() > 1e-3 * g_lp.abs().max(), "the KL weights changed nothing"
+    got = torch.zeros(3, dtype=torch.float64, device=DEVICE)
+    k_lp, k_ent = policy_terms.chunk_terms(lp, ent, inputs, policy_terms.TermSettings.make(spec, DEVICE), got)
+    assert (k_lp - g_lp).abs().max() <= 1e-6 * g_lp.abs().max()
+    assert torch.equal(k_ent, g_ent)
+    assert (got - want.sums).abs().max() <= 1e-12 * want.sums.abs().max()
+
+
 def test_terms_kernel_no_tokens():
     spec = TermSpec(0.2, 0.2, None, 0.0, "k3", 0.1, True, False)
     settings = policy_terms.TermSettings.make(spec, DEVICE)

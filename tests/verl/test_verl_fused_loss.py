@@ -155,8 +155,6 @@ RC = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
       f"{RC}rollout_is=sequence", f"{RC}rollout_is_batch_normalize=True",
       "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], {},
      "rollout_correction.rollout_is_batch_normalize=True"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.use_kl_loss=True"], {},
-     "loss_agg_mode='token-mean' and a KL loss"),
     (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=full"], {},
      "kl_loss_type='full'"),
 ])
@@ -223,6 +221,32 @@ def test_every_mode_matches_verl_update(actor, mode):
     assert_same_update(actor, got, want)
     if mode in ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "clip_cov"):
         assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
+
+
+SAPO_CASES = [  # (loss_agg_mode, KL estimator, entropy coefficient, engine settings): the KL loss and the entropy
+    # bonus aggregated by loss_agg_mode, sapo's policy term by seq-mean-token-mean (token-sum: the mode test above)
+    ("token-mean", "low_var_kl", 0.02, {"use_remove_padding": True}),
+    ("seq-mean-token-sum", "mse", -0.03, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
+    ("seq-mean-token-sum-norm", "kl", 0.05, {"use_remove_padding": True, "micro_batch_size_per_gpu": 3}),
+]
+
+
+@pytest.mark.parametrize("agg, kl, entropy, engine", SAPO_CASES, ids=[c[0] for c in SAPO_CASES])
+def test_sapo_terms_aggregated_apart_match_verl_update(actor, agg, kl, entropy, engine):
+    """sapo with a KL loss and an entropy bonus under an aggregation other than seq-mean-token-mean: each term
+    keeps verl's own aggregation (the fused loss's kl_agg / entropy_agg), against verl's update."""
+    gen = torch.Generator().manual_seed(60 + len(agg))
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir, is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=sapo", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type={kl}", f"{P}kl_loss_coef=0.2", f"{P}entropy_coeff={entropy}",
+                 *FUSED_MODES["sapo"]]
+    want = run(actor, tensors, meta, overrides, fused=False, engine=engine)
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine=engine)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
+    kl_loss = want[0]["kl_loss"]
+    assert all(abs(v) > 1e-4 for v in (kl_loss if isinstance(kl_loss, list) else [kl_loss])), "no KL loss"
 
 
 def test_triton_backend_head(model_dir, actor):

@@ -20,6 +20,7 @@ import_or_skip("verl.workers.engine.megatron", "make setup installs verl (--no-d
 
 import verl_megatron_cp2_worker  # noqa: E402
 import verl_megatron_engine as vme  # noqa: E402
+import verl_megatron_pp2_worker  # noqa: E402
 import verl_megatron_tp2_worker  # noqa: E402
 from verl_megatron_engine import assert_same_update  # noqa: E402
 
@@ -119,6 +120,20 @@ def test_every_mode_matches_verl_megatron_update(actors, mode):
         assert max(want[0]["actor/pg_clipfrac"]) > 0, "no clip event: the case does not test the clipping"
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_sapo_terms_aggregated_apart_match_verl_megatron_update(actors, agg):
+    """sapo with a KL loss and an entropy bonus under loss_agg_mode other than seq-mean-token-mean (verl: the policy
+    term by seq-mean-token-mean, the others by loss_agg_mode; fused: kl_agg / entropy_agg), fixed and dynamic
+    micro-batch sizes."""
+    gen = torch.Generator().manual_seed(70 + len(agg))
+    tensors, meta = ve.rollout_batch(gen, actors[0].model_dir, is_weights=True)
+    overrides = [f"{P}policy_loss.loss_mode=sapo", f"{P}loss_agg_mode={agg}", f"{P}use_kl_loss=True",
+                 f"{P}kl_loss_type=low_var_kl", f"{P}kl_loss_coef=0.2", f"{P}entropy_coeff=0.03",
+                 *FUSED_MODES["sapo"]]
+    engine = {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30} if agg == "token-mean" else None
+    fused_matches(actors, tensors, meta, overrides, engine=engine)
+
+
 AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
 
@@ -210,7 +225,6 @@ def test_untied_head_and_compute_log_prob(tmp_path):
 @pytest.mark.parametrize("setting, named", [
     ([f"{P}policy_loss.loss_mode=bypass_mode", f"{RC}loss_type=reinforce", f"{RC}rollout_is=token",
       f"{RC}rollout_is_batch_normalize=True"], "rollout_correction.rollout_is_batch_normalize=True"),
-    ([f"{P}policy_loss.loss_mode=sapo", f"{P}use_kl_loss=True"], "loss_agg_mode='token-mean' and a KL loss"),
 ])
 def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
     """A setting the fused loss cannot reproduce: verl's own loss runs on the Megatron engine (the same update
@@ -232,7 +246,6 @@ def test_unfusable_setting_falls_back_recorded(actors, caplog, setting, named):
 
 
 @pytest.mark.parametrize("setting, named", [
-    ("pipeline_model_parallel_size", "pipeline_model_parallel_size=2"),
     ("legacy", "legacy fused forward"),
 ])
 def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, named):
@@ -363,3 +376,21 @@ def test_cp_refusals_name_the_setting():
     for settings, mbm, mode, agg, tp, named in cases:
         bad = megatron_cp.refusals(settings, mbm, mode=mode, agg=agg, tensor_parallel=tp)
         assert len(bad) == 1 and named in bad[0] and "context parallelism" in bad[0], bad
+
+
+@pytest.fixture(scope="module")
+def pp2_results(tmp_path_factory):
+    """Pipeline parallelism 2 over two spawned gloo ranks (verl_megatron_pp2_worker.py), every case in one spawn."""
+    from ranks import spawn
+    tmp = tmp_path_factory.mktemp("verl_megatron_pp2")
+    return spawn(verl_megatron_pp2_worker.run, (str(tmp / "store"), str(tmp), str(tmp)), 2, tmp)
+
+
+@pytest.mark.parametrize("case", verl_megatron_pp2_worker.CASES)
+def test_pipeline_parallel_two_ranks(pp2_results, case):
+    """verl's unfused Megatron actor against the fused loss at PP 2 (the output processor on the last stage), with
+    and without 2 virtual stages per rank: vanilla token-mean (dual clip, KL loss, entropy bonus), gspo
+    seq-mean-token-mean with dynamic micro-batch sizes, sapo seq-mean-token-sum (its terms aggregated apart); every
+    rank's parameters after the step, the last stage's metrics."""
+    from ranks import check
+    check(pp2_results, case)

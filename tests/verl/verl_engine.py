@@ -29,7 +29,7 @@ P = "actor_rollout_ref.actor."
 FUSED_MODES = {
     "vanilla": [f"{P}clip_ratio_c=1.2"],
     "gspo": [f"{P}clip_ratio_low=0.02", f"{P}clip_ratio_high=0.03"],
-    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8", f"{P}loss_agg_mode=seq-mean-token-mean"],
+    "sapo": [f"{P}tau_pos=1.3", f"{P}tau_neg=0.8"],
     "gpg": [],
     "cispo": [f"{P}clip_ratio_low=0.1", f"{P}clip_ratio_high=0.2"],
     "dro": [f"{P}policy_loss.dro_beta=0.3"],
@@ -136,11 +136,11 @@ def setup() -> None:
     _READY = True
 
 
-def save_tiny_qwen2(path: str, seed: int, tied: bool = True) -> None:
-    """A 2-layer Qwen2 with random weights (logits spread so log-probs and entropies vary)."""
+def save_tiny_qwen2(path: str, seed: int, tied: bool = True, layers: int = 2) -> None:
+    """A Qwen2 of ``layers`` layers with random weights (logits spread so log-probs and entropies vary)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=tied, attn_implementation="eager")
     model = Qwen2ForCausalLM(cfg)

@@ -33,7 +33,6 @@ from functools import partial
 
 import torch
 import verl_engine as ve
-from torch.overrides import TorchFunctionMode
 
 import mcore_env
 
@@ -43,23 +42,8 @@ METRIC_TOL = 1e-5      # relative, or absolute below 1
 TIMING = ("perf/", "mfu")
 
 
-class _CudaOnCpu(TorchFunctionMode):
-    """megatron-core's hard-coded CUDA tensors on the CPU: factory calls with a CUDA device (or an index) get
-    device "cpu", ``Tensor.cuda()`` returns the tensor, and ``Tensor.type()`` names CPU tensors as CUDA ones
-    (the optimizer's clipping asserts 'torch.cuda.FloatTensor')."""
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        dev = kwargs.get("device")
-        if (dev == "cuda" or (isinstance(dev, torch.device) and dev.type == "cuda")
-                or (isinstance(dev, int) and not isinstance(dev, bool))):
-            kwargs = dict(kwargs, device="cpu")
-        return func(*args, **kwargs)
+# megatron-core's hard-coded CUDA tensors on the CPU (mcore_env.py: its pipeline schedules need it too)
+_CudaOnCpu = mcore_env.CudaOnCpu
 
 
 def core_attention_class():
@@ -103,7 +87,9 @@ def cpu_megatron():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     def local_spec(self, vp_stage=None):
-        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False)
+        # the stage's layers (vp_stage: a virtual pipeline stage), as mbridge's own method asks for them
+        self.has_vp_stage = True
+        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
         # context parallelism: mcore_env's CP attention (K and V all-gathered over the CP group, verl's zigzag
         # split of each packed sequence); TE's ring attention is GPU-only
         attention = (mcore_env.context_parallel_attention_class() if self.config.context_parallel_size > 1

@@ -98,11 +98,14 @@ def test_fused_loss_legacy_matches_verl_megatron_update(actors, case):
 
 
 def test_unfusable_setting_runs_verl_loss_on_legacy(actors):
-    """A setting the fused loss does not reproduce (sapo's token-mean with a KL loss): verl's own loss through its
-    legacy fused forward, the same update as verl's unfused actor, recorded; refused under strict mode."""
+    """A setting the fused loss does not reproduce (bypass_mode's batch-normalised IS weights): verl's own loss
+    through its legacy fused forward, the same update as verl's unfused actor, recorded; refused under strict
+    mode."""
     plain, fused = actors
-    settings = [f"{P}policy_loss.loss_mode=sapo", f"{P}use_kl_loss=True"]
-    named = "loss_agg_mode='token-mean' and a KL loss"
+    rc = "+actor_rollout_ref.actor.policy_loss.rollout_correction."
+    settings = [f"{P}policy_loss.loss_mode=bypass_mode", f"{rc}loss_type=reinforce", f"{rc}rollout_is=token",
+                f"{rc}rollout_is_batch_normalize=True", f"{P}use_kl_loss=True"]
+    named = "rollout_is_batch_normalize=True"
     gen = torch.Generator().manual_seed(5)
     tensors, meta = ve.rollout_batch(gen, plain.model_dir)
     lv.install(fused_loss=True, strict=True)

@@ -27,7 +27,7 @@ class PolicyLossOutput(NamedTuple):
     logprobs, entropy: float32 in the labels' shape, 0 where ignored; detached metrics.
     clip_fraction: 0-d float32, share of scored tokens whose clipped surrogate was the larger (verl's
         pg_clipfrac); detached.
-    kl: 0-d float32, the KL estimate aggregated like the loss (verl's kl_loss), or None without
+    kl: 0-d float32, the KL estimate aggregated like the loss, or by ``kl_agg`` (verl's kl_loss), or None without
         ref_logprobs; detached."""
     loss: Tensor
     logprobs: Tensor
@@ -190,7 +190,7 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
             ratio_log_clamp, delta, kl_ratio, the masks (entropy_quantile, entropy_quantile_group,
             off_policy_threshold), rollout correction (rollout_logprobs, rollout_is, rollout_is_min / _max,
             rollout_weights, rollout_is_batch_normalize, rollout_nan_is_missing), current_is (with
-            current_is_min / _max), rejection sampling (rejection_*), entropy_agg and each surrogate's
+            current_is_min / _max), rejection sampling (rejection_*), entropy_agg, kl_agg and each surrogate's
             parameters; an unknown name is a TypeError naming it. docs/policy-loss.md defines each.
 
     Returns:

@@ -73,6 +73,8 @@ class PolicyLoss:
         group (or its name): the quantile of every rank's scored tokens, as TRL's top_entropy_quantile spans
         its processes (each rank of the group makes the call; its entropies are gathered, a host sync).
     entropy_agg: None (the entropy bonus aggregated like the loss) or a ``loss_agg`` name for the bonus.
+    kl_agg: None (the KL term aggregated like the loss) or a ``loss_agg`` name for the KL term (verl
+        aggregates sapo's policy term by seq-mean-token-mean and its KL loss by loss_agg_mode); needs a KL term.
     rollout_logprobs: the rollout engine's log-probs of the labels (per token), for ``rollout_is`` and the
         off-policy mask (which otherwise uses old_logprobs).
     rollout_is: None, or "token_truncate" / "sequence_truncate" (TIS: the weight exp(old - rollout), per
@@ -144,6 +146,7 @@ class PolicyLoss:
     entropy_quantile: float = 1.0
     entropy_quantile_group: Optional[str] = None
     entropy_agg: Optional[str] = None
+    kl_agg: Optional[str] = None
     rollout_logprobs: Optional[Tensor] = None
     rollout_is: Optional[str] = None
     rollout_is_min: Optional[float] = None
@@ -257,6 +260,10 @@ class PolicyLoss:
             set_(self, "entropy_quantile_group", group.group_name)     # the op takes groups by name
         if self.entropy_agg is not None:
             check_loss_agg(self.entropy_agg)
+        if self.kl_agg is not None:
+            check_loss_agg(self.kl_agg)
+            if self.ref_logprobs is None:
+                raise ValueError(f"kl_agg={self.kl_agg!r} aggregates the KL term, which needs ref_logprobs")
         if self.rollout_is is not None:
             _choice(self.rollout_is, "rollout_is", ROLLOUT_IS_MODES)
             if self.rollout_logprobs is None:
@@ -357,7 +364,7 @@ class PolicyLoss:
                         vespo_neg=(self.vespo_k_neg, self.vespo_lambda_neg),
                         off_policy_threshold=self.off_policy_threshold, entropy_quantile=self.entropy_quantile,
                         entropy_group=self.entropy_quantile_group,
-                        entropy_agg=self.entropy_agg, loss_agg=self.loss_agg,
+                        entropy_agg=self.entropy_agg, kl_agg=self.kl_agg, loss_agg=self.loss_agg,
                         has_rollout=self.rollout_logprobs is not None,
                         has_rollout_weights=self.rollout_weights is not None or self.rollout_is is not None,
                         rollout_per_sequence=self.rollout_per_sequence,

@@ -169,9 +169,10 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
 
     def make_inputs() -> TokenInputs:
         weights = rows_order(token_weights(valid, policy.loss_agg, cu))
-        ent_weights = None
-        if policy.entropy_agg is not None and policy.entropy_agg != policy.loss_agg:
-            ent_weights = pick(rows_order(token_weights(valid, policy.entropy_agg, cu)), torch.float64)
+        ent_weights, kl_weights = (
+            None if agg is None or agg == policy.loss_agg
+            else pick(rows_order(token_weights(valid, agg, cu)), torch.float64)
+            for agg in (policy.entropy_agg, policy.kl_agg))
         given = {name: pick(t, torch.float64) for name, t in flat_inputs.items()}
         seq, n_seq, horizon = sequence_ids(labels, cu)
         seq = None if seq is None else pick(rows_order(seq), torch.long)
@@ -180,7 +181,8 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
             rollout_weights = rollout_is_weights(given["old_logprobs"], given["rollout_logprobs"], seq, n_seq, policy)
         return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"),
                            pick(weights, torch.float64), seq=seq, n_seq=n_seq, ent_weights=ent_weights,
-                           rollout=given.get("rollout_logprobs"), rollout_weights=rollout_weights, horizon=horizon)
+                           rollout=given.get("rollout_logprobs"), rollout_weights=rollout_weights, horizon=horizon,
+                           kl_weights=kl_weights)
     return ScoredTokens(rows=rows, total=total, labels=pick(flat_labels, torch.long),
                         inv_temp=pick(rows_order(inv_t), torch.float32), make_inputs=make_inputs,
                         row_shape=row_shape)
@@ -197,14 +199,14 @@ def _unchecked(labels, valid, flat_labels, flat_valid, flat_inputs, flat_inv_t, 
     def make_inputs() -> TokenInputs:
         weights = rows_order(token_weights(valid, policy.loss_agg, cu)).double()
         given = {name: t.double().masked_fill(unscored, 0.0) for name, t in flat_inputs.items()}
-        ent_weights = None
-        if policy.entropy_agg is not None and policy.entropy_agg != policy.loss_agg:
-            ent_weights = rows_order(token_weights(valid, policy.entropy_agg, cu)).double()
+        ent_weights, kl_weights = (
+            None if agg is None or agg == policy.loss_agg else rows_order(token_weights(valid, agg, cu)).double()
+            for agg in (policy.entropy_agg, policy.kl_agg))
         seq, n_seq, horizon = sequence_ids(labels, cu)
         seq = None if seq is None else rows_order(seq)
         return TokenInputs(given["advantages"], given.get("old_logprobs"), given.get("ref_logprobs"), weights,
                            seq=seq, n_seq=n_seq, ent_weights=ent_weights, rollout=given.get("rollout_logprobs"),
-                           rollout_weights=given.get("rollout_weights"), horizon=horizon)
+                           rollout_weights=given.get("rollout_weights"), horizon=horizon, kl_weights=kl_weights)
     return ScoredTokens(rows=None, total=flat_labels.numel(), labels=flat_labels.masked_fill(~in_range, -1),
                         inv_temp=flat_inv_t.float().masked_fill(unscored, 1.0), make_inputs=make_inputs,
                         row_shape=row_shape, unscored=unscored)

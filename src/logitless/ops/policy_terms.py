@@ -61,7 +61,9 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
     f = pg + kl_coef * kl,  and the loss is  sum_i w_i f_i - entropy_coef * sum_i u_i H_i
 
 with w the aggregation weights (``losses/aggregate.py``) and u the entropy bonus's (the same, or those of
-``entropy_agg`` over the tokens the entropy mask keeps). It is minimised.
+``entropy_agg`` over the tokens the entropy mask keeps). With a KL aggregation of its own (``kl_agg``, weights
+v: verl aggregates sapo's policy term by seq-mean-token-mean and its KL loss by loss_agg_mode) the KL term
+leaves f: loss = sum_i w_i pg_i + kl_coef * sum_i v_i kl_i - entropy_coef * sum_i u_i H_i. It is minimised.
 
 Coupling. A term is token-local when f_i depends on token i's lp and H only: then the fused pass forms the
 gradient of each chunk of tokens from that chunk (three GEMMs). The sequence ratio levels, VESPO, the two
@@ -121,6 +123,7 @@ class TermSpec:
     entropy_quantile: float = 1.0
     entropy_group: Optional[str] = None      # the process group whose tokens the entropy quantile spans
     entropy_agg: Optional[str] = None        # None: the entropy bonus has the loss's weights
+    kl_agg: Optional[str] = None             # None: the KL term has the loss's weights
     loss_agg: str = "token-mean"
     has_rollout: bool = False                # rollout (sampling) log-probs given
     has_rollout_weights: bool = False        # rollout-correction weights given
@@ -167,9 +170,10 @@ class TokenInputs:
     """Per-token inputs of the scored tokens, float64 [n] (old / ref None when not given).
 
     weights: the aggregation weights w. seq: int64 [n], the sequence of each token (0 .. n_seq - 1;
-    None where the labels delimit no sequences). ent_weights: the entropy bonus's weights (None: the
-    same as w). rollout: the rollout engine's log-probs; rollout_weights: the rollout-correction
-    weights rho. horizon: the sequence axis' size (for entropy weights of seq-mean-token-sum-norm)."""
+    None where the labels delimit no sequences). ent_weights, kl_weights: the entropy bonus's and the KL
+    term's weights (None: the same as w). rollout: the rollout engine's log-probs; rollout_weights: the
+    rollout-correction weights rho. horizon: the sequence axis' size (for entropy weights of
+    seq-mean-token-sum-norm)."""
     advantages: Tensor
     old_logprobs: Optional[Tensor]
     ref_logprobs: Optional[Tensor]
@@ -180,13 +184,14 @@ class TokenInputs:
     rollout: Optional[Tensor] = None
     rollout_weights: Optional[Tensor] = None
     horizon: object = 1.0      # float, or a 0-d float64 tensor
+    kl_weights: Optional[Tensor] = None
 
     def rows(self, start: int, stop: int) -> "TokenInputs":
         def cut(t):
             return None if t is None else t[start:stop]
         return TokenInputs(cut(self.advantages), cut(self.old_logprobs), cut(self.ref_logprobs), cut(self.weights),
                            cut(self.seq), self.n_seq, cut(self.ent_weights), cut(self.rollout),
-                           cut(self.rollout_weights), self.horizon)
+                           cut(self.rollout_weights), self.horizon, cut(self.kl_weights))
 
 
 def kl_estimate(lp: Tensor, ref: Tensor, kl_type: str) -> Tensor:
@@ -474,8 +479,9 @@ def current_is_weights(lp: Tensor, old: Tensor, tokens: TokenInputs, spec: TermS
 def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
                     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(f, clipped, kl) per token: the term f = pg + kl_coef kl of the module docstring (the entropy bonus
-    apart: ``weighted_terms`` adds it with its own weights), verl's clip event, and the KL term as it
-    enters the loss (None without ref_logprobs). lp, ent: [n] float64 (differentiable); tokens: the same
+    apart: ``weighted_terms`` adds it with its own weights; so is the KL term when it has weights of its
+    own, ``tokens.kl_weights``: f = pg then), verl's clip event, and the KL term as it enters the loss (None
+    without ref_logprobs). lp, ent: [n] float64 (differentiable); tokens: the same
     n tokens (all of the batch when ``spec.coupled``)."""
     adv = tokens.advantages
     old = tokens.old_logprobs if spec.has_old else lp.detach()
@@ -502,7 +508,7 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
         kl = kl_estimate(lp, tokens.ref_logprobs, spec.kl_type)
         if spec.kl_ratio:
             kl = kl * ratio
-        if spec.kl_coef != 0.0:
+        if spec.kl_coef != 0.0 and tokens.kl_weights is None:
             f = f + spec.kl_coef * kl
     return f, clipped, kl
 
@@ -532,17 +538,21 @@ class TermTotals:
 
 
 def weighted_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec):
-    """(sum_i w_i f_i - entropy_coef sum_i u_i H_i, number clipped, sum_i w_i kl_i or None), from float64
-    lp / ent [n]; differentiable in lp and ent. The reference path and coupled losses call this on the
+    """(sum_i w_i f_i [+ kl_coef sum_i v_i kl_i] - entropy_coef sum_i u_i H_i, number clipped,
+    sum_i v_i kl_i or None; v = w unless the KL term has weights of its own), from float64 lp / ent [n];
+    differentiable in lp and ent. The reference path and coupled losses call this on the
     whole batch, the fused pass of a token-local loss on each chunk."""
     f, clipped, kl = per_token_terms(lp, ent, tokens, spec)
     w = tokens.weights
     loss = (w * f).sum()
     if spec.surrogate == "geo_mean":
         loss = loss + geo_mean_loss(lp, tokens, spec)
+    v = w if tokens.kl_weights is None else tokens.kl_weights
+    if kl is not None and tokens.kl_weights is not None and spec.kl_coef != 0.0:
+        loss = loss + spec.kl_coef * (v * kl).sum()
     if spec.uses_entropy:
         loss = loss - spec.entropy_coef * (entropy_weights(ent, tokens, spec) * ent).sum()
-    return loss, clipped.sum(dtype=torch.float64), None if kl is None else (w * kl.detach()).sum()
+    return loss, clipped.sum(dtype=torch.float64), None if kl is None else (v * kl.detach()).sum()
 
 
 def chunk_gradients(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec, totals: TermTotals

@@ -46,6 +46,8 @@ from .policy import (
     loss_mode,
     loss_scale,
     micro_batch_mean,
+    pg_agg_mode,
+    separate_terms,
     settings,
     unfusable,
     uses_batch_is_weights,
@@ -198,9 +200,12 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[Plan], str]:
                                    global_batch_size=get("global_batch_size"))
     if why:
         return None, why
-    scale = loss_scale(config, dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
-                       global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
-                       scored_sequences=tokens.sequences, response_width=tokens.width)
+    counts = dict(dp_size=get("dp_size", 1), batch_num_tokens=get("batch_num_tokens"),
+                  global_batch_size=get("global_batch_size"), scored_tokens=tokens.count,
+                  scored_sequences=tokens.sequences, response_width=tokens.width)
+    scale = loss_scale(config, **counts)
+    if pg_agg_mode(config) != config.loss_agg_mode:      # sapo: one aggregation per term
+        kwargs = separate_terms(kwargs, scale, loss_scale(config, agg_mode=config.loss_agg_mode, **counts))
     return Plan(tokens, kwargs, bool(config.use_kl_loss), scale, loss_mode(config) in MICRO_BATCH_MEAN,
                 sequence_parallel), ""
 

@@ -26,11 +26,18 @@ Two sites change that under ``install(fused_loss=True)``:
 A micro-batch that cannot run fused runs verl's own loss, recorded (path "unfused", entry
 "verl.policy_loss"), logged once per reason, and raised as ``FusedPathUnavailable`` under strict mode: the
 settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context parallelism
-(``megatron_cp.refusals``), dynamic context parallelism, pipeline parallelism, a model neither hook nor legacy
-path reaches (``megatron_legacy.unroutable``) and a loss mode outside ``MODES``. A fused micro-batch records
-path "hook" (Megatron's output-processor hook) or "legacy" (megatron-core < 0.18: verl's legacy fused forward
-replaced by logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
+(``megatron_cp.refusals``), dynamic context parallelism, a model neither hook nor legacy path reaches
+(``megatron_legacy.unroutable``) and a loss mode outside ``MODES``. A fused micro-batch records path "hook"
+(Megatron's output-processor hook) or "legacy" (megatron-core < 0.18: verl's legacy fused forward replaced by
+logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
 "verl.policy_loss", with the backend that ran.
+
+Pipeline parallelism (with or without virtual stages): Megatron's schedule calls the forward step on every stage
+and the loss function on the last one only. Each stage makes the same plan from the same micro-batch (verl
+hands every pipeline rank the whole batch); on a stage without the output layer (``post_process=False``) the
+processor never runs and verl's forward returns the stage's hidden states, which the schedule sends on; the
+last stage's processor computes the fused loss, and its backward reaches the earlier stages through the
+schedule's gradient sends, as verl's own loss does.
 """
 from __future__ import annotations
 
@@ -109,9 +116,6 @@ def unfusable(engine, model, config) -> list:
         bad.append(f"policy_loss.loss_mode={mode!r} (not wired to the fused loss on verl's Megatron engine)")
     if getattr(cfg, "dynamic_context_parallel", False):
         bad.append("dynamic_context_parallel=True (not wired to the fused loss)")
-    if int(cfg.pipeline_model_parallel_size or 1) > 1:
-        bad.append(f"pipeline_model_parallel_size={cfg.pipeline_model_parallel_size} (not tested with the fused "
-                   "loss)")
     why = unroutable(model)      # megatron-core < 0.18: logitless' legacy patch (megatron_legacy.py)
     if why:
         bad.append(why)

@@ -24,11 +24,12 @@ parameters: clip_ratio_low / clip_ratio_high (else clip_ratio) as clip_low / cli
 vanilla's dual clip (always on in verl) and dppo's ratio cap; tau_pos / tau_neg (sapo); dro_beta (dro);
 clip_cov_ratio / clip_cov_lb / clip_cov_ub (clip_cov); kl_cov_ratio / ppo_kl_coef (kl_cov). verl's
 ``rollout_is_weights`` multiply the policy term (``rollout_weights``). sapo aggregates its policy term by
-seq-mean-token-mean whatever ``loss_agg_mode`` says (verl does), so with a KL loss or an entropy bonus it fuses
-only under that mode. geo_mean's policy term is a plain mean over the micro-batch's sequences, outside that
-normalisation (``micro_batch_mean``). bypass_mode is the vanilla, gpg or cispo settings (with current_is and the
-rejection mask where set) where its definition
-equals theirs (``bypass.py``). ``unfusable`` names every setting that has no such mapping.
+seq-mean-token-mean whatever ``loss_agg_mode`` says (verl does) and its KL loss and entropy bonus by
+``loss_agg_mode``: the fused loss then gives those terms weights of their own (``kl_agg``, ``entropy_agg``) and
+coefficients rescaled to the policy term's constant (``separate_terms``). geo_mean's policy term is a plain
+mean over the micro-batch's sequences, outside that normalisation (``micro_batch_mean``). bypass_mode is the
+vanilla, gpg or cispo settings (with current_is and the rejection mask where set) where its definition equals
+theirs (``bypass.py``). ``unfusable`` names every setting that has no such mapping.
 """
 from __future__ import annotations
 
@@ -83,10 +84,6 @@ def unfusable(config, *, with_entropy: bool) -> list:
                    f"{', '.join((*VERL_POLICY_LOSSES, *PARTLY_FUSED))})")
     if config.loss_agg_mode not in AGG:
         bad.append(f"loss_agg_mode={config.loss_agg_mode!r} (not one of verl's token-weighted aggregations)")
-    elif pg_agg_mode(config) != config.loss_agg_mode and (config.use_kl_loss or with_entropy):
-        bad.append(f"policy_loss.loss_mode={mode!r} with loss_agg_mode={config.loss_agg_mode!r} and a KL loss or "
-                   f"entropy bonus (verl aggregates {mode}'s policy term by {pg_agg_mode(config)} and the others "
-                   "by loss_agg_mode)")
     if config.use_kl_loss and config.kl_loss_type not in KL_TYPES:
         bad.append(f"kl_loss_type={config.kl_loss_type!r} (fused KL estimators: {', '.join(KL_TYPES)})")
     return bad
@@ -108,6 +105,11 @@ def settings(config, *, calculate_entropy: bool) -> dict:
                kl_type=config.kl_loss_type if config.use_kl_loss else "k3",
                entropy_coef=float(config.entropy_coeff) if calculate_entropy else 0.0,
                loss_agg=AGG[pg_agg_mode(config)])
+    if pg_agg_mode(config) != config.loss_agg_mode:
+        # sapo: the KL loss and the entropy bonus keep loss_agg_mode's weights (``separate_terms`` scales them)
+        out["entropy_agg"] = AGG[config.loss_agg_mode]
+        if config.use_kl_loss:
+            out["kl_agg"] = AGG[config.loss_agg_mode]
     if mode in ("vanilla", "dppo_tv", "dppo_kl"):
         out["dual_clip"] = float(config.get("clip_ratio_c", 3.0))
     if mode == "sapo":
@@ -139,12 +141,25 @@ def micro_batch_mean(kwargs: dict, agg_scale: float, *, loss_sequences: int, bat
     return dict(kwargs, kl_coef=kwargs["kl_coef"] * ratio, entropy_coef=kwargs["entropy_coef"] * ratio), s
 
 
+def separate_terms(kwargs: dict, pg_scale: float, term_scale: float) -> dict:
+    """settings for a loss mode whose policy term verl aggregates by another mode than its KL loss and entropy
+    bonus (sapo: ``pg_agg_mode``). The fused loss is taken times ``pg_scale`` (the policy term's aggregation,
+    ``loss_scale``); its KL and entropy terms carry loss_agg_mode's weights (``kl_agg``, ``entropy_agg``) and
+    need that mode's constant, ``term_scale`` (``loss_scale(..., agg_mode=config.loss_agg_mode)``): their
+    coefficients are multiplied by term_scale / pg_scale. pg_scale is 0 only when no sequence has a scored
+    token, and then no term has one either."""
+    ratio = term_scale / pg_scale if pg_scale else 0.0
+    return dict(kwargs, kl_coef=kwargs["kl_coef"] * ratio, entropy_coef=kwargs["entropy_coef"] * ratio)
+
+
 def loss_scale(config, *, dp_size: int, batch_num_tokens: Optional[float], global_batch_size: Optional[float],
-               scored_tokens: int, scored_sequences: int, response_width: int) -> float:
+               scored_tokens: int, scored_sequences: int, response_width: int,
+               agg_mode: Optional[str] = None) -> float:
     """The constant that turns the fused loss (weights of ``settings()["loss_agg"]``) into verl's ``agg_loss``
     (see the module docstring). scored_*: the micro-batch's response tokens in the loss and the sequences
-    that have one; response_width: the size of verl's padded response axis."""
-    mode = pg_agg_mode(config)
+    that have one; response_width: the size of verl's padded response axis. agg_mode: verl's aggregation
+    (default: the policy term's, ``pg_agg_mode``)."""
+    mode = pg_agg_mode(config) if agg_mode is None else agg_mode
     dp = float(dp_size)
     if mode == "token-mean":
         tokens = float(batch_num_tokens) if batch_num_tokens is not None else float(scored_tokens)

@@ -14,9 +14,10 @@ Per token, in float64, with d = lp - old (0 on-policy) and c the ratio's log cla
     rollout weights rho: pg = rho pg
     kl_ratio: kl = kl ratio,  dkl = dkl ratio + kl dratio
     f   = pg + kl_coef kl,  loss = sum w f - entropy_coef sum u H,   g_lp = w df/dlp,   g_ent = -u entropy_coef
-    (u: the entropy bonus's own weights when given, else w)
+    (u: the entropy bonus's own weights when given, else w; with the KL term's own weights v, f = pg and
+    loss += kl_coef sum v kl, g_lp += v kl_coef dkl/dlp)
 and a clamp passes the gradient where its input lies inside its bounds, ends included (torch.clamp).
-Each program writes its block's sums (w f, clipped count, w kl) to one row of ``partial``; the caller adds
+Each program writes its block's sums (the loss, clipped count, v kl) to one row of ``partial``; the caller adds
 the rows up in a fixed order (deterministic, no atomics).
 """
 from __future__ import annotations
@@ -90,11 +91,11 @@ def _kl(lp, ref, KL_TYPE: tl.constexpr, STRAIGHT: tl.constexpr):
 
 
 @triton.jit
-def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_ptr, params_ptr, g_lp_ptr, g_ent_ptr,
-                  partial_ptr, n, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr,
+def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_ptr, v_ptr, params_ptr, g_lp_ptr,
+                  g_ent_ptr, partial_ptr, n, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr,
                   STRAIGHT: tl.constexpr, USE_KL: tl.constexpr, DUAL: tl.constexpr, WITH_ENT: tl.constexpr,
                   DELTA: tl.constexpr, KL_RATIO: tl.constexpr, HAS_RHO: tl.constexpr, HAS_U: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  HAS_V: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -136,17 +137,28 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
         f = f * rho
         df = df * rho
     kl_sum = 0.0
+    loss = tl.zeros_like(f)
+    g_lp = tl.zeros_like(f)
     if HAS_REF:
         kl, dkl = _kl(lp, tl.load(ref_ptr + offs, mask=ok, other=0.0), KL_TYPE, STRAIGHT)
         if KL_RATIO:
             dkl = dkl * ratio + kl * dratio
             kl = kl * ratio
+        if HAS_V:
+            v = tl.load(v_ptr + offs, mask=ok, other=0.0)
+        else:
+            v = w
         if USE_KL:
             kl_coef = tl.load(params_ptr + 3)
-            f = f + kl_coef * kl
-            df = df + kl_coef * dkl
-        kl_sum = tl.sum(tl.where(ok, w * kl, 0.0), axis=0)
-    loss = w * f
+            if HAS_V:
+                loss = v * (kl_coef * kl)
+                g_lp = v * (kl_coef * dkl)
+            else:
+                f = f + kl_coef * kl
+                df = df + kl_coef * dkl
+        kl_sum = tl.sum(tl.where(ok, v * kl, 0.0), axis=0)
+    loss = loss + w * f
+    g_lp = g_lp + w * df
     if WITH_ENT:
         ent_coef = tl.load(params_ptr + 4)
         if HAS_U:
@@ -155,7 +167,7 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
             u = w
         loss = loss - u * ent_coef * tl.load(ent_ptr + offs, mask=ok, other=0.0).to(tl.float64)
         tl.store(g_ent_ptr + offs, (-(u * ent_coef)).to(tl.float32), mask=ok)
-    tl.store(g_lp_ptr + offs, (w * df).to(tl.float32), mask=ok)
+    tl.store(g_lp_ptr + offs, g_lp.to(tl.float32), mask=ok)
     row = partial_ptr + pid * 3
     tl.store(row, tl.sum(tl.where(ok, loss, 0.0), axis=0))
     tl.store(row + 1, tl.sum(clipped.to(tl.float64), axis=0))
@@ -164,9 +176,9 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
 
 def supports(spec: terms.TermSpec) -> bool:
     """Whether this kernel computes ``spec``'s terms: the clipped surrogate at token level (dual clip, TRL's
-    delta cap), every KL estimator (with TRL's kl_ratio), rollout weights, the entropy bonus with its own
-    weights. Other settings (the other surrogates, coupled losses, the rejection mask, current_is) take the torch
-    derivatives of ``policy_terms.py`` instead (the same definition, exact)."""
+    delta cap), every KL estimator (with TRL's kl_ratio), rollout weights, the entropy bonus and the KL term
+    with weights of their own. Other settings (the other surrogates, coupled losses, the rejection mask,
+    current_is) take the torch derivatives of ``policy_terms.py`` instead (the same definition, exact)."""
     return (spec.surrogate == "ppo" and spec.ratio_level == "token" and not spec.coupled
             and not spec.rejects and spec.current_is is None and spec.kl_type.rstrip("+") in KL_CODES)
 
@@ -201,8 +213,8 @@ class TermSettings:
 def chunk_terms(lp: Tensor, ent: Tensor, tokens: terms.TokenInputs, settings: TermSettings, sums: Tensor
                 ) -> tuple[Tensor, Optional[Tensor]]:
     """What ``terms.chunk_gradients`` returns, from this kernel: (g_lp, g_ent or None) float32 [n] of the
-    tokens' terms (lp, ent float32 [n]; ``tokens`` the same n tokens' float64 inputs), and adds (sum w f,
-    clipped count, sum w kl) into ``sums`` (float64 [3], in place; kl 0 without ref)."""
+    tokens' terms (lp, ent float32 [n]; ``tokens`` the same n tokens' float64 inputs), and adds (the loss,
+    clipped count, sum v kl) into ``sums`` (float64 [3], in place; kl 0 without ref)."""
     n = lp.shape[0]
     dev = lp.device
     sw = settings.switches
@@ -213,10 +225,11 @@ def chunk_terms(lp: Tensor, ent: Tensor, tokens: terms.TokenInputs, settings: Te
     grid = triton.cdiv(n, BLOCK)
     partial = torch.empty((grid, 3), dtype=torch.float64, device=dev)
     adv = tokens.advantages
-    u = tokens.ent_weights
+    u, v = tokens.ent_weights, tokens.kl_weights
     _terms_kernel[(grid,)](
         lp, ent, adv, tokens.old_logprobs if sw["HAS_OLD"] else adv, tokens.ref_logprobs if sw["HAS_REF"] else adv,
-        tokens.weights, tokens.rollout_weights if sw["HAS_RHO"] else adv, adv if u is None else u, settings.params,
-        g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw, HAS_U=u is not None, BLOCK=BLOCK, num_warps=4)
+        tokens.weights, tokens.rollout_weights if sw["HAS_RHO"] else adv, adv if u is None else u,
+        adv if v is None else v, settings.params, g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw,
+        HAS_U=u is not None, HAS_V=v is not None, BLOCK=BLOCK, num_warps=4)
     sums += partial.sum(dim=0)
     return g_lp, g_ent
