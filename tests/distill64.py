@@ -48,3 +48,27 @@ def distill64(s_hidden, s_weight, t_hidden, t_weight, labels, kind, beta=None, *
     loss = (token_w * d).sum()
     dh, dw = torch.autograd.grad(loss, [hs, ws])
     return loss.detach(), d.detach(), ent.detach(), dh, dw
+
+
+def weights64(valid, loss_agg, cu=None):
+    """The per-token weights of each loss_agg, written from aggregate.py's table (rows are sequences)."""
+    v = valid.double()
+    if loss_agg == "token-mean":
+        return v / v.sum()
+    if loss_agg == "token-sum":
+        return v
+    if cu is not None:
+        seqs = [v[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+    else:
+        seqs = list(v)
+    n_seq = sum(1 for s in seqs if s.sum() > 0)
+    horizon = max(len(s) for s in seqs)
+    out = []
+    for s in seqs:
+        if loss_agg == "seq-mean-token-mean":
+            out.append(s / (n_seq * max(s.sum().item(), 1.0)))
+        elif loss_agg == "seq-mean-token-sum":
+            out.append(s / n_seq)
+        else:
+            out.append(s / (n_seq * horizon))
+    return torch.cat(out).view(valid.shape)

@@ -210,8 +210,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if sets:
         k = labels.shape[-1]
-        lp, ent, _ = label_set_function.fused_logprobs_k(h2, weight, labels.reshape(-1, k).long(), inv_temp,
-                                                         options)
+        lp, ent, _, _ = label_set_function.fused_logprobs_k(h2, weight, labels.reshape(-1, k).long(), inv_temp,
+                                                            options)
         if lp.shape != labels.shape:
             lp = lp.view(labels.shape)
             ent = None if ent is None else ent.view(tokens.shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill64 import distill64
+from distill64 import distill64, weights64
 from logitless import last_backend
 from logitless.losses import LOSS_AGGS, fused_distillation_loss
 
@@ -106,32 +106,8 @@ def test_softcap_scale_and_temperature_per_sequence(kind, beta, small_chunks):
 def test_every_loss_agg(loss_agg, small_chunks):
     hs, ws, ht, wt, labels = heads(ignored=5)
     out, dh, dw = run("chunked", hs, ws, ht, wt, labels, "jsd", 0.4, loss_agg=loss_agg)
-    w = _weights64(labels != -100, loss_agg)
+    w = weights64(labels != -100, loss_agg)
     check(out, dh, dw, distill64(hs, ws, ht, wt, labels, "jsd", 0.4, token_w=w), labels)
-
-
-def _weights64(valid, loss_agg, cu=None):
-    """The per-token weights of each loss_agg, written from aggregate.py's table (rows are sequences)."""
-    v = valid.double()
-    if loss_agg == "token-mean":
-        return v / v.sum()
-    if loss_agg == "token-sum":
-        return v
-    if cu is not None:
-        seqs = [v[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
-    else:
-        seqs = list(v)
-    n_seq = sum(1 for s in seqs if s.sum() > 0)
-    horizon = max(len(s) for s in seqs)
-    out = []
-    for s in seqs:
-        if loss_agg == "seq-mean-token-mean":
-            out.append(s / (n_seq * max(s.sum().item(), 1.0)))
-        elif loss_agg == "seq-mean-token-sum":
-            out.append(s / n_seq)
-        else:
-            out.append(s / (n_seq * horizon))
-    return torch.cat(out).view(valid.shape)
 
 
 def test_packed_sequences():
@@ -139,7 +115,7 @@ def test_packed_sequences():
     cu = torch.tensor([0, 5, 6, 13, 17])
     out, dh, dw = run("chunked", hs, ws, ht, wt, labels, "reverse_kl", loss_agg="seq-mean-token-mean",
                       cu_seqlens=cu)
-    w = _weights64(labels != -100, "seq-mean-token-mean", cu)
+    w = weights64(labels != -100, "seq-mean-token-mean", cu)
     check(out, dh, dw, distill64(hs, ws, ht, wt, labels, "reverse_kl", token_w=w), labels)
 
 
@@ -212,6 +188,6 @@ def test_compiled_fullgraph_matches_eager():
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
     truth = distill64(hs, ws, ht, wt, labels, "jsd", 0.3, temperature=temperature,
-                      token_w=_weights64(labels != -100, "seq-mean-token-mean"))
+                      token_w=weights64(labels != -100, "seq-mean-token-mean"))
     close(results[1][3], 2.0 * truth[3], None, 1e-4)
     assert abs(results[1][0].item() - 2.0 * truth[0].item()) <= 1e-5

@@ -26,8 +26,8 @@ from ..ops.distill_chunked import Head
 from ..ops.divergence_terms import FULL_VOCAB_DIVERGENCES, TAKES_BETA, Divergence, HeadTransform
 from .aggregate import check_agg_layout, check_cu_seqlens, check_loss_agg, cu_seqlens_error, token_weights
 from .distill_function import fused_distillation_loss_op
+from .distill_topk import TOPK_DIVERGENCES, topk_divergence
 
-TOPK_DIVERGENCES = ("forward_kl_topk", "forward_kl_topk_tail")
 DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
 DISTILLATION_BACKENDS = ("auto", "reference", "chunked")
 
@@ -39,7 +39,12 @@ class DistillationOutput(NamedTuple):
         tokens as "entropy"), 0 where ignored; None for the top-k divergences.
     student_mass, teacher_mass: per token, the probability mass of the teacher's top-k ids under each model
         (verl's distillation/student_mass, teacher_mass); top-k divergences only, else None.
-    overlap_count, overlap_token_advantage: per token, verl's top-k overlap diagnostics; top-k only, else None."""
+    overlap_count, overlap_token_advantage: per token, verl's top-k overlap diagnostics; top-k only, else None.
+    metrics: detached 0-d float32 tensors under the trainers' names, over the scored tokens: "entropy" (the
+        student's mean entropy, TRL's) for the full-vocabulary divergences; verl's "distillation/student_mass"
+        (+ _min, _max), "distillation/teacher_mass" (+ _min, _max), "distillation/overlap_ratio",
+        "distillation/overlap_token_advantage", "distillation/loss_min", "distillation/loss_max" for the top-k
+        ones."""
     loss: Tensor
     divergence: Tensor
     entropy: Optional[Tensor] = None
@@ -47,6 +52,7 @@ class DistillationOutput(NamedTuple):
     teacher_mass: Optional[Tensor] = None
     overlap_count: Optional[Tensor] = None
     overlap_token_advantage: Optional[Tensor] = None
+    metrics: Optional[dict] = None
 
 
 def _divergence(divergence, beta) -> Optional[Divergence]:
@@ -209,7 +215,9 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
         if t.device != s_hidden.device:
             raise ValueError(f"{name} is on {t.device}, student_hidden on {s_hidden.device}: both heads must be on "
                              "one device")
-    if t_weight.dim() == 2 and t_weight.shape[0] != s_weight.shape[0]:
+    # under tp_group the op compares the two heads' shards on every rank alike (a refusal on some ranks only
+    # would leave the others waiting in a collective)
+    if tp_group is None and t_weight.dim() == 2 and t_weight.shape[0] != s_weight.shape[0]:
         raise ValueError(f"teacher_weight has {t_weight.shape[0]} vocabulary rows, student_weight "
                          f"{s_weight.shape[0]}: the two heads must share the vocabulary")
     t_hidden, t_weight = _head(t_hidden, t_weight, labels, "teacher")
@@ -227,15 +235,51 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
         labels.reshape(-1).long(), inv_temp, token_w, div, backend=backend, ignore_index=ignore_index,
         tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
         need_dh=grad and s_hidden.requires_grad, need_dw=grad and s_weight.requires_grad)
-    return DistillationOutput(loss, per_token.view(labels.shape), entropy.view(labels.shape))
+    valid = labels != ignore_index
+    # TRL's logged entropy: the scored tokens' sum over their count (0 with none, as TRL logs it)
+    mean_entropy = entropy.sum() / valid.sum().clamp_min(1)
+    return DistillationOutput(loss, per_token.view(labels.shape), entropy.view(labels.shape),
+                              metrics={"entropy": mean_entropy})
 
 
-def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs,
-          **kwargs) -> DistillationOutput:
-    """The top-k divergences (``distill_topk.py``)."""
+# the top-k divergences' own settings (verl's clamps), passed by name
+TOPK_SETTINGS = ("log_prob_min_clamp", "loss_max_clamp")
+
+
+def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs, *,
+          temperature, loss_agg, cu_seqlens, num_items_in_batch, token_weight, student_logit_scale, student_softcap,
+          teacher_logit_scale, teacher_softcap, ignore_index, tp_group, reduce_grad_hidden, backend,
+          settings) -> DistillationOutput:
+    """The top-k divergences: the per-token term of ``distill_topk.topk_divergence`` (verl's forward_kl_topk,
+    its clamps and metrics; differentiable through the k-label log-probs), aggregated here."""
+    unknown = sorted(set(settings) - set(TOPK_SETTINGS))
+    if unknown:
+        raise TypeError(f"unknown argument(s) {', '.join(unknown)} for divergence={divergence!r}; its settings "
+                        f"are {TOPK_SETTINGS}")
     for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
         if value is None:
             raise ValueError(f"divergence={divergence!r} needs {name} (the teacher's top-k)")
-    from .distill_topk import topk_distillation_loss
-    return topk_distillation_loss(student_hidden, student_weight, labels, divergence, teacher_topk_ids,
-                                  teacher_topk_logprobs, **kwargs)
+    for name, value, default in (("student_logit_scale", student_logit_scale, 1.0),
+                                 ("teacher_logit_scale", teacher_logit_scale, 1.0),
+                                 ("teacher_softcap", teacher_softcap, None)):
+        if not (value is default or value == default):
+            raise ValueError(f"{name} has no effect on divergence={divergence!r} (the teacher's top-k log-probs "
+                             f"are given; the student's logits take student_softcap only): leave it {default}")
+    loss_max_clamp = settings.get("loss_max_clamp")
+    if loss_max_clamp is not None:
+        loss_max_clamp = checks.finite_float(loss_max_clamp, "loss_max_clamp", minimum=0.0)
+    labels = checks.index_tensor(labels, "labels")
+    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight)
+    out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
+                          divergence=divergence, temperature=temperature, ignore_index=ignore_index,
+                          tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
+                          softcap=student_softcap, log_prob_min_clamp=settings.get("log_prob_min_clamp"))
+    d = out.divergence
+    if loss_max_clamp is not None:
+        # verl's distillation_loss: the terms clamped to [-c, c] before the aggregation (its loss_min / loss_max
+        # metrics are of the terms before)
+        d = d.clamp(-loss_max_clamp, loss_max_clamp)
+    loss = (d.reshape(-1) * token_w).sum()
+    stats = out.token_stats
+    return DistillationOutput(loss, d.detach(), None, stats["student_mass"], stats["teacher_mass"],
+                              stats["overlap_count"], stats["overlap_token_advantage"], out.metrics)

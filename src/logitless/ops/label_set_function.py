@@ -157,6 +157,12 @@ def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, gi
         sels.append(sel)
     if len(parts) == 1:
         return parts[0], sels[0]
+    if not parts:      # no token: the empty partial, for the collectives that follow
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        ids = given if given is not None else torch.empty((0, k), dtype=torch.int64, device=hidden.device)
+        empty = torch.empty(0, **f32)
+        sel = (torch.empty((0, select), **f32), torch.empty((0, select), dtype=torch.int64, device=hidden.device))
+        return label_sets.SetPartial(empty, empty, torch.empty((0, k), **f32), ids), (sel if select else None)
     part = label_sets.SetPartial(*(torch.cat([getattr(p, f) for p in parts]) for f in label_sets.SetPartial._fields))
     return part, (None if sels[0] is None else (torch.cat([s[0] for s in sels]), torch.cat([s[1] for s in sels])))
 

@@ -224,11 +224,11 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
             # -inf at the set's columns: scatter_add (order-free: -inf + 0 = -inf) so a column 0 that stands in
             # for ids outside this chunk cannot overwrite a set column 0
             z.scatter_add_(1, cols, torch.where(inside, neg_inf, torch.zeros((), device=dev)).expand_as(cols))
-            rest = rest + torch.exp(z - m_new.unsqueeze(1)).sum(dim=1)
+            rest = rest + z.sub_(m_new.unsqueeze(1)).exp_().sum(dim=1)     # in place: the tile is done
         else:
             cv, cc = _chunk_topk(z, k)
             z.scatter_(1, cc, neg_inf.expand_as(cc))
-            rest = rest + torch.exp(z - m_new.unsqueeze(1)).sum(dim=1)
+            rest = rest + z.sub_(m_new.unsqueeze(1)).exp_().sum(dim=1)     # in place: the tile is done
             vals, ids, rest = merge_candidates(torch.cat([vals, cv], 1), torch.cat([ids, cc + (offset + start)], 1),
                                                k, m_new, rest)
         m = m_new
