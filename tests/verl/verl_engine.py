@@ -240,21 +240,34 @@ class Actor:
 
     def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
         """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
-        ``overrides``; engine settings (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz,
-        max_token_len_per_gpu) from ``engine``. Returns (metrics, {name: parameter after the step})."""
+        ``overrides`` (or, when they enable ``distillation``, verl's ``distillation_ppo_loss`` with its
+        distillation config and the batch flags ``RayPPOTrainer._update_actor`` sets); engine settings
+        (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz, max_token_len_per_gpu) from ``engine``.
+        Returns (metrics, {name: parameter after the step})."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.losses import ppo_loss
 
         from transformers import Qwen2ForCausalLM
-        _, config = actor_config(self.model_dir, overrides)
+        cfg, config = actor_config(self.model_dir, overrides)
         module = self.worker.engine.module
         with torch.no_grad():
             for p, p0 in zip(module.parameters(), self.initial, strict=True):
                 p.copy_(p0)
-        self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        flags = {}
+        if cfg.distillation.enabled:
+            from verl.trainer.distillation import distillation_ppo_loss
+            from verl.utils.config import omega_conf_to_dataclass
+            dcfg = omega_conf_to_dataclass(cfg.distillation)
+            loss_cfg = dcfg.distillation_loss
+            topk = loss_cfg.loss_settings.use_topk
+            flags = {"distillation_use_topk": topk,
+                     "distillation_only": topk and not loss_cfg.use_task_rewards and not loss_cfg.use_policy_gradient}
+            self.worker.set_loss_fn(partial(distillation_ppo_loss, config=config, distillation_config=dcfg))
+        else:
+            self.worker.set_loss_fn(partial(ppo_loss, config=config))
         torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
         data = to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
-        tu.assign_non_tensor(data, **(engine or {}))
+        tu.assign_non_tensor(data, **flags, **(engine or {}))
         plain = Qwen2ForCausalLM.forward
         Qwen2ForCausalLM.forward = self.forward
         try:
