@@ -22,43 +22,9 @@ from test_verl_fused_loss import assert_same_update  # noqa: E402
 import logitless.verl as lv  # noqa: E402
 from logitless.verl import FusedPathUnavailable  # noqa: E402
 
-D = "distillation."
-DL = "distillation.distillation_loss."
+DL = ve.DL
 P = ve.P
-K = 6
-
-
-def enabled(model_dir, mode, *settings):
-    """The hydra overrides that enable verl's distillation with ``mode`` (a teacher whose config verl accepts:
-    it is never started here)."""
-    return [f"{D}enabled=True", f"{D}n_gpus_per_node=2", f"{D}nnodes=1", "actor_rollout_ref.rollout.name=vllm",
-            f"{D}teacher_models.teacher_model.model_path={model_dir}", f"{DL}loss_mode={mode}", f"{DL}topk={K}",
-            *settings]
-
-
-def teacher_batch(gen, model_dir, *, topk: bool, noise: float = 1.5, **batch):
-    """verl_engine.rollout_batch plus the teacher's tensors: top-k ``teacher_ids`` / ``teacher_logprobs``
-    [b, seq, K] (topk) or the sampled token's id and log-prob [b, seq, 1] (estimator modes), per position the
-    teacher's distribution of the next token; padding positions hold id 0 and log-prob 0, as verl's padding."""
-    from transformers import Qwen2ForCausalLM
-    tensors, meta = ve.rollout_batch(gen, model_dir, **batch)
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    with torch.no_grad():
-        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
-                       position_ids=tensors["position_ids"]).logits.double()
-    logits = logits + noise * torch.randn(logits.shape, generator=gen, dtype=torch.float64)
-    logp = torch.log_softmax(logits, -1)
-    valid = tensors["attention_mask"].bool()
-    if topk:
-        lp, ids = logp.topk(K, dim=-1)
-        tensors["teacher_ids"] = torch.where(valid[..., None], ids, 0)
-        tensors["teacher_logprobs"] = torch.where(valid[..., None], lp, 0.0).float()
-    else:
-        nxt = torch.roll(tensors["input_ids"], -1, dims=1)
-        lp = logp.gather(-1, nxt[..., None])
-        tensors["teacher_logprobs"] = torch.where(valid[..., None], lp, 0.0).float()
-        tensors["teacher_ids"] = torch.where(valid[..., None], nxt[..., None], 0)   # verl converts the pair
-    return tensors, meta
+teacher_batch, enabled = ve.teacher_batch, ve.distillation_enabled
 
 
 @pytest.fixture(scope="module")

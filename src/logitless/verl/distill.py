@@ -26,8 +26,12 @@ so the backward enters the model through its output (FSDP's pre-backward hooks o
 as for verl's own loss) and reaches the head's hidden states and weight once.
 
 The policy term (use_task_rewards) is verl's ``ppo_loss`` on logitless' log-probs, not ``fused_policy_loss``.
-Not fused (recorded, verl's own loss runs): Ulysses sequence parallelism > 1 with a top-k mode, a layout
-``tokens.py`` does not know, ``use_fused_kernels=False``.
+Under Ulysses sequence parallelism each rank's head computes its own slice of the rows, as verl's logits
+processor does; the loss function gathers the detached per-token tensors, runs verl's loss on the whole
+micro-batch, and hands each rank its slice of the divergence's gradient times sp (verl's gather does the same).
+
+Not fused (recorded, verl's own loss runs): a layout ``tokens.py`` does not know, ``use_fused_kernels=False``,
+``return_model_output=True``.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from torch import Tensor
 from ..api import head_operands
 from ..losses.distill_topk import topk_divergence
 from ..record import last_backend, write_record
+from . import ulysses
 from .core import fused_linear_for_ppo
 from .tokens import IGNORE, ResponseTokens, response_tokens
 
@@ -59,6 +64,7 @@ class DistillPlan:
     teacher_logprobs: Optional[Tensor]     # [total, k]
     log_prob_min_clamp: Optional[float]
     need_logprobs: bool                    # verl's loss (or the engine) reads the sampled tokens' log-probs
+    sequence_parallel: bool = False        # verl's Ulysses: each rank's head holds a slice of the packed rows
     result: Optional[dict] = None          # "divergence" [rows] detached, "stats", "output": the returned log-probs
     failure: str = ""
     grad: dict = field(default_factory=dict)   # "divergence": d loss / d divergence [rows], set by the loss function
@@ -102,25 +108,40 @@ class _Carry(torch.autograd.Function):
         return grad, (g.reshape(ctx.shape) if g is not None else None), None
 
 
-def _packed_mask(tokens: ResponseTokens, labels: Tensor) -> Optional[Tensor]:
-    """bool [rows...]: which of the head's rows are packed positions ([1, n] packed: the first ``total``;
-    [b, S] padded: each row's first length). None for any other shape."""
-    total = tokens.total
-    if labels.dim() == 2 and labels.shape[0] == 1 and labels.shape[1] >= total:
-        mask = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-        mask[0, :total] = True
-        return mask
+def _positions(tokens: ResponseTokens, labels: Tensor, shard: Optional[tuple]) -> Optional[Tensor]:
+    """int64 [rows...]: the packed position of each of the head's rows, -1 for the engine's padding; None when
+    the rows fit no layout. Packed [1, n] (the first ``total`` rows; under Ulysses ``shard`` = (rank, sp) the
+    rank's slice [rank * n, (rank + 1) * n) of the sp-padded sequence) or padded [b, S] (each row's first
+    length)."""
+    total, dev = tokens.total, labels.device
+    if shard is not None or (labels.dim() == 2 and labels.shape[0] == 1 and labels.shape[1] >= total):
+        if labels.dim() != 2 or labels.shape[0] != 1:
+            return None
+        start = 0 if shard is None else shard[0] * labels.shape[1]
+        pos = torch.arange(start, start + labels.shape[1], device=dev).view(1, -1)
+        return torch.where(pos < total, pos, -1)
     b = tokens.offsets.numel() - 1
-    lengths = tokens.offsets.diff().to(labels.device)
+    offsets = tokens.offsets.to(dev)
+    lengths = offsets.diff()
     if labels.dim() == 2 and labels.shape[0] == b and labels.shape[1] >= int(lengths.max()):
-        return torch.arange(labels.shape[1], device=labels.device)[None] < lengths[:, None]
+        col = torch.arange(labels.shape[1], device=dev)[None]
+        return torch.where(col < lengths[:, None], offsets[:-1, None] + col, -1)
     return None
 
 
-def _to_rows(values: Tensor, mask: Tensor, fill) -> Tensor:
-    """values [total, ...] (packed positions) laid out on the head's rows (mask: _packed_mask), ``fill`` elsewhere."""
-    out = values.new_full((*mask.shape, *values.shape[1:]), fill)
-    out[mask] = values.to(out.device)
+def _to_rows(values: Tensor, positions: Tensor, fill) -> Tensor:
+    """values [total, ...] (by packed position) laid out on the head's rows, ``fill`` on padding rows."""
+    out = values.new_full((*positions.shape, *values.shape[1:]), fill)
+    valid = positions >= 0
+    out[valid] = values.to(out.device)[positions[valid]]
+    return out
+
+
+def _to_packed(rows: Tensor, positions: Tensor, total: int) -> Tensor:
+    """The inverse of ``_to_rows``: [total] by packed position."""
+    out = rows.new_zeros((total, *rows.shape[positions.dim():]))
+    valid = positions >= 0
+    out[positions[valid]] = rows[valid]
     return out
 
 
@@ -133,24 +154,29 @@ def head(hidden: Tensor, weight: Tensor, labels: Tensor, temperature, *, entropy
         return None
     h, w = head_operands(hidden.reshape(-1, hidden.shape[-1]), weight)
     rows_labels = labels.view(1, -1) if labels.dim() == 1 else labels
-    mask = _packed_mask(plan.tokens, rows_labels)
-    if mask is None:
+    grp = ulysses.group() if plan.sequence_parallel else None
+    shard = None
+    if grp is not None:
+        import torch.distributed as dist
+        shard = (dist.get_rank(grp), dist.get_world_size(grp))
+    positions = _positions(plan.tokens, rows_labels, shard)
+    if positions is None:
         plan.failure = (f"labels of shape {tuple(labels.shape)} match neither the packed nor the padded layout of "
                         "this micro-batch")
         return None
     dev = rows_labels.device
-    scored = _to_rows(plan.tokens.scored.to(dev), mask, False)
-    ids = _to_rows(plan.teacher_ids.to(dev), mask, 0)
-    t_lp = _to_rows(plan.teacher_logprobs.to(dev), mask, 0.0)
+    scored = _to_rows(plan.tokens.scored.to(dev), positions, False)
+    ids = _to_rows(plan.teacher_ids.to(dev), positions, 0)
+    t_lp = _to_rows(plan.teacher_logprobs.to(dev), positions, 0.0)
     score_labels = torch.where(scored, rows_labels, IGNORE)
     t = float(temperature)
+    h = h.view(*rows_labels.shape, h.shape[-1])
     with torch.autocast(h.device.type, enabled=False):
-        out = topk_divergence(h.view(*rows_labels.shape, h.shape[-1]), w, score_labels, ids, t_lp,
-                              divergence="forward_kl_topk", temperature=t,
+        out = topk_divergence(h, w, score_labels, ids, t_lp, divergence="forward_kl_topk", temperature=t,
                               log_prob_min_clamp=plan.log_prob_min_clamp)
+        backend = last_backend()
         if plan.need_logprobs:
-            lp_ent = fused_linear_for_ppo(h.view(*rows_labels.shape, h.shape[-1]), w, rows_labels, t,
-                                          entropy_dtype=entropy_dtype)
+            lp_ent = fused_linear_for_ppo(h, w, rows_labels, t, entropy_dtype=entropy_dtype)
             lp, ent = lp_ent.logprobs, lp_ent.entropy
         else:
             lp = torch.zeros(rows_labels.shape, dtype=torch.float32, device=dev)
@@ -158,8 +184,8 @@ def head(hidden: Tensor, weight: Tensor, labels: Tensor, temperature, *, entropy
     shape = (-1,) if flat else labels.shape
     # the very tensor the model returns (not a view of it): wrappers hook the model's outputs for the backward
     lp_out = _Carry.apply(lp.reshape(shape), out.divergence, plan)
-    plan.result = {"divergence": out.divergence.detach(), "stats": out.token_stats, "mask": mask,
-                   "output": lp_out, "backend": last_backend()}
+    plan.result = {"divergence": out.divergence.detach(), "stats": out.token_stats, "positions": positions,
+                   "group": grp, "output": lp_out, "backend": backend}
     return lp_out, ent.reshape(shape)
 
 
@@ -199,9 +225,6 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[DistillPlan]
         return None, ""
     if loss_cfg.loss_mode != "forward_kl_topk":
         return None, f"top-k distillation loss_mode={loss_cfg.loss_mode!r} (logitless fuses 'forward_kl_topk')"
-    if getattr(engine, "use_ulysses_sp", False):
-        return None, ("top-k distillation under Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) "
-                      "is not fused yet")
     for name in ("teacher_ids", "teacher_logprobs"):
         if name not in micro_batch.keys() or not getattr(micro_batch[name], "is_nested", False):
             return None, f"the micro-batch has no nested {name} (verl's top-k distillation layout)"
@@ -214,12 +237,22 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[DistillPlan]
                       f"[{tokens.total} packed positions, k]")
     need_lp = not get("distillation_only", False) or bool(get("calculate_entropy", False))
     clamp = loss_cfg.log_prob_min_clamp
-    return DistillPlan(tokens, ids.long(), lps, None if clamp is None else float(clamp), need_lp), ""
+    return DistillPlan(tokens, ids.long(), lps, None if clamp is None else float(clamp), need_lp,
+                       bool(getattr(engine, "use_ulysses_sp", False))), ""
 
 
-def _nested(rows: Tensor, mask: Tensor, offsets: Tensor) -> Tensor:
-    """A per-row tensor [rows...] as verl's model output holds it: nested [b, j] over the packed positions."""
-    return torch.nested.nested_tensor_from_jagged(rows[mask], offsets.to(rows.device))
+def _gathered(rows: Tensor, res: dict, total: int) -> Tensor:
+    """A per-row tensor of the head [by position], whole: [total] by packed position (under Ulysses the sp
+    group's slices gathered first, without gradient)."""
+    grp = res["group"]
+    if grp is None:
+        return _to_packed(rows, res["positions"], total)
+    import torch.distributed as dist
+    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(grp))]
+    dist.all_gather(parts, rows.contiguous(), group=grp)
+    full = torch.cat(parts, dim=-1)
+    pos = torch.arange(full.shape[-1], device=full.device).view(1, -1)
+    return _to_packed(full, torch.where(pos < total, pos, -1), total)
 
 
 def loss_function(plan: DistillPlan, verl_loss, fallback):
@@ -229,19 +262,26 @@ def loss_function(plan: DistillPlan, verl_loss, fallback):
             fallback(plan.failure or "the model's forward did not reach the fused head (is it verl's fused "
                      "forward, use_fused_kernels=True?)")
             return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
-        res = plan.result
-        mask, offsets = res["mask"], data["input_ids"].offsets()
-        leaf = res["divergence"][mask].detach().requires_grad_(True)
+        res, total = plan.result, plan.tokens.total
+        offsets = data["input_ids"].offsets()
+        leaf = _gathered(res["divergence"], res, total).detach().requires_grad_(True)
         extras = {"distillation_losses": torch.nested.nested_tensor_from_jagged(leaf, offsets.to(leaf.device))}
         for name in TOPK_FIELDS[1:]:
-            extras[name] = _nested(res["stats"][name], mask, offsets)
+            v = _gathered(res["stats"][name], res, total)
+            extras[name] = torch.nested.nested_tensor_from_jagged(v, offsets.to(v.device))
         loss, metrics = verl_loss(model_output={**model_output, **extras}, data=data, dp_group=dp_group)
         if isinstance(loss, Tensor) and loss.requires_grad:
             (g,) = torch.autograd.grad(loss, leaf, retain_graph=True, allow_unused=True)
-            plan.grad["divergence"] = None if g is None else _to_rows(g, mask, 0.0)
+            if g is not None:
+                g = _to_rows(g, res["positions"], 0.0)
+                if res["group"] is not None:
+                    # as verl's gather of the per-token outputs: the rank's slice of the gradient, times sp (FSDP's
+                    # average over the ranks gives back the whole sequence's)
+                    import torch.distributed as dist
+                    g = g * dist.get_world_size(res["group"])
+            plan.grad["divergence"] = g
             # the backward enters through the model's output (the log-probs carry the divergence's gradient)
-            out = res["output"]
-            loss = loss + out.reshape(-1)[:1].sum() * 0.0
+            loss = loss + res["output"].reshape(-1)[:1].sum() * 0.0
         write_record("fsdp", res["backend"], ENTRY)
         return loss, metrics
     return run
