@@ -145,6 +145,14 @@ CASES = {
         dict(surrogate="cispo", ratio_level="sequence", clip_low=1.0, clip_high=0.1, loss_agg="token-sum"),
         lambda lp, ent, adv, old, ref, ro, m: aggregate64(
             -torch.clamp(seq_ratio(lp, old, m), max=1.1).detach() * adv * lp, m.bool(), "token-sum")),
+    # TRL's cispo with epsilon_high unset: the ratio clamped at epsilon, 0.2, below 1 (the old log-probs' noise
+    # puts ratios on both sides of it)
+    "trl-cispo-bound_below_1": (
+        dict(surrogate="cispo", clip_low=1.0, clip_high=-0.8, kl_coef=0.05, kl_type="k3_unclamped", kl_ratio=True,
+             loss_agg="token-sum"),
+        lambda lp, ent, adv, old, ref, ro, m: aggregate64(
+            -torch.clamp(torch.exp(lp - old), max=0.2).detach() * adv * lp
+            + 0.05 * trl_k3(lp, ref) * torch.exp(lp - old), m.bool(), "token-sum")),
     "trl-vespo": (dict(surrogate="vespo", loss_agg="token-sum"),
                   lambda lp, ent, adv, old, ref, ro, m: aggregate64(
                       -trl_grpo.GRPOTrainer.get_gamma_weights(adv, lp - old, m, None) * adv * lp, m.bool(),
@@ -475,6 +483,9 @@ BAD = [
     (dict(surrogate="dro", dro_beta=-1.0), "dro_beta"),
     (dict(delta=0.9), "delta"),
     (dict(delta=1.5, surrogate="cispo"), "delta"),
+    (dict(clip_high=-0.1), "clip_high"),                                    # a bound below 1: cispo's only
+    (dict(surrogate="cispo", clip_low=1.0, clip_high=-1.5), "clip_high"),    # a negative weight bound
+    (dict(surrogate="cispo", clip_low=0.2, clip_high=-0.5), "below its lower bound"),
     (dict(dual_clip=3.0, surrogate="sapo"), "dual_clip"),
     (dict(cov_ratio=0.0, surrogate="kl_cov"), "cov_ratio"),
     (dict(clip_cov_lb=5.0, clip_cov_ub=1.0, surrogate="clip_cov"), "clip_cov_lb"),

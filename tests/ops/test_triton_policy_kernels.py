@@ -114,7 +114,9 @@ TRL_SETTINGS = [  # (kl_type, kl_ratio, delta, rollout weights, entropy weights 
     #                ratio_log_clamp: None is TRL's unclamped ratio, 20 verl's)
     ("k3_unclamped", True, None, False, False, None, None), ("k3_unclamped", False, 1.1, True, False, None, None),
     ("k3_unclamped+", True, 1.25, True, True, 3.0, 20.0), ("k3", True, None, False, True, None, 20.0),
-    ("k2", True, 1.1, True, True, 2.0, 3.0), ("k1+", False, None, True, False, None, None)]
+    ("k2", True, 1.1, True, True, 2.0, 3.0), ("k1+", False, None, True, False, None, None),
+    # TRL's k3 times the ratio with the ratio's clamp binding at tokens 5-7 (its first part's gradient there)
+    ("k3_unclamped", True, None, False, False, None, 20.0)]
 
 
 @pytest.mark.parametrize("kl_type, kl_ratio, delta, with_rho, with_u, dual_clip, ratio_log_clamp", TRL_SETTINGS)
@@ -145,6 +147,34 @@ def test_terms_kernel_trl_settings_match_autograd(kl_type, kl_ratio, delta, with
     assert (k_lp - g_lp).abs().max() <= 1e-6 * g_lp.abs().max()
     assert torch.equal(k_ent, g_ent)
     assert (got - want.sums).abs().max() <= 1e-12 * want.sums.abs().max()
+
+
+@pytest.mark.parametrize("has_old", [True, False])
+def test_terms_kernel_far_from_the_reference(has_old):
+    """TRL's bias-corrected k3, exp(ref - lp) up to e^35 (TRL's dapo with the policy far below the reference
+    at some tokens), on- and off-policy (lp - old up to +-12): the kernel's gradient equals the autograd of the
+    definition, and both equal the closed form (lp - ref) r + pg's, which no exp(ref - lp) r enters."""
+    import dataclasses
+    n = 150 if INTERPRETING else 3000
+    (lp, ent), inputs = term_inputs(n, has_old, True)
+    g = torch.Generator().manual_seed(11)
+    ref = lp.double() + 35.0 * torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE)
+    inputs = dataclasses.replace(inputs, ref_logprobs=ref)
+    if has_old:
+        inputs = dataclasses.replace(inputs, old_logprobs=lp.double() + 24.0 * (
+            torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE) - 0.5))
+    spec = TermSpec(0.2, 0.28, None, 0.3, "k3_unclamped", 0.0, has_old, True, kl_ratio=True, ratio_log_clamp=None)
+    want = TermTotals.zeros(DEVICE, True)
+    g_lp, _ = chunk_gradients(lp, ent, inputs, spec, want)
+    k_lp, _ = policy_terms.chunk_terms(lp, ent, inputs, policy_terms.TermSettings.make(spec, DEVICE),
+                                       torch.zeros(3, dtype=torch.float64, device=DEVICE))
+    lp64, adv = lp.double(), inputs.advantages
+    r = (lp64 - inputs.old_logprobs).exp() if has_old else torch.ones_like(lp64)
+    pg = torch.where((-adv * r) >= (-adv * r.clamp(0.8, 1.28)), -adv * r, torch.where(
+        (r > 0.8) & (r < 1.28), -adv * r, torch.zeros_like(r)))        # d/dlp of max(pg1, pg2), no ties here
+    closed = inputs.weights * (pg + 0.3 * (lp64 - ref) * r)
+    for got in (g_lp, k_lp):
+        assert ((got.double() - closed).abs() <= 1e-6 * closed.abs() + 1e-7 * closed.abs().max()).all()
 
 
 @pytest.mark.parametrize("kl_type, with_u", [("k3", True), ("k2", False), ("k1+", True)])

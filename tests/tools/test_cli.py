@@ -263,3 +263,66 @@ def test_doctor_on_legacy_megatron_reports_no_hook():
     assert proc.returncode == 0, proc.stderr
     hook_line = proc.stdout.split("output_processor hook:")[1]
     assert hook_line.strip().startswith("no:") and "output_processor" in hook_line, proc.stdout
+
+
+def test_trl_head_rows(tmp_path):
+    """TRL's own fused head (``ChunkedLogProbFunction``, on CPU its torch fold) and TRL's GRPO loss on it are rows
+    of the bench, in the same process, checked like the others against the reference backend."""
+    pytest.importorskip("trl.kernels", reason="the test extra installs trl")
+    out_json = tmp_path / "bench.json"
+    proc = _run(_logitless() + ["bench", "--device", "cpu", "--shape", "41,48,1031", "--repeats", "1",
+                                "--backends", "chunked", "trl-head", "policy-loss", "trl-policy-loss",
+                                "--json", str(out_json)])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out_json.read_text())
+    assert result["versions"]["trl"]
+    rows = {r["name"]: r for r in result["rows"]}
+    for name in ("trl-head", "trl-policy-loss"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert r["label"] in proc.stdout and r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0
+        assert r["err_logprob"] <= 2e-5 and r["err_entropy"] <= 2e-5, r
+        assert r["err_dh"] <= 1e-4 and r["err_dw"] <= 1e-4, r
+    assert "[trl head]" in rows["trl-policy-loss"]["label"]
+    loss_err = float(rows["trl-policy-loss"]["reason"].split("rel err ")[1].split()[0])
+    assert loss_err <= 1e-5
+
+
+def test_trl_head_that_does_not_import_keeps_its_rows_with_the_reason(monkeypatch):
+    """On a machine with trl's wheel but not its dependencies, TRL's head's backward cannot import
+    trl.trainer.utils: the rows say so instead of failing the bench."""
+    pytest.importorskip("trl.kernels", reason="the test extra installs trl")
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", None)      # its import raises ImportError
+    monkeypatch.delitem(sys.modules, "trl.kernels.chunked_divergence", raising=False)    # imported afresh
+    cfg = bench.BenchConfig(shape=(13, 48, 1031), repeats=1, check_tokens=13, backends=("trl-head",))
+    x = bench.make_inputs(cfg)
+    meter = bench.PeakMemory(torch.device("cpu"))
+    for name in ("trl-head", "trl-policy-loss"):
+        row = bench.run_row(peers.get(name), x, cfg, bench.Checker(x, cfg.temperature, 13), meter)
+        assert row.status == "unavailable" and "trl.trainer.utils" in row.reason, row
+    with pytest.raises(peers.Unavailable, match="trl.trainer.utils"):
+        peers.trl_divergence(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_trl_divergence_peer_against_float64(beta):
+    """peers.trl_divergence (TRL's ChunkedDivergenceFunction) computes the divergence its docstring names,
+    against float64: forward KL(teacher || student) at beta 0, reverse KL at 1, the generalised JSD between."""
+    pytest.importorskip("trl.kernels", reason="the test extra installs trl")
+    fn = peers.trl_divergence(torch.device("cpu"))
+    n, hs, ht, v = 7, 96, 40, 4099
+    hs_, ws = torch.randn(n, hs), torch.randn(v, hs) * (4.0 / hs ** 0.5)
+    ht_, wt = torch.randn(n, ht), torch.randn(v, ht) * (4.0 / ht ** 0.5)
+    div, ent = fn(hs_, ws, ht_, wt, beta, 0.9)
+    ls = torch.log_softmax(hs_.double() @ ws.double().t() / 0.9, dim=-1)
+    lt_ = torch.log_softmax(ht_.double() @ wt.double().t() / 0.9, dim=-1)
+    ps, pt = ls.exp(), lt_.exp()
+    if beta == 0.0:
+        want = (pt * (lt_ - ls)).sum(-1)
+    elif beta == 1.0:
+        want = (ps * (ls - lt_)).sum(-1)
+    else:
+        lm = torch.log((1 - beta) * ps + beta * pt)
+        want = beta * (pt * (lt_ - lm)).sum(-1) + (1 - beta) * (ps * (ls - lm)).sum(-1)
+    assert div.dtype == torch.float32 and (div.double() - want).abs().max() <= 1e-4 * max(1.0, want.abs().max())
+    assert (ent.double() + (ps * ls).sum(-1)).abs().max() <= 1e-4

@@ -5,6 +5,7 @@ parameter gradient within 1e-4 (relative), and every metric TRL logs (same names
 import copy
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -265,14 +266,31 @@ def _drift(trainer, inputs, gen):
 
 
 def _float64_trl(trainer, inputs):
-    """TRL's own _compute_loss on a float64 copy of the model and batch: (loss, gradients), float64."""
+    """TRL's own _compute_loss in float64 throughout: (loss, gradients), float64. A float64 copy of the model and
+    batch, and the log-probs (and entropies) from its float64 logits: TRL's fused head keeps float32 statistics
+    and float32 backward GEMMs whatever the model's dtype, so TRL's call on a float64 model alone would be a
+    float32 evaluation from the log-probs on."""
     model = copy.deepcopy(trainer.model).double()
     inputs64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+
+    def logps64(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                **_):
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = model.lm_head(hidden[:, -logits_to_keep - 1:-1]) / self.temperature
+        assert logits.dtype == torch.float64
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, input_ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1)
+        return lp, (-(logp.exp() * logp).sum(-1) if compute_entropy else None), None
+
     state = trl_tiny.trainer_state(trainer)
-    loss = GRPOTrainer._compute_loss(trainer, model, inputs64)
-    loss.backward()
-    for k, v in state.items():
-        setattr(trainer, k, v)
+    trainer._get_per_token_logps_and_entropies = types.MethodType(logps64, trainer)
+    try:
+        loss = GRPOTrainer._compute_loss(trainer, model, inputs64)
+        loss.backward()
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+        for k, v in state.items():
+            setattr(trainer, k, v)
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -295,6 +313,98 @@ def test_policy_far_from_the_old_one_equals_trl(folder, tmp_path, seed, config):
     hidden = model.model(input_ids=p.input_ids, attention_mask=p.attention_mask).last_hidden_state
     clamped = losses.fused_policy_loss(hidden, model.lm_head.weight, p.labels, **dict(p.settings, ratio_log_clamp=20.0))
     assert abs(clamped.loss.item() * p.scale - loss64.item()) > 1e-3 * max(1.0, abs(loss64.item()))
+
+
+# CISPO's bound below 1: TRL's epsilon_high defaults to epsilon (0.2), and TRL clamps the ratio at it
+CISPO_LOW_BOUND_CONFIGS = {
+    "default_bound-kl": dict(loss_type="cispo", beta=0.02),
+    "bound_0.5-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon=0.5),
+    "bound_0.5-train-entropy_bonus": dict(loss_type="cispo", epsilon=0.3, epsilon_high=0.5, entropy_coef=0.02,
+                                          _train=True),
+}
+
+
+@pytest.mark.parametrize("config", list(CISPO_LOW_BOUND_CONFIGS))
+def test_cispo_with_a_bound_below_one_equals_trl(folder, tmp_path, seed, config):
+    """TRL's cispo weight min(ratio, epsilon_high), detached, with epsilon_high < 1: old log-probs moved so that
+    the ratios of a random half of the tokens spread over (0.05, 1) (at sequence level: every token of the
+    even sequences, by 1.5-3 nats), on both sides of the bound."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    trainer, inputs = _setup(folder, tmp_path, seed, CISPO_LOW_BOUND_CONFIGS[config])
+    assert trainer.epsilon_high < 1.0
+    old = inputs["old_per_token_logps"].clone()
+    if trainer.importance_sampling_level == "sequence":
+        low = torch.zeros(old.shape, dtype=torch.bool)
+        low[0::2] = True
+        old[low] += torch.empty(int(low.sum())).uniform_(1.5, 3.0, generator=gen)
+    else:
+        low = torch.rand(old.shape, generator=gen) < 0.5
+        old[low] += torch.empty(int(low.sum())).uniform_(0.0, 3.0, generator=gen)     # ratio below exp(-d)
+    inputs["old_per_token_logps"] = old
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask,
+                                                                  inputs["completion_ids"].size(1))
+    log_ratio = lp - old
+    if trainer.importance_sampling_level == "sequence":
+        log_ratio = log_ratio.mean(-1)
+    below = log_ratio.exp() < trainer.epsilon_high
+    assert below.any() and not below.all()          # the clamp binds at some ratios, not at others
+    _assert_matches_trl(trainer, inputs, config)
+
+
+# dapo with beta=0.1 and TRL's bias-corrected KL (its default), the policy far from the reference
+FAR_FROM_REF = {
+    # the EOS logit boosted after the rollout: every other token's log-prob falls 10-25 nats below the
+    # reference's (exp(ref - lp) up to about 1e10); on-policy (old = lp, detached), or the rollout's old
+    # log-probs (lp - old as far below 0)
+    "eos_boosted-on_policy": dict(boost=12.0, on_policy=True),
+    "eos_boosted-rollout_old": dict(boost=12.0, on_policy=False),
+    # the reference 15-20 nats below the policy at half the tokens, and 8-12 nats above it at a quarter
+    "ref_shifted-on_policy": dict(ref_shift=True, on_policy=True),
+    "ref_shifted-rollout_old": dict(ref_shift=True, on_policy=False),
+}
+
+
+def _worst(g, want):
+    return max(float((g[n].double() - want[n]).norm() / want[n].norm().clamp_min(1e-300)) for n in want)
+
+
+@pytest.mark.parametrize("case", list(FAR_FROM_REF))
+def test_far_from_the_reference_no_further_from_float64_than_trl(folder, tmp_path, seed, case):
+    """The fused loss's parameter gradients are no further from TRL's loss evaluated in float64 (float64 logits)
+    than TRL's own float32 gradients on the same batch (worst parameter, relative; below GRAD_TOL both are at
+    float32's resolution); the loss within 1e-5. TRL's bias-corrected k3 loses its gradient in float32 there:
+    (lp - ref) r is the difference of two parts of size exp(ref - lp) r (``policy_terms.kl_times_ratio``)."""
+    spec = FAR_FROM_REF[case]
+    gen = torch.Generator().manual_seed(seed + 3)
+    trainer, inputs = _setup(folder, tmp_path, seed, dict(loss_type="dapo", beta=0.1))
+    assert trainer.args.use_bias_correction_kl
+    if spec["on_policy"]:
+        inputs["old_per_token_logps"] = None
+    if "boost" in spec:
+        with torch.no_grad():
+            w = trainer.model.lm_head.weight
+            w[1] += spec["boost"] * w.std() * torch.sign(w[1])          # <eos> is token 1
+    else:
+        ref = inputs["ref_per_token_logps"].clone()
+        u = torch.rand(ref.shape, generator=gen)
+        ref = torch.where(u < 0.5, ref - 15.0 - 5.0 * u, torch.where(u < 0.75, ref + 8.0 + 4.0 * u, ref))
+        inputs["ref_per_token_logps"] = ref
+    state = trl_tiny.trainer_state(trainer)
+    loss_trl, g_trl, _ = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
+    for k, v in state.items():
+        setattr(trainer, k, v)
+    loss64, g64 = _float64_trl(trainer, inputs)
+    lt.enable(trainer, fused_loss=True)
+    loss, g, _ = _run(trainer, inputs, trainer._compute_loss)
+    lt.disable(trainer)
+    err, err_trl = _worst(g, g64), _worst(g_trl, g64)
+    print(f"{case}: loss fused {loss.item():.8g} TRL {loss_trl.item():.8g} float64 {loss64.item():.8g}; "
+          f"worst parameter gradient from float64: fused {err:.2e}, TRL float32 {err_trl:.2e}")
+    assert abs(loss.item() - loss64.item()) <= TOL * max(1.0, abs(loss64.item()))
+    assert err <= max(err_trl, GRAD_TOL)
 
 
 def test_the_metrics_of_an_entropy_bonus_are_logged(folder, tmp_path, seed):
@@ -323,8 +433,8 @@ def test_unmappable_settings_are_named(folder, tmp_path):
     with pytest.raises(ValueError, match="loss_type='made_up'"):
         lt.enable(trainer, fused_loss=True)
     assert not lt.is_enabled(trainer)
-    trainer.loss_type, trainer.epsilon_high = "cispo", 0.5
-    with pytest.raises(ValueError, match="epsilon_high=0.5"):
+    trainer.loss_type, trainer.epsilon_high = "cispo", -0.1                # a negative weight bound
+    with pytest.raises(ValueError, match="epsilon_high=-0.1"):
         lt.enable(trainer, fused_loss=True)
     trainer.loss_type, trainer.epsilon_high = "sapo", 0.28
     trainer.args.sapo_temperature_neg = -1.0

@@ -36,7 +36,8 @@ class PolicyLoss:
         means on-policy (ratio 1 in value; the gradient is that of -A * logprob).
     ref_logprobs: log-probs under the reference policy, for the KL term and metric; None for none.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher when
-        they differ); clip_low in [0, 1] (1: no lower clip), clip_high >= 0.
+        they differ); clip_low in [0, 1] (1: no lower clip), clip_high >= 0 (surrogate "cispo": >= -1, the
+        bound 1 + clip_high may lie below 1, as TRL's cispo with epsilon_high < 1; never below 1 - clip_low).
     dual_clip: None, or c > 1: for negative advantages the term is at most -A * c (dual-clip PPO).
     kl_coef: weight of the KL estimate in the loss (needs ref_logprobs when not 0).
     kl_type: "k1" ("kl"), "k2" ("mse"), "k3" ("low_var_kl", clamped as verl clamps it), "abs", or "k1+" /
@@ -188,7 +189,13 @@ class PolicyLoss:
         if self.clip_low > 1.0:
             raise ValueError(f"clip_low must lie in [0, 1] (the ratio's lower bound 1 - clip_low >= 0; 1: none), "
                              f"got {self.clip_low!r}")
-        set_(self, "clip_high", checks.finite_float(self.clip_high, "clip_high", minimum=0.0))
+        # CISPO's detached weight is only clamped: its upper bound 1 + clip_high may lie below 1 (TRL's cispo
+        # clamps the ratio at epsilon_high, 0.2 by default), down to 0
+        set_(self, "clip_high", checks.finite_float(self.clip_high, "clip_high",
+                                                    minimum=-1.0 if self.surrogate == "cispo" else 0.0))
+        if self.clip_high < -self.clip_low:
+            raise ValueError(f"clip_high={self.clip_high!r} puts the ratio's upper bound 1 + clip_high below its "
+                             f"lower bound 1 - clip_low (clip_low={self.clip_low!r})")
         if self.dual_clip is not None:
             set_(self, "dual_clip", checks.finite_float(self.dual_clip, "dual_clip", minimum=1.0, above=True))
         set_(self, "kl_coef", checks.finite_float(self.kl_coef, "kl_coef"))

@@ -57,7 +57,8 @@ old, reference log-prob ref, and the token's sequence i (verl's ``core_algos``, 
     KL (``kl_type``, estimator of KL(current || reference), x = lp - ref):
         k1: x | abs: |x| | k2: x^2 / 2 | k3: r = clamp(-x, -20, 20), clamp(exp(r) - r - 1, -10, 10) (verl's
         low_var_kl) | k3_unclamped: exp(-x) + x - 1 (TRL's) | "+" suffix: that value with the gradient of k2
-        kl_ratio (TRL's use_bias_correction_kl): the estimate times r (with its gradient)
+        kl_ratio (TRL's use_bias_correction_kl): the estimate times r (with its gradient; k3_unclamped's
+        written so that its gradient keeps its precision far from the reference: ``kl_times_ratio``)
     f = pg + kl_coef * kl,  and the loss is  sum_i w_i f_i - entropy_coef * sum_i u_i H_i
 
 with w the aggregation weights (``losses/aggregate.py``) and u the entropy bonus's (the same, or those of
@@ -264,13 +265,39 @@ def clamp_log_ratio(x: Tensor, spec: TermSpec) -> Tensor:
     return x if c is None else x.clamp(-c, c)
 
 
-def _ratio(lp: Tensor, d: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
+def _log_ratio(lp: Tensor, d: Tensor, tokens: TokenInputs, spec: TermSpec) -> tuple[Tensor, Optional[Tensor]]:
+    """(log r per token, as the ratio level forms and clamps it; moves): r = exp(log r). moves, at the
+    token-local levels: bool [n], where d log r / d lp of the token itself is 1 (its clamp does not bind;
+    0 elsewhere, and no other token's lp enters); None at level "sequence"."""
     if spec.ratio_level == "token":
-        return clamp_log_ratio(d, spec).exp()
+        c = spec.ratio_log_clamp
+        moves = torch.ones_like(d, dtype=torch.bool) if c is None else (d >= -c) & (d <= c)
+        return clamp_log_ratio(d, spec), moves
     mean = seq_mean(d, tokens, f"ratio_level={spec.ratio_level!r}")[tokens.seq]
     if spec.ratio_level == "sequence":
-        return clamp_log_ratio(mean, spec).exp()
-    return (lp - lp.detach() + mean.detach()).clamp(max=GSPO_TOKEN_LOG_MAX).exp()
+        return clamp_log_ratio(mean, spec), None
+    return (lp - lp.detach() + mean.detach()).clamp(max=GSPO_TOKEN_LOG_MAX), mean.detach() <= GSPO_TOKEN_LOG_MAX
+
+
+def kl_times_ratio(lp: Tensor, ref: Tensor, kl: Tensor, ratio: Tensor, log_ratio: Tensor, moves: Optional[Tensor],
+                   kl_type: str) -> Tensor:
+    """kl_ratio's term: the KL estimate ``kl`` (of ``kl_type``) times the ratio r = exp(log_ratio).
+
+    TRL's unclamped k3 times r, (exp(ref - lp) - (ref - lp) - 1) r, has the gradient (lp - ref) r where the
+    ratio moves with lp (``moves``), but taken from the product it is the sum of two parts of size
+    exp(ref - lp) r of opposite signs, whose rounding swamps it once the policy lies far below the reference
+    at the token: from exp(ref - lp) of about 1e5 in float32 (TRL's own evaluation), 1e12 in float64. So it
+    is written exp(ref - lp + log r) - (ref - lp + 1) r, the same value, with the first part's gradient
+    formed directly: 0 where the ratio moves (ref - lp + log r does not depend on lp there), -exp(ref - lp)
+    r where its clamp binds. The other estimators are bounded (verl's k3 by its clamp, the "+" ones' large
+    values detached) or polynomial in lp - ref, and at ratio level "sequence" the ratio couples the tokens:
+    kl r there."""
+    if kl_type != "k3_unclamped" or moves is None:
+        return kl * ratio
+    x = ref - lp
+    # the exponent's value, and its gradient -1 only where log r is clamped (no lp inside it then)
+    exponent = (x + log_ratio).detach() - (~moves).double() * (lp - lp.detach())
+    return exponent.exp() - (x + 1.0) * ratio
 
 
 def _vespo_phi(d: Tensor, adv: Tensor, tokens: TokenInputs, spec: TermSpec) -> Tensor:
@@ -486,7 +513,8 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
     adv = tokens.advantages
     old = tokens.old_logprobs if spec.has_old else lp.detach()
     d = lp - old
-    ratio = _ratio(lp, d, tokens, spec)
+    log_ratio, moves = _log_ratio(lp, d, tokens, spec)
+    ratio = log_ratio.exp()
     pg, clipped = _surrogate(lp, old, ratio, d, adv, tokens, spec)
     if spec.off_policy_threshold is not None:
         sampling = tokens.rollout if spec.has_rollout else old
@@ -507,7 +535,7 @@ def per_token_terms(lp: Tensor, ent: Tensor, tokens: TokenInputs, spec: TermSpec
     if spec.has_ref:
         kl = kl_estimate(lp, tokens.ref_logprobs, spec.kl_type)
         if spec.kl_ratio:
-            kl = kl * ratio
+            kl = kl_times_ratio(lp, tokens.ref_logprobs, kl, ratio, log_ratio, moves, spec.kl_type)
         if spec.kl_coef != 0.0 and tokens.kl_weights is None:
             f = f + spec.kl_coef * kl
     return f, clipped, kl

@@ -3,8 +3,9 @@ GEMMs) and the same loss through ``fused_logprobs`` and autograd (``policy_loss_
 bench's inputs and against the same GEMM floor.
 
 The loss: clipped ratio (clip 0.2 / 0.28), k3 KL to a reference policy (coefficient 0.01), entropy bonus
-(0.01), token-mean. Advantages are the bench's signed per-token ``a``; old and reference log-probs are the
-current ones plus N(0, 0.1) noise, so the ratio clips on both sides for some tokens.
+(0.01), token-mean. A peer row computes it as TRL's GRPOTrainer does: its loss in torch on the log-probs and
+entropies of its fused head (``trl_loss_fn``). Advantages are the bench's signed per-token ``a``; old and
+reference log-probs are the current ones plus N(0, 0.1) noise, so the ratio clips on both sides for some tokens.
 
 fwd = the loss without gradients (metrics only); fwd+bwd = the loss and its backward. Errors are against
 ``policy_loss_reference`` on the reference backend (fp32 logits) over the first ``check_tokens`` tokens:
@@ -15,7 +16,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -41,9 +42,43 @@ def make_policy_inputs(x, temperature: float, seed: int) -> PolicyInputs:
     return PolicyInputs(x.a, lp + noise[0], lp + noise[1])
 
 
-def loss_fn(fused: bool, backend: str) -> Callable:
-    """(hidden, weight, labels, temperature, PolicyInputs, slice) -> PolicyLossOutput."""
+@dataclass
+class TrlOutput:
+    """What the TRL row's loss returns, in PolicyLossOutput's names."""
+    loss: Tensor
+    logprobs: Tensor
+    entropy: Tensor
+
+
+def trl_loss_fn(device: torch.device) -> Callable:
+    """The same loss as TRL's GRPOTrainer computes it (its ``_compute_loss``, loss_type "bnpo" (token-mean) with
+    epsilon 0.2, epsilon_high 0.28, beta 0.01 without the KL's bias correction, entropy_coef 0.01), in torch, on
+    the log-probs and entropies of TRL's fused head (``peers.trl_head``): TRL's k3 is unclamped, the settings'
+    verl k3 clamped at |ref - lp| = 20, which these inputs (noise 0.1) never reach."""
+    from .peers import trl_head
+    head = trl_head(device)
+    lo, hi = 1.0 - SETTINGS["clip_low"], 1.0 + SETTINGS["clip_high"]
+    beta, coef = SETTINGS["kl_coef"], SETTINGS["entropy_coef"]
+
+    def run(h: Tensor, w: Tensor, y: Tensor, t: float, p: PolicyInputs, rows: slice = slice(None)):
+        lp, ent = head(h, w, y, t)
+        adv, old, ref = p.advantages[rows], p.old_logprobs[rows], p.ref_logprobs[rows]
+        ratio = torch.exp(lp - old)
+        pg = -torch.min(ratio * adv, ratio.clamp(lo, hi) * adv)
+        kl = torch.exp(ref - lp) - (ref - lp) - 1
+        loss = (pg + beta * kl).mean() - coef * ent.mean()
+        return TrlOutput(loss, lp.detach(), ent.detach())
+    return run
+
+
+def loss_fn(fused: bool, backend: str, device: Optional[torch.device] = None) -> Callable:
+    """(hidden, weight, labels, temperature, PolicyInputs, slice) -> PolicyLossOutput (backend
+    ``peers.TRL_HEAD``: TRL's loss on TRL's head, ``trl_loss_fn``)."""
     from logitless.losses import fused_policy_loss, policy_loss_reference
+
+    from .peers import TRL_HEAD
+    if backend == TRL_HEAD:
+        return trl_loss_fn(device or torch.device("cpu"))
     fn = fused_policy_loss if fused else policy_loss_reference
 
     def run(h: Tensor, w: Tensor, y: Tensor, t: float, p: PolicyInputs, rows: slice = slice(None)):
@@ -72,7 +107,7 @@ def run_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, mete
     """Fill ``row`` (bench.Row): checked warm-up, timed forward (no grad) and forward+backward, peak memory."""
     device = torch.device(cfg.device)
     t, s = cfg.temperature, min(cfg.check_tokens, x.hidden.shape[0])
-    run = loss_fn(fused, backend)
+    run = loss_fn(fused, backend, device)
     gc.collect()
     t0 = time.perf_counter()
     out, dh, dw = _step(run, x, t, p, slice(0, s))()

@@ -11,7 +11,7 @@ import torch
 
 VERSIONED = ("torch", "triton", "transformers", "megatron-core", "numpy")
 # Optional packages the benchmark compares with (their versions are recorded when installed).
-PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy")
+PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy", "trl")
 
 
 def package_version(dist: str) -> Optional[str]:

@@ -4,8 +4,9 @@ Every entry turns (hidden [N, H], weight [V, H], labels [N] int64, temperature f
 (logprobs [N] float32, entropy [N] float32 or None), differentiable w.r.t. hidden and weight.
 Entries are logitless's own backends (through the public ``fused_logprobs``), the naive torch
 path, ``torch.compile`` of it, and the installed peer libraries, each called through its public
-entry point. A peer that is missing or cannot run here raises ``Unavailable`` with the reason,
-so the bench keeps its row and says why.
+entry point (TRL's fused head, ``trl.kernels.ChunkedLogProbFunction``, as its GRPOTrainer calls it; TRL's
+distillation kernel is ``trl_divergence``, for a benchmark of its own). A peer that is missing or cannot
+run here raises ``Unavailable`` with the reason, so the bench keeps its row and says why.
 """
 from __future__ import annotations
 
@@ -159,13 +160,63 @@ def _cce(impl: str) -> Callable[[torch.device], Fn]:
     return build
 
 
+# --- TRL's own fused head -------------------------------------------------------------------
+
+def _trl_import(module: str, what: str):
+    """Import ``module`` of trl, or raise Unavailable with the import error (on a machine where trl was installed
+    without its dependencies, trl.kernels needs transformers and packaging; TRL's head's backward and its
+    divergence kernel import trl.trainer.utils, which needs accelerate, datasets, pandas and more)."""
+    _require("trl")
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the row's reason
+        raise Unavailable(f"{what} does not import ({module}): {type(exc).__name__}: {exc}") from None
+
+
+def trl_head(device: torch.device) -> Fn:
+    """TRL's fused LM head as GRPOTrainer runs it with ``fused_lm_head=True`` (TRL >= 1.16): its
+    ``ChunkedLogProbFunction`` with the vocabulary tile GRPOTrainer passes, log-probs and entropy (its
+    ``outputs=("log_probs", "entropy")``), no bias, softcap or logit scale. On CUDA its tiles are cuBLAS GEMMs in
+    the inputs' dtype folded by a triton kernel; elsewhere TRL folds them in torch (so it runs on CPU)."""
+    kernels = _trl_import("trl.kernels.chunked_logprob", "trl.kernels")
+    utils = _trl_import("trl.trainer.utils", "TRL's fused head's backward (it imports trl.trainer.utils)")
+    fn = kernels.ChunkedLogProbFunction
+    chunk = int(getattr(utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768))
+
+    def run(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+        lp, ent = fn.apply(h, w, None, y, t, chunk, None, 1.0, ("log_probs", "entropy"))[:2]
+        return lp, ent
+    return run
+
+
+def trl_divergence(device: torch.device):
+    """TRL's distillation kernel (``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``, what its
+    DistillationTrainer runs), for a distillation benchmark: a callable (student_hidden [N, H_s], student_weight
+    [V, H_s], teacher_hidden [N, H_t], teacher_weight [V, H_t], beta, temperature) -> (divergence [N], student
+    entropy [N]) float32, differentiable w.r.t. the student's tensors (beta 0: forward KL(teacher || student),
+    1: reverse KL, between: the generalised JSD). Unavailable, with the reason, where it does not import."""
+    module = _trl_import("trl.kernels.chunked_divergence", "TRL's chunked divergence (it imports trl.trainer.utils)")
+    fn = module.ChunkedDivergenceFunction
+
+    def run(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
+            beta: float, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        return fn.apply(student_hidden, student_weight, None, teacher_hidden, teacher_weight, None, float(beta),
+                        float(temperature))
+    return run
+
+
 # --- the fused policy loss ------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class PolicyRun:
-    """What a policy-loss row runs (see tools/bench_policy.py): the fused loss or the reference path."""
+    """What a policy-loss row runs (see tools/bench_policy.py): the fused loss or the reference path on a
+    logitless backend, or (backend ``TRL_HEAD``) TRL's loss in torch on TRL's fused head."""
     fused: bool
     backend: str
+
+
+TRL_HEAD = "trl head"
 
 
 def _policy(fused: bool) -> Callable[[torch.device], PolicyRun]:
@@ -179,6 +230,11 @@ def _policy(fused: bool) -> Callable[[torch.device], PolicyRun]:
     return build
 
 
+def _policy_trl(device: torch.device) -> PolicyRun:
+    trl_head(device)            # Unavailable, with the reason, where TRL's head cannot run
+    return PolicyRun(False, TRL_HEAD)
+
+
 IMPLS: tuple[Impl, ...] = (
     Impl("reference", "logitless reference (fp32 logits)", "logitless", True, None, _logitless("reference")),
     Impl("chunked", "logitless chunked", "logitless", True, None, _logitless("chunked")),
@@ -190,9 +246,11 @@ IMPLS: tuple[Impl, ...] = (
     Impl("cce", "cut-cross-entropy (cce)", "peer", False, "cut-cross-entropy", _cce("cce"), True),
     Impl("cce-compile", "cut-cross-entropy (torch_compile)", "peer", False, "cut-cross-entropy",
          _cce("torch_compile")),
+    Impl("trl-head", "TRL fused head (ChunkedLogProbFunction)", "peer", True, "trl", trl_head),
     Impl("policy-loss", "logitless fused policy loss (3 GEMMs)", "policy", True, None, _policy(True)),
     Impl("policy-loss-reference", "policy_loss_reference (fused_logprobs + autograd)", "policy", True, None,
          _policy(False)),
+    Impl("trl-policy-loss", "TRL's GRPO loss in torch on TRL's fused head", "policy", True, "trl", _policy_trl),
 )
 NAMES = tuple(i.name for i in IMPLS)
 

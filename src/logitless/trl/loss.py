@@ -12,7 +12,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
                                        ratio_log_clamp=None: TRL's exp(log_ratio) is not clamped
     loss_type grpo, bnpo, dr_grpo,
               dapo, luspo           -> surrogate "ppo"
-    loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high
+    loss_type cispo                 -> surrogate "cispo", its ratio clamped to at most epsilon_high (clip_low 1,
+                                       clip_high epsilon_high - 1: below 0 for TRL's default bound, epsilon)
     loss_type sapo                  -> surrogate "sapo" (sapo_temperature_pos / _neg)
     loss_type vespo                 -> surrogate "vespo" (vespo_k_pos, vespo_lambda_pos, ...)
     the aggregation of each type    -> a loss_agg times a constant (``loss_scale``), with TRL's
@@ -29,8 +30,8 @@ TRL's settings map onto ``logitless.losses.PolicyLoss`` as follows (TRL's own fo
 
 The metrics TRL logs from ``_compute_loss`` (entropy, kl, clip ratios, cispo_clip_ratio,
 vespo/phi_seq_mean, policy_loss, entropy_coef) are logged under TRL's names, computed as TRL computes them
-from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss, cispo
-with epsilon_high < 1) is refused by ``check_mappable``.
+from the pass's detached log-probs and entropies. What still cannot be mapped (an MoE auxiliary loss) is
+refused by ``check_mappable``.
 The ratio's log is not clamped (``ratio_log_clamp=None``), as TRL does not clamp it: equal values and
 gradients however far the policy drifted from the old one (VESPO's weight keeps the +-20 clamps that TRL's
 get_gamma_weights itself applies).
@@ -65,9 +66,9 @@ def unmappable(trainer) -> list:
     level = getattr(trainer, "importance_sampling_level", "token")
     if level not in ("token", "sequence"):
         bad.append(f"importance_sampling_level={level!r}")
-    if trainer.loss_type == "cispo" and trainer.epsilon_high < 1.0:
+    if trainer.loss_type == "cispo" and not trainer.epsilon_high >= 0.0:
         bad.append(f"epsilon_high={trainer.epsilon_high} with loss_type='cispo' (CISPO's ratio is clamped to at most "
-                   "epsilon_high; logitless takes a bound >= 1)")
+                   "epsilon_high, a weight >= 0: logitless takes a bound >= 0)")
     if not 0.0 <= trainer.epsilon_low <= 1.0:
         bad.append(f"epsilon_low={trainer.epsilon_low} (TRL's epsilon: the fused loss takes it as clip_low, in [0, 1])")
     if getattr(trainer, "aux_loss_enabled", False):
@@ -137,7 +138,8 @@ def scalar_settings(trainer) -> dict:
                     ratio_level=getattr(trainer, "importance_sampling_level", "token"), ratio_log_clamp=None)
     if kind in PPO_TYPES and getattr(args, "delta", None) is not None:      # TRL's two-sided clip: ppo types only
         settings["delta"] = float(args.delta)
-    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached; the ratio is > 0
+    if kind == "cispo":      # TRL: clamp(ratio, max=epsilon_high), detached (epsilon_high defaults to epsilon,
+        # so the bound is often below 1); the ratio is > 0, so no lower bound
         settings.update(clip_low=1.0, clip_high=float(trainer.epsilon_high) - 1.0)
     elif kind == "sapo":
         settings.update(sapo_tau_pos=float(args.sapo_temperature_pos), sapo_tau_neg=float(args.sapo_temperature_neg))

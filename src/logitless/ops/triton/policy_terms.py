@@ -12,7 +12,9 @@ Per token, in float64, with d = lp - old (0 on-policy) and c the ratio's log cla
     delta (TRL's two-sided clip): pg1 = -A min(ratio, delta) after the clip count
     dual clip (A < 0): pg = min(pg, -A c)              (again half the gradient on a tie)
     rollout weights rho: pg = rho pg
-    kl_ratio: kl = kl ratio,  dkl = dkl ratio + kl dratio
+    kl_ratio: kl = kl ratio,  dkl = dkl ratio + kl dratio; for k3_unclamped (policy_terms.kl_times_ratio), with
+              x = ref - lp: kl = exp(x + log ratio) - (x + 1) ratio, dkl = [clamp binds] (-exp(x + log ratio))
+              + ratio - (x + 1) dratio
     f   = pg + kl_coef kl,  loss = sum w f - entropy_coef sum u H,   g_lp = w df/dlp,   g_ent = -u entropy_coef
     (u: the entropy bonus's own weights when given, else w; with the KL term's own weights v, f = pg and
     loss += kl_coef sum v kl, g_lp += v kl_coef dkl/dlp)
@@ -108,9 +110,13 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
     if HAS_OLD:
         d = lp - tl.load(old_ptr + offs, mask=ok, other=0.0)
         c = tl.load(params_ptr + 6)
-        ratio = tl.exp(tl.minimum(tl.maximum(d, -c), c))
-        dratio = tl.where(_inside(d, -c, c), ratio, 0.0)
+        log_ratio = tl.minimum(tl.maximum(d, -c), c)
+        moves = _inside(d, -c, c)           # d log r / d lp = 1 (else 0)
+        ratio = tl.exp(log_ratio)
+        dratio = tl.where(moves, ratio, 0.0)
     else:                                   # old = lp, detached: ratio 1, d ratio / d lp = 1
+        log_ratio = tl.zeros((BLOCK,), tl.float64)
+        moves = offs >= 0
         ratio = tl.full((BLOCK,), 1.0, tl.float64)
         dratio = ratio
     neg_adv = -adv
@@ -140,10 +146,19 @@ def _terms_kernel(lp_ptr, ent_ptr, adv_ptr, old_ptr, ref_ptr, w_ptr, rho_ptr, u_
     loss = tl.zeros_like(f)
     g_lp = tl.zeros_like(f)
     if HAS_REF:
-        kl, dkl = _kl(lp, tl.load(ref_ptr + offs, mask=ok, other=0.0), KL_TYPE, STRAIGHT)
+        ref = tl.load(ref_ptr + offs, mask=ok, other=0.0)
+        kl, dkl = _kl(lp, ref, KL_TYPE, STRAIGHT)
         if KL_RATIO:
-            dkl = dkl * ratio + kl * dratio
-            kl = kl * ratio
+            if KL_TYPE == 4 and not STRAIGHT:
+                # policy_terms.kl_times_ratio: exp(x + log r) - (x + 1) r, x = ref - lp, the first part's
+                # gradient 0 where log r moves with lp (not the difference of two exp(x) r)
+                x = ref - lp
+                big = tl.exp(x + log_ratio)
+                kl = big - (x + 1.0) * ratio
+                dkl = tl.where(moves, 0.0, -big) + ratio - (x + 1.0) * dratio
+            else:
+                dkl = dkl * ratio + kl * dratio
+                kl = kl * ratio
         if HAS_V:
             v = tl.load(v_ptr + offs, mask=ok, other=0.0)
         else:
