@@ -8,8 +8,9 @@ std about 4 each, a divergence of order 0.1-1 a token).
 
 1. The dense floor: four cuBLAS GEMMs of every token in bf16 (teacher forward, student forward, student
    d_hidden, student d_weight), over token chunks of 4096 (d_weight accumulated), timed before and after.
-2. fused_distillation_loss ("jsd" with --beta; forward+backward and forward alone under no_grad), its ratio to
-   the floor, its peak memory beyond the two gradient buffers it returns.
+2. fused_distillation_loss ("jsd" with --beta, forward+backward) on its "triton" backend (the default on CUDA:
+   cuBLAS float32 products, three Triton kernels a chunk) and its "chunked" one (the same pass in torch), the
+   ratio to the floor, the peak memory beyond the two gradient buffers it returns.
 3. Peers in the same process where importable, each forward+backward on the scored tokens: TRL's
    ChunkedDivergenceFunction (TRL's trainer's call: scored rows compacted, sum / count), Liger's
    LigerFusedLinearJSD, the naive loss (F.linear in bf16, float32 log_softmax of both, the divergence) and
@@ -115,12 +116,15 @@ def methods(beta):
     """name -> fn(hs, ws, ht, wt, labels) returning (loss, per-token divergence of the scored rows or None)."""
     out = {}
 
-    def ours(hs, ws, ht, wt, labels):
-        flat = labels.view(-1)
-        r = fused_distillation_loss(hs, ws, flat, teacher_hidden=ht, teacher_weight=wt, divergence="jsd",
-                                    beta=beta)
-        return r.loss, r.divergence[flat != -100]
-    out["logitless (chunked)"] = ours
+    def ours_with(backend):
+        def ours(hs, ws, ht, wt, labels):
+            flat = labels.view(-1)
+            r = fused_distillation_loss(hs, ws, flat, teacher_hidden=ht, teacher_weight=wt, divergence="jsd",
+                                        beta=beta, backend=backend)
+            return r.loss, r.divergence[flat != -100]
+        return ours
+    out["logitless (triton)"] = ours_with("triton")
+    out["logitless (chunked)"] = ours_with("chunked")
     try:
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
     except Exception as exc:  # noqa: BLE001 - a missing peer is a row too
@@ -275,7 +279,7 @@ def main():
     for name, fn in methods(args.beta).items():
         run_method(name, fn, data, args.beta, reps, device, truth, small)
         if name.startswith("logitless"):
-            RESULTS["checks"]["last_backend"] = last_backend()
+            RESULTS["checks"][f"last_backend {name}"] = last_backend()
     floor = Floor(*data[:4])
     floor_ms.append(time_cuda(floor, warmup=1, reps=reps, device=device)[0])
     del floor

@@ -14,7 +14,7 @@ from logitless.losses import LOSS_AGGS, fused_distillation_loss
 
 V, HS, HT = 4099, 96, 80
 LEAD = (3, 7)
-BACKENDS = ["chunked", "reference"]
+BACKENDS = ["chunked", "reference", "triton"]   # triton: through its interpreter on CPU (conftest)
 CASES = [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.5), ("jsd", 0.1), ("jsd", 0.0), ("jsd", 1.0)]
 
 
@@ -78,25 +78,31 @@ def test_against_float64(backend, kind, beta, small_chunks):
     check(out, dh, dw, truth, labels)
 
 
-@pytest.mark.parametrize("s_dtype,t_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
-                                             (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("kind,beta", [("reverse_kl", None), ("jsd", 0.5)])
-def test_dtypes(s_dtype, t_dtype, kind, beta, small_chunks):
+DTYPES = [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("backend,s_dtype,t_dtype,kind,beta",
+                         [("chunked", *d, *c) for d in DTYPES for c in (("reverse_kl", None), ("jsd", 0.5))]
+                         + [("triton", torch.bfloat16, torch.float32, "jsd", 0.5)])
+def test_dtypes(backend, s_dtype, t_dtype, kind, beta, small_chunks):
     """Heads in different dtypes: float32 statistics of the rounded inputs; the gradients come back in the
     student's dtype (one rounding)."""
     hs, ws, ht, wt, labels = heads(s_dtype=s_dtype, t_dtype=t_dtype)
-    out, dh, dw = run("chunked", hs, ws, ht, wt, labels, kind, beta, temperature=0.8)
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, kind, beta, temperature=0.8)
     assert dh.dtype == s_dtype and dw.dtype == s_dtype
     truth = distill64(hs, ws, ht, wt, labels, kind, beta, temperature=0.8)
     check(out, dh, dw, truth, labels, tol=3e-5, grad_tol=1e-2)
 
 
-@pytest.mark.parametrize("kind,beta", [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.7)])
-def test_softcap_scale_and_temperature_per_sequence(kind, beta, small_chunks):
+@pytest.mark.parametrize("backend,kind,beta", [("chunked", "forward_kl", None), ("chunked", "reverse_kl", None),
+                                               ("chunked", "jsd", 0.7), ("triton", "jsd", 0.7),
+                                               ("triton", "reverse_kl", None)])
+def test_softcap_scale_and_temperature_per_sequence(backend, kind, beta, small_chunks):
     hs, ws, ht, wt, labels = heads()
     temperature = torch.rand(LEAD[0], 1) + 0.5
     kw = dict(student_logit_scale=1.7, teacher_logit_scale=0.6, student_softcap=4.0, teacher_softcap=9.0)
-    out, dh, dw = run("chunked", hs, ws, ht, wt, labels, kind, beta, temperature=temperature, **kw)
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, kind, beta, temperature=temperature, **kw)
     truth = distill64(hs, ws, ht, wt, labels, kind, beta, temperature=temperature, s_scale=1.7, t_scale=0.6,
                       s_softcap=4.0, t_softcap=9.0)
     check(out, dh, dw, truth, labels)
@@ -158,10 +164,11 @@ def test_second_backward_refused_and_upstream_scaled():
         out.loss.backward()
 
 
-def test_every_token_ignored():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_token_ignored(backend):
     hs, ws, ht, wt, labels = heads()
     labels.fill_(-100)
-    out, dh, dw = run("chunked", hs, ws, ht, wt, labels, "forward_kl")
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, "forward_kl")
     assert out.loss.item() == 0.0 and (out.divergence == 0).all()
     assert (dh == 0).all() and (dw == 0).all()
 

@@ -57,7 +57,11 @@ def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes, kind: str, beta=
     ck.abs_le(f"{tag} entropy", out.entropy, ent.float(), 2e-4)
     for name, t in (("loss", out.loss), ("divergence", out.divergence), ("entropy", out.entropy)):
         same_on_every_rank(ctx, ck, f"{tag} {name}", t.detach().reshape(-1))
-    ck.rel_le(f"{tag} d_weight (local shard)", w_in.grad.float(), dw[off: off + sizes[ctx.rank]].float(), grad_tol)
+    # the local shard's error against the whole d_weight's scale: a one-row shard's own norm may be a sum that
+    # nearly cancels, where float32 cannot give a small relative error
+    want = dw[off: off + sizes[ctx.rank]]
+    err = (w_in.grad.double() - want).abs().max().item() / dw.abs().max().item()
+    ck.true(f"{tag} d_weight (local shard)", err <= grad_tol, f"error {err:.3g} of max |d_weight| > {grad_tol}")
     dh_got = h_in.grad
     if not reduce_grad_hidden:
         dh_got = dh_got.float().clone()
@@ -81,6 +85,19 @@ def case_distill_bfloat16_student(ctx):
     ck = Checks()
     check_sharded(ctx, ck, backend="chunked", sizes=uneven_sizes(V, ctx.world), kind="jsd", beta=0.6,
                   dtype=torch.bfloat16, student_softcap=6.0, teacher_logit_scale=0.8)
+    ck.done()
+
+
+def case_distill_triton_interpreted(ctx):
+    """The triton backend's kernels (through the interpreter on CPU) with both heads sharded."""
+    from logitless.ops.triton.common import INTERPRETING
+    if not INTERPRETING:
+        from tp_harness import Skip
+        raise Skip("CPU tensors: the triton backend needs its interpreter (TRITON_INTERPRET=1)")
+    ck = Checks()
+    check_sharded(ctx, ck, backend="triton", sizes=uneven_sizes(V, ctx.world), kind="jsd", beta=0.4,
+                  student_softcap=7.0, reduce_grad_hidden=False, tag="unequal, partial")
+    check_sharded(ctx, ck, backend="triton", sizes=even_sizes(V, ctx.world), kind="reverse_kl", salt=5)
     ck.done()
 
 
@@ -111,4 +128,5 @@ def pre_init_cases():
 
 
 def cases_for(world: int):
-    return _named([case_distill_every_divergence, case_distill_bfloat16_student, case_distill_shards_differ])
+    return _named([case_distill_every_divergence, case_distill_bfloat16_student, case_distill_triton_interpreted,
+                   case_distill_shards_differ])

@@ -29,7 +29,7 @@ from .distill_function import fused_distillation_loss_op
 from .distill_topk import TOPK_DIVERGENCES, topk_divergence
 
 DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
-DISTILLATION_BACKENDS = ("auto", "reference", "chunked")
+DISTILLATION_BACKENDS = ("auto", "reference", "chunked", "triton")
 
 
 class DistillationOutput(NamedTuple):
@@ -130,15 +130,26 @@ def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens,
     return w.float().reshape(-1)
 
 
-def _backend(backend) -> str:
+def _backend(backend, hidden: Tensor) -> str:
+    """The backend that runs: "auto" takes "triton" for CUDA tensors where triton imports, else "chunked"."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    if backend == "triton":
-        raise ValueError("backend='triton' has no full-vocabulary distillation pass yet: use 'auto' (the chunked "
-                         "pass), 'chunked' or 'reference'")
     if backend not in DISTILLATION_BACKENDS:
         raise ValueError(f"backend must be one of {DISTILLATION_BACKENDS}, got {backend!r}")
-    return "chunked" if backend == "auto" else backend
+    if backend in ("auto", "triton"):
+        try:
+            from ..ops.triton.common import INTERPRETING
+        except ImportError as exc:
+            if backend == "triton":
+                raise RuntimeError(f"backend 'triton' cannot be imported here: {exc}") from exc
+            return "chunked"
+        runs = hidden.is_cuda or INTERPRETING
+        if backend == "triton" and not runs:
+            raise RuntimeError(f"backend 'triton' runs on CUDA tensors (or under TRITON_INTERPRET=1); these are on "
+                               f"{hidden.device}")
+        if backend == "auto":
+            return "triton" if hidden.is_cuda else "chunked"
+    return backend
 
 
 def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labels: Tensor, *,
@@ -175,8 +186,10 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             TRL's ``ChunkedDivergenceFunction`` takes them.
         ignore_index, tp_group, reduce_grad_hidden: as in ``fused_logprobs``; under ``tp_group`` both heads'
             weights are this rank's shard of the same vocabulary rows.
-        backend: "auto" (= "chunked"), "chunked" (token chunks, bounded workspace) or "reference" (every token's
-            float32 logits at once, for tests). ``logitless.last_backend()`` says which ran.
+        backend: "auto" ("triton" on CUDA, else "chunked"), "triton" (cuBLAS products, the elementwise stages in
+            three Triton kernels), "chunked" (the same pass in torch) or "reference" (every token's float32 logits at
+            once, for tests). The top-k divergences take fused_logprobs' backends. ``logitless.last_backend()`` says
+            which ran.
         topk_settings: the top-k divergences' settings (verl's clamps); refused for the full-vocabulary ones.
 
     Returns:
@@ -225,7 +238,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
                             _softcap(student_softcap, "student_softcap"))
     teacher = HeadTransform(_logit_scale(teacher_logit_scale, "teacher_logit_scale"),
                             _softcap(teacher_softcap, "teacher_softcap"))
-    backend = _backend(backend)
+    backend = _backend(backend, s_hidden)
     token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight)
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     grad = torch.is_grad_enabled()

@@ -19,6 +19,7 @@ writes every element of those given. The loss is sum_i token_w[i] * divergence[i
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
@@ -59,7 +60,9 @@ def _summed(tp: Optional["VocabParallel"], d: Tensor, a: Optional[Tensor]) -> tu
 
 def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
                  dh: Optional[Tensor], dw: Optional[Tensor], tp: Optional["VocabParallel"] = None,
-                 rows_per_chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                 rows_per_chunk: Optional[int] = None, kernels: Optional[ModuleType] = None) -> tuple[Tensor, Tensor]:
+    """kernels: None for the torch stages, or a module with the three stages as kernels
+    (``ops/triton/distill_chunk.py``: the "triton" backend)."""
     hs, ws = student.hidden, student.weight
     n = hs.shape[0]
     dev = hs.device
@@ -68,8 +71,10 @@ def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor
     with_grad = dh is not None or dw is not None
     # every rank cuts the same chunks (the combines are collectives): the plan is made for the largest shard
     plan_vocab = max(tp.sizes) if tp is not None else ws.shape[0]
-    # two heads' logits a chunk: half the policy pass's rows
-    step = rows_per_chunk or max(1, max_chunk_rows(n, plan_vocab, hs.dtype, dev) // 2)
+    # the policy plan's rows: halved for the torch stages' [c, V] temporaries of two heads, doubled for the
+    # kernels' (two float32 products and the dlogits, nothing more)
+    plan = max_chunk_rows(n, plan_vocab, hs.dtype, dev)
+    step = rows_per_chunk or max(1, min(n, 2 * plan) if kernels is not None else plan // 2)
     acc = dw
     if dw is not None and dw.dtype != torch.float32 and not dw.is_cuda:
         # CPU chunks are small: a float32 accumulator, rounded once (as the policy pass does)
@@ -79,24 +84,14 @@ def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor
         stop = min(n, start + step)
         it = inv_temp[start:stop]
         h = hs[start:stop]
-        zs, tanh_s = student.transform.logits(mm_fp32(h, ws.t()), it, keep_tanh=with_grad)
-        zt, _ = teacher.transform.logits(mm_fp32(teacher.hidden[start:stop], teacher.weight.t()), it)
-        m, lse_s, ent = shifted_statistics(zs)            # zs now holds zs - m
-        lse_s, ent = _global(tp, lse_s, ent)
-        ls = zs.sub_((lse_s - m).unsqueeze(1))             # the student's log-probs, in place
-        lse_t, _ = _global(tp, torch.logsumexp(zt, dim=1), None)
-        lt = zt.sub_(lse_t.unsqueeze(1))
-        d, a, lm = divergence.partial_sums(ls, lt)
-        d, a = _summed(tp, d, a)
-        div_out[start:stop] = d
-        ent_out[start:stop] = ent
-        if not with_grad:
+        raw_s = mm_fp32(h, ws.t())
+        raw_t = mm_fp32(teacher.hidden[start:stop], teacher.weight.t())
+        stage = _kernel_stages if kernels is not None else _torch_stages
+        dz = stage(raw_s, raw_t, it, token_w[start:stop], student.transform, teacher.transform, divergence, tp,
+                   div_out[start:stop], ent_out[start:stop], with_grad, hs.dtype if half_gemms else torch.float32,
+                   kernels)
+        if dz is None:
             continue
-        dz = divergence.student_dlogits(ls, lt, d, a, lm)
-        del ls, lt, lm, zs, zt
-        dz = student.transform.chain(dz.mul_(token_w[start:stop].unsqueeze(1)), it, tanh_s)
-        if half_gemms:
-            dz = dz.to(hs.dtype)       # tensor-core GEMMs in the inputs' dtype, as the policy pass does
         if dh is not None:
             product_into(dh[start:stop], dz, ws)
         if acc is not None:
@@ -111,6 +106,45 @@ def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor
     return div_out, ent_out
 
 
+def _torch_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTransform, divergence: Divergence, tp,
+                  div_out, ent_out, with_grad, dz_dtype, kernels=None) -> Optional[Tensor]:
+    """One chunk's statistics, divergence and (with_grad) token_w * dD/draw_s in torch, in place on the
+    products."""
+    zs, tanh_s = student.logits(raw_s, it, keep_tanh=with_grad)
+    zt, _ = teacher.logits(raw_t, it)
+    m, lse_s, ent = shifted_statistics(zs)            # zs now holds zs - m
+    lse_s, ent = _global(tp, lse_s, ent)
+    ls = zs.sub_((lse_s - m).unsqueeze(1))             # the student's log-probs, in place
+    lse_t, _ = _global(tp, torch.logsumexp(zt, dim=1), None)
+    lt = zt.sub_(lse_t.unsqueeze(1))
+    d, a, lm = divergence.partial_sums(ls, lt)
+    d, a = _summed(tp, d, a)
+    div_out.copy_(d)
+    ent_out.copy_(ent)
+    if not with_grad:
+        return None
+    dz = divergence.student_dlogits(ls, lt, d, a, lm)
+    del ls, lt, lm, zs, zt
+    return student.chain(dz.mul_(w.unsqueeze(1)), it, tanh_s).to(dz_dtype)
+
+
+def _kernel_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTransform, divergence: Divergence, tp,
+                   div_out, ent_out, with_grad, dz_dtype, kernels) -> Optional[Tensor]:
+    """The same with the three kernels: each reads the two products once."""
+    lse_s, ent, lse_t = kernels.statistics(raw_s, raw_t, it, student, teacher)
+    lse_s, ent = _global(tp, lse_s, ent)
+    lse_t, _ = _global(tp, lse_t, None)
+    d, a = kernels.sums(raw_s, raw_t, it, lse_s, lse_t, divergence, student, teacher)
+    d, a = _summed(tp, d, a if divergence.kind == "jsd" else None)
+    div_out.copy_(d)
+    ent_out.copy_(ent)
+    if not with_grad:
+        return None
+    dz = torch.empty(raw_s.shape, dtype=dz_dtype, device=raw_s.device)
+    return kernels.dlogits(raw_s, raw_t, it, lse_s, lse_t, d, d if a is None else a, w, divergence, student,
+                           teacher, dz)
+
+
 def distill_pass_whole(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
                        dh: Optional[Tensor], dw: Optional[Tensor],
                        tp: Optional["VocabParallel"] = None) -> tuple[Tensor, Tensor]:
@@ -119,6 +153,16 @@ def distill_pass_whole(student: Head, teacher: Head, inv_temp: Tensor, token_w: 
                         rows_per_chunk=max(1, student.hidden.shape[0]))
 
 
+def distill_pass_triton(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
+                        dh: Optional[Tensor], dw: Optional[Tensor],
+                        tp: Optional["VocabParallel"] = None) -> tuple[Tensor, Tensor]:
+    """The "triton" backend: cuBLAS products, the three elementwise stages as Triton kernels."""
+    from .triton import distill_chunk
+    return distill_pass(student, teacher, inv_temp, token_w, divergence, dh, dw, tp=tp, kernels=distill_chunk)
+
+
 def distill_pass_for(backend_name: str):
-    """The pass of the backend called ``backend_name`` ("reference" or "chunked")."""
+    """The pass of the backend called ``backend_name`` ("reference", "chunked" or "triton")."""
+    if backend_name == "triton":
+        return distill_pass_triton
     return distill_pass_whole if backend_name == "reference" else distill_pass
