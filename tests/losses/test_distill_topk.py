@@ -169,3 +169,51 @@ def test_bad_input(seed):
     padded_lp[1, 2] = float("nan")
     out = topk_divergence(hidden, weight, labels, padded_ids, padded_lp, backend="chunked")
     assert out.divergence[1, 2] == 0 and torch.isfinite(out.divergence).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+def test_without_overlap_the_same_divergence(backend, divergence, seed):
+    """with_overlap=False (forward_kl_topk then runs the backend's own statistics pass): the same values,
+    gradients and masses, no overlap entries."""
+    hidden, weight, t_ids, t_lp, gen = batch(seed)
+    labels = torch.randint(0, V, (B, P + R), generator=gen)
+    labels[1, 4:] = -100
+    g = torch.randn(labels.shape, generator=gen)
+    got = []
+    for with_overlap in (True, False):
+        hidden.grad = weight.grad = None
+        out = topk_divergence(hidden, weight, labels, t_ids, t_lp, divergence=divergence, backend=backend,
+                              temperature=0.8, softcap=4.0, with_overlap=with_overlap)
+        (out.divergence * g).sum().backward()
+        got.append((out, hidden.grad.clone(), weight.grad.clone()))
+    (a, ah, aw), (b, bh, bw) = got
+    torch.testing.assert_close(b.divergence, a.divergence, atol=2e-5, rtol=1e-5)
+    assert rel_err(bh, ah) < 1e-5 and rel_err(bw, aw) < 1e-5
+    assert set(a.metrics) - set(b.metrics) == {"distillation/overlap_ratio", "distillation/overlap_token_advantage"}
+    for name, value in b.metrics.items():
+        torch.testing.assert_close(value, a.metrics[name], atol=2e-6, rtol=1e-5)
+    assert "overlap_count" not in b.token_stats
+
+
+def test_compile_fullgraph(seed):
+    """The checks' host synchronisations are inside custom ops: a compiled caller has no graph break."""
+    hidden, weight, t_ids, t_lp, gen = batch(seed)
+    labels = torch.randint(0, V, (B, P + R), generator=gen)
+    labels[0, :3] = -100
+
+    def f(h, w):
+        out = topk_divergence(h, w, labels, t_ids, t_lp, divergence="forward_kl_topk_tail", backend="chunked",
+                              log_prob_min_clamp=-8.0)
+        return out.divergence.sum() + out.metrics["distillation/overlap_ratio"]
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(hidden, weight)
+    got.backward()
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    want = f(hidden, weight)
+    want.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(gh, hidden.grad)
+    torch.testing.assert_close(gw, weight.grad)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from logitless import fused_logprobs, fused_topk, last_backend
+from logitless.ops import label_set_function
+from logitless.ops.function import OpOptions
 from reference64 import rel_err
 
 V, H, K = 4099, 96, 5
@@ -193,6 +195,11 @@ def test_topk_tail_of_one_in_a_billion():
         # the cancelling way in float32 cannot see it
         naive = torch.log1p(-out.logprobs.exp().sum())
         assert not abs(float(naive) - float(want)) < 1.0
+        # the tail outside given ids (the student's, at a teacher's ids) is summed the same way
+        options = OpOptions(backend=backend, with_entropy=False)
+        _, _, tail, _ = label_set_function.fused_logprobs_k(hidden, weight, torch.arange(K).flip(0).unsqueeze(0),
+                                                            torch.ones(1), options, with_tail=True)
+        assert abs(tail[0].double() - want) < 1e-5, (backend, tail, want)
 
 
 def test_topk_ties_go_to_the_lower_id():
@@ -265,3 +272,22 @@ def test_no_token_and_every_token_masked(backend, seed):
     out = fused_logprobs(hidden, weight, torch.full((4, K), -100), backend=backend)
     (top.logprobs.sum() + top.tail_logprob.sum() + out.logprobs.sum() + out.entropy.sum()).backward()
     assert hidden.grad.abs().max() == 0 and (out.logprobs == 0).all()
+
+
+def test_k_labels_triton_batch_invariant(seed):
+    """The triton backend's k-id log-probs and entropy: the same bits for a token alone, in a batch and in a
+    permuted batch (its statistics kernels and the ids' products sum in an order fixed per token)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(9, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.3
+    ids = distinct_ids((9,), K, V, gen)
+    temperature = torch.rand(9, generator=gen) + 0.5
+    whole = fused_logprobs(hidden, weight, ids, temperature=temperature, backend="triton", softcap=3.0)
+    perm = torch.randperm(9, generator=gen)
+    shuffled = fused_logprobs(hidden[perm], weight, ids[perm], temperature=temperature[perm], backend="triton",
+                              softcap=3.0)
+    assert torch.equal(shuffled.logprobs, whole.logprobs[perm]) and torch.equal(shuffled.entropy, whole.entropy[perm])
+    for i in (0, 4, 8):
+        one = fused_logprobs(hidden[i:i + 1], weight, ids[i:i + 1], temperature=temperature[i:i + 1],
+                             backend="triton", softcap=3.0)
+        assert torch.equal(one.logprobs[0], whole.logprobs[i]) and torch.equal(one.entropy[0], whole.entropy[i])

@@ -6,7 +6,7 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
     topk_divergence(student_hidden [..., H], student_weight [V, H], labels [...], teacher_topk_ids [..., k],
                     teacher_topk_logprobs [..., k], *, divergence="forward_kl_topk", temperature=1.0,
                     ignore_index=-100, tp_group=None, reduce_grad_hidden=True, backend="auto", softcap=None,
-                    log_prob_min_clamp=None) -> TopKDivergence(divergence, metrics, token_stats)
+                    log_prob_min_clamp=None, with_overlap=True) -> TopKDivergence(divergence, metrics, token_stats)
 
 - ``labels`` only marks the scored tokens (``labels != ignore_index``); the teacher's ids and log-probs of the
   other tokens are never read (padding may hold anything).
@@ -19,6 +19,10 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
   scored token the means are NaN, the minima +inf and the maxima -inf; overlap_token_advantage is 0.
 - ``token_stats``: the detached per-token tensors behind them ([...]: ``student_mass``, ``teacher_mass``,
   ``overlap_count`` int64, ``overlap_token_advantage``), for callers that aggregate across micro-batches.
+- ``with_overlap=False``: no overlap (the two overlap metrics and token stats are absent). The overlap needs the
+  student's own top-k, which the torch vocabulary pass selects; without it ``"forward_kl_topk"``'s forward is the
+  backend's statistics pass (Triton's kernels on CUDA) plus a gathered product for the k ids. The tail divergence
+  always takes the torch pass (it sums the mass outside the ids).
 - Bad input is a ValueError / TypeError naming the argument before any kernel runs: ids outside [0, V) or
   repeated within a token, teacher log-probs above 0 or NaN (on scored tokens), mismatched shapes, an unknown
   divergence, a non-finite log_prob_min_clamp.
@@ -50,7 +54,7 @@ import torch
 from torch import Tensor
 
 from .. import checks
-from ..api import check_head, inv_temperature, tp_group_name, vocab_layout
+from ..api import check_head, inv_temperature, tp_group_name
 from ..ops import function, label_set_function
 from ..ops.registry import choose_backend
 
@@ -82,13 +86,9 @@ def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int) -> tuple[Te
         if t.device != labels.device:
             raise ValueError(f"{name} is on {t.device}, the student's tokens on {labels.device}")
     scored = labels != ignore_index
-    lp = logprobs.detach().float()
-    bad = scored.unsqueeze(-1) & (torch.isnan(lp) | (lp > 0))
-    if lp.numel() and bool(bad.any()):
-        raise ValueError(f"teacher_topk_logprobs must be <= 0 and not NaN on scored tokens; got "
-                         f"{float(lp[bad][0])!r}")
+    lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs")
     ids = torch.where(scored.unsqueeze(-1), ids.long(), torch.full_like(ids, ignore_index, dtype=torch.int64))
-    return scored, ids, torch.where(scored.unsqueeze(-1), lp, torch.zeros_like(lp))
+    return scored, ids, lp
 
 
 def _masked_stats(x: Tensor, scored: Tensor, name: str) -> dict:
@@ -105,7 +105,7 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                     teacher_topk_logprobs: Tensor, *, divergence: str = "forward_kl_topk",
                     temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                     reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
-                    log_prob_min_clamp: Optional[float] = None) -> TopKDivergence:
+                    log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True) -> TopKDivergence:
     """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
     if divergence not in TOPK_DIVERGENCES:
         raise ValueError(f"divergence must be one of {TOPK_DIVERGENCES}, got {divergence!r}")
@@ -113,43 +113,50 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     ignore_index = checks.ignore_index(ignore_index)
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
     softcap = checks.softcap(softcap)
+    checks.boolean(with_overlap, "with_overlap")
     clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
     scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index)
     k = ids.shape[-1]
-    _, vocab = vocab_layout(weight, tp_group)
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     flat_ids = ids.reshape(-1, k)
-    label_set_function.validate_sets(flat_ids, inv_temp, vocab, ignore_index, name="teacher_topk_ids")
     mod, _ = choose_backend(hidden, weight, backend)
     options = function.OpOptions(backend=mod.name, with_entropy=False, ignore_index=ignore_index, softcap=softcap,
                                  tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden)
     with_tail = divergence == "forward_kl_topk_tail"
     s_lp, _, s_tail, s_top = label_set_function.fused_logprobs_k(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail, select=k)
-    s_lp, s_top = s_lp.view(ids.shape), s_top.view(ids.shape)
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,
+        select=k if with_overlap else 0, labels_name="teacher_topk_ids")
+    s_lp = s_lp.view(ids.shape)
     terms = topk_terms(s_lp, t_lp, clamp)
     if with_tail:
         d = terms.kl + tail_term(s_tail.view(labels.shape), t_lp)
     else:
         d = terms.kl.clamp_min(0.0)       # verl: top-k masses do not sum to 1, so the sum can be negative
     d = torch.where(scored, d, torch.zeros_like(d))
-    overlap = (ids.unsqueeze(-1) == s_top.unsqueeze(-2)).any(dim=-1) & scored.unsqueeze(-1)
-    count = overlap.sum(dim=-1)
-    adv = (-terms.token_kl.detach() * overlap).sum(dim=-1) / count.clamp_min(1)
-    adv = torch.where(count > 0, adv, torch.zeros_like(adv))
-    stats = {"student_mass": terms.student_mass, "teacher_mass": terms.teacher_mass, "overlap_count": count,
-             "overlap_token_advantage": adv}
+    stats = {"student_mass": terms.student_mass, "teacher_mass": terms.teacher_mass}
     metrics = {**_masked_stats(terms.student_mass, scored, "distillation/student_mass"),
                **_masked_stats(terms.teacher_mass, scored, "distillation/teacher_mass")}
-    n_scored = scored.sum()
-    metrics["distillation/overlap_ratio"] = (torch.where(scored, count, 0).sum() / n_scored).float() / k
-    with_overlap = scored & (count > 0)
-    metrics["distillation/overlap_token_advantage"] = torch.where(
-        with_overlap.any(), torch.where(with_overlap, adv, 0.0).sum() / with_overlap.sum().clamp_min(1), 0.0)
+    if with_overlap:
+        _overlap(ids, s_top.view(ids.shape), terms.token_kl.detach(), scored, stats, metrics)
     loss_stats = _masked_stats(d, scored, "distillation/loss")
     metrics["distillation/loss_min"], metrics["distillation/loss_max"] = (loss_stats["distillation/loss_min"],
                                                                           loss_stats["distillation/loss_max"])
     return TopKDivergence(d, metrics, stats)
+
+
+def _overlap(ids: Tensor, student_top: Tensor, token_kl: Tensor, scored: Tensor, stats: dict, metrics: dict) -> None:
+    """verl's overlap diagnostics: how many of the teacher's ids are among the student's own top-k, and the mean
+    of -token_kl over those ids (0 where none), per token and over the scored tokens."""
+    k = ids.shape[-1]
+    overlap = (ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(dim=-1) & scored.unsqueeze(-1)
+    count = overlap.sum(dim=-1)
+    adv = (-token_kl * overlap).sum(dim=-1) / count.clamp_min(1)
+    adv = torch.where(count > 0, adv, torch.zeros_like(adv))
+    stats["overlap_count"], stats["overlap_token_advantage"] = count, adv
+    metrics["distillation/overlap_ratio"] = (torch.where(scored, count, 0).sum() / scored.sum()).float() / k
+    some = scored & (count > 0)
+    metrics["distillation/overlap_token_advantage"] = torch.where(
+        some.any(), torch.where(some, adv, 0.0).sum() / some.sum().clamp_min(1), 0.0)
 
 
 class TopKTerms(NamedTuple):

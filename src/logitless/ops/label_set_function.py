@@ -40,17 +40,18 @@ if TYPE_CHECKING:
 
 
 def fused_logprobs_k(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, options: OpOptions,
-                     with_tail: bool = False, select: int = 0
+                     with_tail: bool = False, select: int = 0, labels_name: str = "labels"
                      ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(logprobs [N, k], entropy [N] or None, tail [N] or None, top ids [N, select] or None), float32 (ids
     int64), logprobs and tail differentiable w.r.t. hidden and weight, for hidden [N, H], labels [N, k] int64
     (global ids, or ignore_index on all k of an ignored row). ``select`` > 0: also the ids of the ``select``
-    largest logits per token (ties to the lower id; -1 on ignored rows), from the same pass, not differentiable."""
+    largest logits per token (ties to the lower id; -1 on ignored rows), from the same pass, not differentiable.
+    ``labels_name``: the argument the checks' messages name."""
     lp, ent, tail, top, _ = torch.ops.logitless.fused_logprobs_k(
         hidden, weight, labels, inv_temp, backend=options.backend, with_entropy=options.with_entropy,
         with_tail=with_tail, select=select, ignore_index=options.ignore_index, softcap=options.softcap,
         tp_group=options.tp_group, reduce_grad_hidden=options.reduce_grad_hidden,
-        check_inputs=options.check_inputs)
+        check_inputs=options.check_inputs, labels_name=labels_name)
     return (lp, ent if options.with_entropy else None, tail if with_tail else None,
             top if select else None)
 
@@ -100,14 +101,15 @@ def validate_sets(labels: Tensor, inv_temp: Tensor, vocab: int, ignore_index: in
 
 
 def _kept(labels: Tensor, inv_temp: Tensor, weight: Tensor, tp: Optional["VocabParallel"], ignore_index: int,
-          check_inputs: bool, validate: bool):
+          check_inputs: bool, validate: bool, labels_name: str = "labels"):
     """(valid [N] bool, rows [n] or None for every row, local ids [N, k]: the id's row in this weight, -1 where
     the row is ignored or another rank holds the id)."""
     valid = labels[:, 0] != ignore_index
     rows = None
     if check_inputs:
         vocab = tp.vocab_size if tp is not None else weight.shape[0]
-        every = validate_sets(labels, inv_temp, vocab, ignore_index) if validate else bool(valid.all())
+        every = (validate_sets(labels, inv_temp, vocab, ignore_index, labels_name) if validate
+                 else bool(valid.all()))
         if not every:
             rows = valid.nonzero().squeeze(1)
     local = labels - (tp.vocab_offset if tp is not None else 0)
@@ -135,6 +137,15 @@ def _pass_columns(backend: str, hidden: Tensor, weight: Tensor, n: int) -> tuple
         return max(1, n), weight.shape[0]
     return chunked.token_rows("forward", hidden, weight, False), chunked.stats_columns(n, weight.shape[0],
                                                                                          hidden.device)
+
+
+def _products(backend: str):
+    """The ids' raw products for this backend: the triton backend's kernel (a fixed summation order per token,
+    so its log-probs keep the backend's batch invariance), torch's batched product elsewhere."""
+    if backend == "triton":
+        from .triton.set_products import set_products
+        return set_products
+    return label_sets.set_products
 
 
 def _pass_name(backend: str) -> str:
@@ -204,24 +215,41 @@ def _global(part, tp, k, select):
 
 # ------------------------------------------------------------------------------------------ forward ops
 
+@torch.library.custom_op("logitless::checked_logprobs", mutates_args=())
+def checked_logprobs(logprobs: Tensor, scored: Tensor, name: str) -> Tensor:
+    """float32 log-probs [..., k], 0 on the rows where scored [...] is False; ValueError naming ``name`` when a
+    scored one is above 0 or NaN. A custom op: its host synchronisation is opaque to torch.compile."""
+    lp = logprobs.float()
+    bad = scored.unsqueeze(-1) & (torch.isnan(lp) | (lp > 0))
+    if lp.numel() and bool(bad.any()):
+        raise ValueError(f"{name} must be <= 0 and not NaN on scored tokens; got {float(lp[bad][0])!r}")
+    return torch.where(scored.unsqueeze(-1), lp, torch.zeros_like(lp))
+
+
+@checked_logprobs.register_fake
+def _checked_logprobs_fake(logprobs, scored, name):
+    return logprobs.new_empty(logprobs.shape, dtype=torch.float32)
+
+
 @torch.library.custom_op("logitless::fused_logprobs_k", mutates_args=())
 def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
                   with_entropy: bool, with_tail: bool, select: int, ignore_index: int, softcap: Optional[float],
-                  tp_group: Optional[str], reduce_grad_hidden: bool, check_inputs: bool
+                  tp_group: Optional[str], reduce_grad_hidden: bool, check_inputs: bool, labels_name: str = "labels"
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         return _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, select, ignore_index,
-                          softcap, tp_group, reduce_grad_hidden, check_inputs)
+                          softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name)
 
 
 def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, select, ignore_index, softcap,
-               tp_group, reduce_grad_hidden, check_inputs):
+               tp_group, reduce_grad_hidden, check_inputs, labels_name):
     if (with_tail or select) and with_entropy:
         raise ValueError("with_entropy cannot be set with the tail or a selection: their pass computes no entropy")
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N, k = labels.shape
-    valid, rows, local = _kept(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True)
+    valid, rows, local = _kept(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True,
+                               labels_name=labels_name)
     ids = labels
     if rows is not None:
         local, inv_temp, ids = local[rows], inv_temp[rows], labels[rows]
@@ -249,7 +277,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         zy = torch.zeros((n, k), **f32)
         for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, hidden.shape[1])):
             zy[start:stop], _ = label_sets.set_logits(_rows(hidden, rows, start, stop), weight, local[start:stop],
-                                                      inv_temp[start:stop], softcap)
+                                                      inv_temp[start:stop], softcap, _products(mod.name))
         if tp is not None and tp.world_size > 1:
             import torch.distributed as dist
             dist.all_reduce(zy, group=tp.group)    # each id's logit comes from the one rank holding it
@@ -273,7 +301,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
 
 @_forward_k_op.register_fake
 def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, with_tail, select, ignore_index,
-                    softcap, tp_group, reduce_grad_hidden, check_inputs):
+                    softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name="labels"):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return (hidden.new_empty(labels.shape, **f), hidden.new_empty(n if with_entropy else 0, **f),
@@ -358,7 +386,7 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
     if softcap is not None:
         raw = torch.zeros(local.shape, dtype=torch.float32, device=hidden.device)
         for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, hidden.shape[1])):
-            raw[start:stop] = label_sets.set_products(_rows(hidden, rows, start, stop), weight, local[start:stop])
+            raw[start:stop] = _products(mod.name)(_rows(hidden, rows, start, stop), weight, local[start:stop])
     c = label_sets.onehot_coefficients(coef, raw, inv_temp, softcap, local)
 
     def add_dh(dh: Tensor, start: int, stop: int) -> None:

@@ -57,10 +57,11 @@ def _bmm(w: Tensor, h: Tensor) -> Tensor:
         return torch.bmm(w, h).squeeze(2)
 
 
-def set_logits(hidden: Tensor, weight: Tensor, ids: Tensor, inv_temp: Tensor,
-               softcap: Optional[float]) -> tuple[Tensor, Tensor]:
-    """(z [n, k], raw [n, k]): the (softcapped, tempered) logits of the ids and their raw products."""
-    raw = set_products(hidden, weight, ids)
+def set_logits(hidden: Tensor, weight: Tensor, ids: Tensor, inv_temp: Tensor, softcap: Optional[float],
+               products=None) -> tuple[Tensor, Tensor]:
+    """(z [n, k], raw [n, k]): the (softcapped, tempered) logits of the ids and their raw products (from
+    ``products``, default ``set_products``: the triton backend passes its kernel's)."""
+    raw = (products or set_products)(hidden, weight, ids)
     z, _ = logits_from_products(raw.clone(), inv_temp, softcap)
     return z, raw
 
