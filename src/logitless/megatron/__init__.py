@@ -9,11 +9,11 @@ gather included); ``build_fused_schedule_plan`` builds megatron-core's combined-
 the processor; MTP losses come from the fused op too. ``last_path()`` says which path ran on which
 model class and ``strict=True`` / ``LOGITLESS_STRICT=1`` forbids fallback.
 
-Modules: ``processor`` (the output processor), ``unlabelled`` (labels=None), ``detect`` (hook or
-legacy, cached per model), ``patch`` (the legacy instance patch), ``mtp`` (fused MTP losses),
-``schedule`` (the schedule-plan path), ``head`` (the output layer's TP group and MuP scale),
-``forward`` (whole-batch entry points), ``packing`` (THD, TP x CP padding, zigzag), ``temperature``
-(its [b, s] layout rule); the record is ``logitless.record``.
+Modules: ``processor`` (the output processor), ``distill`` (its distillation target, ``DistillationTarget``),
+``unlabelled`` (labels=None), ``detect`` (hook or legacy, cached per model), ``patch`` (the legacy instance
+patch), ``mtp`` (fused MTP losses), ``schedule`` (the schedule-plan path), ``head`` (the output layer's TP
+group and MuP scale), ``forward`` (whole-batch entry points), ``packing`` (THD, TP x CP padding, zigzag),
+``temperature`` (its [b, s] layout rule); the record is ``logitless.record``.
 """
 from ..record import FusedPathUnavailable, PathRecord, last_path, strict_enabled
 from .detect import fused_forward_mode, supports_output_processor_hook, unwrap_gpt_model, unwrap_language_model
