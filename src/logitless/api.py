@@ -8,13 +8,15 @@ from torch import Tensor
 
 from . import checks
 from .ops import function, label_set_function
+from .ops.precision import GRAD_PRECISIONS, PRECISIONS, resolve
 from .ops.registry import BACKENDS, choose_backend
-from .record import last_backend
+from .record import last_backend, last_precision
 
 if TYPE_CHECKING:
     from .parallel import VocabParallel
 
-__all__ = ["fused_logprobs", "TokenLogProbs", "last_backend", "choose_backend", "BACKENDS"]
+__all__ = ["fused_logprobs", "TokenLogProbs", "last_backend", "last_precision", "choose_backend", "BACKENDS",
+           "PRECISIONS", "GRAD_PRECISIONS"]
 
 
 class TokenLogProbs(NamedTuple):
@@ -142,7 +144,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True,
                    ignore_index: int = -100, tp_group=None, reduce_grad_hidden: bool = True,
                    backend: str = "auto", softcap: Optional[float] = None,
-                   check_inputs: bool = True) -> TokenLogProbs:
+                   check_inputs: bool = True, precision: Optional[str] = None,
+                   grad_precision: Optional[str] = None) -> TokenLogProbs:
     """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
     (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
@@ -179,6 +182,16 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             computed with no label and their outputs and gradients set to 0 (a NaN / inf hidden state
             on an ignored row then reaches d_weight). Under ``tp_group`` the first call per group and
             shard shape exchanges the shard sizes (a host synchronisation): make it outside capture.
+        precision: how float32 operands are multiplied (``PRECISIONS``; docs/precision.md): None / "auto"
+            (default): "bf16x3" on CUDA (each operand split into two bfloat16 parts, three products on the
+            tensor cores: ~1e-5 from float64, ~3x a bfloat16 GEMM), "ieee" elsewhere; "bf16x6" (six
+            products, float32-exact), "tf32", "ieee" (IEEE float32 products). Half-precision operands take
+            only None / "auto" (any other value is a ValueError: it would have no effect).
+        grad_precision: the gradient products' precision (``GRAD_PRECISIONS``): None / "auto" (default):
+            "bf16" for the split and TF32 precisions (bfloat16 dlogits and operand parts: a bfloat16 head's
+            gradient error, ~2e-3 relative), "ieee" for "ieee"; "bf16x3" / "bf16x6" split the float32
+            dlogits too (float32-exact gradients, three or six products each); "ieee". ``last_precision()``
+            says what ran.
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape`` (with k ids per token:
@@ -197,6 +210,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
     softcap = checks.softcap(softcap)
     checks.boolean(check_inputs, "check_inputs")
+    precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
 
     mod, _ = choose_backend(hidden, weight, backend)
     sets = labels.dim() == hidden.dim()
@@ -205,7 +219,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     inv_temp = inv_temperature(temperature, tokens, check_values=False)
     options = function.OpOptions(backend=mod.name, with_entropy=with_entropy, ignore_index=ignore_index,
                                  softcap=softcap, tp_group=tp_group_name(tp_group),
-                                 reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs)
+                                 reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs,
+                                 precision=precision, grad_precision=grad_precision)
     # reshape outside the op so autograd links the caller's tensors to ours
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if sets:

@@ -1,7 +1,7 @@
 """What ran: the records that replace grepping logs, shared by the op and every integration.
 
 - ``last_backend()``: the backend the last fused op on this thread ran ("reference", "chunked", "triton");
-  the ops write it (``record_backend``).
+  the ops write it (``record_backend``), with ``last_precision()``: how its products ran.
 - ``last_path()``: a ``PathRecord`` (thread-local) that every integration call writes: which path produced
   the log-probabilities (Megatron's hook, the legacy patch, the unfused fallback, ...).
 - Strict mode (argument ``strict=True`` or env ``LOGITLESS_STRICT=1``) turns a would-be fallback to the
@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from . import checks, knobs
 
@@ -31,9 +31,23 @@ def last_backend() -> Optional[str]:
     return getattr(_state, "backend", None)
 
 
-def record_backend(name: str) -> None:
-    """Set what ``last_backend()`` returns (the ops call it)."""
+class Precision(NamedTuple):
+    """How a fused op's products ran (``logitless.ops.precision``): ``statistics`` for the logits ("native":
+    half-precision operands; for float32 operands "bf16x3", "bf16x6", "tf32" or "ieee") and ``gradients`` for
+    d_hidden / d_weight ("native", "bf16", "bf16x3", "bf16x6", "ieee")."""
+    statistics: str
+    gradients: str
+
+
+def last_precision() -> Optional[Precision]:
+    """How the last fused op on this thread multiplied (``Precision``), or None before the first call."""
+    return getattr(_state, "precision", None)
+
+
+def record_backend(name: str, precision: tuple = ("native", "native")) -> None:
+    """Set what ``last_backend()`` and ``last_precision()`` return (the ops call it)."""
     _state.backend = name
+    _state.precision = Precision(*precision)
 
 
 class FusedPathUnavailable(RuntimeError):
@@ -59,6 +73,8 @@ class PathRecord:
     serial: increases by one per record, so a caller can tell a fresh record from an old one.
     model: the class name of the Megatron model that ran ("GPTModel", "HybridModel", ...), None where
         it is not known.
+    precision: how the fused op's products ran (``Precision``: the op's record on this thread when the
+        record was written), None where no fused op ran.
     """
     path: str
     backend: Optional[str]
@@ -66,6 +82,7 @@ class PathRecord:
     reason: str
     serial: int
     model: Optional[str] = None
+    precision: Optional[Precision] = None
 
 
 def last_path() -> Optional[PathRecord]:
@@ -77,7 +94,9 @@ def write_record(path: str, backend: Optional[str], entry: str, reason: str = ""
                  model: Optional[str] = None) -> PathRecord:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    rec = PathRecord(path, backend, entry, reason, next(_serial), model)
+    # the fused op that produced ``backend`` ran on this thread just before: its precision is the thread's last
+    rec = PathRecord(path, backend, entry, reason, next(_serial), model,
+                     last_precision() if backend is not None else None)
     _state.record = rec
     return rec
 

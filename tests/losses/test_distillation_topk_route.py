@@ -57,7 +57,23 @@ def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
     for name, value in ref.metrics.items():
         assert torch.equal(out.metrics[name], value), name
     for got, want in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
-        assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-7)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+def test_topk_route_without_overlap():
+    """with_overlap=False passes through: no overlap diagnostics, the same loss and gradients."""
+    hidden, weight, t_ids, t_lp, labels = batch()
+    kw = dict(teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp, divergence="forward_kl_topk")
+    grads = []
+    for overlap in (True, False):
+        h = hidden.clone().requires_grad_()
+        out = fused_distillation_loss(h, weight, labels, with_overlap=overlap, **kw)
+        out.loss.backward()
+        grads.append((out.loss.detach(), h.grad))
+        assert (out.overlap_count is None) == (not overlap)
+        assert ("distillation/overlap_ratio" in out.metrics) == overlap
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6)
+    assert (grads[0][1] - grads[1][1]).abs().max() <= 1e-5 * grads[1][1].abs().max()
 
 
 @pytest.mark.parametrize("changes,error,match", [

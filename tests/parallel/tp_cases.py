@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from logitless import fused_logprobs, last_backend, parallel
+from logitless import fused_logprobs, last_backend, last_precision, parallel
 from logitless.losses import fused_policy_loss
 from logitless.parallel import (
     VocabParallel,
@@ -163,11 +163,11 @@ def same_on_every_rank(ctx: Ctx, ck: Checks, what: str, t: torch.Tensor) -> None
 def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, h=H, dtype=torch.float32,
                   temperature=1.0, ignore_index=-100, n_ignored=3, with_entropy=True,
                   reduce_grad_hidden=True, grad_hidden=True, grad_weight=True, tag="", salt=0,
-                  softcap=None, logit_std=4.0):
+                  softcap=None, logit_std=4.0, precision=None, grad_precision=None, tol=None):
     """One forward + backward across the group against the float64 unsharded ground truth."""
     sizes = sizes or even_sizes(V, ctx.world)
     tag = f"[{backend}{' ' + tag if tag else ''}]"
-    tol = TOL[dtype]
+    tol = tol or TOL[dtype]
     hidden, weight, labels = make_inputs(ctx, sizes, lead=lead, h=h, dtype=dtype, n_ignored=n_ignored,
                                          ignore_index=ignore_index, salt=salt, logit_std=logit_std)
     g = ctx.gen(salt + 1)
@@ -180,8 +180,11 @@ def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, 
     w_in = w_local.requires_grad_(grad_weight)
     out = fused_logprobs(h_in, w_in, labels, temperature=temperature, with_entropy=with_entropy,
                          ignore_index=ignore_index, tp_group=ctx.group, reduce_grad_hidden=reduce_grad_hidden,
-                         backend=backend, softcap=softcap)
+                         backend=backend, softcap=softcap, precision=precision, grad_precision=grad_precision)
     ck.true(f"{tag} last_backend", last_backend() == backend, f"is {last_backend()}")
+    if precision is not None:
+        ran = tuple(last_precision())
+        ck.true(f"{tag} last_precision", ran[0] == precision and ran[1] == (grad_precision or "bf16"), f"is {ran}")
     loss = (out.logprobs * a.float()).sum()
     if with_entropy:
         loss = loss + (out.entropy * b.float()).sum()
@@ -291,6 +294,20 @@ def case_bfloat16(ctx):
     ck = Checks()
     check_sharded(ctx, ck, backend="chunked", dtype=torch.bfloat16, temperature=0.8)
     check_sharded(ctx, ck, backend="chunked", dtype=torch.bfloat16, reduce_grad_hidden=False, tag="partial")
+    ck.done()
+
+
+def case_float32_split_precision(ctx):
+    """A float32 head by the three-product bfloat16 split, each rank splitting its own shard: the combined
+    statistics within the split's bound of float64 (logits of std 8, where bfloat16 operands miss it by far),
+    bfloat16 gradient products by default, float32-exact ones with grad_precision="bf16x3"."""
+    ck = Checks()
+    for backend in CPU_BACKENDS:
+        check_sharded(ctx, ck, backend=backend, precision="bf16x3", logit_std=8.0, temperature=0.9,
+                      tol=(2e-4, 2e-4, 3e-2), tag="bf16x3")
+        check_sharded(ctx, ck, backend=backend, precision="bf16x3", grad_precision="bf16x3", logit_std=8.0,
+                      reduce_grad_hidden=False, sizes=uneven_sizes(V, ctx.world), tol=(2e-4, 2e-4, 1e-4),
+                      tag="bf16x3 split grads, partial d_hidden")
     ck.done()
 
 
@@ -617,6 +634,7 @@ def case_next_token_labels_sharded(ctx):
 VOCAB_CASES = [case_scalar_temperature, case_per_token_temperature, case_without_entropy, case_unequal_shards,
                case_partial_grad_hidden, case_ignore_index, case_grad_subsets, case_bfloat16,
                case_three_dims_odd_hidden, case_softcap, case_empty_tokens, case_layout, case_layout_releases_group,
+               case_float32_split_precision,
                case_single_rank_subgroup]
 ERROR_CASES = [case_error_hidden_size_differs, case_error_dtype_differs, case_error_labels_outside_global_vocab,
                case_error_group_type]

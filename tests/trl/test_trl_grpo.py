@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import logitless
 from required import import_or_skip
 
 import_or_skip("trl", "the test extra installs trl")
@@ -170,6 +171,10 @@ def test_cast_lm_head_to_fp32_under_bf16_autocast(folder, tmp_path, seed):
                                                                        compute_entropy=True)
         lt.enable(trainer)
         lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5, compute_entropy=True)
+    # the float32 head reached the op as float32 operands: its default precision ran (IEEE float32 on the CPU,
+    # the three-product bfloat16 split on CUDA), with no setting passed
+    expected = ("bf16x3", "bf16") if lp.is_cuda else ("ieee", "ieee")
+    assert logitless.last_precision() == expected
     assert float((lp - lp_trl).abs().max()) <= TOL and float((ent - ent_trl).abs().max()) <= TOL
 
 

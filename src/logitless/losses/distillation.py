@@ -256,7 +256,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
 
 
 # the top-k divergences' own settings (verl's clamps), passed by name
-TOPK_SETTINGS = ("log_prob_min_clamp", "loss_max_clamp")
+TOPK_SETTINGS = ("log_prob_min_clamp", "loss_max_clamp", "with_overlap")
 
 
 def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs, *,
@@ -286,7 +286,8 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
     out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
                           divergence=divergence, temperature=temperature, ignore_index=ignore_index,
                           tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-                          softcap=student_softcap, log_prob_min_clamp=settings.get("log_prob_min_clamp"))
+                          softcap=student_softcap, log_prob_min_clamp=settings.get("log_prob_min_clamp"),
+                          with_overlap=settings.get("with_overlap", True))
     d = out.divergence
     if loss_max_clamp is not None:
         # verl's distillation_loss: the terms clamped to [-c, c] before the aggregation (its loss_min / loss_max
@@ -294,5 +295,6 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
         d = d.clamp(-loss_max_clamp, loss_max_clamp)
     loss = (d.reshape(-1) * token_w).sum()
     stats = out.token_stats
+    # with_overlap=False: no overlap diagnostics (None)
     return DistillationOutput(loss, d.detach(), None, stats["student_mass"], stats["teacher_mass"],
-                              stats["overlap_count"], stats["overlap_token_advantage"], out.metrics)
+                              stats.get("overlap_count"), stats.get("overlap_token_advantage"), out.metrics)

@@ -36,10 +36,11 @@ import torch
 from torch import Tensor
 
 from ..ops.function import _layout
-from ..ops.maths import autograd_inside_custom_op, no_autocast
+from ..ops.maths import autograd_inside_custom_op, no_autocast, tf32_products
 from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.policy_parts import scale_by_upstream
 from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients, weighted_terms
+from ..ops.precision import make_operands
 from ..ops.registry import load_backend
 from ..record import record_backend
 from .policy import PolicyLoss
@@ -95,6 +96,7 @@ class PassOptions:
     need_dh: bool
     need_dw: bool
     bounds: Optional[list] = None     # the chunks' boundaries when groups of tokens must stay whole
+    precision: tuple = ("native", "native")   # (statistics, gradients): ``ops/precision.py``
 
 
 @functools.lru_cache(maxsize=64)
@@ -172,7 +174,15 @@ def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpe
     if n:
         plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
         cut = {} if options.bounds is None else {"bounds": options.bounds}
-        options.policy_pass(h, weight, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab, **cut)
+        # a precision's split operands of the scored rows, made here and dropped with the pass
+        ops = make_operands(h, weight, *options.precision, with_grad=dh is not None or dw is not None)
+        if ops is not None:
+            cut["grad_operands"] = ops.grad
+        h_stats, w_stats = (h, weight) if ops is None else (ops.hidden, ops.weight)
+        with tf32_products(ops is not None and ops.tf32):
+            options.policy_pass(h_stats, w_stats, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab,
+                                **cut)
+        del ops, h_stats, w_stats
     else:
         if dh is not None:
             dh.zero_()
@@ -199,7 +209,8 @@ def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpe
 def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, inputs: list[Optional[Tensor]], *,
                numbers: list[float], strings: str, backend: str, ignore_index: int, tp_group: Optional[str],
                reduce_grad_hidden: bool, seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool,
-               bounds: Optional[list[int]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+               bounds: Optional[list[int]] = None, precision: str = "native",
+               grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         policy = unpack_policy(inputs, numbers, strings)
         mod = load_backend(backend)
@@ -209,9 +220,10 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
                               check_inputs=check_inputs)
         spec = policy.term_spec()
         options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
-                              need_dh=need_dh, need_dw=need_dw, bounds=bounds)
+                              need_dh=need_dh, need_dw=need_dw, bounds=bounds,
+                              precision=(precision, grad_precision))
         (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, spec, options)
-        record_backend(mod.name)
+        record_backend(mod.name, options.precision)
 
         def shaped(x: Tensor) -> Tensor:     # a fresh tensor in the labels' layout (outputs may not alias)
             x = x.view(tokens.row_shape)
@@ -222,7 +234,8 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
 
 @_policy_op.register_fake
 def _policy_fake(hidden, weight, labels, inv_temp, inputs, *, numbers, strings, backend, ignore_index, tp_group,
-                 reduce_grad_hidden, seq_first, check_inputs, need_dh, need_dw, bounds=None):
+                 reduce_grad_hidden, seq_first, check_inputs, need_dh, need_dw, bounds=None, precision="native",
+                 grad_precision="native"):
     def scalar():
         return hidden.new_empty((), dtype=torch.float32)
     return (scalar(), hidden.new_empty(labels.shape, dtype=torch.float32),
@@ -270,13 +283,15 @@ _policy_op.register_autograd(_backward, setup_context=_setup_context)
 def fused_policy_loss_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, policy: PolicyLoss, *,
                          backend: str, ignore_index: int, tp_group: Optional[str], reduce_grad_hidden: bool,
                          seq_first: bool, check_inputs: bool, need_dh: bool, need_dw: bool,
-                         bounds: Optional[list] = None):
+                         bounds: Optional[list] = None, precision: str = "native", grad_precision: str = "native"):
     """(loss, logprobs, entropy, clip_fraction, kl) of the op; hidden [N, H] in the rows' order, labels and
     inv_temp (float32) in the labels' layout; the arguments as checked by ``losses.api``. bounds: the chunks'
-    boundaries among the scored tokens (a sequence-coupled loss: ``api._sequence_bounds``), or None."""
+    boundaries among the scored tokens (a sequence-coupled loss: ``api._sequence_bounds``), or None.
+    precision, grad_precision: as ``ops.precision.resolve`` returns them."""
     tensors, numbers, strings = pack_policy(policy)
     out = torch.ops.logitless.fused_policy_loss(
         hidden, weight, labels, inv_temp, tensors, numbers=numbers, strings=strings, backend=backend,
         ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, seq_first=seq_first,
-        check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw, bounds=bounds)
+        check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw, bounds=bounds, precision=precision,
+        grad_precision=grad_precision)
     return out[:5]

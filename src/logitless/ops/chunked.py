@@ -20,12 +20,14 @@ from torch import Tensor
 from .. import knobs
 from .maths import (
     accumulate_mm,
+    accumulate_product,
     apply_softcap_derivative,
     dlogits_from_logits,
     label_logits,
     logits_from_products,
     mm_fp32,
 )
+from .precision import GradOperands
 
 name = "chunked"
 
@@ -117,26 +119,28 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
     return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None, dw_acc=None):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None, dw_acc=None,
+          grad_operands=None):
     n, vocab = hidden.shape[0], weight.shape[0]
-    dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
+    # half-precision GEMMs on the tensor cores (fp32 accumulation); a float32 dz would force fp32 GEMMs ~9x
+    # slower. Rounding dlogits to the input dtype costs ~3e-3 relative in grads. Elsewhere dz stays float32.
+    go = grad_operands or GradOperands.plain(
+        hidden, weight, hidden.dtype if hidden.is_cuda and hidden.dtype != torch.float32 else torch.float32)
+    dh = torch.zeros((n, go.hidden_size), dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = None
     if need_dw and dw_acc is None:
-        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        dw = torch.empty((vocab, go.hidden_size), dtype=go.out_dtype, device=weight.device)
     for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
         w = weight[start:stop]
         # with a softcap, t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
         z, t = logits_from_products(mm_fp32(hidden, w.t()), inv_temp, softcap, keep_tanh=True)
         dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent)
         dz = apply_softcap_derivative(dz, t)
-        if hidden.is_cuda and hidden.dtype != torch.float32:
-            # half-precision GEMMs on the tensor cores (fp32 accumulation); a float32 dz would force
-            # fp32 GEMMs ~9x slower. Rounding dlogits to the input dtype costs ~3e-3 relative in grads.
-            dz = dz.to(hidden.dtype)
         if dh is not None:
-            dh += mm_fp32(dz, w)
-        if dw is not None:
-            dw[start:stop] = mm_fp32(dz.t(), hidden)
-        elif need_dw:
-            accumulate_mm(dw_acc[start:stop], dz.t(), hidden)
+            for a, b in go.products(dz, [p[start:stop] for p in go.weight_parts]):
+                accumulate_mm(dh, a, b)
+        if need_dw:
+            out = dw[start:stop] if dw is not None else dw_acc[start:stop]
+            for i, (a, b) in enumerate(go.products(dz.t(), go.hidden_parts)):
+                accumulate_product(out, a, b, first=dw is not None and i == 0)
     return dh, dw

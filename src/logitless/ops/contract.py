@@ -31,6 +31,13 @@ Backward, given g_lp and g_ent (float32 [N]; g_ent may be None) and the *global*
 Each is None when not requested. With ``dw_acc`` (float32 [V, H]) the backend adds its d_weight into it
 instead and returns None for dw: that is how d_weight accumulates across token chunks.
 
+Precision (``precision.py``): for float32 operands the op may hand a backend a precision's *statistics
+operands* as hidden / weight (e.g. bfloat16 [N, 3H] / [V, 3H] for the three-product split: their product is
+the split's logits) and, to ``grads``, ``grad_operands`` (a ``precision.GradOperands``): then dlogits are written
+in ``grad_operands.dl_dtype`` and d_hidden / d_weight are the sums of its products (``products``) instead of
+dlogits @ weight and dlogits.T @ hidden; d_weight is ``grad_operands.out_dtype`` [V, grad_operands.hidden_size].
+Products of float32 operands inside ``maths.tf32_products`` may run as TF32 dots (the op's "tf32").
+
 Token chunks: ``token_rows(stage, hidden, weight, with_entropy)`` is the most tokens one call of ``stats``
 (stage "forward") or ``grads`` ("backward") takes; its workspace is bounded by that. The caller
 (``ops/token_chunks.py``) feeds larger inputs to it in chunks of that many rows. The backward's value must
@@ -56,6 +63,6 @@ class Backend(Protocol):
     def grads(self, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
               lse: Tensor, ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor],
               need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
-              dw_acc: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
+              dw_acc: Optional[Tensor] = None, grad_operands=None) -> tuple[Optional[Tensor], Optional[Tensor]]: ...
 
     def token_rows(self, stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int: ...

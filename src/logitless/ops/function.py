@@ -32,7 +32,8 @@ from torch import Tensor
 from .. import checks
 from ..record import record_backend
 from . import token_chunks
-from .maths import no_autocast
+from .maths import no_autocast, tf32_products
+from .precision import make_operands
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class OpOptions:
     tp_group: None, or the ``group_name`` of the process group the weight's vocabulary rows are sharded over.
     reduce_grad_hidden: under ``tp_group``, all-reduce d_hidden in backward (else leave it partial).
     check_inputs: validate labels / temperatures and skip ignored rows (host synchronisations; see above).
+    precision, grad_precision: how the products of float32 operands run, as ``precision.resolve`` returns them
+    ("native" for half-precision operands); the split operands are made inside each op (``precision.py``).
     """
     backend: str
     with_entropy: bool
@@ -58,6 +61,8 @@ class OpOptions:
     tp_group: Optional[str] = None
     reduce_grad_hidden: bool = True
     check_inputs: bool = True
+    precision: str = "native"
+    grad_precision: str = "native"
 
 
 def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
@@ -67,7 +72,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Ten
     lp, ent, _ = torch.ops.logitless.fused_logprobs(
         hidden, weight, labels, inv_temp, backend=options.backend, with_entropy=options.with_entropy,
         ignore_index=options.ignore_index, softcap=options.softcap, tp_group=options.tp_group,
-        reduce_grad_hidden=options.reduce_grad_hidden, check_inputs=options.check_inputs)
+        reduce_grad_hidden=options.reduce_grad_hidden, check_inputs=options.check_inputs,
+        precision=options.precision, grad_precision=options.grad_precision)
     return lp, ent if options.with_entropy else None
 
 
@@ -126,14 +132,15 @@ def _scatter(values: Tensor, rows: Tensor, n: int) -> Tensor:
 @torch.library.custom_op("logitless::fused_logprobs", mutates_args=())
 def _forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
                 with_entropy: bool, ignore_index: int, softcap: Optional[float], tp_group: Optional[str],
-                reduce_grad_hidden: bool, check_inputs: bool) -> tuple[Tensor, Tensor, Tensor]:
+                reduce_grad_hidden: bool, check_inputs: bool, precision: str = "native",
+                grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         return _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_index, softcap, tp_group,
-                        reduce_grad_hidden, check_inputs)
+                        reduce_grad_hidden, check_inputs, precision, grad_precision)
 
 
 def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_index, softcap, tp_group,
-             reduce_grad_hidden, check_inputs):
+             reduce_grad_hidden, check_inputs, precision, grad_precision):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     n = hidden.shape[0]
@@ -144,7 +151,12 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         lse = zy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
         ent = lse if with_entropy else None
     else:
-        lse, ent, zy = token_chunks.stats(mod, hidden, weight, local, inv_temp, rows, with_entropy, softcap)
+        # a precision's statistics operands (the split, made here and dropped after: never saved for backward)
+        ops = make_operands(hidden, weight, precision, grad_precision, with_grad=False)
+        h_stats, w_stats = (hidden, weight) if ops is None else (ops.hidden, ops.weight)
+        with tf32_products(ops is not None and ops.tf32):
+            lse, ent, zy = token_chunks.stats(mod, h_stats, w_stats, local, inv_temp, rows, with_entropy, softcap)
+        del ops, h_stats, w_stats
     if tp is not None:
         lse, ent, zy = tp.combine_stats(lse, ent, zy)
     lp = zy - lse
@@ -157,13 +169,13 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = torch.where(valid, ent, zero) if with_entropy else None
     elif lse is ent:   # the outputs must not alias each other
         ent = ent.clone()
-    record_backend(mod.name)
+    record_backend(mod.name, (precision, grad_precision))
     return lp, ent if with_entropy else lp.new_empty(0), lse
 
 
 @_forward_op.register_fake
 def _forward_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, ignore_index, softcap, tp_group,
-                  reduce_grad_hidden, check_inputs):
+                  reduce_grad_hidden, check_inputs, precision="native", grad_precision="native"):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n if with_entropy else 0, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.float32))
@@ -175,15 +187,17 @@ def _forward_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, ig
 def _backward_op(g_logprobs: Optional[Tensor], g_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
                  labels: Tensor, inv_temp: Tensor, lse: Tensor, entropy: Tensor, *, backend: str, with_entropy: bool,
                  ignore_index: int, softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
-                 check_inputs: bool, need_dh: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+                 check_inputs: bool, need_dh: bool, need_dw: bool, precision: str = "native",
+                 grad_precision: str = "native") -> tuple[Tensor, Tensor]:
     with no_autocast(hidden):
         return _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, backend,
                               with_entropy, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs,
-                              need_dh, need_dw)
+                              need_dh, need_dw, precision, grad_precision)
 
 
 def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, backend, with_entropy,
-                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
+                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw, precision,
+                   grad_precision):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False)
@@ -200,14 +214,18 @@ def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse,
         g_lp = torch.where(valid, g_lp, 0.0)
         g_ent = torch.where(valid, g_ent, 0.0) if g_ent is not None else None
     finish = tp.reduce_grad_hidden if tp is not None else (lambda dh: dh)
-    dh, dw = token_chunks.grads(mod, hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, rows, need_dh, need_dw,
-                                softcap, finish)
+    # the split again (forward and backward each make their own: nothing but hidden and weight is saved)
+    ops = make_operands(hidden, weight, precision, grad_precision)
+    with tf32_products(ops is not None and ops.tf32):
+        dh, dw = token_chunks.grads(mod, hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, rows, need_dh,
+                                    need_dw, softcap, finish, operands=ops)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
 
 
 @_backward_op.register_fake
 def _backward_fake(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse, entropy, *, backend, with_entropy,
-                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
+                   ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw,
+                   precision="native", grad_precision="native"):
     dh = hidden.new_empty(hidden.shape) if need_dh else hidden.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     return dh, dw

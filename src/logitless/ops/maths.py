@@ -3,24 +3,46 @@ logits, the label's logit and the backward formula of ``contract.py`` applied to
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
+# Set inside ``tf32_products``: float32 products may take TF32 dots (precision "tf32", whose operands are
+# already rounded to TF32, so the products are exact either way). Read by ``ieee_fp32`` and by the Triton
+# kernels' dot switches (``triton/common.dot_flags``).
+_TF32 = contextvars.ContextVar("logitless_tf32_products", default=False)
+
+
+@contextlib.contextmanager
+def tf32_products(enabled: bool = True) -> Iterator[None]:
+    """Inside the block (when ``enabled``), float32 products run as TF32 dots: cuBLAS with TF32 allowed and
+    the Triton kernels' dots in TF32. For operands already rounded to TF32 only (``precision.round_tf32``)."""
+    token = _TF32.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _TF32.reset(token)
+
+
+def tf32_enabled() -> bool:
+    return _TF32.get()
+
 
 @contextlib.contextmanager
 def ieee_fp32(t: Tensor) -> Iterator[None]:
     """Float32 products on ``t``'s device in IEEE float32 inside the block: a trainer's global TF32 switch
-    would cost ~3e-4 relative error. Restores the switch after."""
-    tf32 = t.is_cuda and torch.backends.cuda.matmul.allow_tf32
-    if tf32:
-        torch.backends.cuda.matmul.allow_tf32 = False
+    would cost ~3e-4 relative error. Restores the switch after. Inside ``tf32_products`` it allows TF32 instead."""
+    want = _TF32.get()
+    saved = torch.backends.cuda.matmul.allow_tf32 if t.is_cuda else want
+    if saved != want:
+        torch.backends.cuda.matmul.allow_tf32 = want
     try:
         yield
     finally:
-        if tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
+        if saved != want:
+            torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def no_autocast(t: Tensor):
@@ -136,3 +158,40 @@ def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor
     cols = torch.where(has, labels, torch.zeros_like(labels)).unsqueeze(1)
     dz.scatter_add_(1, cols, torch.where(has, g_lp, torch.zeros_like(g_lp)).unsqueeze(1))
     return dz.mul_(inv_temp.unsqueeze(1))
+
+
+def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, accumulated in float32 and rounded once to out.dtype (which may be float32 for
+    half-precision a, b: a float32 gradient from bfloat16 parts, or the tensor-parallel d_hidden, reduced
+    across ranks before its rounding). Float32 products are IEEE float32 (``ieee_fp32``)."""
+    if a.dtype == b.dtype == out.dtype and (a.is_cuda or a.dtype == torch.float32):
+        with ieee_fp32(a):
+            torch.mm(a, b, out=out)
+    elif a.is_cuda and a.dtype == b.dtype and out.dtype == torch.float32:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        except (RuntimeError, TypeError):
+            out.copy_(mm_fp32(a, b))
+    else:
+        out.copy_(mm_fp32(a, b))
+
+
+def accumulate_product(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """acc = a @ b when ``first``, else acc += a @ b, in place, with float32 accumulation inside each
+    product. On CUDA this is cuBLAS with beta = 1 on the acc buffer itself (no [acc]-sized temporary):
+    a half-precision ``acc`` is rounded once per call, a float32 one (``out_dtype``) not at all."""
+    if first:
+        product_into(acc, a, b)
+        return
+    if a.dtype == b.dtype and (a.is_cuda or a.dtype == torch.float32):
+        if acc.dtype == a.dtype:
+            with ieee_fp32(a):
+                acc.addmm_(a, b)
+            return
+        if acc.dtype == torch.float32:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                return
+            except (RuntimeError, TypeError):
+                pass
+    acc.add_(mm_fp32(a, b))

@@ -20,7 +20,8 @@ from torch import Tensor
 from .. import knobs
 from .chunked import DEFAULT_CHUNK_ELEMENTS
 from .maths import dlogits_from_logits, label_logits, logits_from_products, mm_fp32
-from .policy_parts import Combine, accumulate_product, product_into
+from .policy_parts import Combine, accumulate_product
+from .precision import GradOperands
 
 # Fewest token rows per chunk by default (an explicit LOGITLESS_CHUNK_ELEMENTS is obeyed): the three
 # products of a chunk have c as a dimension, and thin ones run far below the BLAS's rate (CPU, N1024 H512
@@ -55,10 +56,12 @@ def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.de
 
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
-                rows_per_chunk: Optional[int] = None, bounds: Optional[list] = None) -> None:
+                rows_per_chunk: Optional[int] = None, bounds: Optional[list] = None,
+                grad_operands: Optional[GradOperands] = None) -> None:
     """See ``policy_parts.py``. plan_vocab: the largest vocabulary shard of the tensor-parallel group (every
     rank must cut the same chunks; None: this weight's). rows_per_chunk: None for the knob's budget.
-    bounds: the chunks' boundaries [0, ..., n] (each chunk at most ``max_chunk_rows``), None for even chunks."""
+    bounds: the chunks' boundaries [0, ..., n] (each chunk at most ``max_chunk_rows``), None for even chunks.
+    grad_operands: the gradient products of a precision's statistics operands (``ops/precision.py``)."""
     n = hidden.shape[0]
     step = rows_per_chunk or _chunk_rows(n, plan_vocab or weight.shape[0], hidden.device)
     if bounds is None:
@@ -66,7 +69,10 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     acc = dw
     if dw is not None and dw.dtype != torch.float32:
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dw.device)
-    half_gemms = hidden.is_cuda and hidden.dtype != torch.float32
+    # half-precision inputs on CUDA: tensor-core GEMMs in the inputs' dtype, as the chunked fused_logprobs
+    # backward does; elsewhere float32 dlogits
+    go = grad_operands or GradOperands.plain(
+        hidden, weight, hidden.dtype if hidden.is_cuda and hidden.dtype != torch.float32 else torch.float32)
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         h = hidden[start:stop]
         it = inv_temp[start:stop]
@@ -77,20 +83,13 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         if dh is None and dw is None:
             continue
         dz = dlogits_from_logits(z, labels[start:stop], it, lse - m, ent, g_lp, g_ent)
-        if half_gemms:
-            # tensor-core GEMMs in the inputs' dtype, as the chunked fused_logprobs backward does
-            dz = dz.to(hidden.dtype)
         if dh is not None:
-            product_into(dh[start:stop], dz, weight)
+            for i, (a, b) in enumerate(go.products(dz, go.weight_parts)):
+                accumulate_product(dh[start:stop], a, b, first=i == 0)
         if acc is not None:
-            if half_gemms:
-                accumulate_product(acc, dz.t(), h, first=start == 0)
-            else:
-                part = mm_fp32(dz.t(), h)
-                if start == 0:
-                    acc.copy_(part)
-                else:
-                    acc.add_(part)
+            h_parts = go.rows(slice(start, stop)).hidden_parts
+            for i, (a, b) in enumerate(go.products(dz.t(), h_parts)):
+                accumulate_product(acc, a, b, first=start == 0 and i == 0)
     if acc is not None and acc is not dw:
         dw.copy_(acc)
 
@@ -101,7 +100,8 @@ def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: to
 
 def policy_pass_whole(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                       dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
-                      bounds: Optional[list] = None) -> None:
+                      bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None) -> None:
     """The "reference" backend: one chunk of every token (float32 logits [n, V]); ``bounds`` (any cut of
     the tokens) are all inside it."""
-    policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, rows_per_chunk=max(1, hidden.shape[0]))
+    policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, rows_per_chunk=max(1, hidden.shape[0]),
+                grad_operands=grad_operands)

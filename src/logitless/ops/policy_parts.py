@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .maths import mm_fp32
+from .maths import accumulate_product, product_into  # noqa: F401  (the pass's products, shared)
 
 Combine = Callable[[int, int, Tensor, Optional[Tensor], Tensor],
                    tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]
@@ -62,40 +62,6 @@ def scale_by_upstream(grad: Tensor, g: Tensor) -> None:
     factor = float(g)
     if factor != 1.0:
         grad.mul_(factor)
-
-
-def product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b, accumulated in float32 and rounded once to out.dtype (which may be float32 for
-    half-precision a, b: the tensor-parallel d_hidden, reduced across ranks before its rounding)."""
-    if a.dtype == b.dtype == out.dtype and (a.is_cuda or a.dtype == torch.float32):
-        torch.mm(a, b, out=out)
-    elif a.is_cuda and a.dtype == b.dtype and out.dtype == torch.float32:
-        try:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-        except (RuntimeError, TypeError):
-            out.copy_(mm_fp32(a, b))
-    else:
-        out.copy_(mm_fp32(a, b))
-
-
-def accumulate_product(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
-    """acc = a @ b when ``first``, else acc += a @ b, in place, with float32 accumulation inside each
-    product. On CUDA this is cuBLAS with beta = 1 on the acc buffer itself (no [acc]-sized temporary):
-    a half-precision ``acc`` is rounded once per call, a float32 one (``out_dtype``) not at all."""
-    if first:
-        product_into(acc, a, b)
-        return
-    if a.dtype == b.dtype and (a.is_cuda or a.dtype == torch.float32):
-        if acc.dtype == a.dtype:
-            acc.addmm_(a, b)
-            return
-        if acc.dtype == torch.float32:
-            try:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                return
-            except (RuntimeError, TypeError):
-                pass
-    acc.add_(mm_fp32(a, b))
 
 
 def balanced_chunks(n: int, max_rows: int, multiple: int = 1) -> int:

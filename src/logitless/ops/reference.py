@@ -17,6 +17,7 @@ from .maths import (
     logits_from_products,
     mm_fp32,
 )
+from .precision import GradOperands
 
 name = "reference"
 
@@ -42,15 +43,22 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
     return lse, ent, zy
 
 
-def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None, dw_acc=None):
+def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap=None, dw_acc=None,
+          grad_operands=None):
+    go = grad_operands or GradOperands.plain(hidden, weight, torch.float32)
     z, t = logits(hidden, weight, inv_temp, softcap, keep_tanh=True)
     dz = apply_softcap_derivative(dlogits_from_logits(z, labels, inv_temp, lse, ent, g_lp, g_ent), t)
-    dh = mm_fp32(dz, weight) if need_dh else None
-    dw = None
-    if need_dw and dw_acc is not None:
-        accumulate_mm(dw_acc, dz.t(), hidden)
-    elif need_dw:
-        dw = mm_fp32(dz.t(), hidden).to(weight.dtype)
+    dh = dw = None
+    if need_dh:
+        dh = torch.zeros((hidden.shape[0], go.hidden_size), dtype=torch.float32, device=hidden.device)
+        for a, b in go.products(dz, go.weight_parts):
+            accumulate_mm(dh, a, b)
+    if need_dw:
+        acc = dw_acc if dw_acc is not None else torch.zeros((weight.shape[0], go.hidden_size), dtype=torch.float32,
+                                                            device=weight.device)
+        for a, b in go.products(dz.t(), go.hidden_parts):
+            accumulate_mm(acc, a, b)
+        dw = None if dw_acc is not None else acc.to(go.out_dtype)
     return dh, dw
 
 

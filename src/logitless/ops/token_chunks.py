@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .contract import Backend
+from .precision import Operands
 
 
 def _chunk(hidden: Tensor, rows: Optional[Tensor], start: int, stop: int) -> Tensor:
@@ -59,8 +60,11 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
           ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], rows: Optional[Tensor],
           need_dh: bool, need_dw: bool, softcap: Optional[float],
           finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh,
-          add_dh: Optional[Callable[[Tensor, int, int], None]] = None):
+          add_dh: Optional[Callable[[Tensor, int, int], None]] = None, operands: Optional[Operands] = None):
     """(d_hidden hidden.dtype [N, H] or None, d_weight weight.dtype [V, H] or None) for hidden [N, H].
+    operands: a precision's operands for hidden and weight (``ops/precision.py``): the backend recomputes the
+    logits from their statistics operands and forms the gradients with their gradient products; None: from
+    hidden and weight themselves.
 
     labels, inv_temp, lse, ent, g_lp, g_ent: [n] vectors of the kept rows (``rows``, or all N). Rows not
     kept get a zero d_hidden. ``finish_dh`` maps each chunk's float32 d_hidden [T, H] before it is
@@ -69,6 +73,7 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
     chunk's float32 d_hidden (kept rows start..stop) before ``finish_dh``: the one-hot part of k ids per
     token (``label_sets``), so that it is all-reduced with the rest."""
     n_all, n = hidden.shape[0], labels.shape[0]
+    # the chunk plan is made on the caller's hidden (its shape, dtype and device: the same on every rank)
     step = max(1, backend.token_rows("backward", hidden, weight, g_ent is not None))
     chunks = [(start, min(start + step, n)) for start in range(0, n, step)]
     # one chunk of every row: the backend's float32 d_hidden is cast once (no output allocated up front)
@@ -84,11 +89,16 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
     dw = dw_acc = None
     if need_dw and len(chunks) > 1:
         dw_acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    h_stats, w_stats = (hidden, weight) if operands is None else (operands.hidden, operands.weight)
     for start, stop in chunks:
-        dh, dw_part = backend.grads(_chunk(hidden, rows, start, stop), weight, labels[start:stop],
+        extra = {}
+        if operands is not None:
+            extra["grad_operands"] = operands.grad.rows(
+                slice(start, stop) if rows is None else rows[start:stop])
+        dh, dw_part = backend.grads(_chunk(h_stats, rows, start, stop), w_stats, labels[start:stop],
                                     inv_temp[start:stop], lse[start:stop], None if ent is None else ent[start:stop],
                                     g_lp[start:stop], None if g_ent is None else g_ent[start:stop],
-                                    need_dh, need_dw, softcap, dw_acc=dw_acc)
+                                    need_dh, need_dw, softcap, dw_acc=dw_acc, **extra)
         if dw_part is not None:
             dw = dw_part
         if dh is None:

@@ -22,7 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from ..maths import accumulate_mm, ieee_fp32, mm_fp32
+from ..maths import accumulate_mm, accumulate_product
+from ..precision import GradOperands
 from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, softcap_tanh, tile_coords
 
@@ -119,43 +120,36 @@ def token_rows(hidden: Tensor) -> int:
     return max(block_m, knobs.triton_bwd_tokens(DEFAULT_BWD_TOKENS) // block_m * block_m)
 
 
-def _product_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b, float32 accumulation (IEEE float32 for float32 operands, whatever the global TF32
-    switch says), rounded once to out.dtype."""
-    if a.is_cuda or a.dtype == torch.float32:
-        with ieee_fp32(a):
-            torch.mm(a, b, out=out)
-    else:
-        out.copy_(mm_fp32(a, b))
-
-
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
-          dw_acc: Optional[Tensor] = None):
-    """(d_hidden float32 [N, H] or None, d_weight weight.dtype [V, H] or None), chunk by chunk.
+          dw_acc: Optional[Tensor] = None, grad_operands: Optional[GradOperands] = None):
+    """(d_hidden float32 [N, H] or None, d_weight [V, H] or None), chunk by chunk.
     softcap: None or c > 0, see logitless.ops.contract (the cap's derivative is applied in the kernel).
     dw_acc: None, or a float32 [V, H] accumulator into which d_weight is added (then None is returned).
+    grad_operands: the gradient products (``ops/precision.py``) when hidden / weight are a precision's
+    statistics operands; None: the products of hidden and weight themselves.
 
-    Workspace: one dlogits buffer [N, C] of hidden.dtype (256 MiB in bf16 by default) besides the outputs.
+    Workspace: one dlogits buffer [N, C] (256 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
     the gradients, the same as any bf16 backward; float32 inputs stay float32 throughout)."""
-    n, k = hidden.shape
+    go = grad_operands or GradOperands.plain(hidden, weight)
+    n, k = hidden.shape[0], go.hidden_size
     vocab = weight.shape[0]
     tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
     step = chunk_columns(n, vocab, tiles.block_n)
     h_kernel, w_kernel = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
     dh = torch.zeros((n, k), dtype=torch.float32, device=hidden.device) if need_dh else None
-    dw = torch.empty((vocab, k), dtype=weight.dtype, device=weight.device) if need_dw and dw_acc is None else None
-    buf = torch.empty((n, step), dtype=hidden.dtype, device=hidden.device)
+    dw = torch.empty((vocab, k), dtype=go.out_dtype, device=weight.device) if need_dw and dw_acc is None else None
+    buf = torch.empty((n, step), dtype=go.dl_dtype, device=hidden.device)
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
-        w_chunk = weight[start:stop]
         dl = dlogits_chunk(h_kernel, w_kernel[start:stop], start, labels, inv_temp, lse, ent, g_lp, g_ent,
                            buf[:, :stop - start], softcap)
         if dh is not None:
-            accumulate_mm(dh, dl, w_chunk)
-        if dw is not None:
-            _product_into(dw[start:stop], dl.t(), hidden)
-        elif need_dw:
-            accumulate_mm(dw_acc[start:stop], dl.t(), hidden)
+            for a, b in go.products(dl, [w[start:stop] for w in go.weight_parts]):
+                accumulate_mm(dh, a, b)
+        if need_dw:
+            out = dw[start:stop] if dw is not None else dw_acc[start:stop]
+            for i, (a, b) in enumerate(go.products(dl.t(), go.hidden_parts)):
+                accumulate_product(out, a, b, first=dw is not None and i == 0)
     return dh, dw

@@ -10,6 +10,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import knobs
+from ..maths import tf32_enabled
 
 # triton decides at decoration time whether @triton.jit builds GPU code or interpreter functions,
 # from TRITON_INTERPRET as it was when triton was imported.
@@ -30,10 +31,12 @@ def dot_flags(dtype: torch.dtype) -> dict:
     """Compile-time switches of the matrix product for inputs of ``dtype``.
 
     UPCAST: the interpreter's bf16 ``tl.dot`` is wrong (numpy has no bf16), so there, and only there,
-    tiles are cast to float32 first. IEEE: float32 inputs must not silently become tf32 (error ~1e-3).
+    tiles are cast to float32 first. IEEE: float32 inputs must not silently become tf32 (error ~1e-3),
+    except inside ``maths.tf32_products`` (precision "tf32": operands already rounded to TF32, exact either way;
+    the interpreter keeps IEEE, the same numbers).
     """
     return {"UPCAST": INTERPRETING and dtype != torch.float32,
-            "IEEE": dtype == torch.float32 or INTERPRETING}
+            "IEEE": (dtype == torch.float32 and not tf32_enabled()) or INTERPRETING}
 
 
 @dataclass(frozen=True)

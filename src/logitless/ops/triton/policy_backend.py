@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ... import knobs
 from ..policy_parts import Combine, accumulate_product, balanced_chunks, product_into
+from ..precision import GradOperands
 from .backend import unavailable_reason  # noqa: F401  (the same rule as fused_logprobs' triton backend)
 from .combine import combine_tiles
 from .common import choose_tiles
@@ -68,23 +69,28 @@ def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.de
 
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
-                bounds: Optional[list] = None) -> None:
+                bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None) -> None:
     """See ``logitless.ops.policy_parts``. plan_vocab: the largest vocabulary shard of the tensor-parallel group
     (every rank must cut the same chunks); None: this weight's. bounds: the chunks' boundaries [0, ..., n],
-    each chunk at most ``max_chunk_rows`` rows; None: balanced chunks."""
+    each chunk at most ``max_chunk_rows`` rows; None: balanced chunks. grad_operands: the gradient products
+    of a precision's statistics operands (``ops/precision.py``); None: of hidden and weight."""
     ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
     with ctx:   # triton launches on the current device
-        _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0], bounds)
+        _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0], bounds,
+                     grad_operands or GradOperands.plain(hidden, weight))
 
 
-def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds=None):
+def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds, go):
     n = hidden.shape[0]
     vocab = weight.shape[0]
     dev = hidden.device
     tiles = choose_tiles("POLICY", hidden.dtype, dev)
+    # the workspace holds e, then the dlogits in place (the same element size): float32 when the products take
+    # float32 dlogits, else float16 for e and the products' half dtype for the dlogits
+    ws_kind = go.dl_dtype
     with_grad = dh is not None or dw is not None
     if bounds is None:
-        step = chunk_rows(n, plan_vocab, hidden.dtype, tiles.block_m, tiles.block_n, with_grad)
+        step = chunk_rows(n, plan_vocab, ws_kind, tiles.block_m, tiles.block_n, with_grad)
         bounds = list(range(0, n, step)) + [n]
     else:
         step = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
@@ -93,9 +99,10 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, 
     stats = torch.empty(3 * n_tiles * step + step, dtype=torch.float32, device=dev)
     parts, zy_buf = stats[:3 * n_tiles * step].view(3, -1), stats[3 * n_tiles * step:]
     stride = row_stride(vocab)
-    ws = torch.empty(step * stride, dtype=workspace_dtype(hidden.dtype), device=dev) if with_grad else None
-    # the dlogits, in the inputs' dtype, overwrite e in place (same element size)
-    ws_dl = None if ws is None else (ws if ws.dtype == hidden.dtype else ws.view(hidden.dtype))
+    ws = torch.empty(step * stride, dtype=workspace_dtype(ws_kind), device=dev) if with_grad else None
+    # the dlogits, in the products' dtype, overwrite e in place (same element size)
+    dl_dtype = go.dl_dtype
+    ws_dl = None if ws is None else (ws if ws.dtype == dl_dtype else ws.view(dl_dtype))
     acc = dw
     if dw is not None and dw.dtype != torch.float32 and knobs.policy_dw_fp32():
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dev)
@@ -113,8 +120,14 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, 
         dl = ws_dl[:c * stride].view(c, stride)[:, :vocab]
         dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, it, lab, tiles.block_n)
         if dh is not None:
-            product_into(dh[start:stop], dl, weight)
+            for i, (a, b) in enumerate(go.products(dl, go.weight_parts)):
+                if i == 0:
+                    product_into(dh[start:stop], a, b)
+                else:
+                    accumulate_product(dh[start:stop], a, b, first=False)
         if acc is not None:
-            accumulate_product(acc, dl.t(), h, first=start == 0)
+            h_parts = go.rows(slice(start, stop)).hidden_parts
+            for i, (a, b) in enumerate(go.products(dl.t(), h_parts)):
+                accumulate_product(acc, a, b, first=start == 0 and i == 0)
     if acc is not None and acc is not dw:
         dw.copy_(acc)

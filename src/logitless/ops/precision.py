@@ -1,0 +1,199 @@
+"""How float32 operands are multiplied: the precisions, the operands each makes, and the gradient products.
+
+Half-precision operands (bfloat16, float16) have one path: their products are exact, accumulated in float32.
+Float32 operands choose (``precision``):
+
+- "ieee": IEEE float32 products (today's float32 path: exact to float32, but float32 FMA, no tensor cores).
+- "bf16x3": each operand as a sum of two bfloat16 parts, x = x_hi + x_lo (x_hi = x rounded to bfloat16,
+  x_lo = the rest rounded to bfloat16: 16 bits of mantissa together), and the three products
+  h_hi w_hi + h_hi w_lo + h_lo w_hi with float32 accumulation (the dropped h_lo w_lo is ~2^-16 relative).
+  The three products are ONE bfloat16 GEMM of three times the depth: along K,
+      h3 = [h_hi | h_hi | h_lo]  [N, 3H]      w3 = [w_hi | w_lo | w_hi]  [V, 3H]      h3 @ w3.T = the sum
+  so every half-precision kernel (the forward statistics, the policy pass, their Hopper Gluon kernel) runs it
+  unchanged, on the tensor cores, at ~3x the bfloat16 GEMM. Default for float32 operands on CUDA.
+- "bf16x6": three bfloat16 parts (24 bits: all of float32's mantissa) and the six products x_i y_j with
+  i + j <= 2, the same way: [N, 6H] and [V, 6H].
+- "tf32": the operands rounded to TF32 (10-bit mantissa) and multiplied with TF32 tensor-core dots (on the
+  CPU and in triton's interpreter: float32 products of the rounded values, the same numbers).
+
+Default ("auto"): "bf16x3" for float32 operands on CUDA; "ieee" elsewhere (the CPU's float32 BLAS is native and
+exact; a split would be slower there). Every precision runs on every device and backend (CI runs them on CPU).
+
+The gradients (``grad_precision``): the two products d_hidden = dlogits @ W and d_weight = dlogits.T @ h.
+- "bf16": dlogits rounded to bfloat16 times the operands' bfloat16 part x_hi, on the tensor cores: the error
+  of a bfloat16 head's gradients (~2e-3 relative). Default for the split and TF32 precisions.
+- "bf16x3" / "bf16x6": dlogits kept float32 and split like the operands, and the split's products with the
+  operands' parts: float32-exact gradients (three or six bfloat16 GEMMs per product).
+- "ieee": float32 dlogits, IEEE float32 products (default for "ieee").
+The statistics the backward recomputes (p = exp(z - lse)) always use the statistics' precision.
+
+Memory: the split operands are made inside the op, in its forward and again in its backward (never saved
+between them): bf16x3 holds [V, 3H] + [N, 3H] bfloat16 while it runs (1.5x a float32 weight's bytes),
+bf16x6 [V, 6H] + [N, 6H] (3x), tf32 a rounded float32 copy of each operand (and, for "bf16" gradients,
+a bfloat16 copy). Split gradients keep the dlogits workspace in float32 (twice the bfloat16 one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+PRECISIONS = ("auto", "bf16x3", "bf16x6", "tf32", "ieee")
+GRAD_PRECISIONS = ("auto", "bf16", "bf16x3", "bf16x6", "ieee")
+
+# parts of each operand, and the products (part of the left operand, part of the right) of each split
+_SPLITS = {"bf16x3": (2, ((0, 0), (0, 1), (1, 0))),
+           "bf16x6": (3, ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)))}
+
+
+def resolve(precision: Optional[str], grad_precision: Optional[str], dtype: torch.dtype,
+            device: torch.device) -> tuple[str, str]:
+    """(statistics precision, gradient precision) for operands of ``dtype`` on ``device``: what runs.
+    Half-precision operands give ("native", "native"). TypeError for a non-string, ValueError for an unknown
+    name, or a precision asked for half-precision operands (it would have no effect)."""
+    precision = _name(precision, "precision", PRECISIONS)
+    grad_precision = _name(grad_precision, "grad_precision", GRAD_PRECISIONS)
+    if dtype != torch.float32:
+        for value, arg in ((precision, "precision"), (grad_precision, "grad_precision")):
+            if value != "auto":
+                raise ValueError(f"{arg}={value!r} has no effect on {dtype} operands: it chooses how float32 "
+                                 f"operands are multiplied (half-precision products are exact); leave it "
+                                 f"None or 'auto'")
+        return "native", "native"
+    if precision == "auto":
+        precision = "bf16x3" if device.type == "cuda" else "ieee"
+    if grad_precision == "auto":
+        grad_precision = "ieee" if precision == "ieee" else "bf16"
+    return precision, grad_precision
+
+
+def _name(value, arg: str, names: tuple) -> str:
+    if value is None:
+        return "auto"
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str or None, got {type(value).__name__}")
+    if value not in names:
+        raise ValueError(f"{arg} must be one of {names} or None, got {value!r}")
+    return value
+
+
+def split_parts(x: Tensor, parts: int) -> list[Tensor]:
+    """x (float32) as ``parts`` bfloat16 tensors whose float32 sum is x to ~2^-(8 * parts) relative: each part
+    is what the earlier parts leave, rounded to bfloat16."""
+    out = []
+    rest = x.float()
+    for i in range(parts):
+        part = rest.to(torch.bfloat16)
+        out.append(part)
+        if i + 1 < parts:
+            rest = rest - part.float()
+    return out
+
+
+def round_tf32(x: Tensor) -> Tensor:
+    """x (float32) rounded to TF32's 10-bit mantissa (to nearest, ties away from zero, as the hardware's
+    conversion), a float32 tensor: its products with TF32 dots are exact."""
+    bits = x.float().contiguous().view(torch.int32)
+    rounded = (bits + (1 << 12)) & ~((1 << 13) - 1)
+    finite = torch.isfinite(x)
+    return torch.where(finite, rounded.view(torch.float32), x.float())
+
+
+@dataclass(frozen=True)
+class GradOperands:
+    """The two gradient products of a backend: d_hidden = sum over ``pairs`` (i, j) of dl_i @ weight_parts[j],
+    d_weight = sum of dl_i.T @ hidden_parts[j], where dl_i are the parts of the dlogits (``dl_parts`` bfloat16
+    parts of float32 dlogits; with one, the dlogits as the backend wrote them, in ``dl_dtype``).
+
+    hidden_parts [N, H] and weight_parts [V, H] (views into the split operands, or the operands themselves);
+    dl_dtype: the dtype the backend writes its dlogits in; out_dtype: the d_weight dtype (the weight's)."""
+    hidden_parts: tuple
+    weight_parts: tuple
+    pairs: tuple
+    dl_parts: int
+    dl_dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    @staticmethod
+    def plain(hidden: Tensor, weight: Tensor, dl_dtype: Optional[torch.dtype] = None) -> "GradOperands":
+        """The products of the operands themselves with the dlogits in ``dl_dtype`` (default hidden's)."""
+        return GradOperands((hidden,), (weight,), ((0, 0),), 1, dl_dtype or hidden.dtype, weight.dtype)
+
+    def rows(self, index) -> "GradOperands":
+        """The same products for hidden's rows ``index`` (a slice, or an int64 tensor of rows)."""
+        pick = (lambda t: t[index]) if isinstance(index, slice) else (lambda t: t.index_select(0, index))
+        return GradOperands(tuple(pick(t) for t in self.hidden_parts), self.weight_parts, self.pairs, self.dl_parts,
+                            self.dl_dtype, self.out_dtype)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight_parts[0].shape[1]
+
+    def products(self, dl: Tensor, operand_parts) -> Iterator[tuple[Tensor, Tensor]]:
+        """(a, b) whose products a @ b sum to dlogits @ operand: ``dl`` [*, C] the dlogits (or their transpose),
+        ``operand_parts`` the right operands' parts ([C, *] each)."""
+        if self.dl_parts == 1:
+            dls = [dl if dl.dtype == self.dl_dtype else dl.to(self.dl_dtype)]
+        else:
+            dls = split_parts(dl, self.dl_parts)
+        for i, j in self.pairs:
+            yield dls[i], operand_parts[j]
+
+
+@dataclass(frozen=True)
+class Operands:
+    """What a backend multiplies for one call: the statistics operands (the logits are hidden @ weight.T;
+    bfloat16 [N, kH] / [V, kH] for a split), whether their dots are TF32 (``tf32``), and the gradient products
+    (``grad``)."""
+    hidden: Tensor
+    weight: Tensor
+    grad: GradOperands
+    tf32: bool = False
+
+
+def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str,
+                  with_grad: bool = True) -> Optional[Operands]:
+    """The operands of ``precision`` / ``grad_precision`` (as ``resolve`` returns them) for hidden [N, H] and
+    weight [V, H]; None for the operands themselves ("native", or "ieee" with "ieee" gradients): the backends'
+    own path. with_grad=False: only the statistics operands are used (the gradient parts are views anyway)."""
+    if precision in ("native", "ieee") and grad_precision in ("native", "ieee"):
+        return None
+    if precision in _SPLITS:
+        parts, pairs = _SPLITS[precision]
+        h_parts, w_parts = split_parts(hidden, parts), split_parts(weight, parts)
+        h_stats = torch.cat([h_parts[i] for i, _ in pairs], dim=1)
+        w_stats = torch.cat([w_parts[j] for _, j in pairs], dim=1)
+        del h_parts, w_parts
+        h = hidden.shape[1]
+        # views of the concatenation: block b of K holds part pairs[b] (the first block is (hi, hi))
+        h_views = {i: h_stats[:, b * h:(b + 1) * h] for b, (i, _) in reversed(list(enumerate(pairs)))}
+        w_views = {j: w_stats[:, b * h:(b + 1) * h] for b, (_, j) in reversed(list(enumerate(pairs)))}
+        h_views = tuple(h_views[i] for i in range(parts))
+        w_views = tuple(w_views[j] for j in range(parts))
+        tf32 = False
+    elif precision == "tf32":
+        h_stats, w_stats = round_tf32(hidden), round_tf32(weight)
+        h_views = w_views = None
+        tf32 = True
+    else:   # "ieee" statistics with another gradient precision
+        h_stats, w_stats = hidden, weight
+        h_views = w_views = None
+        tf32 = False
+    grad = _grad_operands(hidden, weight, grad_precision, h_views, w_views) if with_grad else \
+        GradOperands.plain(hidden, weight)
+    return Operands(h_stats, w_stats, grad, tf32)
+
+
+def _grad_operands(hidden: Tensor, weight: Tensor, grad_precision: str, h_views, w_views) -> GradOperands:
+    if grad_precision == "ieee":
+        return GradOperands.plain(hidden, weight, torch.float32)
+    parts, pairs = (1, ((0, 0),)) if grad_precision == "bf16" else _SPLITS[grad_precision]
+    # the statistics' split already holds the parts (views, no copy) when it has at least as many
+    if h_views is not None and len(h_views) >= parts:
+        h_parts, w_parts = h_views[:parts], w_views[:parts]
+    else:
+        h_parts, w_parts = tuple(split_parts(hidden, parts)), tuple(split_parts(weight, parts))
+    dl_dtype = torch.bfloat16 if grad_precision == "bf16" else torch.float32
+    return GradOperands(h_parts, w_parts, pairs, parts if parts > 1 else 1, dl_dtype, weight.dtype)
