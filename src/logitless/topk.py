@@ -10,6 +10,7 @@ from torch import Tensor
 from . import checks
 from .api import check_head, inv_temperature, tp_group_name, vocab_layout
 from .ops import label_set_function
+from .ops.precision import resolve
 from .ops.registry import choose_backend
 
 __all__ = ["fused_topk", "TopKLogProbs"]
@@ -25,7 +26,8 @@ class TopKLogProbs(NamedTuple):
 
 def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[float, Tensor] = 1.0,
                mask: Optional[Tensor] = None, tp_group=None, reduce_grad_hidden: bool = True,
-               backend: str = "auto", softcap: Optional[float] = None) -> TopKLogProbs:
+               backend: str = "auto", softcap: Optional[float] = None, precision: Optional[str] = None,
+               grad_precision: Optional[str] = None) -> TopKLogProbs:
     """The top-k of softmax(z), z = hidden @ weight.T / temperature (softcapped first with ``softcap``, as in
     ``fused_logprobs``), per token, in one pass over the vocabulary and without the [tokens x vocab] logits.
 
@@ -42,6 +44,10 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
             [tokens x V] tile, the chunked backend in its tiles; no Triton kernel selects a top-k, so
             ``last_backend()`` reports "chunked" for "auto" on CUDA too); "triton" runs the backward's kernels
             (the selection stays the torch pass). The backward runs the chosen backend's kernels.
+        precision, grad_precision: how float32 operands are multiplied, as in ``fused_logprobs``
+            (docs/precision.md; default: the three-product bfloat16 split on CUDA, IEEE float32 elsewhere): the
+            selection, the log-probs and the tail are those of the precision's logits. Half-precision operands
+            take only None / "auto". ``last_precision()`` says what ran.
 
     Returns:
         TopKLogProbs(ids, logprobs, tail_logprob). ``logprobs`` and ``tail_logprob`` are differentiable w.r.t.
@@ -57,6 +63,7 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
         raise ValueError(f"k must lie in [1, V={vocab}], got k={k}")
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
     softcap = checks.softcap(softcap)
+    precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
     lead = hidden.shape[:-1]
     if mask is None:
         mask = torch.ones(lead, dtype=torch.bool, device=hidden.device)
@@ -72,5 +79,5 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
     inv_temp = inv_temperature(temperature, mask, check_values=False)
     ids, lp, tail = label_set_function.fused_topk(hidden.reshape(-1, hidden.shape[-1]), weight, inv_temp,
                                                   mask.reshape(-1), k, mod.name, softcap, tp_group_name(tp_group),
-                                                  reduce_grad_hidden)
+                                                  reduce_grad_hidden, precision, grad_precision)
     return TopKLogProbs(ids.view(lead + (k,)), lp.view(lead + (k,)), tail.view(lead))

@@ -10,6 +10,7 @@ import torch
 from logitless import fused_logprobs, fused_topk, last_backend
 from logitless.ops import label_set_function
 from logitless.ops.function import OpOptions
+from logitless.ops.triton.common import INTERPRETING
 from reference64 import rel_err
 
 V, H, K = 4099, 96, 5
@@ -22,6 +23,19 @@ TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.bfloat16: (1e-3, 2e-3, 1e-2)}
 def small_chunks(monkeypatch):
     # the chunked backend and the vocabulary pass cut 4099 columns into ragged tiles, and 7 tokens into 2 calls
     monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(4 * 700))
+
+
+def device_for(backend):
+    """Where a backend's call runs: the triton backend on the GPU when there is one (compiled kernels), else in
+    the interpreter on the CPU; the others on the CPU. The float64 ground truth stays on the CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRETING else "cpu"
+
+
+def moved(dev, *tensors):
+    """Leaf copies on ``dev`` (requiring grad where the original does), or the tensors themselves on the CPU."""
+    if dev == "cpu":
+        return tensors
+    return tuple(t.detach().to(dev).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in tensors)
 
 
 def logits64(hidden, weight, temperature, softcap):
@@ -62,12 +76,17 @@ def test_k_labels_match_float64(backend, softcap, temp, seed):
     temperature = temperature_of(temp, gen)
     ids = distinct_ids(LEAD, K, V, gen)
     ids[0, 2] = -100                       # an ignored token: all k ids are ignore_index
-    out = fused_logprobs(hidden, weight, ids, temperature=temperature, backend=backend, softcap=softcap)
+    dev = device_for(backend)
+    h_in, w_in, ids_in, t_in = moved(dev, hidden, weight, ids, temperature)
+    out = fused_logprobs(h_in, w_in, ids_in, temperature=t_in, backend=backend, softcap=softcap)
     assert last_backend() == backend
     assert out.logprobs.shape == ids.shape and out.entropy.shape == LEAD
     assert out.logprobs.dtype == out.entropy.dtype == torch.float32
     g_lp, g_ent = torch.randn(ids.shape, generator=gen), torch.randn(LEAD, generator=gen)
-    ((out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    ((out.logprobs * g_lp.to(dev)).sum() + (out.entropy * g_ent.to(dev)).sum()).backward()
+    out = type(out)(out.logprobs.cpu(), out.entropy.cpu())
+    if dev != "cpu":
+        hidden.grad, weight.grad = h_in.grad.cpu(), w_in.grad.cpu()
 
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     logp = torch.log_softmax(logits64(h64, w64, temperature, softcap), -1)
@@ -154,11 +173,16 @@ def test_topk_matches_float64(backend, softcap, seed):
     temperature = temperature_of("token", gen)
     mask = torch.ones(LEAD, dtype=torch.bool)
     mask[0, 5] = False
-    out = fused_topk(hidden, weight, K, temperature=temperature, mask=mask, backend=backend, softcap=softcap)
+    dev = device_for(backend)
+    h_in, w_in, t_in, m_in = moved(dev, hidden, weight, temperature, mask)
+    out = fused_topk(h_in, w_in, K, temperature=t_in, mask=m_in, backend=backend, softcap=softcap)
     assert last_backend() == ("reference" if backend == "reference" else "chunked")   # the torch pass ran
     assert out.ids.dtype == torch.int64 and out.logprobs.dtype == out.tail_logprob.dtype == torch.float32
     g_lp, g_tail = torch.randn(*LEAD, K, generator=gen), torch.randn(LEAD, generator=gen)
-    ((out.logprobs * g_lp).sum() + (out.tail_logprob * g_tail).sum()).backward()
+    ((out.logprobs * g_lp.to(dev)).sum() + (out.tail_logprob * g_tail.to(dev)).sum()).backward()
+    out = type(out)(out.ids.cpu(), out.logprobs.cpu(), out.tail_logprob.cpu())
+    if dev != "cpu":
+        hidden.grad, weight.grad = h_in.grad.cpu(), w_in.grad.cpu()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     ids, lp, tail = topk64(h64, w64, K, temperature, softcap)
     m = mask.unsqueeze(-1)
@@ -282,8 +306,9 @@ def test_k_labels_triton_batch_invariant(seed):
     weight = torch.randn(V, H, generator=gen) * 0.3
     ids = distinct_ids((9,), K, V, gen)
     temperature = torch.rand(9, generator=gen) + 0.5
+    hidden, weight, ids, temperature = moved(device_for("triton"), hidden, weight, ids, temperature)
     whole = fused_logprobs(hidden, weight, ids, temperature=temperature, backend="triton", softcap=3.0)
-    perm = torch.randperm(9, generator=gen)
+    perm = torch.randperm(9, generator=gen).to(hidden.device)
     shuffled = fused_logprobs(hidden[perm], weight, ids[perm], temperature=temperature[perm], backend="triton",
                               softcap=3.0)
     assert torch.equal(shuffled.logprobs, whole.logprobs[perm]) and torch.equal(shuffled.entropy, whole.entropy[perm])

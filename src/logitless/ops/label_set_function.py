@@ -32,7 +32,8 @@ from .. import checks
 from ..record import record_backend
 from . import chunked, label_sets, token_chunks
 from .function import OpOptions, _layout
-from .maths import no_autocast
+from .maths import no_autocast, tf32_products
+from .precision import make_operands
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -51,19 +52,22 @@ def fused_logprobs_k(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: T
         hidden, weight, labels, inv_temp, backend=options.backend, with_entropy=options.with_entropy,
         with_tail=with_tail, select=select, ignore_index=options.ignore_index, softcap=options.softcap,
         tp_group=options.tp_group, reduce_grad_hidden=options.reduce_grad_hidden,
-        check_inputs=options.check_inputs, labels_name=labels_name)
+        check_inputs=options.check_inputs, labels_name=labels_name, precision=options.precision,
+        grad_precision=options.grad_precision)
     return (lp, ent if options.with_entropy else None, tail if with_tail else None,
             top if select else None)
 
 
 def fused_topk(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, k: int, backend: str,
-               softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool
-               ) -> tuple[Tensor, Tensor, Tensor]:
+               softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
+               precision: str = "native", grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor]:
     """(ids [N, k] int64, logprobs [N, k], tail [N]) of the rows where mask [N] is True (ids -1, logprobs 0,
-    tail 0 elsewhere); logprobs and tail differentiable w.r.t. hidden and weight."""
+    tail 0 elsewhere); logprobs and tail differentiable w.r.t. hidden and weight. precision / grad_precision as
+    ``precision.resolve`` returns them."""
     ids, lp, tail, _ = torch.ops.logitless.fused_topk(hidden, weight, inv_temp, mask, k=k, backend=backend,
                                                        softcap=softcap, tp_group=tp_group,
-                                                       reduce_grad_hidden=reduce_grad_hidden)
+                                                       reduce_grad_hidden=reduce_grad_hidden, precision=precision,
+                                                       grad_precision=grad_precision)
     return ids, lp, tail
 
 
@@ -234,15 +238,23 @@ def _checked_logprobs_fake(logprobs, scored, name):
 @torch.library.custom_op("logitless::fused_logprobs_k", mutates_args=())
 def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, *, backend: str,
                   with_entropy: bool, with_tail: bool, select: int, ignore_index: int, softcap: Optional[float],
-                  tp_group: Optional[str], reduce_grad_hidden: bool, check_inputs: bool, labels_name: str = "labels"
+                  tp_group: Optional[str], reduce_grad_hidden: bool, check_inputs: bool, labels_name: str = "labels",
+                  precision: str = "native", grad_precision: str = "native"
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         return _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, select, ignore_index,
-                          softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name)
+                          softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name, precision, grad_precision)
+
+
+def _stats_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, n: int):
+    """(hidden, weight, tf32) the forward multiplies: a precision's statistics operands (``precision.py``; made
+    here, dropped with the pass, never saved), or the operands themselves (none needed for no kept row)."""
+    ops = make_operands(hidden, weight, precision, grad_precision, with_grad=False) if n else None
+    return (hidden, weight, False) if ops is None else (ops.hidden, ops.weight, ops.tf32)
 
 
 def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tail, select, ignore_index, softcap,
-               tp_group, reduce_grad_hidden, check_inputs, labels_name):
+               tp_group, reduce_grad_hidden, check_inputs, labels_name, precision="native", grad_precision="native"):
     if (with_tail or select) and with_entropy:
         raise ValueError("with_entropy cannot be set with the tail or a selection: their pass computes no entropy")
     mod = load_backend(backend)
@@ -256,9 +268,14 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     n = local.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     ent = tail = top = None
+    # the logits of every pass below, the ids' included, are products of the precision's operands: each id's
+    # logit is the number the statistics summed for its column (docs/precision.md, "k ids per token")
+    h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
     if with_tail or select:
-        part, sel = _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, mod.name,
-                              tp.vocab_offset if tp is not None else 0, given=ids, given_local=local, select=select)
+        with tf32_products(tf32):
+            part, sel = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name,
+                                  tp.vocab_offset if tp is not None else 0, given=ids, given_local=local,
+                                  select=select)
         part = _global(part, tp, k, select=False)
         lse, tail = part.lse_and_tail()
         lp = part.vals - lse.unsqueeze(1)
@@ -270,13 +287,15 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
             lse = torch.zeros(0, **f32)
             ent = torch.zeros(0, **f32) if with_entropy else None
         else:
-            lse, ent, _ = token_chunks.stats(mod, hidden, weight, torch.full_like(local[:, 0], -1), inv_temp, rows,
-                                             with_entropy, softcap)
+            with tf32_products(tf32):
+                lse, ent, _ = token_chunks.stats(mod, h_s, w_s, torch.full_like(local[:, 0], -1), inv_temp, rows,
+                                                 with_entropy, softcap)
         if tp is not None:
             lse, ent, _ = tp.combine_stats(lse, ent, torch.zeros_like(lse))
         zy = torch.zeros((n, k), **f32)
-        for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, hidden.shape[1])):
-            zy[start:stop], _ = label_sets.set_logits(_rows(hidden, rows, start, stop), weight, local[start:stop],
+        for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, h_s.shape[1])):
+            # float32 products of the precision's parts (exact: bfloat16 parts, TF32-rounded values), IEEE
+            zy[start:stop], _ = label_sets.set_logits(_rows(h_s, rows, start, stop), w_s, local[start:stop],
                                                       inv_temp[start:stop], softcap, _products(mod.name))
         if tp is not None and tp.world_size > 1:
             import torch.distributed as dist
@@ -293,7 +312,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         ent = torch.where(valid, ent, torch.zeros_like(ent)) if ent is not None else None
         tail = torch.where(valid, tail, torch.zeros_like(tail)) if tail is not None else None
         top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
-    record_backend(_pass_name(mod.name) if with_tail or select else mod.name)
+    del h_s, w_s
+    record_backend(_pass_name(mod.name) if with_tail or select else mod.name, (precision, grad_precision))
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -301,7 +321,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
 
 @_forward_k_op.register_fake
 def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, with_tail, select, ignore_index,
-                    softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name="labels"):
+                    softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name="labels", precision="native",
+                    grad_precision="native"):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return (hidden.new_empty(labels.shape, **f), hidden.new_empty(n if with_entropy else 0, **f),
@@ -311,13 +332,15 @@ def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, 
 
 @torch.library.custom_op("logitless::fused_topk", mutates_args=())
 def _topk_op(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, *, k: int, backend: str,
-             softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool, precision: str = "native",
+             grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
-        return _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden)
+        return _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden, precision,
+                     grad_precision)
 
 
-def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden):
+def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden, precision="native",
+          grad_precision="native"):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N = hidden.shape[0]
@@ -329,19 +352,24 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
         inv_temp = inv_temp[rows]
     n = inv_temp.shape[0]
     offset = tp.vocab_offset if tp is not None else 0
-    part, _ = _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, mod.name, offset)
+    # the selection and the sums are over the precision's logits (its statistics operands)
+    h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
+    with tf32_products(tf32):
+        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, offset)
+    del h_s, w_s
     part = _global(part, tp, k, select=True)
     lse, tail = part.lse_and_tail()
     lp, ids = part.vals - lse.unsqueeze(1), part.ids
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend(_pass_name(mod.name))
+    record_backend(_pass_name(mod.name), (precision, grad_precision))
     return ids, lp, tail, lse
 
 
 @_topk_op.register_fake
-def _topk_fake(hidden, weight, inv_temp, mask, *, k, backend, softcap, tp_group, reduce_grad_hidden):
+def _topk_fake(hidden, weight, inv_temp, mask, *, k, backend, softcap, tp_group, reduce_grad_hidden,
+               precision="native", grad_precision="native"):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return (hidden.new_empty((n, k), dtype=torch.int64), hidden.new_empty((n, k), **f), hidden.new_empty(n, **f),
@@ -355,15 +383,16 @@ def _backward_k_op(g_logprobs: Optional[Tensor], g_entropy: Optional[Tensor], g_
                    hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, entropy: Tensor,
                    logprobs: Tensor, tail: Tensor, *, backend: str, ignore_index: int, softcap: Optional[float],
                    tp_group: Optional[str], reduce_grad_hidden: bool, check_inputs: bool, need_dh: bool,
-                   need_dw: bool) -> tuple[Tensor, Tensor]:
+                   need_dw: bool, precision: str = "native", grad_precision: str = "native") -> tuple[Tensor, Tensor]:
     with no_autocast(hidden):
         return _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp, lse, entropy, logprobs,
                            tail, backend, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs,
-                           need_dh, need_dw)
+                           need_dh, need_dw, precision, grad_precision)
 
 
 def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp, lse, entropy, logprobs, tail,
-                backend, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
+                backend, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw,
+                precision="native", grad_precision="native"):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     valid, rows, local = _kept(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False)
@@ -381,21 +410,37 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
         g_ent = torch.where(valid, g_ent, torch.zeros_like(g_ent)) if g_ent is not None else None
         g_t = torch.where(valid, g_t, torch.zeros_like(g_t)) if g_t is not None else None
     G, coef = label_sets.tail_coefficients(g_lp, g_t, lp, tl)
+    if g_t is not None and grad_precision in ("bf16", "bf16x3"):
+        # a gradient through the tail is, at the k ids, the difference of the dense part's G p_j and the one-hot
+        # part's, each ~ g_tail / P_tail: dlogits of 8 or 16 bits cannot resolve it when the tail is small
+        # (P_tail 1e-4: errors of 0.1 relative), so these run float32-exact, the six products of "bf16x6"
+        # (docs/precision.md, "k ids per token")
+        grad_precision = "bf16x6"
     n = local.shape[0]
+    # the precision's operands again (the forward's were dropped): the dense part recomputes the statistics'
+    # logits from them and forms its products with their gradient parts
+    ops = make_operands(hidden, weight, precision, grad_precision) if n else None
+    h_s, w_s = (hidden, weight) if ops is None else (ops.hidden, ops.weight)
     raw = None
     if softcap is not None:
+        # the cap's derivative at the raw products the forward used: the precision's
         raw = torch.zeros(local.shape, dtype=torch.float32, device=hidden.device)
-        for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, hidden.shape[1])):
-            raw[start:stop] = _products(mod.name)(_rows(hidden, rows, start, stop), weight, local[start:stop])
+        for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, h_s.shape[1])):
+            raw[start:stop] = _products(mod.name)(_rows(h_s, rows, start, stop), w_s, local[start:stop])
     c = label_sets.onehot_coefficients(coef, raw, inv_temp, softcap, local)
 
     def add_dh(dh: Tensor, start: int, stop: int) -> None:
-        label_sets.add_onehot_dh(dh, weight, local[start:stop], c[start:stop])
+        # k float32 weight rows per token, IEEE float32 whatever the precision: exact, and too small to gain
+        # from the tensor cores (also outside the TF32 block of a "tf32" precision: these rows are not rounded)
+        with tf32_products(False):
+            label_sets.add_onehot_dh(dh, weight, local[start:stop], c[start:stop])
 
     finish = tp.reduce_grad_hidden if tp is not None else (lambda dh: dh)
-    dh, dw = token_chunks.grads(mod, hidden, weight, torch.full_like(local[:, 0], -1), inv_temp, lse, ent,
-                                G.contiguous(), None if g_ent is None else g_ent.contiguous(), rows, need_dh, need_dw,
-                                softcap, finish, add_dh=add_dh)
+    with tf32_products(ops is not None and ops.tf32):
+        dh, dw = token_chunks.grads(mod, hidden, weight, torch.full_like(local[:, 0], -1), inv_temp, lse, ent,
+                                    G.contiguous(), None if g_ent is None else g_ent.contiguous(), rows, need_dh,
+                                    need_dw, softcap, finish, operands=ops, add_dh=add_dh)
+    del ops, h_s, w_s
     if need_dw and n:
         label_sets.add_onehot_dw(dw, hidden, local, c, rows)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
@@ -403,7 +448,8 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
 
 @_backward_k_op.register_fake
 def _backward_k_fake(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp, lse, entropy, logprobs, tail,
-                     *, backend, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw):
+                     *, backend, ignore_index, softcap, tp_group, reduce_grad_hidden, check_inputs, need_dh, need_dw,
+                     precision="native", grad_precision="native"):
     dh = hidden.new_empty(hidden.shape) if need_dh else hidden.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     return dh, dw
@@ -420,7 +466,8 @@ def _backward_call(ctx, g_lp, g_ent, g_tail, labels, ignore_index, check_inputs)
     dh, dw = torch.ops.logitless.fused_logprobs_k_backward(
         g_lp, g_ent, g_tail, hidden, weight, labels, inv_temp, lse, entropy, logprobs, tail, backend=o["backend"],
         ignore_index=ignore_index, softcap=o["softcap"], tp_group=o["tp_group"],
-        reduce_grad_hidden=o["reduce_grad_hidden"], check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw)
+        reduce_grad_hidden=o["reduce_grad_hidden"], check_inputs=check_inputs, need_dh=need_dh, need_dw=need_dw,
+        precision=o.get("precision", "native"), grad_precision=o.get("grad_precision", "native"))
     return (dh if need_dh else None), (dw if need_dw else None)
 
 
