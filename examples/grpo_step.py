@@ -109,7 +109,7 @@ def grpo_loss(lp, ent, old_lp, adv, mask, args):
 
 
 def fused_logprobs_entropy(model, input_ids, attention_mask, labels, args):
-    out = fused_forward(model, input_ids, attention_mask, labels=labels, temperature=args.temperature)
+    out = fused_forward(model, input_ids, attention_mask, shift_labels=labels, temperature=args.temperature)
     return out.logprobs, out.entropy
 
 

@@ -120,14 +120,17 @@ def policy_inputs(lead, h, v, dtype=torch.float32, *, ignored=0.25, logit_std=4.
     ignore = torch.rand(lead, device=device) < ignored
     labels = torch.where(ignore, torch.full_like(labels, -100), labels)
     adv = torch.randn(lead, device=device)
-    old = (lp + old_noise * torch.randn(lead, device=device).double()).float()
-    ref = (lp + old_noise * torch.randn(lead, device=device).double()).float()
-    # both sides of the clip bind somewhere: the first scored token has ratio e^-1 with A < 0, the second
-    # ratio e^1 with A > 0 (the clipped surrogate is the larger on each)
-    first = (~ignore).reshape(-1).nonzero().squeeze(1)[:2]
-    for i, sign in zip(first.tolist(), (-1.0, 1.0), strict=False):
+    # log-probs stay <= 0 (above 0 they are refused)
+    old = (lp + old_noise * torch.randn(lead, device=device).double()).clamp(max=0.0).float()
+    ref = (lp + old_noise * torch.randn(lead, device=device).double()).clamp(max=0.0).float()
+    # both sides of the clip bind somewhere: a scored token with log-prob below -1 has ratio e^-1 with A < 0
+    # (old = lp + 1 <= 0), another scored token ratio e^1 with A > 0 (the clipped surrogate is the larger on each)
+    scored, flat_lp = (~ignore).reshape(-1), lp.reshape(-1)
+    low = (scored & (flat_lp < -1.0)).nonzero().squeeze(1)[:1].tolist()
+    rest = [i for i in scored.nonzero().squeeze(1).tolist() if i not in low][:1]
+    for i, sign in [(i, -1.0) for i in low] + [(i, 1.0) for i in rest]:
         adv.view(-1)[i] = sign * (0.5 + adv.view(-1)[i].abs())
-        old.view(-1)[i] = (lp.reshape(-1)[i] - sign).float()
+        old.view(-1)[i] = (flat_lp[i] - sign).float()
     nan = torch.full(lead, float("nan"), device=device)
     adv, old, ref = (torch.where(ignore, nan, t) for t in (adv, old, ref))
     hidden = hidden.clone()

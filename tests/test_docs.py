@@ -14,6 +14,9 @@ Several markers may be given, comma-separated (``<!-- requires: megatron, multip
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import math
 import os
 import re
 import socket
@@ -113,7 +116,44 @@ def test_block_runs(code, needs, tmp_path, monkeypatch):
         return
     monkeypatch.chdir(tmp_path)         # a block that writes files writes them here
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
+    printed = run_block(code)
+    check_printed_numbers(printed)
+
+
+# a printed number with a fraction or an exponent (a loss, a metric), or a non-finite one
+PRINTED_FLOAT = re.compile(r"(?<![\w.])-?(?:\d+\.\d*(?:e[-+]?\d+)?|\d+e[-+]?\d+|nan|inf)(?![\w.])", re.I)
+
+
+def run_block(code: str, namespace: dict | None = None) -> str:
+    """Run a block in ``namespace`` (a fresh one by default); return what it printed (also echoed)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"} if namespace is None else namespace)
+    sys.stdout.write(out.getvalue())
+    return out.getvalue()
+
+
+def check_printed_numbers(printed: str) -> None:
+    """What a page shows must mean something: every number a block prints is finite and of a sensible size (a
+    loss of 6.6e7 from mismatched temperatures printed without a word once)."""
+    for text in PRINTED_FLOAT.findall(printed):
+        value = float(text)
+        assert math.isfinite(value) and abs(value) < 1e3, f"a block printed {text}:\n{printed}"
+
+
+def test_readme_quick_start_prints_the_loss_it_computes():
+    """The quick start's printed loss is the policy loss of its inputs recomputed through fused_logprobs and
+    autograd, and its clip fraction 0 (its old log-probs are this policy's, at the same temperature)."""
+    from logitless.losses import policy_loss_reference
+    code = next(c for c, _ in (p.values[:2] for p in blocks()) if "fused_policy_loss(hidden, weight" in c)
+    ns = {"__name__": "__doc_block__"}
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    printed = run_block(code, ns).strip().splitlines()[-1].split()
+    loss, clip_fraction = float(printed[0]), float(printed[1])
+    want = policy_loss_reference(ns["hidden"].detach(), ns["weight"].detach(), ns["labels"], ns["advantages"],
+                                 ns["out"].logprobs.detach(), entropy_coef=0.01, temperature=0.7)
+    assert abs(loss - float(want.loss)) <= 1e-5 * max(1.0, abs(float(want.loss)))
+    assert clip_fraction == 0.0 and abs(loss) < 10.0
 
 
 # README's API section: each function's signature in a ```text block and its argument table

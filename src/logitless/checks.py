@@ -226,3 +226,14 @@ def check_label_range(flat_labels: Tensor, valid: Tensor, vocab: int, ignore_ind
     if flat_labels.numel() and bool(bad.any()):
         first = int(flat_labels[bad][0])
         raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {first}")
+
+
+NON_FINITE_HIDDEN = ("hidden must be finite at every scored row (label != ignore_index): a NaN or an infinity there "
+                     "makes that row's log-prob NaN and every entry of the weight's gradient NaN")
+
+
+def non_finite_rows(hidden: Tensor, valid: Tensor) -> Tensor:
+    """0-d bool: whether a scored row (``valid`` [N]) of hidden [N, H] holds a NaN or an infinity. One reduction
+    (a float32 row sum: NaN or infinite exactly when the row holds one, short of float32 overflow, which the logits
+    of such a row would overflow too), no [N, H] temporary."""
+    return (valid & ~torch.isfinite(hidden.sum(dim=-1, dtype=torch.float32))).any()

@@ -73,21 +73,26 @@ def far_batch(ref_offset, old_offset):
     """hidden, weight, labels (two ignored), advantages, old log-probs (None: on-policy) and reference log-probs:
     at the scored tokens of the first sequence and the first 4 of the second, ref - lp = ref_offset + U(0, 1)
     and lp - old = old_offset + U(0, 1) (the policy that far from each); elsewhere within N(0, 0.3)."""
+    far = torch.zeros(B, S, dtype=torch.bool)
+    far[0] = True
+    far[1, :4] = True
     hidden = torch.randn(B, S, H)
+    # the far tokens: the token of a sharper row whose log-prob is nearest -28, so that reference and old log-probs
+    # up to 26 above it are still log-probs (<= 0: above 0 they are refused)
+    hidden[far] *= 2.0
     weight = torch.randn(V, H) * (4.0 / math.sqrt(H))
     with torch.no_grad():
         logp = torch.log_softmax(hidden.double() @ weight.double().t(), dim=-1)
         labels = torch.multinomial(logp.exp().reshape(-1, V), 1).reshape(B, S)
+        labels = torch.where(far, (logp + 28.0).abs().argmin(-1), labels)
         lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert (lp[far] < -26.1).all()
     labels[1, 5] = labels[0, 2] = -100
-    far = torch.zeros(B, S, dtype=torch.bool)
-    far[0] = True
-    far[1, :4] = True
     near = 0.3 * torch.randn(2, B, S, dtype=torch.float64)
-    ref = torch.where(far, lp + ref_offset + torch.rand(B, S, dtype=torch.float64), lp + near[0])
+    ref = torch.where(far, lp + ref_offset + torch.rand(B, S, dtype=torch.float64), (lp + near[0]).clamp(max=0.0))
     old = None
     if old_offset is not None:
-        old = torch.where(far, lp - old_offset - torch.rand(B, S, dtype=torch.float64), lp + near[1])
+        old = torch.where(far, lp - old_offset - torch.rand(B, S, dtype=torch.float64), (lp + near[1]).clamp(max=0.0))
         old = old.float()
     adv = torch.randn(B, S)
     return hidden, weight, labels, adv, old, ref.float()

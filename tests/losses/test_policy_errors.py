@@ -16,7 +16,7 @@ def inputs():
     weight = torch.randn(V, H)
     labels = torch.randint(0, V, (B, S))
     labels[0, 0] = -100
-    return hidden, weight, labels, torch.randn(B, S), torch.randn(B, S) - 3.0
+    return hidden, weight, labels, torch.randn(B, S), (torch.randn(B, S) - 3.0).clamp(max=0.0)
 
 
 def nan_at_scored(t):
@@ -125,13 +125,13 @@ def test_every_non_finite_input_is_named_and_padding_may_hold_nan(fn):
     """The call's checks come back together: all the inputs that are not finite at a scored token are
     named in one error; NaN where the label is ignore_index is accepted."""
     hidden, weight, labels, adv, old = inputs()
-    bad = dict(advantages=nan_at_scored(adv), old_logprobs=old, ref_logprobs=nan_at_scored(torch.randn(B, S)))
+    bad = dict(advantages=nan_at_scored(adv), old_logprobs=old, ref_logprobs=nan_at_scored(-3 * torch.rand(B, S)))
     with pytest.raises(ValueError, match="advantages, ref_logprobs must be finite at every scored token"):
         fn(hidden, weight, labels, backend="chunked", **bad)
     padded = [t.clone() for t in (adv, old)]
     for t in padded:
         t[0, 0] = math.nan                               # labels[0, 0] is ignore_index
-    out = fn(hidden, weight, labels, padded[0], padded[1], ref_logprobs=torch.randn(B, S), kl_coef=0.1,
+    out = fn(hidden, weight, labels, padded[0], padded[1], ref_logprobs=-3 * torch.rand(B, S), kl_coef=0.1,
              backend="chunked")
     assert torch.isfinite(out.loss) and out.logprobs[0, 0] == 0
 

@@ -47,7 +47,7 @@ def batch(gen_seed=None, ignored=0.2, noise=0.4):
     ignore[2, 1:] = True
     labels = torch.where(ignore, torch.full_like(labels, -100), labels)
     adv = torch.randn(B, S)
-    old, ref, rollout = ((lp + noise * torch.randn(B, S).double()).float() for _ in range(3))
+    old, ref, rollout = ((lp + noise * torch.randn(B, S).double()).clamp(max=0.0).float() for _ in range(3))
     nan = torch.full((B, S), float("nan"))
     adv, old, ref, rollout = (torch.where(ignore, nan, t) for t in (adv, old, ref, rollout))
     return hidden, weight, labels, adv, old, ref, rollout
@@ -409,7 +409,7 @@ def test_rollout_logprobs_missing_as_nan(backend, small_chunks):
 def test_k3_unclamped_differs_from_verls_clamped_k3():
     """ref far above the policy's log-prob: verl's k3 clamps at 10, TRL's does not."""
     hidden, weight, labels, adv, old, ref, rollout = batch()
-    ref = ref + 6.0
+    ref = (ref + 6.0).clamp(max=0.0)          # still a log-prob
     outs = [fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=1.0, kl_type=k).loss.item()
             for k in ("k3", "k3_unclamped")]
     assert outs[1] > outs[0] + 1.0

@@ -77,7 +77,7 @@ def test_policy_loss_and_labels_none(megatron_tp1, seed):
     adv = torch.randn(b, 1, generator=gen)
     with torch.no_grad():                           # old log-probs near the current ones: ratios around 1
         now, _ = env.reference_from_logits(env.unfused_logits(model, ids, pos, mask), labels.clamp(min=0), 0.9)
-    old = (now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).float()
+    old = (now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).clamp(max=0.0).float()
     policy = PolicyLoss(advantages=adv, old_logprobs=old, clip_low=0.2, clip_high=0.3, loss_agg="token-mean")
 
     model.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ def check_against_own_logits(model, device, gen, b=2, s=16, temperature=0.8):
     mamba = [n for n in got if ".mixer." in n]
     assert mamba and all(got[n] is not None and got[n].norm() > 0 for n in mamba), mamba
 
-    old = (lp.detach() + 0.3 * torch.randn(b, s, generator=gen, dtype=torch.float64).to(device)).float()
+    old = (lp.detach() + 0.3 * torch.randn(b, s, generator=gen, dtype=torch.float64).to(device)).clamp(max=0.0).float()
     adv = torch.randn(b, 1, generator=gen).to(device)
     policy = PolicyLoss(advantages=adv, old_logprobs=old, clip_low=0.2, clip_high=0.28, loss_agg="token-mean")
     model.zero_grad(set_to_none=True)

@@ -39,8 +39,8 @@ def test_hook_returns_the_policy_loss(megatron_tp1, seed, tied, loss_agg):
         _, lp_now = reference_loss(model, env, ids, pos, mask, labels, temperature, torch.zeros(b, 1),
                                    torch.zeros(b, s), torch.zeros(b, s), {}, loss_agg)
     adv = torch.randn(b, 1, generator=gen)                 # one per sequence
-    old = (lp_now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).float()
-    ref = (lp_now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).float()
+    old = (lp_now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).clamp(max=0.0).float()
+    ref = (lp_now + 0.4 * torch.randn(b, s, generator=gen, dtype=torch.float64)).clamp(max=0.0).float()
     spec = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.02)
     policy = PolicyLoss(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_agg=loss_agg, **spec)
 

@@ -208,7 +208,7 @@ def test_every_policy_loss_route_gives_the_same_bits(route, seed, monkeypatch):
     ran = []
     two_pass = api._reference
     monkeypatch.setattr(api, "_reference", lambda *a, **k: ran.append(1) or two_pass(*a, **k))
-    old = (ref[0] + 0.1 * torch.randn(b * s, generator=g).to(DEVICE)).masked_fill(~keep, 0.0)
+    old = (ref[0] + 0.1 * torch.randn(b * s, generator=g).to(DEVICE)).clamp(max=0.0).masked_fill(~keep, 0.0)
     adv = torch.randn(b, 1, generator=g).expand(b, s).to(DEVICE)
     h = hidden.view(b, s, H).clone().requires_grad_(True)
     out = fused_policy_loss(h, weight, labels.view(b, s), adv, old.view(b, s), backend="triton",

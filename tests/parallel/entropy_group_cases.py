@@ -41,7 +41,7 @@ def _inputs(ctx, attempt):
     valid = labels != -100
     with torch.no_grad():
         lp, _ = logprobs_entropy64(torch.where(valid.unsqueeze(-1), hidden, 0.0), weight, labels)
-        old = torch.where(valid, (lp + 0.5 * torch.randn_like(lp)).float(), old)
+        old = torch.where(valid, (lp + 0.5 * torch.randn_like(lp)).clamp(max=0.0).float(), old)
     return hidden, weight, labels, adv, old
 
 

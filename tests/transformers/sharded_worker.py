@@ -76,7 +76,7 @@ def _policy_inputs(ids):
     from test_transformers_policy_loss import SPEC
     adv = torch.randn(ids.shape[0], 1)
     old = -torch.rand(ids.shape) * 3
-    ref = old + 0.3 * torch.randn(ids.shape)
+    ref = (old + 0.3 * torch.randn(ids.shape)).clamp(max=0.0)
     return dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_agg="seq-mean-token-mean", **SPEC)
 
 

@@ -104,12 +104,12 @@ def grads_of(model, lp, ent, a, b):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_against_model(model, ids, mask=None, pos=None, labels=None, temperature=1.0, targets=None,
+def check_against_model(model, ids, mask=None, pos=None, shift_labels=None, temperature=1.0, targets=None,
                         ref_temperature=None):
     """fused_forward vs the unfused path (model logits -> float64 log_softmax): values and grads."""
-    targets = targets if targets is not None else (labels if labels is not None
+    targets = targets if targets is not None else (shift_labels if shift_labels is not None
                                                    else expected_targets(ids, mask, pos))
-    fused = fused_forward(model, ids, attention_mask=mask, position_ids=pos, labels=labels,
+    fused = fused_forward(model, ids, attention_mask=mask, position_ids=pos, shift_labels=shift_labels,
                           temperature=temperature)
     assert logitless.last_backend() == "chunked"  # CPU tensors: the chunked backend, no silent fallback
     # use_cache=False: with a cache, transformers ignores the packing in position_ids
@@ -155,13 +155,13 @@ def test_padded_batch_matches_model_logits(kind, side, temp):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_given_labels_are_used_as_they_are(kind):
+def test_given_shift_labels_are_used_as_they_are(kind):
     model = tiny_model(kind)
     ids = torch.randint(0, V, (2, 8))
     labels = torch.randint(0, V, (2, 8))
     labels[0, 3] = labels[1, :2] = -100
     temperature = torch.rand(2, 8) + 0.5  # per token
-    check_against_model(model, ids, labels=labels, temperature=temperature)
+    check_against_model(model, ids, shift_labels=labels, temperature=temperature)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -56,7 +56,7 @@ def old_and_ref(model, ids, mask, pos, targets, temperature):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         t = temperature.unsqueeze(-1) if torch.is_tensor(temperature) else temperature
         lp = torch.log_softmax(logits.float() / t, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return lp + 0.4 * torch.randn_like(lp), lp + 0.4 * torch.randn_like(lp)
+    return (lp + 0.4 * torch.randn_like(lp)).clamp(max=0.0), (lp + 0.4 * torch.randn_like(lp)).clamp(max=0.0)
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -109,7 +109,7 @@ def test_through_a_wrapper_and_labels_given():
     targets = expected_targets(ids, mask)
     old, ref = old_and_ref(model, ids, mask, None, targets, 1.0)
     adv = torch.randn(2, 8)
-    compare(model, lambda: fused_policy_loss(wrapped, ids, mask, labels=targets, advantages=adv, old_logprobs=old,
+    compare(model, lambda: fused_policy_loss(wrapped, ids, mask, shift_labels=targets, advantages=adv, old_logprobs=old,
                                              ref_logprobs=ref, **SPEC),
             ids, mask, None, targets, 1.0, adv, old, ref, "token-mean")
     assert wrapped.calls == 1

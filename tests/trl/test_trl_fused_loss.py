@@ -108,7 +108,7 @@ def _grads(model):
 def _sampling_logps(inputs, gen, noise=0.3, nan=False):
     """Sampling log-probs around the old ones; nan: a quarter NaN (tokens vLLM could not score)."""
     old = inputs["old_per_token_logps"]
-    sampling = old + noise * torch.randn(old.shape, generator=gen)
+    sampling = (old + noise * torch.randn(old.shape, generator=gen)).clamp(max=0.0)
     if nan:
         sampling[torch.rand(old.shape, generator=gen) < 0.25] = float("nan")
     return sampling
@@ -390,7 +390,8 @@ def test_far_from_the_reference_no_further_from_float64_than_trl(folder, tmp_pat
     else:
         ref = inputs["ref_per_token_logps"].clone()
         u = torch.rand(ref.shape, generator=gen)
-        ref = torch.where(u < 0.5, ref - 15.0 - 5.0 * u, torch.where(u < 0.75, ref + 8.0 + 4.0 * u, ref))
+        # still log-probs (<= 0: above 0 they are refused)
+        ref = torch.where(u < 0.5, ref - 15.0 - 5.0 * u, torch.where(u < 0.75, ref + 8.0 + 4.0 * u, ref)).clamp(max=0.0)
         inputs["ref_per_token_logps"] = ref
     state = trl_tiny.trainer_state(trainer)
     loss_trl, g_trl, _ = _run(trainer, inputs, lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))

@@ -38,9 +38,9 @@ def check_loss_agg(loss_agg) -> str:
     if not isinstance(loss_agg, str):
         raise TypeError(f"loss_agg must be a str, got {type(loss_agg).__name__}")
     if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}. A loss whose gradient couples "
-                         "tokens beyond a fixed normaliser (e.g. sequence-level ratios as in GSPO) cannot be fused: "
-                         "compute logitless.fused_logprobs and apply your own loss to its outputs")
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r} (sequence-level ratios, GSPO's, "
+                         "are ratio_level='sequence' with any of them; another aggregation: logitless.fused_logprobs "
+                         "and your own loss on its outputs)")
     return loss_agg
 
 

@@ -7,6 +7,7 @@ return a ``PolicyLossOutput``; they agree within the op's tolerances.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -233,11 +234,24 @@ def _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_cl
             loss_agg, cu_seqlens, loss_settings) -> PolicyLoss:
     unknown = sorted(set(loss_settings) - _POLICY_FIELDS)
     if unknown:
-        raise TypeError(f"unknown policy-loss setting(s) {', '.join(unknown)}; PolicyLoss takes "
-                        f"{sorted(_POLICY_FIELDS)}")
+        raise TypeError(f"unknown policy-loss setting(s) {', '.join(unknown)}; {_where(unknown[0])}")
     return PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_type=kl_type,
                       entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens, **loss_settings)
+
+
+# names that are arguments elsewhere, not PolicyLoss settings: where they go
+_ELSEWHERE = {
+    "softcap": "a softcapped head's loss is logitless.losses.policy_loss(PolicyLoss(...), hidden, weight, labels, "
+               "softcap=...) (exact, four GEMMs); logitless.transformers reads a model's own from its config",
+}
+
+
+def _where(name: str) -> str:
+    if name in _ELSEWHERE:
+        return _ELSEWHERE[name]
+    close = difflib.get_close_matches(name, sorted(_POLICY_FIELDS), n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}?" if close else f"PolicyLoss takes {sorted(_POLICY_FIELDS)}"
 
 
 def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,

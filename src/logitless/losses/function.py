@@ -217,7 +217,7 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
         tp = _layout(tp_group, weight, reduce_grad_hidden)
         tokens = score_tokens(labels, policy, inv_temp=inv_temp, ignore_index=ignore_index,
                               vocab=tp.vocab_size if tp is not None else weight.shape[0], seq_first=seq_first,
-                              check_inputs=check_inputs)
+                              check_inputs=check_inputs, hidden=hidden)
         spec = policy.term_spec()
         options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
                               need_dh=need_dh, need_dw=need_dw, bounds=bounds,

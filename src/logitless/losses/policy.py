@@ -16,6 +16,9 @@ from ..ops.policy_terms import CURRENT_IS_MODES, KL_TYPES, RATIO_LEVELS, RATIO_L
 from .aggregate import check_loss_agg
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# the surrogates that read clip_low / clip_high, and those whose term reads the ratio exp(lp - old)
+CLIPPED_SURROGATES = ("ppo", "cispo", "geo_mean", "clip_cov", "dppo_tv", "dppo_kl")
+RATIO_SURROGATES = ("ppo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
 
 
 def _optional_tensor(value, name: str) -> Optional[Tensor]:
@@ -251,6 +254,9 @@ class PolicyLoss:
         if self.surrogate in ("vespo", "geo_mean", "clip_cov", "kl_cov") and self.ratio_level != "token":
             raise ValueError(f"surrogate={self.surrogate!r} forms its own ratios; ratio_level={self.ratio_level!r} "
                              "must be 'token'")
+        if self.surrogate in ("gpg", "dro") and self.ratio_level != "token":
+            raise ValueError(f"ratio_level={self.ratio_level!r} has no effect under surrogate={self.surrogate!r}, "
+                             "whose term has no importance ratio; it must be 'token'")
         if self.off_policy_threshold is not None:
             set_(self, "off_policy_threshold", checks.finite_float(self.off_policy_threshold,
                                                                    "off_policy_threshold"))
@@ -292,6 +298,49 @@ class PolicyLoss:
             raise ValueError(f"rollout_is_min={self.rollout_is_min} is above rollout_is_max={self.rollout_is_max}")
         self._check_rejection()
         self._check_current_is()
+        self._check_no_idle_setting()
+
+    def _idle_under(self, name: str) -> Optional[str]:
+        """Under which of this loss's choices the setting ``name`` has no effect (None: it has one). One rule
+        for every setting with a default: given another value where nothing reads it, it is an error."""
+        surrogate = f"under surrogate={self.surrogate!r}"
+        if name in ("clip_low", "clip_high") and self.surrogate not in CLIPPED_SURROGATES:
+            return f"{surrogate} (no clipped ratio)"
+        if name == "ratio_log_clamp" and not self.kl_ratio:
+            if self.surrogate not in RATIO_SURROGATES:
+                return f"{surrogate} (no importance ratio)"
+            if self.ratio_level == "sequence-token":
+                return "under ratio_level='sequence-token' (its ratio has its own bound)"
+        if name in ("kl_type", "kl_ratio") and self.ref_logprobs is None:
+            return "without ref_logprobs (no KL term)"
+        prefixes = {"sapo_tau_": "sapo", "dro_beta": "dro", "vespo_": "vespo", "clip_cov_": "clip_cov",
+                    "kl_cov_coef": "kl_cov"}
+        for prefix, owner in prefixes.items():
+            if name.startswith(prefix) and self.surrogate != owner:
+                return surrogate
+        if name == "cov_ratio" and self.surrogate not in ("clip_cov", "kl_cov"):
+            return surrogate
+        if name == "entropy_quantile_group" and self.entropy_quantile >= 1.0:
+            return "under entropy_quantile=1 (no entropy mask)"
+        if name == "entropy_agg" and self.entropy_coef == 0.0:
+            return "under entropy_coef=0 (no entropy bonus)"
+        if name in ("rollout_is_min", "rollout_is_max", "rollout_is_batch_normalize") and self.rollout_is is None:
+            return "without rollout_is (no rollout importance weights are formed)"
+        if name == "rollout_nan_is_missing" and self.rollout_logprobs is None:
+            return "without rollout_logprobs"
+        if (name == "off_policy_threshold" and self.old_logprobs is None and self.rollout_logprobs is None):
+            return "without old_logprobs or rollout_logprobs (no drift to measure)"
+        return None
+
+    def _check_no_idle_setting(self):
+        for name, spec in self.__dataclass_fields__.items():
+            value = getattr(self, name)
+            if isinstance(value, Tensor) or value == spec.default:
+                continue
+            under = self._idle_under(name)
+            if under is not None:
+                raise ValueError(f"{name}={value!r} has no effect {under}: a setting without effect is "
+                                 "refused, not ignored (docs/policy-loss.md lists what each setting needs)")
 
     def _check_rejection(self):
         set_ = object.__setattr__

@@ -4,8 +4,9 @@ aggregation weights, and everything flattened in the row order of the hidden sta
 Only scored tokens (label != ignore_index) reach a backend; their per-token inputs must be finite
 (padding may hold anything, NaN included: it is never read).
 
-Every value check of a call (label range, finite inputs, temperature, cu_seqlens) and the number of
-scored tokens come back to the host together, in one synchronisation, before any GEMM: when it
+Every value check of a call (label range, finite inputs, log-prob inputs <= 0, temperature, cu_seqlens, finite
+scored hidden rows) and the number of scored tokens come back to the host together, in one synchronisation,
+before any GEMM: when it
 returns the GPU has nothing queued, so what the host does between it and the first GEMM is idle GPU
 time. The per-token loss inputs (float64 casts, aggregation weights) are therefore built on first
 use (``ScoredTokens.inputs``): the fused pass asks for them after its first statistics kernel is
@@ -92,8 +93,14 @@ def check_layout(labels: Tensor, policy: PolicyLoss, seq_first: bool = False):
     return named, cu, cu_ok
 
 
+# per-token inputs that are log-probabilities: above 0 they cannot be (probabilities passed by mistake); the
+# margin allows float32 rounding of a log-prob near 0 (a dominating token's lse - logit)
+LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
+LOGPROB_MAX = 1e-3
+
+
 def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore_index: int, vocab: int,
-                 seq_first: bool = False, check_inputs: bool = True) -> ScoredTokens:
+                 seq_first: bool = False, check_inputs: bool = True, hidden: Optional[Tensor] = None) -> ScoredTokens:
     """Check and flatten the per-token inputs of ``policy`` for ``labels`` [...] (checked by the caller).
     One host synchronisation (see the module's docstring); none with ``check_inputs=False`` (nothing is
     checked then, and every row is passed: see ``ScoredTokens.unscored``).
@@ -101,6 +108,8 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
     inv_temp: float32 1 / temperature in the labels' shape (``api.inv_temperature``: NaN where out of range).
     seq_first: the hidden states are [s, b, H] while labels (and every per-token input, and the
     sequences of the aggregation) are [b, s] (Megatron's layout); rows are then taken in [s, b] order.
+    hidden: None, or the hidden states [N, H] in the rows' order: checked finite at the scored rows, in the
+    same synchronisation.
     """
     valid = labels != ignore_index
     named, cu, cu_ok = check_layout(labels, policy, seq_first)
@@ -133,12 +142,15 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
         stacked = torch.stack([t.to(as_float) for t in (flat_labels, *checked.values())])   # [1 + k, total]
         fetch += torch.aminmax(torch.where(flat_valid, stacked, 0), dim=1)
         fetch += torch.aminmax(inv_t)
+        if hidden is not None:
+            fetch.append(checks.non_finite_rows(hidden, flat_valid))
     if cu_ok is not None:
         fetch.append(cu_ok)
     values = iter(torch.cat([f.reshape(-1) for f in fetch]).tolist())
     n = int(next(values))
-    bad_label = bad_temp = False
+    bad_label = bad_temp = bad_hidden = False
     bad_inputs = [False] * len(flat_inputs)
+    above_zero = []
     if total:
         rows_checked = 1 + len(flat_inputs)
         lows, highs = [next(values) for _ in range(rows_checked)], [next(values) for _ in range(rows_checked)]
@@ -147,6 +159,9 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
         lowest, highest = next(values), next(values)
         # out-of-range temperatures have a NaN inverse (checks.inverse_temperature), which fails both
         bad_temp = not (lowest >= 0 and highest <= checks.MAX_INVERSE_TEMPERATURE)
+        bad_hidden = hidden is not None and bool(next(values))
+        above_zero = [name for name, hi in zip(flat_inputs, highs[1:], strict=True)
+                      if name in LOGPROB_INPUTS and hi > LOGPROB_MAX]
     bad_cu = cu_ok is not None and not next(values)
 
     if bad_cu:
@@ -159,6 +174,11 @@ def score_tokens(labels: Tensor, policy: PolicyLoss, *, inv_temp: Tensor, ignore
     if bad:
         raise ValueError(f"{', '.join(bad)} must be finite at every scored token (label != ignore_index), "
                          "as float32")
+    if above_zero:
+        raise ValueError(f"{', '.join(above_zero)} must be log-probabilities (<= 0) at every scored token; got values "
+                         f"above 0 (probabilities given by mistake?)")
+    if bad_hidden:
+        raise ValueError(checks.NON_FINITE_HIDDEN)
 
     # nonzero_static: the count is known, so the indices need no second synchronisation
     rows = None if n == total else torch.nonzero_static(flat_valid, size=n).squeeze(1)

@@ -12,7 +12,8 @@ backward: backend grads from the saved global lse / entropy (in token chunks, ea
 Saved between the two: the inputs and float32 [N] vectors (lse, entropy). Nothing [N x V]; lse is an
 output only so that backward gets it (it is not differentiable).
 
-With ``check_inputs`` (the default) the op validates labels and temperatures, and rows whose label is
+With ``check_inputs`` (the default) the op validates labels, temperatures and the scored rows' hidden states
+(finite), and rows whose label is
 ignore_index never reach a backend: they cost nothing (prompt and padding tokens in RL batches), and a
 non-finite hidden state there cannot leak into d_weight through 0 * inf. That needs host
 synchronisations (one for the checks, one more to list the kept rows when some are ignored, again in
@@ -90,30 +91,35 @@ def _layout(tp_group: Optional[str], weight: Tensor, reduce: bool) -> Optional["
     return VocabParallel.for_group(_resolve_process_group(tp_group), weight).with_reduce(reduce)
 
 
-def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int) -> bool:
-    """Raise ValueError for a label outside [0, vocab) that is not ignore_index, or a temperature outside
-    the supported range (``checks.temperature``); return whether every row is kept. One host synchronisation
-    for all three."""
+def _validate(labels: Tensor, valid: Tensor, inv_temp: Tensor, vocab: int, ignore_index: int,
+              hidden: Tensor) -> bool:
+    """Raise ValueError for a label outside [0, vocab) that is not ignore_index, a temperature outside
+    the supported range (``checks.temperature``), or a non-finite hidden state in a scored row (its log-prob
+    would be NaN and so would every entry of d_weight); return whether every row is kept. One host
+    synchronisation for all four."""
     if labels.numel() == 0:
         return True
     bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
     bad_temp = ~checks.inverse_temperature_ok(inv_temp)
-    bad_label, bad_temp, every = torch.stack([bad_label, bad_temp, valid.all()]).tolist()
+    bad_hidden = checks.non_finite_rows(hidden, valid)
+    bad_label, bad_temp, bad_hidden, every = torch.stack([bad_label, bad_temp, bad_hidden, valid.all()]).tolist()
     if bad_label:
         checks.check_label_range(labels, valid, vocab, ignore_index)
     if bad_temp:
         raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
+    if bad_hidden:
+        raise ValueError(checks.NON_FINITE_HIDDEN)
     return bool(every)
 
 
 def _kept_rows(labels: Tensor, inv_temp: Tensor, weight: Tensor, tp: Optional["VocabParallel"],
-               ignore_index: int, check_inputs: bool, validate: bool):
+               ignore_index: int, check_inputs: bool, validate: bool, hidden: Tensor):
     """(valid [N] bool, rows int64 [n] or None for every row, local labels [N] int64): the label's row in
     this weight, -1 where the row is ignored or (under tensor parallelism) another rank holds it."""
     valid = labels != ignore_index
     rows = None
     if check_inputs:
-        every = (_validate(labels, valid, inv_temp, tp.vocab_size if tp else weight.shape[0], ignore_index)
+        every = (_validate(labels, valid, inv_temp, tp.vocab_size if tp else weight.shape[0], ignore_index, hidden)
                  if validate else bool(valid.all()))
         if not every:
             rows = valid.nonzero().squeeze(1)
@@ -144,7 +150,8 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     n = hidden.shape[0]
-    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True)
+    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True,
+                                    hidden=hidden)
     if rows is not None:
         local, inv_temp = local[rows], inv_temp[rows]
     if local.shape[0] == 0:   # no scored tokens: no kernel launch
@@ -200,7 +207,8 @@ def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse,
                    grad_precision):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
-    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False)
+    valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False,
+                                    hidden=hidden)
     # contiguous: the gradient of a sum arrives as a stride-0 expand, and the kernels index [N] vectors densely
     g_lp = torch.zeros_like(lse) if g_logprobs is None else g_logprobs.float().contiguous()
     g_ent = g_entropy.float().contiguous() if with_entropy and g_entropy is not None else None

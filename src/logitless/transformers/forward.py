@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -45,6 +46,7 @@ from .labels import (
     targets_from_input_ids,
     targets_from_unshifted_labels,
 )
+from .model_kwargs import check_model_kwargs
 
 _STATE = "_logitless_patch"
 # DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
@@ -55,6 +57,9 @@ _WRAPPER_ATTRS = ("module", "_fsdp_wrapped_module", "_orig_mod")
 class FusedCausalLMOutput(ModelOutput):
     """What a patched causal LM returns instead of ``CausalLMOutputWithPast``: no logits.
 
+    loss: when the call was given ``labels`` (as transformers returns one then), the mean negative log-prob of
+        the scored tokens (transformers' cross-entropy of its logits, at the patch's temperature; divided by
+        ``num_items_in_batch`` instead of the count when that is given, as transformers does), else None.
     logprobs: float32 [b, s], log-prob of the token each position is scored against (0 where ignored).
     entropy: float32 [b, s] entropy of the temperature-scaled next-token distribution (0 where
         ignored), or None when the model was patched with ``with_entropy=False``.
@@ -62,6 +67,7 @@ class FusedCausalLMOutput(ModelOutput):
     policy_loss: the ``PolicyLossOutput`` when the call was given ``policy_loss=`` (see
         ``fused_policy_loss``), else None.
     """
+    loss: Optional[Tensor] = None
     logprobs: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
     cache: Any = None
@@ -268,6 +274,37 @@ def _batch_shape(input_ids, labels, name: str):
     return tuple(checks.tensor(labels, name).shape)
 
 
+def _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index: int) -> Tensor:
+    """int64 [b, s]: what each position is scored against, in transformers' two conventions: ``labels``
+    unshifted (labels[t] is token t: position t is scored against labels[t + 1], never across a packed-sequence
+    boundary), ``shift_labels`` already shifted (position t against shift_labels[t]); with neither,
+    input_ids[t + 1] with the last position, padding and packed-sequence boundaries ignored."""
+    if shift_labels is not None:
+        return check_labels(shift_labels, _batch_shape(input_ids, shift_labels, "shift_labels"))
+    if labels is not None:
+        checked = check_labels(labels, _batch_shape(input_ids, labels, "labels"))
+        return targets_from_unshifted_labels(checked, position_ids, ignore_index)
+    _batch_shape(input_ids, None, "labels (or shift_labels)")
+    return targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
+
+
+def _one_convention(labels, shift_labels):
+    if labels is not None and shift_labels is not None:
+        raise ValueError("give labels (transformers' unshifted convention: labels[t] is token t) or shift_labels "
+                         "(already shifted: position t is scored against shift_labels[t]), not both")
+
+
+def _lm_loss(logprobs: Tensor, targets: Tensor, ignore_index: int, num_items_in_batch) -> Tensor:
+    """transformers' ForCausalLMLoss from the log-probs: the sum of -logprob over the scored tokens, divided by
+    their count (0 tokens: NaN, as cross_entropy's mean) or by num_items_in_batch."""
+    total = -logprobs.sum()
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum().to(total.device)
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, *,
                      shift_labels=None, temperature=None, with_entropy=None, ignore_index=None,
                      logits_to_keep=0, return_dict=None, policy_loss=None, **kwargs):
@@ -283,26 +320,23 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
         raise ValueError("logits_to_keep is not supported by a logitless-patched model (it returns no logits); "
                          "call logitless.transformers.unpatch_model(model) before generating")
     kwargs = {k: v for k, v in kwargs.items() if not (v is None and k.startswith("output_"))}
+    check_model_kwargs(_backbone(self), kwargs, "a logitless-patched forward", _PATCHED_NAMES)
     if kwargs.get("use_cache") is None:
         # No logits, so no generation: a KV cache would only cost memory, and transformers
         # ignores the packing in position_ids when a cache is present.
         kwargs["use_cache"] = False
 
-    if shift_labels is not None:
-        shape = _batch_shape(input_ids, shift_labels, "shift_labels")
-        targets = check_labels(shift_labels, shape)
-    elif labels is not None:
-        # transformers' convention: labels[t] is token t; the model scores position t against t+1
-        shape = _batch_shape(input_ids, labels, "labels")
-        targets = targets_from_unshifted_labels(check_labels(labels, shape), position_ids, ignore_index)
-    else:
-        _batch_shape(input_ids, None, "labels")
-        targets = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
+    # as transformers: shift_labels, if given, are what is scored; labels (unshifted) otherwise
+    targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     if policy_loss is not None and not isinstance(policy_loss, PolicyLoss):
         raise TypeError(f"policy_loss must be a logitless.losses.PolicyLoss, got {type(policy_loss).__name__}")
     res, out = _score(self, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
                       ignore_index, kwargs, policy=policy_loss)
-    return FusedCausalLMOutput(logprobs=res.logprobs, entropy=res.entropy, cache=getattr(out, "cache", None),
+    loss = None
+    if labels is not None and policy_loss is None:   # transformers returns a loss when given labels
+        loss = _lm_loss(res.logprobs, targets, ignore_index, kwargs.get("num_items_in_batch"))
+    return FusedCausalLMOutput(loss=loss, logprobs=res.logprobs, entropy=res.entropy,
+                               cache=getattr(out, "cache", None),
                                hidden_states=getattr(out, "hidden_states", None),
                                attentions=getattr(out, "attentions", None),
                                policy_loss=res if policy_loss is not None else None)
@@ -331,7 +365,9 @@ def patch_model(model: nn.Module, *, temperature: Union[float, Tensor] = 1.0, wi
     Scoring in the patched forward, per position t: without labels, against input_ids[t+1]
     (last position, padding and packed-sequence boundaries ignored, as in ``fused_forward``);
     with ``labels=`` (transformers' unshifted convention), against labels[t+1]; with
-    ``shift_labels=``, against shift_labels[t] as given. ``temperature=``, ``with_entropy=`` and
+    ``shift_labels=``, against shift_labels[t] as given (transformers' precedence: shift_labels when both are
+    given); given ``labels``, ``.loss`` is transformers' loss (``FusedCausalLMOutput``). ``temperature=``,
+    ``with_entropy=`` and
     ``ignore_index=`` may also be passed per call. The head is checked at patch time: a head
     logitless cannot reproduce exactly raises ValueError here, not later.
     """
@@ -393,56 +429,56 @@ def _patched_for_call(model: nn.Module, core: nn.Module, **settings):
 
 def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor] = None,
                   position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
-                  temperature: Union[float, Tensor] = 1.0, with_entropy: bool = True, ignore_index: int = -100,
-                  **model_kwargs) -> TokenLogProbs:
+                  shift_labels: Optional[Tensor] = None, temperature: Union[float, Tensor] = 1.0,
+                  with_entropy: bool = True, ignore_index: int = -100, **model_kwargs) -> TokenLogProbs:
     """Per-token log-probs and entropy of a transformers causal LM, without its logits.
 
     Args:
         model: a ``*ForCausalLM`` (or PEFT / DDP / FSDP / compiled wrapper of one).
-        input_ids: int64 [b, s]. May be None with ``inputs_embeds=`` in model_kwargs and labels.
+        input_ids: int64 [b, s]. May be None with ``inputs_embeds=`` in model_kwargs and labels / shift_labels.
         attention_mask: [b, s] 0/1, 0 = padding (left or right). Other mask forms need labels.
         position_ids: int64 [b, s]; in a padding-free packed row (b == 1) positions restart at each
             sequence, and no position is scored across a restart.
-        labels: int [b, s], already shifted: position t is scored against labels[t] as given
-            (``ignore_index`` honoured). Default: labels[t] = input_ids[t+1], with the last position,
-            padding and packed-sequence boundaries ignored.
+        labels: int [b, s] in transformers' convention, unshifted (``labels=input_ids``, with ``ignore_index``
+            where not scored): position t is scored against labels[t + 1] (never across a packed-sequence
+            boundary), as the model's own ``labels=`` loss scores it.
+        shift_labels: int [b, s], already shifted: position t is scored against shift_labels[t] as given
+            (transformers' ``shift_labels``). Not with labels. With neither, position t is scored against
+            input_ids[t + 1], with the last position, padding and packed-sequence boundaries ignored.
         temperature: a positive number; or a tensor: [b] / [b, 1] per sequence, [b, s] per token, or
             for one packed row [n] per packed sequence. The head's own logit scale, if any (Cohere
             ``logit_scale``, Granite ``logits_scaling``, ...), is folded in exactly; Gemma 2 / 3's
             ``final_logit_softcapping`` is applied exactly before the temperature, as the model does.
         with_entropy: also return the entropy.
-        model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``).
+        model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``): only names its base
+            model's forward declares (``model_kwargs.py``); any other name is a TypeError, never dropped.
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32 [b, s]; 0 at ignored positions. Differentiable
         w.r.t. every parameter that produced them.
     """
     core = unwrap_model(model)
+    check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_forward", _FORWARD_NAMES)
     _check_settings(temperature, with_entropy, ignore_index)
-    shape = _batch_shape(input_ids, labels, "labels")
-    if labels is not None:
-        labels = check_labels(labels, shape)
+    _one_convention(labels, shift_labels)
+    targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     model_kwargs.setdefault("use_cache", False)  # scoring builds no KV cache unless asked to
     if core is model and not _has_call_hooks(core):
-        targets = labels if labels is not None else targets_from_input_ids(input_ids, attention_mask, position_ids,
-                                                                      ignore_index)
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
                         ignore_index, model_kwargs)
         return res
     # Go through the wrapper's own __call__ so DDP / FSDP / PEFT do their part of the forward.
-    if labels is None:
-        labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index) \
-            if input_ids is not None else labels
     with _patched_for_call(model, core, temperature=temperature, policy_loss=None):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    shift_labels=labels, with_entropy=with_entropy, ignore_index=ignore_index, **model_kwargs)
+                    shift_labels=targets, with_entropy=with_entropy, ignore_index=ignore_index, **model_kwargs)
     return TokenLogProbs(out.logprobs, out.entropy)
 
 
 def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor] = None,
                       position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
-                      advantages: Tensor, old_logprobs: Optional[Tensor] = None, clip_low: float = 0.2,
-                      clip_high: float = 0.28, dual_clip: Optional[float] = None,
+                      shift_labels: Optional[Tensor] = None, advantages: Tensor,
+                      old_logprobs: Optional[Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28,
+                      dual_clip: Optional[float] = None,
                       ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_type: str = "k3",
                       entropy_coef: float = 0.0, loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100,
@@ -451,11 +487,13 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     from its final hidden states and output embedding): no logits, three GEMMs.
 
     Positions, targets, padding, packing, temperature and wrappers as in ``fused_forward`` (position t is
-    scored against input_ids[t + 1] unless ``labels`` are given, already shifted). The per-token inputs
+    scored against input_ids[t + 1], or against labels[t + 1] with ``labels`` (unshifted, transformers'
+    convention), or against shift_labels[t] with ``shift_labels`` (already shifted)). The per-token inputs
     (advantages, old_logprobs, ref_logprobs) are in that same [b, s] layout: position t holds the values of
     the token it is scored against (per sequence: [b, 1]). Sequences for ``loss_agg`` are the rows, or, in
     one padding-free packed row, the packed sequences found from ``position_ids``. The other arguments are
-    ``logitless.losses.PolicyLoss``'s (the other settings by name in ``loss_settings``). Heads with
+    ``logitless.losses.PolicyLoss``'s (the other settings by name in ``loss_settings``; one given as a keyword
+    here is a TypeError saying so, as is any name the model's forward does not declare). Heads with
     final_logit_softcapping (Gemma 2 / 3) take the exact two-pass path (``logitless.losses.policy_loss``).
 
     Returns a PolicyLossOutput (loss 0-d, differentiable once to every parameter that produced the
@@ -463,23 +501,29 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     """
     if loss_settings is not None and not isinstance(loss_settings, dict):
         raise TypeError(f"loss_settings must be a dict of PolicyLoss settings, got {type(loss_settings).__name__}")
+    core = unwrap_model(model)
+    check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_policy_loss", _POLICY_NAMES)
     policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                         kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
                         **(loss_settings or {}))
-    core = unwrap_model(model)
     _check_settings(temperature, True, ignore_index)
-    shape = _batch_shape(input_ids, labels, "labels")
-    if labels is not None:
-        labels = check_labels(labels, shape)
+    _one_convention(labels, shift_labels)
+    targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     model_kwargs.setdefault("use_cache", False)
-    if labels is None:
-        labels = targets_from_input_ids(input_ids, attention_mask, position_ids, ignore_index)
     if core is model and not _has_call_hooks(core):
-        res, _ = _score(core, input_ids, attention_mask, position_ids, labels, temperature, True, ignore_index,
+        res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, True, ignore_index,
                         model_kwargs, policy=policy)
         return res
     with _patched_for_call(model, core, temperature=temperature, policy_loss=policy):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    shift_labels=labels, ignore_index=ignore_index, **model_kwargs)
+                    shift_labels=targets, ignore_index=ignore_index, **model_kwargs)
     return out.policy_loss
+
+
+def _names(fn) -> tuple:
+    return tuple(inspect.signature(fn).parameters)
+
+
+# each entry point's own argument names: the suggestions for a misspelled keyword
+_FORWARD_NAMES, _POLICY_NAMES, _PATCHED_NAMES = map(_names, (fused_forward, fused_policy_loss, _patched_forward))

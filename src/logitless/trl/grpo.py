@@ -99,7 +99,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids[start:end]
         with self.accelerator.autocast(), head_context(self):
-            out = fused_forward(model, ids, mask, labels=targets, temperature=self.temperature,
+            out = fused_forward(model, ids, mask, shift_labels=targets, temperature=self.temperature,
                                 with_entropy=bool(compute_entropy), **kwargs)
         # TRL's log_probs has seq_len - 1 columns (position t for t < s - 1); it keeps the last logits_to_keep
         all_logps.append(out.logprobs[:, :-1][:, -logits_to_keep:])

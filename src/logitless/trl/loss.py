@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES
 from .names import VISION_ARGS
 
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -156,6 +157,12 @@ def scalar_settings(trainer) -> dict:
             settings["entropy_quantile_group"] = torch.distributed.group.WORLD.group_name
     if trainer.off_policy_mask_threshold is not None:
         settings["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
+    # PolicyLoss refuses a setting its loss does not read: TRL's epsilons are not read by sapo / vespo, and
+    # vespo has no ratio to leave unclamped (unless the KL term is multiplied by it)
+    if settings["surrogate"] not in CLIPPED_SURROGATES:
+        del settings["clip_low"], settings["clip_high"]
+    if settings["surrogate"] not in RATIO_SURROGATES and not settings.get("kl_ratio"):
+        del settings["ratio_log_clamp"]
     return settings
 
 
@@ -166,6 +173,8 @@ def _invalid_settings(trainer) -> list:
     settings = scalar_settings(trainer)
     if trainer.beta != 0.0:
         settings["ref_logprobs"] = torch.zeros(())
+    if trainer.off_policy_mask_threshold is not None:    # the mask reads the rollout's (or old) log-probs
+        settings["old_logprobs"] = torch.zeros(())
     try:
         PolicyLoss(advantages=torch.zeros(()), **settings)
     except (TypeError, ValueError) as exc:
@@ -224,7 +233,7 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
     if trainer.off_policy_mask_threshold is not None:
         settings["rollout_logprobs"] = at_positions(inputs.get("sampling_per_token_logps"))
         # vLLM's missing log-probs are NaN: TRL's mask takes them as no drift (nan_to_num)
-        settings["rollout_nan_is_missing"] = True
+        settings["rollout_nan_is_missing"] = settings["rollout_logprobs"] is not None
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         settings["rollout_weights"] = at_positions(inputs["importance_sampling_ratio"])
     scale = loss_scale(trainer, inputs, scored)
@@ -246,7 +255,8 @@ def compute_loss(self, model, inputs):
     base = {name: p.settings[name] for name in BASE_SETTINGS if name in p.settings}
     others = {name: value for name, value in p.settings.items() if name not in BASE_SETTINGS}
     with self.accelerator.autocast(), head_in_fp32(bool(getattr(self.args, "cast_lm_head_to_fp32", False))):
-        out = fused_policy_loss(model, p.input_ids, p.attention_mask, labels=p.labels, loss_settings=others, **base)
+        out = fused_policy_loss(model, p.input_ids, p.attention_mask, shift_labels=p.labels, loss_settings=others,
+                                **base)
     loss = out.loss * p.scale
     log_metrics(self, out.logprobs, out.entropy, inputs, p, loss.detach())
     return loss

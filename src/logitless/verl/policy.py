@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..losses import KL_TYPES, VERL_POLICY_LOSSES, verl_loss_settings
+from ..losses.policy import CLIPPED_SURROGATES
 from .bypass import MODE as BYPASS
 from .bypass import bypass_mapping
 
@@ -98,9 +99,11 @@ def settings(config, *, calculate_entropy: bool) -> dict:
     pl = config.policy_loss
     out = verl_loss_settings(mode)
     clip = config.clip_ratio
-    out.update(clip_low=float(config.clip_ratio_low if config.clip_ratio_low is not None else clip),
-               clip_high=float(config.clip_ratio_high if config.clip_ratio_high is not None else clip),
-               dual_clip=None,
+    # verl's other losses read no clip ratio, and PolicyLoss refuses a setting its loss does not read
+    if out.get("surrogate", "ppo") in CLIPPED_SURROGATES:
+        out.update(clip_low=float(config.clip_ratio_low if config.clip_ratio_low is not None else clip),
+                   clip_high=float(config.clip_ratio_high if config.clip_ratio_high is not None else clip))
+    out.update(dual_clip=None,
                kl_coef=float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
                kl_type=config.kl_loss_type if config.use_kl_loss else "k3",
                entropy_coef=float(config.entropy_coeff) if calculate_entropy else 0.0,

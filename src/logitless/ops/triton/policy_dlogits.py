@@ -54,7 +54,10 @@ def _log2(x, FAST: tl.constexpr):
 def _load_e(e_ptr, tile, rows64, row_ok, n_cols, s_en, BLOCK_N: tl.constexpr, pred):
     """The e of statistics tile ``tile`` for the program's rows (0 where masked or where ``pred`` is false)."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = row_ok[:, None] & (cols < n_cols)[None, :] & pred
+    # "!= 0": triton 3.9's interpreter makes the & of an int1 tensor with a scalar (a Python bool, a 0-d compare) an
+    # int32 array, which tl.load refuses as a mask ("mask has unsupported dtype"; .to(tl.int1) keeps it int32);
+    # compiled, and under 3.6, it is the same int1
+    ok = (row_ok[:, None] & (cols < n_cols)[None, :] & pred) != 0
     return tl.load(e_ptr + rows64[:, None] * s_en + cols[None, :], mask=ok, other=0.0)
 
 
@@ -86,7 +89,8 @@ def _policy_dlogits_kernel(e_ptr, dl_ptr, part_m_ptr, lse_ptr, ent_ptr, g_lp_ptr
         e_next = _load_e(e_ptr, tile + 1, rows64, row_ok, n_cols, s_en, BLOCK_N, j + 1 < TILES)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (cols < n_cols)[None, :]
-        m = tl.load(part_m_ptr + tile.to(tl.int64) * n_rows + rows, mask=row_ok & (tile < n_tiles), other=0.0)
+        m_ok = (row_ok & (tile < n_tiles)) != 0    # a bool mask under triton 3.9's interpreter too (see _load_e)
+        m = tl.load(part_m_ptr + tile.to(tl.int64) * n_rows + rows, mask=m_ok, other=0.0)
         shift = m - lse                                  # <= 0: log of the tile's share of the mass
         scale = -inv_t * tl.exp2(shift * LOG2E)         # -inv_t * exp(m - lse)
         if WITH_ENTROPY:

@@ -1,0 +1,113 @@
+"""One rule for every PolicyLoss setting: given a value other than its default where the chosen loss does not
+read it, it is a ValueError naming the setting and the choice that leaves it without effect; under a choice
+that reads it, it runs and changes the loss."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logitless.losses import PolicyLoss, fused_policy_loss
+
+V, N, H = 4099, 7, 96
+
+
+def inputs():
+    hidden = torch.randn(2, N, H)
+    weight = torch.randn(V, H) * 0.05
+    labels = torch.randint(0, V, (2, N))
+    adv = torch.randn(2, N)
+    old = -torch.rand(2, N) * 3 - 7
+    return hidden, weight, labels, adv, old
+
+
+# (setting, value, the rest of the call, what the message names)
+IDLE = [
+    ("sapo_tau_pos", 2.0, {}, "surrogate='ppo'"),
+    ("sapo_tau_neg", 2.0, {"surrogate": "cispo"}, "surrogate='cispo'"),
+    ("dro_beta", 0.1, {}, "surrogate='ppo'"),
+    ("cov_ratio", 0.5, {}, "surrogate='ppo'"),
+    ("clip_cov_lb", 0.5, {"surrogate": "kl_cov"}, "surrogate='kl_cov'"),
+    ("kl_cov_coef", 2.0, {"surrogate": "clip_cov"}, "surrogate='clip_cov'"),
+    ("vespo_k_pos", 1.0, {}, "surrogate='ppo'"),
+    ("vespo_lambda_neg", 1.0, {"surrogate": "sapo"}, "surrogate='sapo'"),
+    ("clip_high", 0.4, {"surrogate": "sapo"}, "surrogate='sapo'"),
+    ("clip_low", 0.1, {"surrogate": "gpg"}, "surrogate='gpg'"),
+    ("ratio_log_clamp", None, {"surrogate": "gpg"}, "surrogate='gpg'"),
+    ("ratio_log_clamp", 5.0, {"ratio_level": "sequence-token"}, "ratio_level='sequence-token'"),
+    ("ratio_level", "sequence", {"surrogate": "dro", "dro_beta": 0.1}, "surrogate='dro'"),
+    ("kl_type", "k1", {}, "ref_logprobs"),
+    ("kl_ratio", True, {}, "ref_logprobs"),
+    ("entropy_agg", "token-sum", {}, "entropy_coef=0"),
+    ("entropy_quantile_group", "default", {}, "entropy_quantile=1"),
+    ("rollout_is_max", 2.0, {}, "rollout_is"),
+    ("rollout_is_min", 0.5, {}, "rollout_is"),
+    ("rollout_is_batch_normalize", True, {}, "rollout_is"),
+    ("rollout_nan_is_missing", True, {}, "rollout_logprobs"),
+    ("current_is_max", 2.0, {}, "current_is"),
+    ("off_policy_threshold", 0.1, {"no_old": True}, "old_logprobs or rollout_logprobs"),
+]
+
+
+@pytest.mark.parametrize("name, value, rest, names", IDLE, ids=[f"{c[0]}-{c[3]}" for c in IDLE])
+def test_a_setting_without_effect_is_an_error(name, value, rest, names):
+    hidden, weight, labels, adv, old = inputs()
+    rest = dict(rest)
+    if rest.pop("no_old", False):
+        old = None
+    with pytest.raises(ValueError, match=name) as err:
+        fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
+    assert names in str(err.value)
+    with pytest.raises(ValueError, match=name):     # the dataclass itself, the integrations' entry
+        PolicyLoss(advantages=adv, old_logprobs=old, **rest, **{name: value})
+
+
+# the same settings where their loss reads them: accepted, and the loss moves
+READ = [
+    ("sapo_tau_pos", 2.0, {"surrogate": "sapo"}),
+    ("cov_ratio", 0.5, {"surrogate": "kl_cov"}),
+    ("vespo_k_pos", 1.0, {"surrogate": "vespo"}),
+    ("clip_high", 0.01, {}),
+    ("ratio_log_clamp", 0.01, {}),
+    ("entropy_agg", "token-sum", {"entropy_coef": 0.1}),
+    ("rollout_is_max", 1.05, {"rollout_is": "token_mask", "rollout": True}),
+]
+
+
+@pytest.mark.parametrize("name, value, rest", READ, ids=[c[0] for c in READ])
+def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
+    hidden, weight, labels, adv, old = inputs()
+    rest = dict(rest)
+    if rest.pop("rollout", False):
+        rest["rollout_logprobs"] = old + 0.3 * torch.randn_like(old)
+    with torch.no_grad():
+        lp = fused_policy_loss(hidden, weight, labels, adv).logprobs
+    old = (lp + 0.5 * torch.randn_like(lp)).clamp(max=0.0)     # ratios away from 1, so clips and caps bind
+    base = fused_policy_loss(hidden, weight, labels, adv, old, **rest)
+    given = fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
+    assert abs(float(base.loss) - float(given.loss)) > 1e-6, (name, float(base.loss))
+
+
+def test_a_name_that_belongs_elsewhere_says_where():
+    hidden, weight, labels, adv, old = inputs()
+    with pytest.raises(TypeError, match="softcap") as err:
+        fused_policy_loss(hidden, weight, labels, adv, old, softcap=30.0)
+    assert "policy_loss(PolicyLoss(...), hidden, weight, labels, softcap=...)" in str(err.value)
+    with pytest.raises(TypeError, match="did you mean 'entropy_coef'"):
+        fused_policy_loss(hidden, weight, labels, adv, old, entropy_coeff=0.1)
+
+
+def test_softcap_goes_to_policy_loss_and_runs():
+    """Where the message points: the softcapped head's loss, which differs from the uncapped one."""
+    from logitless.losses import policy_loss
+    hidden, weight, labels, adv, old = inputs()
+    policy = PolicyLoss(advantages=adv, old_logprobs=old)
+    capped = policy_loss(policy, hidden * 20, weight, labels, softcap=5.0)
+    plain = policy_loss(policy, hidden * 20, weight, labels)
+    assert torch.isfinite(capped.loss) and abs(float(capped.loss) - float(plain.loss)) > 1e-4
+
+
+def test_loss_agg_error_points_at_sequence_ratios():
+    hidden, weight, labels, adv, old = inputs()
+    with pytest.raises(ValueError, match="loss_agg must be one of") as err:
+        fused_policy_loss(hidden, weight, labels, adv, old, loss_agg="seq-mean")
+    assert "cannot be fused" not in str(err.value) and "ratio_level='sequence'" in str(err.value)
