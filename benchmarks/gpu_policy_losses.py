@@ -1,6 +1,6 @@
 """Time every named policy loss on one CUDA GPU, in one process: a row per loss.
 
-    PYTHONPATH=src python3 benchmarks/gpu_policy_losses.py [--shapes S,L] [--losses NAME,...] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/gpu_policy_losses.py [--shapes S,L] [--losses NAME,...] [--coupled] [--out DIR]
 
 Shapes (bf16, H=4096, V=151936, about 12% of tokens unscored at the start of each sequence): S = 16
 sequences x 1024 tokens, L = 4 x 8192. Per shape: the 4-GEMM cuBLAS floor (``GemmFloor``) before and after;
@@ -11,6 +11,14 @@ and Liger-Kernel's LigerFusedLinearGRPOLoss where it has the loss and is install
 DIR/gpu_policy_losses.json and a markdown table after each shape (a run cut off keeps what it did).
 --dry-run: tiny shapes on the CPU (triton's interpreter, slow: a few minutes a shape):
 a check of the script only, not a measurement. Results: benchmarks/results/gpu-policy-losses-2026-12-04.md.
+
+--coupled: only the losses coupled within sequences (GSPO sequence and sequence-token, vespo, geo_mean, the
+off-policy mask), no Liger, 5 timed calls each, at both shapes (about 2-3 minutes on one H100): whether the triton
+pass's chunk, grown to the longest sequence within LOGITLESS_POLICY_WORKSPACE_MAX_BYTES, keeps them in one pass
+at L (4 x 8192), and their time against the floor and peak memory over the gradients there (targets: <= 0.75x,
+<= 2.5 GiB). With
+--dry-run the workspace is set to one token tile and its bound to 1 GiB, so the tiny sequences exceed a chunk
+and the grown chunk runs.
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ from logitless.tools.common import GemmFloor, markdown_table, peak_extra_bytes, 
 from logitless.tools.machine import machine, versions  # noqa: E402
 
 SHAPES = {"S": (16, 1024, 4096, 151936), "L": (4, 8192, 4096, 151936)}
-DRY_SHAPES = {"S": (3, 24, 64, 1031), "L": (2, 40, 64, 1031)}
+DRY_SHAPES = {"S": (3, 24, 32, 263), "L": (2, 40, 32, 263)}
 UNSCORED = 0.12
 BASE = dict(clip_low=0.2, clip_high=0.28, loss_agg="token-mean")
 # name -> (settings, Liger's loss_type when LigerFusedLinearGRPOLoss has this loss)
@@ -115,12 +123,12 @@ def liger_step(x, loss_type, settings):
     return call
 
 
-def run_shape(tag, shape, dev, dtype, names, dry):
+def run_shape(tag, shape, dev, dtype, names, dry, liger=True, reps=7):
     b, s, h, v = shape
     x = inputs(b, s, h, v, dev, dtype)
-    reps = 2 if dry else 7
+    warm, reps = (0, 1) if dry else (1, reps)     # the dry run checks the steps, in the interpreter: one call each
     floor = GemmFloor(x[0].reshape(-1, h), x[1])
-    floor_ms = [time_cuda(floor.forward_backward, 1, reps, device=dev)[0]]
+    floor_ms = [time_cuda(floor.forward_backward, warm, reps, device=dev)[0]]
     print(tag, "4-GEMM floor (before)", floor_ms[0], flush=True)
     grad_bytes = (x[0].numel() + x[1].numel()) * x[0].element_size()   # d_hidden and d_weight, kept by the caller
     rows = {}
@@ -131,23 +139,23 @@ def run_shape(tag, shape, dev, dtype, names, dry):
         path = which_pass(fused)
         fused_mem, got = peak_extra_bytes(fused, dev)
         ref_mem, want = peak_extra_bytes(ref, dev)
-        row = {"coupling": coupling(settings), "pass": path, "fused_ms": time_cuda(fused, 1, reps, device=dev)[0],
-               "reference_ms": time_cuda(ref, 1, reps, device=dev)[0], "fused_extra_bytes": fused_mem,
+        row = {"coupling": coupling(settings), "pass": path, "fused_ms": time_cuda(fused, warm, reps, device=dev)[0],
+               "reference_ms": time_cuda(ref, warm, reps, device=dev)[0], "fused_extra_bytes": fused_mem,
                "reference_extra_bytes": ref_mem,
                "loss_rel_vs_reference": abs(got[0].item() - want[0].item()) / max(abs(want[0].item()), 1e-30),
                "dw_rel_vs_reference": float((got[2].double() - want[2].double()).norm() / want[2].double().norm())}
-        liger = liger_step(x, liger_type, settings) if liger_type and not dry else None
-        if liger is not None:
+        liger_call = liger_step(x, liger_type, settings) if liger and liger_type and not dry else None
+        if liger_call is not None:
             # Liger compiles its loss per chunk with dynamic shapes; at a second shape in one process torch 2.11's
             # dynamo failed in its guards ("sources must not be empty"): reset it, and report a failure as one
             torch._dynamo.reset()
             try:
-                row["liger_ms"] = time_cuda(liger, 1, reps, device=dev)[0]
+                row["liger_ms"] = time_cuda(liger_call, warm, reps, device=dev)[0]
             except Exception as exc:  # noqa: BLE001 - a peer's failure is a result, not the end of the run
                 row["liger_error"] = repr(exc)[:200]
         rows[name] = row
         print(tag, name, row, flush=True)
-    floor_ms.append(time_cuda(floor.forward_backward, 1, reps, device=dev)[0])
+    floor_ms.append(time_cuda(floor.forward_backward, warm, reps, device=dev)[0])
     print(tag, "4-GEMM floor (after)", floor_ms[1], flush=True)
     floor.close()
     return {"shape": dict(b=b, s=s, H=h, V=v), "floor4_ms": floor_ms, "gradient_bytes": grad_bytes, "losses": rows}
@@ -168,8 +176,14 @@ def main():
     p.add_argument("--shapes", default="S,L")
     p.add_argument("--losses", default=",".join(LOSSES))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--coupled", action="store_true", help="only the sequence-coupled losses, no Liger")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
+    if a.coupled:
+        a.losses = ",".join(n for n in LOSSES if coupling(LOSSES[n][0]) == "sequence")
+        if a.dry_run:   # tiny sequences longer than a chunk of the smallest workspace: the grown chunk runs
+            os.environ["LOGITLESS_POLICY_WORKSPACE_BYTES"] = "1"
+            os.environ["LOGITLESS_POLICY_WORKSPACE_MAX_BYTES"] = str(1 << 30)
     dev = "cpu" if a.dry_run else "cuda"
     dtype = torch.float32 if a.dry_run else torch.bfloat16
     names = [n for n in a.losses.split(",") if n]
@@ -180,10 +194,20 @@ def main():
     results = {"machine": machine(), "versions": versions(), "dry_run": a.dry_run, "shapes": {}}
     os.makedirs(a.out, exist_ok=True)
     for tag in a.shapes.split(","):      # the JSON and the table after each shape: a cut-off run keeps what it did
-        res = results["shapes"][tag] = run_shape(tag, shapes[tag], dev, dtype, names, a.dry_run)
-        with open(os.path.join(a.out, "gpu_policy_losses.json"), "w") as f:
+        res = results["shapes"][tag] = run_shape(tag, shapes[tag], dev, dtype, names, a.dry_run, liger=not a.coupled,
+                                                 reps=5 if a.coupled else 7)
+        name = "gpu_policy_losses_coupled.json" if a.coupled else "gpu_policy_losses.json"
+        with open(os.path.join(a.out, name), "w") as f:
             json.dump(results, f, indent=1)
         print_table(tag, res)
+        if a.coupled and not a.dry_run:
+            floor = sum(res["floor4_ms"]) / len(res["floor4_ms"])
+            for name, r in res["losses"].items():
+                extra = r["fused_extra_bytes"]
+                gib = None if extra is None else (extra - res["gradient_bytes"]) / 2**30
+                ok = r["pass"].startswith("one") and r["fused_ms"] / floor <= 0.75 and (gib is None or gib <= 2.5)
+                print(f"{tag} {name}: targets (one pass, <= 0.75x the floor, <= 2.5 GiB over gradients) "
+                      f"{'met' if ok else 'NOT met'}", flush=True)
 
 
 def print_table(tag, res):

@@ -173,3 +173,158 @@ def test_split_parts_and_tf32_rounding():
     t = round_tf32(x)
     assert (t.view(torch.int32) & ((1 << 13) - 1) == 0).all()          # 10 mantissa bits left
     assert ((t.double() - x.double()).abs() <= x.double().abs() * 2.0 ** -11).all()
+
+
+# ------------------------------------------------------------------ k ids per token (labels [..., k], fused_topk)
+# The precision applies to every logit of these paths, the ids' own included: their gathered products are
+# float32 sums of the precision's exact part products (docs/precision.md, "k ids per token").
+K = 5
+
+
+def _k_inputs(n=7, ignored=2, k=K):
+    """float32 hidden / weight with logits of std LOGIT_STD, labels [n + ignored, k]: k distinct ids per token
+    (the first sampled from the softmax), all k ignore_index on ``ignored`` random tokens."""
+    hidden, weight, first = make_inputs(lead=(n + ignored,), logit_std=LOGIT_STD)
+    others = torch.stack([torch.randperm(weight.shape[0])[:k] for _ in range(n + ignored)])
+    ids = torch.cat([first.unsqueeze(1), others], 1)
+    # k distinct ids per token: the first, then the others that differ from it
+    labels = torch.stack([torch.unique_consecutive(r[torch.cat([torch.tensor([True]), r[1:] != r[0]])])[:k]
+                          for r in ids])
+    labels[torch.randperm(n + ignored)[:ignored]] = -100
+    return hidden, weight, labels
+
+
+def _logp64(hidden, weight, temperature=1.0, softcap=None):
+    z = hidden.double() @ weight.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.log_softmax(z / temperature, dim=-1)
+
+
+def _k_errors(hidden, weight, labels, backend, a, b, truth=None, temperature=1.0, softcap=None, **kw):
+    """(max |lp error|, max |entropy error|, d_hidden rel error, d_weight rel error) of fused_logprobs with
+    labels [N, k] against float64 of ``truth`` (default: the operands), loss sum(a * lp) + sum(b * ent)."""
+    out, h, w = _run(hidden, weight, labels, backend, temperature=temperature, softcap=softcap, **kw)
+    assert out.logprobs.shape == labels.shape and out.entropy.shape == labels.shape[:1]
+    h64, w64 = truth if truth is not None else (hidden, weight)
+    h64 = h64.detach().double().requires_grad_(True)
+    w64 = w64.detach().double().requires_grad_(True)
+    logp = _logp64(h64, w64, temperature, softcap)
+    valid = labels[:, 0] != -100
+    lp64 = torch.where(valid.unsqueeze(1), logp.gather(1, labels.clamp(min=0)), 0.0)
+    ent64 = torch.where(valid, -(logp.exp() * logp).sum(1), 0.0)
+    ((out.logprobs * a.float()).sum() + (out.entropy * b.float()).sum()).backward()
+    ((lp64 * a).sum() + (ent64 * b).sum()).backward()
+    assert h.grad.dtype == hidden.dtype and w.grad.dtype == weight.dtype
+    return ((out.logprobs - lp64).abs().max().item(), (out.entropy - ent64).abs().max().item(),
+            rel_err(h.grad, h64.grad), rel_err(w.grad, w64.grad))
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("precision,grad_precision", [("bf16x3", None), ("bf16x3", "bf16x3"), (None, None)])
+@pytest.mark.parametrize("head", ["plain", "temperature+softcap"])
+def test_k_labels_against_float64(backend, precision, grad_precision, head):
+    hidden, weight, labels = _k_inputs()
+    kw = {} if head == "plain" else {"temperature": 0.7, "softcap": 30.0}
+    a = torch.randn(labels.shape, dtype=torch.float64)
+    b = torch.randn(labels.shape[:1], dtype=torch.float64)
+    lp_err, ent_err, dh_err, dw_err = _k_errors(hidden, weight, labels, backend, a, b, precision=precision,
+                                                grad_precision=grad_precision, **kw)
+    assert logitless.last_backend() == backend
+    # on the CPU the default is IEEE float32 (native there), with IEEE gradient products
+    stats = precision or "ieee"
+    grads = grad_precision or ("ieee" if stats == "ieee" else "bf16")
+    assert last_precision() == (stats, grads)
+    assert lp_err <= BOUND[stats] and ent_err <= BOUND[stats], (lp_err, ent_err)
+    assert dh_err <= GRAD_BOUND[grads] and dw_err <= GRAD_BOUND[grads], (dh_err, dw_err)
+    if stats != "ieee":
+        # the same values rounded to bfloat16 miss the bound the split meets
+        bf_lp, bf_ent, _, _ = _k_errors(hidden.bfloat16(), weight.bfloat16(), labels, backend, a, b,
+                                        truth=(hidden, weight), **kw)
+        assert last_precision() == ("native", "native")
+        assert max(bf_lp, bf_ent) > BOUND[stats] >= max(lp_err, ent_err), (bf_lp, bf_ent, lp_err, ent_err)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("precision", ["bf16x3", "tf32"])
+def test_k_labels_one_id_is_the_single_label_logit(backend, precision):
+    # one id per token gives the single-label op's log-prob under the same precision: the id's logit is the
+    # precision's, as the statistics pass's label logit is (an IEEE float32 id logit would sit ~BOUND away)
+    hidden, weight, labels = _inputs()
+    one = fused_logprobs(hidden, weight, labels, backend=backend, precision=precision)
+    k = fused_logprobs(hidden, weight, labels.unsqueeze(1), backend=backend, precision=precision)
+    assert last_precision() == (precision, "bf16")
+    assert (k.logprobs.squeeze(1) - one.logprobs).abs().max().item() <= 1e-5
+    assert (k.entropy - one.entropy).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("precision,grad_precision", [("bf16x3", None), ("bf16x3", "bf16x3")])
+def test_k_labels_tail_against_float64(backend, precision, grad_precision):
+    from logitless.ops import label_set_function
+    from logitless.ops.function import OpOptions
+    hidden, weight, labels = _k_inputs()
+    stats, grads = resolve(precision, grad_precision, torch.float32, torch.device("cpu"))
+    options = OpOptions(backend=backend, with_entropy=False, ignore_index=-100, precision=stats,
+                        grad_precision=grads)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, _, tail, _ = label_set_function.fused_logprobs_k(h, w, labels, torch.ones(labels.shape[0]), options,
+                                                         with_tail=True)
+    assert last_precision() == (stats, grads)
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp = _logp64(h64, w64)
+    valid = labels[:, 0] != -100
+    lp64 = torch.where(valid.unsqueeze(1), logp.gather(1, labels.clamp(min=0)), 0.0)
+    tail64 = torch.where(valid, torch.logsumexp(logp.scatter(1, labels.clamp(min=0), float("-inf")), 1), 0.0)
+    a, b = torch.randn(labels.shape, dtype=torch.float64), torch.randn(labels.shape[:1], dtype=torch.float64)
+    ((lp * a.float()).sum() + (tail * b.float()).sum()).backward()
+    ((lp64 * a).sum() + (tail64 * b).sum()).backward()
+    assert (lp - lp64).abs().max().item() <= BOUND[stats]
+    assert (tail - tail64).abs().max().item() <= BOUND[stats]
+    assert rel_err(h.grad, h64.grad) <= GRAD_BOUND[grads] and rel_err(w.grad, w64.grad) <= GRAD_BOUND[grads]
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("precision,grad_precision", [("bf16x3", None), ("bf16x3", "bf16x3"), (None, None)])
+def test_topk_against_float64(backend, precision, grad_precision):
+    # logits of std 3: the tail's gradient is, at the k ids, a difference of terms ~ 1 / P_tail (see
+    # label_set_function._backward_k); with std 8 the top-5 tail is ~1e-4 and float32 itself loses it
+    hidden, weight, _ = _inputs(n=9, ignored=0, logit_std=3.0)
+    mask = torch.ones(9, dtype=torch.bool)
+    mask[4] = False
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = logitless.fused_topk(h, w, K, mask=mask, backend=backend, temperature=0.8, precision=precision,
+                               grad_precision=grad_precision)
+    stats = precision or "ieee"
+    grads = grad_precision or ("ieee" if stats == "ieee" else "bf16")
+    assert last_precision() == (stats, grads)
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp = _logp64(h64, w64, 0.8)
+    top64 = logp.detach().topk(K, dim=1).values
+    ids = out.ids.clamp(min=0)
+    lp64 = torch.where(mask.unsqueeze(1), logp.gather(1, ids), 0.0)
+    tail64 = torch.where(mask, torch.logsumexp(logp.scatter(1, ids, float("-inf")), 1), 0.0)
+    # the ids chosen are a top-k of the float64 log-probs up to the precision's error (a near tie may swap)
+    assert ((lp64.detach() - top64).abs()[mask] <= 2 * BOUND[stats]).all()
+    assert (out.ids[~mask] == -1).all()
+    a, b = torch.randn(9, K, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    ((out.logprobs * a.float()).sum() + (out.tail_logprob * b.float()).sum()).backward()
+    ((lp64 * a).sum() + (tail64 * b).sum()).backward()
+    assert (out.logprobs - lp64).abs().max().item() <= BOUND[stats]
+    assert (out.tail_logprob - tail64).abs().max().item() <= BOUND[stats]
+    # a gradient through the tail runs float32-exact gradient products whatever grad_precision says (the top-k
+    # tail of logits of std 8 is small: bfloat16 or 16-bit dlogits would miss by far more than their usual error)
+    tail_grads = "ieee" if grads == "ieee" else "bf16x6"
+    assert rel_err(h.grad, h64.grad) <= GRAD_BOUND[tail_grads], rel_err(h.grad, h64.grad)
+    assert rel_err(w.grad, w64.grad) <= GRAD_BOUND[tail_grads], rel_err(w.grad, w64.grad)
+    assert h.grad[4].abs().max() == 0
+
+
+def test_k_labels_and_topk_refuse_a_precision_without_effect():
+    hidden, weight, labels = _k_inputs()
+    with pytest.raises(ValueError, match=r"precision='bf16x3' has no effect on torch.bfloat16"):
+        fused_logprobs(hidden.bfloat16(), weight.bfloat16(), labels, precision="bf16x3")
+    with pytest.raises(ValueError, match=r"grad_precision='bf16x3' has no effect on torch.bfloat16"):
+        logitless.fused_topk(hidden.bfloat16(), weight.bfloat16(), K, grad_precision="bf16x3")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        logitless.fused_topk(hidden, weight, K, precision="fp32")

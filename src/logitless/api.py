@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .ops import function
+from .ops import function, label_set_function
 from .ops.precision import GRAD_PRECISIONS, PRECISIONS, resolve
 from .ops.registry import BACKENDS, choose_backend
 from .record import last_backend, last_precision
@@ -79,12 +79,16 @@ def head_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     return hidden, weight
 
 
-def check_head(hidden, weight, labels) -> tuple[Tensor, Tensor, Tensor]:
+def check_head(hidden, weight, labels, label_sets: bool = False, labels_name: str = "labels"
+               ) -> tuple[Tensor, Tensor, Tensor]:
     """The checks every fused entry point makes on (hidden [..., H], weight [V, H], labels [...]).
-    Under autocast hidden and weight come back as ``autocast_operands`` makes them."""
+    With ``label_sets`` labels may also be [..., k] (k ids per token: one more dimension than hidden's
+    leading shape). ``labels=None`` checks hidden and weight only. Under autocast hidden and weight come back
+    as ``autocast_operands`` makes them."""
     hidden = checks.tensor(hidden, "hidden")
     weight = checks.tensor(weight, "weight")
-    labels = checks.index_tensor(labels, "labels")
+    if labels is not None:
+        labels = checks.index_tensor(labels, labels_name)
     hidden, weight = autocast_operands(hidden, weight)
     if hidden.dtype not in checks.FLOAT_DTYPES:
         raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
@@ -103,11 +107,17 @@ def check_head(hidden, weight, labels) -> tuple[Tensor, Tensor, Tensor]:
         raise ValueError("hidden and weight have no features (H == 0): every logit would be 0")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}")
+    if labels is None:
+        return hidden, weight, labels
+    sets = label_sets and labels.dim() == hidden.dim() and labels.shape[:-1] == hidden.shape[:-1]
+    if labels.shape != hidden.shape[:-1] and not sets:
+        also = " or that shape + [k] (k ids per token)" if label_sets else ""
+        raise ValueError(f"{labels_name} shape {tuple(labels.shape)} must equal hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}{also}")
+    if sets and labels.shape[-1] == 0:
+        raise ValueError(f"{labels_name} of shape {tuple(labels.shape)} hold no id per token (k == 0)")
     if labels.device != hidden.device:
-        raise ValueError(f"labels are on {labels.device}, hidden on {hidden.device}")
+        raise ValueError(f"{labels_name} are on {labels.device}, hidden on {hidden.device}")
     return hidden, weight, labels
 
 
@@ -147,7 +157,9 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             both are cast to the autocast dtype as ``F.linear`` casts them (so mixed dtypes are accepted
             there), then computed on exactly: float32 logits, never rounded (docs/contexts.md).
         labels: [...] int32 or int64, the leading shape of ``hidden``; values in [0, V) (global ids
-            under tensor parallelism) or ``ignore_index``.
+            under tensor parallelism) or ``ignore_index``. Or [..., k]: k distinct ids per token (a
+            teacher's top-k), whose log-probs come back as [..., k]; a token is ignored when all k equal
+            ``ignore_index`` (some but not all is a ValueError, as is an id repeated within a token).
         temperature: a number, or a tensor broadcastable to ``labels.shape`` (per sequence or per
             token), finite and >= 1e-30 (1 / temperature scales float32 logits; any larger finite value
             is exact). Not differentiated.
@@ -182,7 +194,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             says what ran.
 
     Returns:
-        TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape``.
+        TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape`` (with k ids per token:
+        logprobs [..., k], entropy [...]).
 
     Gradients flow to ``hidden`` and ``weight`` (only those that require grad) from any loss on
     logprobs and/or entropy; nothing of size [tokens x vocab] is kept for backward. Any number of
@@ -191,7 +204,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     The computation is the custom op ``torch.ops.logitless.fused_logprobs`` (``logitless.ops.function``),
     so a function calling this compiles under ``torch.compile(fullgraph=True)``.
     """
-    hidden, weight, labels = check_head(hidden, weight, labels)
+    hidden, weight, labels = check_head(hidden, weight, labels, label_sets=True)
     checks.boolean(with_entropy, "with_entropy")
     ignore_index = checks.ignore_index(ignore_index)
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
@@ -200,14 +213,24 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
 
     mod, _ = choose_backend(hidden, weight, backend)
+    sets = labels.dim() == hidden.dim()
+    tokens = labels[..., 0] if sets else labels
     # the values of a temperature tensor, like the labels' range, are checked inside the op (check_inputs)
-    inv_temp = inv_temperature(temperature, labels, check_values=False)
+    inv_temp = inv_temperature(temperature, tokens, check_values=False)
     options = function.OpOptions(backend=mod.name, with_entropy=with_entropy, ignore_index=ignore_index,
                                  softcap=softcap, tp_group=tp_group_name(tp_group),
                                  reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs,
                                  precision=precision, grad_precision=grad_precision)
     # reshape outside the op so autograd links the caller's tensors to ours
     h2 = hidden.reshape(-1, hidden.shape[-1])
+    if sets:
+        k = labels.shape[-1]
+        lp, ent, _, _ = label_set_function.fused_logprobs_k(h2, weight, labels.reshape(-1, k).long(), inv_temp,
+                                                            options)
+        if lp.shape != labels.shape:
+            lp = lp.view(labels.shape)
+            ent = None if ent is None else ent.view(tokens.shape)
+        return TokenLogProbs(lp, ent)
     lp, ent = function.fused_logprobs(h2, weight, labels.reshape(-1).long(), inv_temp, options)
     if lp.shape != labels.shape:   # no view when the shape is already right: FSDP2 warns on a module returning views
         lp = lp.view(labels.shape)

@@ -88,6 +88,13 @@ def policy_workspace_bytes(default: int) -> int:
     return _int("LOGITLESS_POLICY_WORKSPACE_BYTES", default)
 
 
+def policy_workspace_max_bytes(default: int) -> int:
+    """LOGITLESS_POLICY_WORKSPACE_MAX_BYTES: the most bytes the triton policy loss's workspace may grow to so that
+    a loss coupled within sequences keeps its one pass when a sequence is longer than a chunk of
+    LOGITLESS_POLICY_WORKSPACE_BYTES (default: twice that); a longer sequence takes the two-pass path."""
+    return _int("LOGITLESS_POLICY_WORKSPACE_MAX_BYTES", default)
+
+
 def policy_dw_fp32() -> bool:
     """LOGITLESS_POLICY_DW_FP32: "1" accumulates the triton policy loss's d_weight over token chunks in a
     float32 [V, H] buffer (one rounding at the end; 2 x the weight's size in extra memory for bf16) instead

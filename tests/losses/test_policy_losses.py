@@ -33,9 +33,10 @@ def small_chunks(monkeypatch):
     monkeypatch.setenv("LOGITLESS_POLICY_WORKSPACE_BYTES", "1")
 
 
-def batch(gen_seed=None, ignored=0.2, noise=0.4):
-    """hidden, weight, labels [B, S] (some ignored; one row with a single scored token), advantages, and old /
+def batch(gen_seed=None, ignored=0.2, noise=0.4, s=S):
+    """hidden, weight, labels [B, s] (some ignored; one row with a single scored token), advantages, and old /
     ref / rollout log-probs around the true ones (float32; NaN where ignored)."""
+    S = s   # noqa: N806  (the sequences' length here)
     hidden = torch.randn(B, S, H)
     weight = torch.randn(V, H) * (4.0 / math.sqrt(H))
     with torch.no_grad():
@@ -633,3 +634,54 @@ def test_sequence_coupled_losses_keep_the_one_pass(backend, case, monkeypatch):
     assert len(cuts) == 1 and cuts[0] is not None
     if backend == "chunked":
         assert len(cuts[0]) > 2          # several chunks, cut at sequence boundaries (triton: one 16-row tile)
+
+
+LONG_SEQUENCE_CASES = ["verl-gspo", "verl-geo_mean", "trl-gspo-bias_corrected_kl", "trl-vespo", "trl-off_policy_mask",
+                       "verl-rejection-reinforce-seq_sum_k1-seq_max_k2-seq-mean-token-mean"]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors: the triton backend needs its interpreter")
+@pytest.mark.parametrize("case", LONG_SEQUENCE_CASES)
+def test_long_sequences_grow_the_chunk(case, monkeypatch):
+    """Sequences of up to 40 tokens against a 16-row chunk (the workspace knob at its smallest): within
+    LOGITLESS_POLICY_WORKSPACE_MAX_BYTES the triton pass's chunk grows to the longest sequence and the loss keeps
+    the one fused pass (no second pass ran, one statistics kernel a chunk, a chunk longer than 16 rows); with the
+    bound at its smallest the same loss takes the two-pass path. Both equal float64 and each other."""
+    import logitless.losses.api as api
+    import logitless.ops.triton.policy_backend as policy_backend
+
+    monkeypatch.setenv("LOGITLESS_POLICY_WORKSPACE_BYTES", "1")
+    ran, cuts, stats_calls = [], [], []
+    two_pass, original, chunk_stats = api._reference, api._sequence_bounds, policy_backend.chunk_stats
+    monkeypatch.setattr(api, "_reference", lambda *a, **k: ran.append(1) or two_pass(*a, **k))
+    monkeypatch.setattr(api, "_sequence_bounds", lambda *a: cuts.append(original(*a)) or cuts[-1])
+    monkeypatch.setattr(policy_backend, "chunk_stats", lambda *a: stats_calls.append(1) or chunk_stats(*a))
+    settings, fn = CASES[case]
+    inputs = batch(s=40)
+    hidden, weight, labels, adv, old, ref, rollout = inputs
+    valid = labels != -100
+    longest = int(valid.sum(dim=1).max())
+    assert longest > 16
+    want = truth(inputs, fn, temperature=0.9)
+    settings = dict(settings)
+    if uses_rollout(settings):
+        settings["rollout_logprobs"] = rollout
+    got = {}
+    for bound in ("1", str(1 << 20)):     # bytes: below one chunk; the longest sequence's 40 x 320 x 4 fit
+        monkeypatch.setenv("LOGITLESS_POLICY_WORKSPACE_MAX_BYTES", bound)
+        ran.clear(), cuts.clear(), stats_calls.clear()
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, temperature=0.9, backend="triton",
+                                **settings)
+        check(out, h, w, want, valid)
+        got[bound] = (out.loss.detach(), h.grad, w.grad)
+        if bound == "1":
+            assert ran and cuts == [None] and not stats_calls      # the two-pass path
+        else:
+            assert not ran and len(cuts) == 1 and cuts[0] is not None, (ran, cuts)
+            sizes = [b - a for a, b in zip(cuts[0][:-1], cuts[0][1:], strict=True)]
+            assert max(sizes) == longest and len(stats_calls) == len(sizes), (sizes, stats_calls)
+    (l1, dh1, dw1), (l2, dh2, dw2) = got.values()
+    assert abs(l1.item() - l2.item()) <= 1e-6 * max(1.0, abs(l1.item()))
+    close_everywhere(dh1[valid], dh2[valid], 1e-5)
+    close_everywhere(dw1, dw2, 1e-5)

@@ -118,18 +118,21 @@ def _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
 
 def _sequence_bounds(tokens, backend_name: str, weight: Tensor, tp_group, hidden: Tensor,
                      seq_first: bool) -> Optional[list]:
-    """Chunk boundaries [0, ..., n] at sequence boundaries, each chunk at most the backend's rows, so that
-    a sequence-coupled loss keeps the one fused pass; None when that cannot be (a sequence longer than a
-    chunk, sequences not contiguous in the rows: seq_first). One host read (the sequences' lengths)."""
+    """Chunk boundaries [0, ..., n] at sequence boundaries, each chunk at most the backend's rows (on triton grown
+    to the longest sequence within LOGITLESS_POLICY_WORKSPACE_MAX_BYTES), so that a sequence-coupled loss keeps the
+    one fused pass; None when that cannot be (a sequence longer than the largest chunk, sequences not contiguous
+    in the rows: seq_first). One host read (the sequences' lengths)."""
     n = tokens.count
     seq = tokens.inputs.seq
     if seq_first or seq is None or n == 0:
         return None
     tp, _ = vocab_layout(weight, tp_group)
     plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
-    limit = max_chunk_rows_for(backend_name)(n, plan_vocab, hidden.dtype, hidden.device)
+    counts = torch.unique_consecutive(seq, return_counts=True)[1].tolist()
+    # the backend's chunk, grown to the longest sequence where its bounded workspace allows (ops/policy.py)
+    limit = max_chunk_rows_for(backend_name)(n, plan_vocab, hidden.dtype, hidden.device, longest=max(counts))
     bounds, size, pos = [0], 0, 0
-    for count in torch.unique_consecutive(seq, return_counts=True)[1].tolist():
+    for count in counts:
         if count > limit:
             return None
         if size + count > limit:

@@ -22,10 +22,12 @@ from .maths import (
     accumulate_mm,
     accumulate_product,
     apply_softcap_derivative,
-    dlogits_from_logits,
+    block_scratch,
+    dlogits_in_blocks,
     label_logits,
     logits_from_products,
     mm_fp32,
+    row_blocks,
 )
 from .precision import GradOperands
 
@@ -107,11 +109,12 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
         zy += label_logits(z, _local_labels(labels, start, stop))
         x = z.sub_(m_new.unsqueeze(1))      # z - m_new, in place
         e = x.exp()
+        e_sum = e.sum(dim=1)
         if t is not None:
             # re-centre the old sum on the new max: sum e_old' (z - m_new) = rescale * (t + s * (m - m_new))
             shift = torch.where(torch.isfinite(m), m - m_new, torch.zeros_like(m))
-            t.add_(s * shift).mul_(rescale).add_((e * x).sum(dim=1))
-        s.mul_(rescale).add_(e.sum(dim=1))
+            t.add_(s * shift).mul_(rescale).add_(e.mul_(x).sum(dim=1))     # e * x in place: no temporary
+        s.mul_(rescale).add_(e_sum)
         m = m_new
     log_s = torch.log(s)
     lse = m + log_s
@@ -130,11 +133,18 @@ def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need
     dw = None
     if need_dw and dw_acc is None:
         dw = torch.empty((vocab, go.hidden_size), dtype=go.out_dtype, device=weight.device)
-    for start, stop in _chunks(vocab, chunk_rows(n, vocab, hidden.device)):
+    step = chunk_rows(n, vocab, hidden.device)
+    # the row blocks' scratch of the dlogits, once a call (CPU: a block of the [N, step] tile stays in L2)
+    blocks = row_blocks(n, step, hidden.device)
+    scratch = block_scratch(n, step, hidden.device)
+    for start, stop in _chunks(vocab, step):
         w = weight[start:stop]
         # with a softcap, t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
         z, t = logits_from_products(mm_fp32(hidden, w.t()), inv_temp, softcap, keep_tanh=True)
-        dz = dlogits_from_logits(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent)
+        if stop - start != step:
+            blocks = row_blocks(n, stop - start, hidden.device)
+        dz = dlogits_in_blocks(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent, scratch,
+                               blocks)
         dz = apply_softcap_derivative(dz, t)
         if dh is not None:
             for a, b in go.products(dz, [p[start:stop] for p in go.weight_parts]):

@@ -138,6 +138,75 @@ def label_logits(z: Tensor, labels: Tensor) -> Tensor:
     return torch.where(has, zy, torch.zeros_like(zy))
 
 
+# Elements of one row block of the CPU's elementwise passes over a [rows, V] float32 tile: a block and its
+# scratch (2 x 1 MiB) stay in the cores' L2 caches from one pass to the next, so the statistics and the
+# dlogits each cost about one read and one write of the tile from memory, not one per operation (the CPU
+# policy pass and the chunked backward; benchmarks/DESIGN.md). On CUDA a tile is one block (each operation
+# a kernel over the whole tile).
+BLOCK_ELEMENTS = 1 << 18
+
+
+def row_blocks(c: int, vocab: int, device: torch.device) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of a [c, vocab] float32 tile for ``dlogits_in_blocks`` and the like."""
+    step = c if device.type != "cpu" else max(1, min(c, BLOCK_ELEMENTS // max(vocab, 1)))
+    return [(r, min(r + step, c)) for r in range(0, c, step)]
+
+
+@contextlib.contextmanager
+def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """torch's intra-op threads set to 1 inside the block on CPU (restored after): the row blocks' small
+    operations run in the calling thread. Split across threads, each of the thousands of them a step ends
+    in a join that, on a machine busy with other work, waits for a descheduled thread: measured on 2 loaded
+    cores, the policy pass 2.3-2.7x the 4-GEMM floor with 2 threads, 0.78-0.93x with the blocks on one
+    (the GEMMs keep every thread); on an idle machine a block costs about 20 us more (benchmarks/DESIGN.md)."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def block_scratch(rows: int, cols: int, device: torch.device) -> Tensor:
+    """float32 scratch for a block of ``row_blocks`` of any tile of at most [rows, cols]."""
+    first = row_blocks(rows, cols, device)[0][1] * cols
+    size = first if device.type != "cpu" else max(first, min(BLOCK_ELEMENTS, rows * cols))
+    return torch.empty(size, dtype=torch.float32, device=device)
+
+
+def dlogits_in_blocks(x: Tensor, labels: Tensor, inv_temp: Tensor, log_s: Tensor, ent: Optional[Tensor],
+                      g_lp: Tensor, g_ent: Optional[Tensor], scratch: Tensor, blocks) -> Tensor:
+    """The dlogits of ``contract.py`` in place of x = z - m [c, V] (float32 logits less any per-row shift m),
+    block by block (``row_blocks``; scratch: float32, at least a block), with log_s = lse - m (the global lse:
+    under tensor parallelism the other shards' mass is in it). ``labels`` index columns of this tile (-1 or out
+    of range: no label here). With x' = x - log_s = log p and p = exp(x'),
+
+        dlogits = p * (b * x' + a) + inv_temp * g_lp at the label,  b = -inv_temp * g_ent,
+        a = -inv_temp * (g_lp + g_ent * ent)   (b = 0 without an entropy term)."""
+    vocab = x.shape[1]
+    if g_ent is None:
+        a, b = -inv_temp * g_lp, None
+    else:
+        a, b = -inv_temp * (g_lp + g_ent * ent), (-inv_temp * g_ent).unsqueeze(1)
+    a = a.unsqueeze(1)
+    with one_thread_on_cpu(x.device):
+        for r0, r1 in blocks:
+            xb = x[r0:r1].sub_(log_s[r0:r1].unsqueeze(1))
+            p = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
+            if b is None:
+                torch.mul(p, a[r0:r1], out=xb)
+            else:
+                xb.mul_(b[r0:r1]).add_(a[r0:r1]).mul_(p)    # (addcmul with two broadcast rows is not vectorised)
+    # + inv_temp * g_lp at the label, as a scatter of zeros where the row has no label here: no host
+    # synchronisation (a nonzero() would stall the stream and break CUDA-graph capture)
+    has = (labels >= 0) & (labels < vocab)
+    cols = torch.where(has, labels, torch.zeros_like(labels)).unsqueeze(1)
+    return x.scatter_add_(1, cols, torch.where(has, inv_temp * g_lp, torch.zeros_like(g_lp)).unsqueeze(1))
+
+
 def dlogits_from_logits(z: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
                         g_lp: Tensor, g_ent: Optional[Tensor]) -> Tensor:
     """The backward formula of the module docstring, in place on the float32 logits tile ``z``.

@@ -26,8 +26,10 @@ def policy_terms_for(backend_name: str, spec=None):
 
 
 def max_chunk_rows_for(backend_name: str):
-    """The backend's ``max_chunk_rows(n, plan_vocab, dtype, device)``: the most token rows one chunk of its
-    pass may hold, to which a caller cuts the ``bounds`` it passes (chunks that keep groups of tokens whole)."""
+    """The backend's ``max_chunk_rows(n, plan_vocab, dtype, device, longest=1)``: the most token rows one chunk of
+    its pass may hold when the longest group of tokens that must stay whole has ``longest`` rows, to which a caller
+    cuts the ``bounds`` it passes (chunks that keep groups of tokens whole; the triton pass's chunk grows to the
+    longest group within a bounded workspace)."""
     if backend_name == "triton":
         from .triton import policy_backend
         return policy_backend.max_chunk_rows

@@ -19,7 +19,14 @@ from torch import Tensor
 
 from .. import knobs
 from .chunked import DEFAULT_CHUNK_ELEMENTS
-from .maths import dlogits_from_logits, label_logits, logits_from_products, mm_fp32
+from .maths import (
+    block_scratch,
+    dlogits_in_blocks,
+    label_logits,
+    mm_fp32,
+    one_thread_on_cpu,
+    row_blocks,
+)
 from .policy_parts import Combine, accumulate_product
 from .precision import GradOperands
 
@@ -35,11 +42,12 @@ def _chunk_rows(n: int, vocab: int, device: torch.device) -> int:
     return max(1, min(n, knobs.chunk_elements(default) // vocab))
 
 
-def _shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max).
+def shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(m, lse, ent) [c] of the float32 logits z [c, V], which become x = z - m in place (m the row max); the
+    distillation pass's statistics of the student (``distill_chunked``).
 
     One exponential per element: with e = exp(x), s = sum e and t = sum e * x, lse = m + log s and
-    entropy = log s - t / s (the gradient stage takes its own exp of z - lse)."""
+    entropy = log s - t / s."""
     m = z.amax(dim=1)
     x = z.sub_(m.unsqueeze(1))
     e = x.exp()
@@ -49,8 +57,31 @@ def _shifted_statistics(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return m, m + log_s, log_s - t / s
 
 
-def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The most token rows one chunk of ``policy_pass`` may hold (``bounds`` are cut to it)."""
+def _statistics(z: Tensor, labels: Tensor, inv_temp: Tensor, scratch: Tensor, blocks) -> tuple[Tensor, ...]:
+    """(zy, m, lse, ent) [c] of the tempered logits z * inv_temp, from the float32 products z [c, V], which
+    become x = z * inv_temp - m in place (m the row max), block by block.
+
+    One exponential per element: with e = exp(x), s = sum e and t = sum e * x, lse = m + log s and
+    entropy = log s - t / s (the gradient stage takes its own exp of x - log s)."""
+    c, vocab = z.shape
+    zy, m, s, t = torch.empty((4, c), dtype=torch.float32, device=z.device)
+    with one_thread_on_cpu(z.device):
+        for r0, r1 in blocks:
+            zb = z[r0:r1].mul_(inv_temp[r0:r1].unsqueeze(1))
+            zy[r0:r1] = label_logits(zb, labels[r0:r1])
+            mb = torch.amax(zb, dim=1, out=m[r0:r1])
+            xb = zb.sub_(mb.unsqueeze(1))
+            e = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
+            torch.sum(e, dim=1, out=s[r0:r1])
+            torch.sum(e.mul_(xb), dim=1, out=t[r0:r1])
+    log_s = s.log()
+    return zy, m, m + log_s, log_s - t / s
+
+
+def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
+    """The most token rows one chunk of ``policy_pass`` may hold (``bounds`` are cut to it). The chunk does not
+    grow for a longer group of tokens (``longest``): its float32 logits and their temporaries cost 8-12 bytes a
+    logit, so a sequence longer than the budget's rows takes the two-pass path."""
     return _chunk_rows(n, plan_vocab, device)
 
 
@@ -69,6 +100,10 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     acc = dw
     if dw is not None and dw.dtype != torch.float32:
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dw.device)
+    vocab = weight.shape[0]
+    most = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    # the row blocks' scratch, once a pass (a fresh large tensor per chunk would fault its pages in on CPU)
+    scratch = block_scratch(most, vocab, hidden.device)
     # half-precision inputs on CUDA: tensor-core GEMMs in the inputs' dtype, as the chunked fused_logprobs
     # backward does; elsewhere float32 dlogits
     go = grad_operands or GradOperands.plain(
@@ -76,13 +111,14 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         h = hidden[start:stop]
         it = inv_temp[start:stop]
-        z, _ = logits_from_products(mm_fp32(h, weight.t()), it, None)
-        zy = label_logits(z, labels[start:stop])
-        m, lse, ent = _shifted_statistics(z)          # z now holds z - m
+        lab = labels[start:stop]
+        blocks = row_blocks(stop - start, vocab, hidden.device)
+        z = mm_fp32(h, weight.t())
+        zy, m, lse, ent = _statistics(z, lab, it, scratch, blocks)        # z now holds z * it - m
         lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
         if dh is None and dw is None:
             continue
-        dz = dlogits_from_logits(z, labels[start:stop], it, lse - m, ent, g_lp, g_ent)
+        dz = dlogits_in_blocks(z, lab, it, lse - m, ent, g_lp, g_ent, scratch, blocks)
         if dh is not None:
             for i, (a, b) in enumerate(go.products(dz, go.weight_parts)):
                 accumulate_product(dh[start:stop], a, b, first=i == 0)
@@ -94,7 +130,7 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
         dw.copy_(acc)
 
 
-def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
     return max(1, n)
 
 

@@ -59,7 +59,8 @@ def stats(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
 def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor,
           ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], rows: Optional[Tensor],
           need_dh: bool, need_dw: bool, softcap: Optional[float],
-          finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh, operands: Optional[Operands] = None):
+          finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh, operands: Optional[Operands] = None,
+          add_dh: Optional[Callable[[Tensor, int, int], None]] = None):
     """(d_hidden hidden.dtype [N, H] or None, d_weight weight.dtype [V, H] or None) for hidden [N, H].
     operands: a precision's operands for hidden and weight (``ops/precision.py``): the backend recomputes the
     logits from their statistics operands and forms the gradients with their gradient products; None: from
@@ -68,7 +69,9 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
     labels, inv_temp, lse, ent, g_lp, g_ent: [n] vectors of the kept rows (``rows``, or all N). Rows not
     kept get a zero d_hidden. ``finish_dh`` maps each chunk's float32 d_hidden [T, H] before it is
     written (the tensor-parallel all-reduce); it is called the same number of times on every rank, as
-    the chunking depends on hidden's shape, dtype and device only."""
+    the chunking depends on hidden's shape, dtype and device only. ``add_dh(dh, start, stop)`` adds to a
+    chunk's float32 d_hidden (kept rows start..stop) before ``finish_dh``: the one-hot part of k ids per
+    token (``label_sets``), so that it is all-reduced with the rest."""
     n_all, n = hidden.shape[0], labels.shape[0]
     # the chunk plan is made on the caller's hidden (its shape, dtype and device: the same on every rank)
     step = max(1, backend.token_rows("backward", hidden, weight, g_ent is not None))
@@ -100,6 +103,8 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
             dw = dw_part
         if dh is None:
             continue
+        if add_dh is not None:
+            add_dh(dh, start, stop)
         dh = finish_dh(dh)
         if whole:
             out_dh = dh.to(hidden.dtype)     # no copy for float32 inputs

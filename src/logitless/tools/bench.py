@@ -7,20 +7,24 @@ sampled from that softmax (as in RL rollouts). Backward loss: sum(a * logprob) +
 with random signed a, b per token (what PPO/GRPO send back); rows without entropy use the
 log-prob term only.
 
-Per row: one checked warm-up (errors vs the reference backend on the first tokens), then
-``repeats`` timed forwards (inputs not requiring grad: the rollout / reference-model use) and
-``repeats`` timed forward+backwards; a row's time is its best call (the least disturbed by other
-work on a shared machine; every call is in the JSON). Floor: forward = 1 GEMM [N,H]x[H,V],
-forward+backward = 4 (forward, recompute, dH = dZ W, dW = dZ^T h), in the input dtype.
-Peak extra memory is measured in one more call of each kind, not timed: on CUDA torch's allocator peak minus what
-was allocated before; on CPU the kernel's peak-RSS counter (VmHWM, reset through
-/proc/self/clear_refs) minus the RSS before. Both include the gradient buffers.
+Per row: one checked warm-up (errors vs the reference backend on the first tokens), a warm-up of the
+forward, and its peak extra memory measured in one more call of each kind, not timed. Then ``repeats``
+rounds: in each, every row that ran and the floor time one forward (inputs not requiring grad: the
+rollout / reference-model use) and one forward+backward, in turn, the order reversed every other round;
+a row's time is the median of its calls (every call is in the JSON). Taking turns spreads other work on a
+shared machine over every row alike, so their ordering holds from run to run; the inputs come from a fixed
+seed (0 by default), printed with the table. Floor: forward = 1 GEMM [N,H]x[H,V], forward+backward = 4
+(forward, recompute, dH = dZ W, dW = dZ^T h), in the input dtype, timed in every round like a row.
+Peak extra memory: on CUDA torch's allocator peak minus what was allocated before; on CPU the kernel's
+peak-RSS counter (VmHWM, reset through /proc/self/clear_refs) minus the RSS before. Both include the
+gradient buffers.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,7 +61,7 @@ class BenchConfig:
     dtype: str = "float32"
     temperature: float = 1.0
     backends: tuple[str, ...] = peers.NAMES
-    repeats: int = 3
+    repeats: int = 5                   # rounds of timed calls (every row takes its turn in each)
     check_tokens: int = 256
     seed: int = 0
 
@@ -247,7 +251,21 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
 
 
-def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, meter: PeakMemory) -> Row:
+# A row ready to be timed: (the forward without grad, the forward+backward), each a call of no arguments.
+Calls = tuple[Callable[[], object], Callable[[], object]]
+
+
+def _no_grad(fn: Callable[[], object]) -> Callable[[], object]:
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
+
+
+def prepare_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker,
+                meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
+    """The row's checked warm-up and peak memory; its calls for the timing rounds (None: it did not run,
+    the row says why)."""
     row = Row(impl.name, impl.label, impl.kind, impl.entropy)
     if impl.kind == "policy":
         return _policy_row(impl, row, x, cfg, meter)
@@ -257,10 +275,10 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, met
         fn = impl.build(device)
     except peers.Unavailable as exc:
         row.status, row.reason = "unavailable", str(exc)
-        return row
+        return row, None
     except Exception as exc:  # noqa: BLE001 - a broken peer keeps its row with the reason
         row.status, row.reason = "unavailable", _short(exc)
-        return row
+        return row, None
     t = cfg.temperature
     try:
         t0 = time.perf_counter()
@@ -269,25 +287,27 @@ def run_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker, met
         row.warmup_s = time.perf_counter() - t0
         checker.compare(row, lp, ent, dh, dw)
         del lp, ent, dh, dw
-        with torch.no_grad():
-            _forward(fn, x, t)()            # warm-up of the inference path (compiles its own graph)
-            row.times_fwd = [time_call(_forward(fn, x, t), device) for _ in range(cfg.repeats)]
-            row.fwd_extra_bytes = meter.measure(_forward(fn, x, t))
+        fwd = _no_grad(_forward(fn, x, t))
+        fwd()                               # warm-up of the inference path (compiles its own graph)
+        row.fwd_extra_bytes = meter.measure(fwd)
         step = _forward_backward(fn, x, t, x.a, x.b)
-        row.times_fwd_bwd = [time_call(step, device) for _ in range(cfg.repeats)]
         row.fwd_bwd_extra_bytes = meter.measure(step)
     except Exception as exc:  # noqa: BLE001
-        row.status, row.reason = "failed", _short(exc)
-        if impl.triton_kernel and device.type != "cuda":
-            row.reason = f"triton GPU kernel, no GPU here: {row.reason}"
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return row
-    row.fwd_s, row.fwd_bwd_s = min(row.times_fwd), min(row.times_fwd_bwd)
-    return row
+        _failed(row, exc, device, impl.triton_kernel)
+        return row, None
+    return row, (fwd, step)
 
 
-def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig, meter: PeakMemory) -> Row:
+def _failed(row: Row, exc: BaseException, device: torch.device, triton_kernel: bool = False) -> None:
+    row.status, row.reason = "failed", _short(exc)
+    if triton_kernel and device.type != "cuda":
+        row.reason = f"triton GPU kernel, no GPU here: {row.reason}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
+                meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
     """A policy-loss row (tools/bench_policy.py), with the same failure handling as the others."""
     from . import bench_policy
     device = torch.device(cfg.device)
@@ -295,21 +315,44 @@ def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig, meter: 
         run = impl.build(device)
         if x.policy is None:
             x.policy = bench_policy.make_policy_inputs(x, cfg.temperature, cfg.seed)
-        bench_policy.run_policy_row(row, run.fused, run.backend, x, cfg, x.policy, meter, time_call, sync)
+        calls = bench_policy.prepare_policy_row(row, run.fused, run.backend, x, cfg, x.policy, meter, sync)
         row.label = f"{row.label} [{run.backend}]"
+        return row, calls
     except peers.Unavailable as exc:
         row.status, row.reason = "unavailable", str(exc)
     except Exception as exc:  # noqa: BLE001
-        row.status, row.reason = "failed", _short(exc)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return row
+        _failed(row, exc, device)
+    return row, None
+
+
+def time_rounds(entries: list[tuple[Row, Calls]], floor: "Floor", repeats: int, device: torch.device,
+                progress: Callable[[str], None]) -> None:
+    """``repeats`` rounds; in each, the floor and every row time one forward and one forward+backward in
+    turn, in reversed order every other round (the floor first, then last). A row that raises here is
+    marked failed and leaves the rounds."""
+    for r in range(repeats):
+        progress(f"      timing round {r + 1}/{repeats}")
+        order = [None] + entries if r % 2 == 0 else entries[::-1] + [None]
+        for entry in order:
+            if entry is None:
+                floor.sample()
+                continue
+            row, (fwd, step) = entry
+            if row.status != "ok":
+                continue
+            try:
+                row.times_fwd.append(time_call(fwd, device))
+                row.times_fwd_bwd.append(time_call(step, device))
+            except Exception as exc:  # noqa: BLE001 - a row that fails late keeps its row with the reason
+                _failed(row, exc, device)
+    for row, _ in entries:
+        if row.status == "ok":
+            row.fwd_s, row.fwd_bwd_s = statistics.median(row.times_fwd), statistics.median(row.times_fwd_bwd)
 
 
 class Floor:
-    """The GEMM floor (``common.GemmFloor``), sampled before the first row and again after every row
-    that ran; the floor is the best sample, the one least disturbed by other work on the machine.
-    Each sample allocates its buffers and frees them after, so the rows get the memory back."""
+    """The GEMM floor (``common.GemmFloor``), sampled once in every timing round like a row; the floor is the
+    median sample. Each sample allocates its buffers and frees them after, so the rows get the memory back."""
 
     def __init__(self, x: Inputs, cfg: BenchConfig):
         self.device = torch.device(cfg.device)
@@ -328,15 +371,15 @@ class Floor:
             self.row.times_fwd_bwd.append(time_call(gemms.forward_backward, self.device))
         gemms.close()
 
-    def best(self) -> dict:
+    def median(self) -> dict:
         n, h, v = self.shape
-        fwd, fwd_bwd = min(self.row.times_fwd), min(self.row.times_fwd_bwd)
+        fwd, fwd_bwd = statistics.median(self.row.times_fwd), statistics.median(self.row.times_fwd_bwd)
         return {"fwd_s": fwd, "fwd_bwd_s": fwd_bwd, "fwd_tflops": gemm_tflops(n, h, v, fwd),
                 "fwd_bwd_tflops": gemm_tflops(n, h, v, fwd_bwd, 4), "samples": len(self.row.times_fwd)}
 
     def close(self) -> tuple[dict, Row]:
         """The floor numbers and its table row."""
-        floor = self.best()
+        floor = self.median()
         self.row.fwd_s, self.row.fwd_bwd_s = floor["fwd_s"], floor["fwd_bwd_s"]
         return floor, self.row
 
@@ -353,7 +396,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     device = torch.device(cfg.device)
     n, h, v = cfg.shape
-    progress(f"{cfg.device} N={n} H={h} V={v} {cfg.dtype} T={cfg.temperature}: making inputs")
+    progress(f"{cfg.device} N={n} H={h} V={v} {cfg.dtype} T={cfg.temperature} seed={cfg.seed}: making inputs")
     x = make_inputs(cfg)
     meter = PeakMemory(device)
     checker = Checker(x, cfg.temperature, min(cfg.check_tokens, n))
@@ -361,22 +404,28 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = _progress,
     total = len(impls) + 1
     progress(f"[1/{total}] GEMM floor")
     gemms = Floor(x, cfg)
-    gemms.sample(cfg.repeats)
-    first = gemms.best()
+    gemms.sample()
+    first = gemms.median()
     progress(f"      fwd {first['fwd_s'] * 1e3:.1f} ms ({first['fwd_tflops']:.2f} TFLOP/s), "
-             f"4 GEMMs {first['fwd_bwd_s'] * 1e3:.1f} ms")
-    rows = []
+             f"4 GEMMs {first['fwd_bwd_s'] * 1e3:.1f} ms (one sample; timed again in every round)")
+    gemms.row.times_fwd.clear()
+    gemms.row.times_fwd_bwd.clear()
+    rows, entries = [], []
     for i, impl in enumerate(impls, start=2):
         progress(f"[{i}/{total}] {impl.name}")
         t0 = time.perf_counter()
-        row = run_row(impl, x, cfg, checker, meter)
+        row, calls = prepare_row(impl, x, cfg, checker, meter)
         rows.append(row)
-        if row.status == "ok":
-            progress(f"      fwd {row.fwd_s * 1e3:.1f} ms, fwd+bwd {row.fwd_bwd_s * 1e3:.1f} ms "
-                     f"({time.perf_counter() - t0:.1f} s with warm-up)")
-            gemms.sample()
+        if calls is not None:
+            entries.append((row, calls))
+            progress(f"      checked and warm ({time.perf_counter() - t0:.1f} s)")
         else:
             progress(f"      {row.status}: {row.reason}")
+    progress(f"timing: {cfg.repeats} rounds, the floor and {len(entries)} rows in turn")
+    time_rounds(entries, gemms, cfg.repeats, device, progress)
+    for row in rows:
+        if row.status == "ok":
+            progress(f"      {row.name}: fwd {row.fwd_s * 1e3:.1f} ms, fwd+bwd {row.fwd_bwd_s * 1e3:.1f} ms (medians)")
     floor, floor_row = gemms.close()
     rows.insert(0, floor_row)
     for row in rows:
@@ -412,7 +461,8 @@ def format_table(result: dict) -> str:
     n, h, v = cfg["shape"]
     where = m["cuda"][0]["name"] if cfg["device"] == "cuda" and m["cuda"] else m["cpu"]
     head = (f"N={n} H={h} V={v} {cfg['dtype']} T={cfg['temperature']} on {cfg['device']} ({where}); "
-            f"best of {cfg['repeats']} calls; errors vs the reference backend on the first "
+            f"seed {cfg['seed']}; median of {cfg['repeats']} calls a row, rows timed in turn (order reversed "
+            f"every other round); errors vs the reference backend on the first "
             f"{min(cfg['check_tokens'], n)} tokens; fwd = forward without grad (rollout / reference "
             f"model), fwd+bwd = training step; MiB = peak memory beyond the inputs\n"
             f"floor: 1 GEMM {floor['fwd_s'] * 1e3:.1f} ms ({floor['fwd_tflops']:.2f} TFLOP/s), "

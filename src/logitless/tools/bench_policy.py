@@ -5,7 +5,8 @@ bench's inputs and against the same GEMM floor.
 The loss: clipped ratio (clip 0.2 / 0.28), k3 KL to a reference policy (coefficient 0.01), entropy bonus
 (0.01), token-mean. A peer row computes it as TRL's GRPOTrainer does: its loss in torch on the log-probs and
 entropies of its fused head (``trl_loss_fn``). Advantages are the bench's signed per-token ``a``; old and
-reference log-probs are the current ones plus N(0, 0.1) noise, so the ratio clips on both sides for some tokens.
+reference log-probs are the current ones plus N(0, 0.1) noise (at most 0), so the ratio clips on both sides for
+some tokens.
 
 fwd = the loss without gradients (metrics only); fwd+bwd = the loss and its backward. Errors are against
 ``policy_loss_reference`` on the reference backend (fp32 logits) over the first ``check_tokens`` tokens:
@@ -39,7 +40,8 @@ def make_policy_inputs(x, temperature: float, seed: int) -> PolicyInputs:
     with torch.no_grad():
         lp = fused_logprobs(x.hidden, x.weight, x.labels, temperature=temperature, with_entropy=False).logprobs
     noise = torch.randn((2,) + tuple(lp.shape), device=lp.device, generator=gen) * NOISE
-    return PolicyInputs(x.a, lp + noise[0], lp + noise[1])
+    # log-probabilities stay <= 0 (the loss refuses anything else): a near-certain token's noise is cut at 0
+    return PolicyInputs(x.a, (lp + noise[0]).clamp(max=0.0), (lp + noise[1]).clamp(max=0.0))
 
 
 @dataclass
@@ -103,8 +105,9 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def run_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, meter, time_call, sync) -> None:
-    """Fill ``row`` (bench.Row): checked warm-up, timed forward (no grad) and forward+backward, peak memory."""
+def prepare_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, meter, sync):
+    """Fill ``row`` (bench.Row): checked warm-up and peak memory; returns (forward without grad,
+    forward+backward), the calls the bench times in its rounds."""
     device = torch.device(cfg.device)
     t, s = cfg.temperature, min(cfg.check_tokens, x.hidden.shape[0])
     run = loss_fn(fused, backend, device)
@@ -124,12 +127,13 @@ def run_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, mete
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     row.reason = f"PPO loss, rel err {loss_rel:.1e} vs policy_loss_reference"
     del out, dh, dw, ref, rdh, rdw
-    with torch.no_grad():
-        fwd = _step(run, x, t, p, grad=False)
-        fwd()
-        row.times_fwd = [time_call(fwd, device) for _ in range(cfg.repeats)]
-        row.fwd_extra_bytes = meter.measure(fwd)
+    forward = _step(run, x, t, p, grad=False)
+
+    def fwd():
+        with torch.no_grad():
+            return forward()
+    fwd()
+    row.fwd_extra_bytes = meter.measure(fwd)
     step = _step(run, x, t, p)
-    row.times_fwd_bwd = [time_call(step, device) for _ in range(cfg.repeats)]
     row.fwd_bwd_extra_bytes = meter.measure(step)
-    row.fwd_s, row.fwd_bwd_s = min(row.times_fwd), min(row.times_fwd_bwd)
+    return fwd, step

@@ -11,8 +11,9 @@ Per chunk of c token rows (c from LOGITLESS_POLICY_WORKSPACE_BYTES, a multiple o
    dw += dlogits.T @ hidden[chunk], accumulated in the gradient buffer (beta = 1: one rounding to its
    dtype per chunk) or, with LOGITLESS_POLICY_DW_FP32=1, in a float32 buffer rounded once at the end.
 
-Memory besides the gradient buffers: the workspace (1.25 GiB by default) and the statistics (12 bytes per
-token and vocabulary tile of a chunk).
+Memory besides the gradient buffers: the workspace (1.25 GiB by default; for chunks cut at sequence boundaries,
+grown to the longest sequence up to LOGITLESS_POLICY_WORKSPACE_MAX_BYTES, ``max_chunk_rows``) and the statistics
+(12 bytes per token and vocabulary tile of a chunk).
 """
 from __future__ import annotations
 
@@ -60,11 +61,19 @@ def chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, block_m: int, block_
     return balanced_chunks(n, max(block_m, budget // per_row), block_m)
 
 
-def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The most token rows one chunk (with gradients) may hold: the workspace budget, unbalanced."""
+def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
+    """The most token rows one chunk (with gradients) may hold, for groups of tokens (sequences) that must stay
+    whole, the longest of ``longest`` rows: the workspace budget's rows (unbalanced) or, when the longest group
+    is more than that, its length, if its workspace fits LOGITLESS_POLICY_WORKSPACE_MAX_BYTES (default twice the
+    budget: 2.5 GiB, 8833 tokens at V = 151936 in half precision). Otherwise the budget's rows, which the longest
+    group exceeds (the caller then takes the two-pass path)."""
     tiles = choose_tiles("POLICY", dtype, device)
     per_row = row_stride(plan_vocab) * workspace_dtype(dtype).itemsize
-    return max(tiles.block_m, knobs.policy_workspace_bytes(DEFAULT_WORKSPACE_BYTES) // per_row)
+    budget = knobs.policy_workspace_bytes(DEFAULT_WORKSPACE_BYTES)
+    rows = max(tiles.block_m, budget // per_row)
+    if longest > rows and longest * per_row <= knobs.policy_workspace_max_bytes(2 * budget):
+        return longest
+    return rows
 
 
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,

@@ -1,0 +1,172 @@
+"""Time fused_topk and the top-k distillation divergence on one GPU, in one process, against the GEMM floor.
+
+    PYTHONPATH=src python3 benchmarks/gpu_topk.py [--out DIR] [--dry-run]
+
+Shape: bf16, 16 x 1024 tokens (about 12% not scored / masked), H=4096, V=151936, k=32.
+1. Checks against float64 on the first 64 tokens: fused_topk's ids, log-probs and tail; the divergences' values.
+2. Timings (medians of 7 after 2 warm-up calls, CUDA events), in the same process:
+   - floor: 1 GEMM forward ([N, H] x [H, V], cuBLAS, bf16 out), 4 GEMMs forward + backward;
+   - fused_topk (backend "auto": the torch vocabulary pass) against the 1-GEMM floor (target <= 1.10x);
+   - naive top-k: bf16 logits, float32 log_softmax, torch.topk, the tail as log1p(-sum p) (it keeps [N, V]);
+   - topk_divergence forward + backward, "forward_kl_topk" and "forward_kl_topk_tail", backend "auto" (the torch
+     pass forward; the backend's kernels backward), against the 4-GEMM floor (target <= 0.80x); and
+     "forward_kl_topk" with_overlap=False (the backend's own statistics pass forward: Triton on CUDA);
+   - peak memory above the inputs (MiB).
+Writes DIR/gpu_topk.json and DIR/gpu_topk.md, and prints the table last. --dry-run: tiny shapes on the CPU
+(triton's interpreter, wall clock, no memory figures): a check of the script, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from logitless import fused_topk, last_backend  # noqa: E402
+from logitless.losses.distill_topk import topk_divergence  # noqa: E402
+from logitless.tools.common import GemmFloor, markdown_table, peak_extra_bytes, random_head  # noqa: E402
+from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
+from logitless.tools.machine import machine, versions  # noqa: E402
+
+FULL = dict(n=16 * 1024, h=4096, v=151936, k=32)
+TINY = dict(n=40, h=32, v=1031, k=5)
+MIB = 1 << 20
+# (row, divergence, with_overlap) of the timed losses
+LOSSES = (("forward_kl_topk", "forward_kl_topk", True), ("forward_kl_topk_tail", "forward_kl_topk_tail", True),
+          ("forward_kl_topk, no overlap", "forward_kl_topk", False))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def time_ms(fn, dev):
+    warm, reps = (2, 7) if dev == "cuda" else (1, 2)
+    return _time_cuda(fn, warm, reps, device=dev)[0]
+
+
+def inputs(shape, dev, dtype):
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden, weight = random_head(shape["n"], shape["h"], shape["v"], dtype, dev, g)
+    scored = torch.rand(shape["n"], device=dev, generator=g) > 0.12
+    # a teacher's top-k: another head's (the student's weight plus noise), taken with fused_topk itself
+    t_weight = (weight.float() + 0.5 * weight.float().std() * torch.randn(weight.shape, device=dev, generator=g))
+    teacher = fused_topk(hidden, t_weight.to(dtype), shape["k"], mask=scored)
+    labels = torch.where(scored, 0, -100)
+    t_ids = torch.where(scored.unsqueeze(1), teacher.ids, torch.arange(shape["k"], device=dev))
+    return hidden, weight, scored, labels, t_ids, teacher.logprobs.detach()
+
+
+def checks(hidden, weight, scored, labels, t_ids, t_lp, k):
+    """float64 on the first 64 tokens: the op's errors (what the table's error column shows)."""
+    n = min(64, hidden.shape[0])
+    h, m = hidden[:n], scored[:n]
+    out = fused_topk(h, weight, k, mask=m)
+    logp = torch.log_softmax(h.double() @ weight.double().t(), -1)
+    order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :k]
+    lp = logp.gather(1, order)
+    tail = torch.logsumexp(logp.scatter(1, order, float("-inf")), -1)
+    res = {"topk_ids_equal": bool(torch.equal(out.ids[m], order[m])),
+           "topk_logprob_err": float((out.logprobs[m].double() - lp[m]).abs().max()),
+           "topk_tail_err": float((out.tail_logprob[m].double() - tail[m]).abs().max())}
+    s = logp.gather(1, t_ids[:n])
+    q = t_lp[:n].double()
+    kl = (q.exp() * (q - s)).sum(-1).clamp_min(0)
+    qt = (1 - q.exp().sum(-1)).clamp_min(0)
+    s_tail = torch.logsumexp(logp.scatter(1, t_ids[:n], float("-inf")), -1)
+    kl_tail = (q.exp() * (q - s)).sum(-1) + torch.where(qt > 0, qt * (qt.clamp_min(1e-300).log() - s_tail), 0.0)
+    for name, want in (("forward_kl_topk", kl), ("forward_kl_topk_tail", kl_tail)):
+        got = topk_divergence(h, weight, labels[:n], t_ids[:n], t_lp[:n], divergence=name).divergence
+        res[f"{name}_err"] = float((got[m].double() - want[m]).abs().max())
+    # gradients through the compiled backward (backend "auto": Triton's kernels on CUDA) against float64 autograd
+    hg, wg = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    d = topk_divergence(hg, wg, labels[:n], t_ids[:n], t_lp[:n], divergence="forward_kl_topk_tail")
+    d.divergence.sum().backward()
+    res["grad_backend"] = last_backend()
+    h64, w64 = h.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.t(), -1)
+    s = logp.gather(1, t_ids[:n])
+    s_tail = torch.logsumexp(logp.scatter(1, t_ids[:n], float("-inf")), -1)
+    want = (q.exp() * (q - s)).sum(-1) + torch.where(qt > 0, qt * (qt.clamp_min(1e-300).log() - s_tail), 0.0)
+    (want * m).sum().backward()
+    for name, got, ref in (("d_hidden", hg.grad, h64.grad), ("d_weight", wg.grad, w64.grad)):
+        res[f"tail_{name}_rel_err"] = float((got.double() - ref).norm() / ref.norm())
+    return res
+
+
+def naive_topk(hidden, weight, k):
+    logp = torch.log_softmax((hidden @ weight.t()).float(), -1)
+    lp, ids = logp.topk(k, dim=-1)
+    return ids, lp, torch.log1p(-lp.exp().sum(-1))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    args = p.parse_args()
+    dev = "cpu" if args.dry_run else "cuda"
+    shape = TINY if args.dry_run else FULL
+    dtype = torch.bfloat16
+    os.makedirs(args.out, exist_ok=True)
+    res = {"shape": shape, "machine": machine(), "versions": versions(), "checks": {}, "ms": {}, "mib": {}}
+    hidden, weight, scored, labels, t_ids, t_lp = inputs(shape, dev, dtype)
+    res["checks"] = checks(hidden, weight, scored, labels, t_ids, t_lp, shape["k"])
+    log("checks", res["checks"])
+
+    floor = GemmFloor(hidden, weight)
+    res["ms"]["floor_fwd"] = time_ms(floor.forward, dev)
+    res["ms"]["floor_fwd_bwd"] = time_ms(floor.forward_backward, dev)
+    floor.close()
+    del floor
+
+    k = shape["k"]
+    res["ms"]["fused_topk"] = time_ms(lambda: fused_topk(hidden, weight, k, mask=scored), dev)
+    res["fused_topk_backend"] = last_backend()
+    res["mib"]["fused_topk"], _ = peak_extra_bytes(lambda: fused_topk(hidden, weight, k, mask=scored), dev)
+    try:
+        res["ms"]["naive_topk"] = time_ms(lambda: naive_topk(hidden, weight, k), dev)
+        res["mib"]["naive_topk"], _ = peak_extra_bytes(lambda: naive_topk(hidden, weight, k), dev)
+    except torch.OutOfMemoryError:
+        res["ms"]["naive_topk"] = None
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    for key, name, overlap in LOSSES:
+        def step(name=name, overlap=overlap):
+            h.grad = w.grad = None
+            d = topk_divergence(h, w, labels, t_ids, t_lp, divergence=name, log_prob_min_clamp=-10.0,
+                                with_overlap=overlap)
+            (d.divergence.sum() / scored.sum()).backward()
+        res["ms"][key] = time_ms(step, dev)
+        res[f"{key}_backend"] = last_backend()
+        res["mib"][key], _ = peak_extra_bytes(step, dev)
+    res["mib"] = {key: (None if b is None else b / MIB) for key, b in res["mib"].items()}
+
+    f, fb = res["ms"]["floor_fwd"], res["ms"]["floor_fwd_bwd"]
+    rows = [["GEMM floor, 1 forward", f"{f:.2f}", "1.00", "-", "-"],
+            ["GEMM floor, 4 forward+backward", f"{fb:.2f}", "1.00", "-", "-"]]
+    for key, floor_ms, target in (("fused_topk", f, "<= 1.10"), ("naive_topk", f, "-"),
+                                  *((key, fb, "<= 0.80") for key, _, _ in LOSSES)):
+        ms = res["ms"].get(key)
+        mib = res["mib"].get(key)
+        rows.append([key, "-" if ms is None else f"{ms:.2f}", "-" if ms is None else f"{ms / floor_ms:.2f}",
+                     target, "-" if mib is None else f"{mib:.0f}"])
+    table = markdown_table(["what", "ms", "x floor", "target", "peak MiB"], rows)
+    with open(os.path.join(args.out, "gpu_topk.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    with open(os.path.join(args.out, "gpu_topk.md"), "w") as fh:
+        fh.write(f"shape {shape}, bf16, device {dev}\n\nchecks {res['checks']}\n\n{table}")
+    log(f"\nshape {shape}, bf16, {dev}; checks {res['checks']}")
+    log(table)
+
+
+if __name__ == "__main__":
+    main()

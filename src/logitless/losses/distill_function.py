@@ -1,0 +1,149 @@
+"""The full-vocabulary distillation loss as a ``torch.library`` custom op with a fake kernel (so
+``torch.compile(fullgraph=True)`` traces through it) and its autograd:
+
+    logitless::fused_distillation_loss(s_hidden [N, H_s], s_weight [V_local, H_s], t_hidden [N, H_t],
+        t_weight [V_local, H_t], labels [N] int64, inv_temp [N] float32, token_w [N] float32, **settings)
+        -> (loss 0-d, divergence [N], student entropy [N], d_s_hidden [N, H_s] or [0], d_s_weight or [0])
+
+Like the fused policy loss, the gradients are formed in the forward (``ops/distill_chunked.py``: four GEMMs,
+nothing recomputed) and handed out once, scaled by the upstream gradient, in the backward; the teacher gets
+none. Inside the op, one host synchronisation checks the labels, temperatures and per-token weights and counts
+the scored tokens (label != ignore_index); only those reach the pass (ignored rows cost nothing).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import checks
+from ..ops.distill_chunked import Head, distill_pass_for
+from ..ops.divergence_terms import Divergence, HeadTransform
+from ..ops.function import _layout
+from ..ops.maths import no_autocast
+from ..record import record_backend
+from . import function as _policy_function  # noqa: F401  (registers logitless::scale_by_upstream_)
+
+
+def _none_if_nan(x: float) -> Optional[float]:
+    return None if math.isnan(x) else x
+
+
+def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int,
+                 ignore_index: int) -> Optional[Tensor]:
+    """ValueError for a label outside [0, vocab) that is not ignore_index, a temperature out of range, or a
+    non-finite per-token weight at a scored token; the scored rows (None: every row). One host read."""
+    valid = labels != ignore_index
+    if labels.numel() == 0:
+        return None
+    bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
+    bad_temp = ~checks.inverse_temperature_ok(inv_temp)
+    bad_w = (valid & ~torch.isfinite(token_w)).any()
+    count = valid.sum()
+    bad_label, bad_temp, bad_w, count = torch.stack([bad_label, bad_temp, bad_w, count]).tolist()
+    if bad_label:
+        checks.check_label_range(labels, valid, vocab, ignore_index)
+    if bad_temp:
+        raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
+    if bad_w:
+        raise ValueError("token_weight must be finite at every scored token (label != ignore_index)")
+    count = int(count)
+    return None if count == labels.numel() else torch.nonzero_static(valid, size=count).squeeze(1)
+
+
+@torch.library.custom_op("logitless::fused_distillation_loss", mutates_args=())
+def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: Tensor, labels: Tensor,
+                inv_temp: Tensor, token_w: Tensor, *, kind: str, beta: float, s_scale: float, s_softcap: float,
+                t_scale: float, t_softcap: float, backend: str, ignore_index: int, tp_group: Optional[str],
+                reduce_grad_hidden: bool, need_dh: bool, need_dw: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with no_autocast(s_hidden):
+        tp = _layout(tp_group, s_weight, reduce_grad_hidden)
+        if tp is not None:
+            t_tp = _layout(tp_group, t_weight, reduce_grad_hidden)
+            if t_tp.sizes != tp.sizes:
+                raise ValueError(f"teacher_weight's vocabulary shards {t_tp.sizes} differ from student_weight's "
+                                 f"{tp.sizes} over tp_group: both heads must be sharded the same way")
+        vocab = tp.vocab_size if tp is not None else s_weight.shape[0]
+        rows = _scored_rows(labels, inv_temp, token_w, vocab, ignore_index)
+
+        def pick(t: Tensor) -> Tensor:
+            return t if rows is None else t.index_select(0, rows)
+        student = Head(pick(s_hidden), s_weight, HeadTransform(s_scale, _none_if_nan(s_softcap)))
+        teacher = Head(pick(t_hidden), t_weight, HeadTransform(t_scale, _none_if_nan(t_softcap)))
+        w = pick(token_w)
+        n, dev = student.hidden.shape[0], s_hidden.device
+        dh = None
+        if need_dh:
+            # under tensor parallelism d_hidden is a partial sum: float32 until it is reduced
+            dh = torch.empty((n, s_hidden.shape[1]), dtype=torch.float32 if tp is not None else s_hidden.dtype,
+                             device=dev)
+        # the pass writes every element of both unless there is no token
+        alloc = torch.zeros if n == 0 else torch.empty
+        dw = alloc(s_weight.shape, dtype=s_weight.dtype, device=dev) if need_dw else None
+        div, ent = distill_pass_for(backend)(student, teacher, pick(inv_temp), w,
+                                             Divergence(kind, _none_if_nan(beta)), dh, dw, tp=tp)
+        loss = (w.double() * div.double()).sum().float()
+        record_backend(backend)
+        if dh is not None:
+            if tp is not None:
+                dh = tp.reduce_grad_hidden(dh)
+            if rows is not None:
+                dh = torch.zeros(s_hidden.shape, dtype=dh.dtype, device=dev).index_copy_(0, rows, dh)
+            dh = dh.to(s_hidden.dtype)
+
+        def scatter(x: Tensor) -> Tensor:
+            return x if rows is None else x.new_zeros(labels.shape[0]).index_copy_(0, rows, x)
+        return (loss, scatter(div), scatter(ent), s_hidden.new_empty(0) if dh is None else dh,
+                s_weight.new_empty(0) if dw is None else dw)
+
+
+@_distill_op.register_fake
+def _distill_fake(s_hidden, s_weight, t_hidden, t_weight, labels, inv_temp, token_w, *, kind, beta, s_scale,
+                  s_softcap, t_scale, t_softcap, backend, ignore_index, tp_group, reduce_grad_hidden, need_dh,
+                  need_dw):
+    n = labels.shape[0]
+    return (s_hidden.new_empty((), dtype=torch.float32), s_hidden.new_empty(n, dtype=torch.float32),
+            s_hidden.new_empty(n, dtype=torch.float32), s_hidden.new_empty(s_hidden.shape if need_dh else (0,)),
+            s_weight.new_empty(s_weight.shape if need_dw else (0,)))
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.need = (keyword_only_inputs["need_dh"], keyword_only_inputs["need_dw"])
+    ctx.save_for_backward(output[3], output[4])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.handed_out = False
+
+
+def _backward(ctx, g_loss, *_):
+    if ctx.handed_out:
+        raise RuntimeError("fused_distillation_loss: a second backward through the same loss. Its gradients are "
+                           "formed in the forward and handed out once; call fused_distillation_loss again")
+    ctx.handed_out = True
+    grads = []
+    for g, needed in zip(ctx.saved_tensors, ctx.need, strict=True):
+        if needed:     # in place: no second gradient-sized buffer
+            torch.ops.logitless.scale_by_upstream_(g, g_loss)
+        grads.append(g if needed else None)
+    return grads[0], grads[1], None, None, None, None, None
+
+
+_distill_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_distillation_loss_op(student: Head, teacher: Head, labels: Tensor, inv_temp: Tensor, token_w: Tensor,
+                               divergence: Divergence, *, backend: str, ignore_index: int, tp_group: Optional[str],
+                               reduce_grad_hidden: bool, need_dh: bool, need_dw: bool):
+    """(loss, divergence [N], entropy [N]) of the op; hidden [N, H] of each head, labels / inv_temp / token_w
+    [N], as checked by ``losses.distillation``."""
+    def number(x: Optional[float]) -> float:
+        return math.nan if x is None else float(x)
+    out = torch.ops.logitless.fused_distillation_loss(
+        student.hidden, student.weight, teacher.hidden, teacher.weight, labels, inv_temp, token_w,
+        kind=divergence.kind, beta=number(divergence.beta), s_scale=float(student.transform.scale),
+        s_softcap=number(student.transform.softcap), t_scale=float(teacher.transform.scale),
+        t_softcap=number(teacher.transform.softcap), backend=backend, ignore_index=ignore_index,
+        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, need_dh=need_dh, need_dw=need_dw)
+    return out[:3]

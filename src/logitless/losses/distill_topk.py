@@ -1,0 +1,189 @@
+"""Top-k distillation divergences: the student, from its hidden states and LM head, against a teacher's top-k ids
+and log-probs. One definition of each term, read by every caller.
+
+Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
+
+    topk_divergence(student_hidden [..., H], student_weight [V, H], labels [...], teacher_topk_ids [..., k],
+                    teacher_topk_logprobs [..., k], *, divergence="forward_kl_topk", temperature=1.0,
+                    ignore_index=-100, tp_group=None, reduce_grad_hidden=True, backend="auto", softcap=None,
+                    log_prob_min_clamp=None, with_overlap=True) -> TopKDivergence(divergence, metrics, token_stats)
+
+- ``labels`` only marks the scored tokens (``labels != ignore_index``); the teacher's ids and log-probs of the
+  other tokens are never read (padding may hold anything).
+- ``divergence`` [...] float32, differentiable w.r.t. student_hidden and student_weight (those that require grad),
+  0 on unscored tokens. Aggregation (token-mean, ...) is the caller's.
+- ``metrics``: detached 0-d float32 tensors under verl's names, over the scored tokens:
+  ``distillation/student_mass`` (+ ``_min``, ``_max``), ``distillation/teacher_mass`` (+ ``_min``, ``_max``),
+  ``distillation/overlap_ratio``, ``distillation/overlap_token_advantage``, ``distillation/loss_min`` and
+  ``distillation/loss_max`` (the range of ``divergence``, before any ``loss_max_clamp`` of the caller). With no
+  scored token the means are NaN, the minima +inf and the maxima -inf; overlap_token_advantage is 0.
+- ``token_stats``: the detached per-token tensors behind them ([...]: ``student_mass``, ``teacher_mass``,
+  ``overlap_count`` int64, ``overlap_token_advantage``), for callers that aggregate across micro-batches.
+- ``with_overlap=False``: no overlap (the two overlap metrics and token stats are absent). The overlap needs the
+  student's own top-k, which the torch vocabulary pass selects; without it ``"forward_kl_topk"``'s forward is the
+  backend's statistics pass (Triton's kernels on CUDA) plus a gathered product for the k ids. The tail divergence
+  always takes the torch pass (it sums the mass outside the ids).
+- Bad input is a ValueError / TypeError naming the argument before any kernel runs: ids outside [0, V) or
+  repeated within a token, teacher log-probs above 0 or NaN (on scored tokens), mismatched shapes, an unknown
+  divergence, a non-finite log_prob_min_clamp.
+
+The divergences, per scored token, with S the teacher's k ids, q_i = exp(teacher log-prob), s_i = the student's
+log-prob at id i (softmax over the whole vocabulary, at ``temperature``):
+
+- ``"forward_kl_topk"``: verl 0.9.1's forward_kl_topk (``verl.trainer.distillation.fsdp.losses``, with the
+  clamp at 0 of ``verl.trainer.distillation.losses.compute_forward_kl_topk``): with c = log_prob_min_clamp,
+  t_i = max(log q_i, c), u_i = max(s_i, c) (no clamp when c is None),
+      D = max(0, sum_{i in S} exp(t_i) (t_i - u_i)),
+  gradients as torch's autograd gives them through both clamps (0 where a clamp is active). student_mass =
+  sum_S exp(s_i) and teacher_mass = sum_S q_i, both before the clamp; the overlap counts the teacher's ids among
+  the student's own top-k (k = the teacher's k, ties to the lower id), and its advantage is the mean of
+  -exp(t_i) (t_i - u_i) over the overlapping ids (0 where none). verl's Megatron path sums the masses after the
+  clamp: the two differ only where a log-prob lies below c.
+- ``"forward_kl_topk_tail"``: the mass outside the top-k as one more bucket on both sides,
+      D = sum_{i in S} exp(t_i) (t_i - u_i) + q_tail (log q_tail - log p_tail),
+  q_tail = 1 - sum_S q_i (from the teacher's log-probs, in float64, 0 when they sum to 1 or more: the bucket then
+  adds nothing), p_tail = the student's mass outside S, summed directly over the other ids by the fused pass
+  (``fused_logprobs_k(with_tail=True)``), never as 1 - sum exp(s_i). The clamp applies to the k buckets as above;
+  no clamp at 0 (a (k+1)-bucket KL is >= 0 without clamp).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import checks
+from ..api import check_head, inv_temperature, tp_group_name
+from ..ops import function, label_set_function
+from ..ops.registry import choose_backend
+
+__all__ = ["topk_divergence", "TopKDivergence", "TOPK_DIVERGENCES"]
+
+TOPK_DIVERGENCES = ("forward_kl_topk", "forward_kl_topk_tail")
+
+
+class TopKDivergence(NamedTuple):
+    divergence: Tensor
+    metrics: dict
+    token_stats: dict
+
+
+def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(scored [...] bool, ids [..., k] int64 with ignore_index on unscored tokens, teacher log-probs float32
+    with 0 on unscored tokens)."""
+    ids = checks.index_tensor(ids, "teacher_topk_ids")
+    logprobs = checks.tensor(logprobs, "teacher_topk_logprobs")
+    if not logprobs.is_floating_point():
+        raise TypeError(f"teacher_topk_logprobs must be a floating-point tensor, got {logprobs.dtype}")
+    if ids.dim() != labels.dim() + 1 or ids.shape[:-1] != labels.shape or ids.shape[-1] == 0:
+        raise ValueError(f"teacher_topk_ids shape {tuple(ids.shape)} must be the labels' shape "
+                         f"{tuple(labels.shape)} + [k], k >= 1")
+    if logprobs.shape != ids.shape:
+        raise ValueError(f"teacher_topk_logprobs shape {tuple(logprobs.shape)} must equal teacher_topk_ids' "
+                         f"shape {tuple(ids.shape)}")
+    for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", logprobs)):
+        if t.device != labels.device:
+            raise ValueError(f"{name} is on {t.device}, the student's tokens on {labels.device}")
+    scored = labels != ignore_index
+    lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs")
+    ids = torch.where(scored.unsqueeze(-1), ids.long(), torch.full_like(ids, ignore_index, dtype=torch.int64))
+    return scored, ids, lp
+
+
+def _masked_stats(x: Tensor, scored: Tensor, name: str) -> dict:
+    """mean / min / max of x over the scored tokens (NaN / +inf / -inf when none), detached float32."""
+    x = x.detach().float()
+    count = scored.sum()
+    total = torch.where(scored, x, torch.zeros_like(x)).sum()
+    inf = torch.full_like(x, float("inf"))
+    return {name: total / count, f"{name}_min": torch.where(scored, x, inf).amin() if x.numel() else inf.sum(),
+            f"{name}_max": torch.where(scored, x, -inf).amax() if x.numel() else -inf.sum()}
+
+
+def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tensor, teacher_topk_ids: Tensor,
+                    teacher_topk_logprobs: Tensor, *, divergence: str = "forward_kl_topk",
+                    temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
+                    reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
+                    log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True) -> TopKDivergence:
+    """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
+    if divergence not in TOPK_DIVERGENCES:
+        raise ValueError(f"divergence must be one of {TOPK_DIVERGENCES}, got {divergence!r}")
+    hidden, weight, labels = check_head(student_hidden, student_weight, labels)
+    ignore_index = checks.ignore_index(ignore_index)
+    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    softcap = checks.softcap(softcap)
+    checks.boolean(with_overlap, "with_overlap")
+    clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
+    scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index)
+    k = ids.shape[-1]
+    inv_temp = inv_temperature(temperature, labels, check_values=False)
+    flat_ids = ids.reshape(-1, k)
+    mod, _ = choose_backend(hidden, weight, backend)
+    options = function.OpOptions(backend=mod.name, with_entropy=False, ignore_index=ignore_index, softcap=softcap,
+                                 tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden)
+    with_tail = divergence == "forward_kl_topk_tail"
+    s_lp, _, s_tail, s_top = label_set_function.fused_logprobs_k(
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,
+        select=k if with_overlap else 0, labels_name="teacher_topk_ids")
+    s_lp = s_lp.view(ids.shape)
+    terms = topk_terms(s_lp, t_lp, clamp)
+    if with_tail:
+        d = terms.kl + tail_term(s_tail.view(labels.shape), t_lp)
+    else:
+        d = terms.kl.clamp_min(0.0)       # verl: top-k masses do not sum to 1, so the sum can be negative
+    d = torch.where(scored, d, torch.zeros_like(d))
+    stats = {"student_mass": terms.student_mass, "teacher_mass": terms.teacher_mass}
+    metrics = {**_masked_stats(terms.student_mass, scored, "distillation/student_mass"),
+               **_masked_stats(terms.teacher_mass, scored, "distillation/teacher_mass")}
+    if with_overlap:
+        _overlap(ids, s_top.view(ids.shape), terms.token_kl.detach(), scored, stats, metrics)
+    loss_stats = _masked_stats(d, scored, "distillation/loss")
+    metrics["distillation/loss_min"], metrics["distillation/loss_max"] = (loss_stats["distillation/loss_min"],
+                                                                          loss_stats["distillation/loss_max"])
+    return TopKDivergence(d, metrics, stats)
+
+
+def _overlap(ids: Tensor, student_top: Tensor, token_kl: Tensor, scored: Tensor, stats: dict, metrics: dict) -> None:
+    """verl's overlap diagnostics: how many of the teacher's ids are among the student's own top-k, and the mean
+    of -token_kl over those ids (0 where none), per token and over the scored tokens."""
+    k = ids.shape[-1]
+    overlap = (ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(dim=-1) & scored.unsqueeze(-1)
+    count = overlap.sum(dim=-1)
+    adv = (-token_kl * overlap).sum(dim=-1) / count.clamp_min(1)
+    adv = torch.where(count > 0, adv, torch.zeros_like(adv))
+    stats["overlap_count"], stats["overlap_token_advantage"] = count, adv
+    metrics["distillation/overlap_ratio"] = (torch.where(scored, count, 0).sum() / scored.sum()).float() / k
+    some = scored & (count > 0)
+    metrics["distillation/overlap_token_advantage"] = torch.where(
+        some.any(), torch.where(some, adv, 0.0).sum() / some.sum().clamp_min(1), 0.0)
+
+
+class TopKTerms(NamedTuple):
+    kl: Tensor             # [...] sum_S exp(t) (t - u), differentiable through the student's log-probs
+    token_kl: Tensor       # [..., k] exp(t) (t - u)
+    student_mass: Tensor   # [...] sum_S exp(s), detached
+    teacher_mass: Tensor   # [...] sum_S q, detached
+
+
+def topk_terms(s_lp: Tensor, t_lp: Tensor, clamp: Optional[float]) -> TopKTerms:
+    """The k buckets of verl's forward_kl_topk, from the student's log-probs s_lp [..., k] at the teacher's ids
+    and the teacher's t_lp [..., k] (float32): masses before the clamp, then both sides clamped from below at
+    ``clamp`` (None: no clamp) and summed as sum exp(t) (t - u)."""
+    student_mass = s_lp.detach().exp().sum(dim=-1)
+    teacher_mass = t_lp.exp().sum(dim=-1)
+    if clamp is not None:
+        s_lp, t_lp = s_lp.clamp_min(clamp), t_lp.clamp_min(clamp)
+    token_kl = t_lp.exp() * (t_lp - s_lp)
+    return TopKTerms(token_kl.sum(dim=-1), token_kl, student_mass, teacher_mass)
+
+
+def tail_term(s_tail: Tensor, t_lp: Tensor) -> Tensor:
+    """q_tail (log q_tail - log p_tail) [...], q_tail = 1 - sum exp(t_lp) in float64 (0 when the teacher's k
+    probabilities sum to 1 or more: no term), s_tail = log p_tail (differentiable)."""
+    q = (1.0 - t_lp.double().exp().sum(dim=-1)).clamp_min(0.0)
+    has = q > 0
+    log_q = torch.log(torch.where(has, q, torch.ones_like(q)))
+    q, log_q = q.float(), log_q.float()
+    s = torch.where(has, s_tail, torch.zeros_like(s_tail))
+    return torch.where(has, q * (log_q - s), torch.zeros_like(s))

@@ -1,0 +1,300 @@
+"""The public distillation loss, ``fused_distillation_loss``: a student's next-token distribution trained toward a
+teacher's, from the student's last hidden states and LM-head weight, never building the logits.
+
+Two families (docs/distillation.md defines each):
+- full vocabulary, from the teacher's hidden states and head weight: "forward_kl", "reverse_kl", "jsd" (TRL's
+  generalized JSD; ``ops/divergence_terms.py`` holds the one definition), through the custom op of
+  ``distill_function.py`` (four GEMMs, gradients formed in the forward);
+- top-k, from the teacher's top-k ids and log-probs: "forward_kl_topk" (verl's) and "forward_kl_topk_tail", in
+  ``distill_topk.py``.
+
+This module checks the arguments (TypeError / ValueError naming the argument, before any kernel runs), fixes the
+per-token loss weights (``aggregate.py``'s loss_agg, TRL's ``num_items_in_batch``, an optional per-token weight)
+and dispatches.
+"""
+from __future__ import annotations
+
+from numbers import Real
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import checks
+from ..api import check_head, inv_temperature, tp_group_name
+from ..ops.distill_chunked import Head
+from ..ops.divergence_terms import FULL_VOCAB_DIVERGENCES, TAKES_BETA, Divergence, HeadTransform
+from .aggregate import check_agg_layout, check_cu_seqlens, check_loss_agg, cu_seqlens_error, token_weights
+from .distill_function import fused_distillation_loss_op
+from .distill_topk import TOPK_DIVERGENCES, topk_divergence
+
+DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
+DISTILLATION_BACKENDS = ("auto", "reference", "chunked", "triton")
+
+
+class DistillationOutput(NamedTuple):
+    """loss: 0-d float32, to be minimised, differentiable (once) to the student's hidden states and weight.
+    divergence: float32 per token (the labels' shape), 0 where labels == ignore_index; detached.
+    entropy: the student's entropy per token (full-vocabulary divergences; TRL logs its mean over the scored
+        tokens as "entropy"), 0 where ignored; None for the top-k divergences.
+    student_mass, teacher_mass: per token, the probability mass of the teacher's top-k ids under each model
+        (verl's distillation/student_mass, teacher_mass); top-k divergences only, else None.
+    overlap_count, overlap_token_advantage: per token, verl's top-k overlap diagnostics; top-k only, else None.
+    metrics: detached 0-d float32 tensors under the trainers' names, over the scored tokens: "entropy" (the
+        student's mean entropy, TRL's) for the full-vocabulary divergences; verl's "distillation/student_mass"
+        (+ _min, _max), "distillation/teacher_mass" (+ _min, _max), "distillation/overlap_ratio",
+        "distillation/overlap_token_advantage", "distillation/loss_min", "distillation/loss_max" for the top-k
+        ones."""
+    loss: Tensor
+    divergence: Tensor
+    entropy: Optional[Tensor] = None
+    student_mass: Optional[Tensor] = None
+    teacher_mass: Optional[Tensor] = None
+    overlap_count: Optional[Tensor] = None
+    overlap_token_advantage: Optional[Tensor] = None
+    metrics: Optional[dict] = None
+
+
+def _divergence(divergence, beta) -> Optional[Divergence]:
+    """The checked divergence (None for a top-k one)."""
+    if not isinstance(divergence, str):
+        raise TypeError(f"divergence must be a str, got {type(divergence).__name__}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if divergence not in TAKES_BETA:
+        if beta is not None:
+            raise ValueError(f"beta is the mixture weight of divergence='jsd'; divergence={divergence!r} does not "
+                             f"use it (got beta={beta!r}): leave it None")
+    else:
+        if beta is None:
+            raise ValueError("divergence='jsd' needs beta in [0, 1] (TRL's generalized JSD: 0 is the forward KL, "
+                             "1 the reverse KL)")
+        if isinstance(beta, bool) or not isinstance(beta, Real):
+            raise TypeError(f"beta must be a real number, got {type(beta).__name__}")
+        beta = float(beta)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must lie in [0, 1], got {beta!r}")
+    return Divergence.of(divergence, beta) if divergence in FULL_VOCAB_DIVERGENCES else None
+
+
+def _head(hidden, weight, labels, who: str) -> tuple[Tensor, Tensor]:
+    """check_head's checks, its messages naming this head's arguments."""
+    try:
+        hidden, weight, _ = check_head(hidden, weight, labels)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc).replace("hidden", f"{who}_hidden").replace("weight", f"{who}_weight")
+        raise type(exc)(msg) from None
+    return hidden, weight
+
+
+def _logit_scale(value, name: str) -> float:
+    return checks.finite_float(value, name)
+
+
+def _softcap(value, name: str) -> Optional[float]:
+    try:
+        return checks.softcap(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("softcap", name)) from None
+
+
+def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens, num_items_in_batch,
+                   token_weight) -> Tensor:
+    """float32 [N]: each token's weight in the loss (0 where ignored)."""
+    valid = labels != ignore_index
+    loss_agg = check_loss_agg(loss_agg)
+    cu = None
+    if cu_seqlens is not None:
+        if loss_agg not in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+            raise ValueError(f"cu_seqlens delimits sequences for the sequence aggregations; loss_agg={loss_agg!r} "
+                             "does not use them")
+        cu, ok = check_cu_seqlens(cu_seqlens, labels)
+        if not bool(ok):
+            raise cu_seqlens_error(cu, labels.numel())
+    check_agg_layout(labels, loss_agg, cu)
+    if num_items_in_batch is not None:
+        if loss_agg != "token-mean":
+            raise ValueError(f"num_items_in_batch replaces token-mean's count of scored tokens (TRL's "
+                             f"normalisation: sum / num_items_in_batch); loss_agg={loss_agg!r} does not use it")
+        if isinstance(num_items_in_batch, Tensor):
+            count = checks.real_tensor(num_items_in_batch, "num_items_in_batch", device=labels.device, max_dim=0,
+                                       check_values=False).double()
+        else:
+            count = checks.finite_float(num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
+        w = valid.double() / count
+    else:
+        w = token_weights(valid, loss_agg, cu)
+    if token_weight is not None:
+        tw = checks.per_token_tensor(token_weight, "token_weight", labels)
+        w = w * torch.where(valid, tw.double(), torch.zeros((), dtype=torch.float64, device=labels.device))
+    return w.float().reshape(-1)
+
+
+def _backend(backend, hidden: Tensor) -> str:
+    """The backend that runs: "auto" takes "triton" for CUDA tensors where triton imports, else "chunked"."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if backend not in DISTILLATION_BACKENDS:
+        raise ValueError(f"backend must be one of {DISTILLATION_BACKENDS}, got {backend!r}")
+    if backend in ("auto", "triton"):
+        try:
+            from ..ops.triton.common import INTERPRETING
+        except ImportError as exc:
+            if backend == "triton":
+                raise RuntimeError(f"backend 'triton' cannot be imported here: {exc}") from exc
+            return "chunked"
+        runs = hidden.is_cuda or INTERPRETING
+        if backend == "triton" and not runs:
+            raise RuntimeError(f"backend 'triton' runs on CUDA tensors (or under TRITON_INTERPRET=1); these are on "
+                               f"{hidden.device}")
+        if backend == "auto":
+            return "triton" if hidden.is_cuda else "chunked"
+    return backend
+
+
+def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labels: Tensor, *,
+                            divergence: str, teacher_hidden: Optional[Tensor] = None,
+                            teacher_weight: Optional[Tensor] = None, teacher_topk_ids: Optional[Tensor] = None,
+                            teacher_topk_logprobs: Optional[Tensor] = None, beta: Optional[float] = None,
+                            temperature: Union[float, Tensor] = 1.0, loss_agg: str = "token-mean",
+                            cu_seqlens: Optional[Tensor] = None,
+                            num_items_in_batch: Union[None, float, Tensor] = None,
+                            token_weight: Optional[Tensor] = None, student_logit_scale: float = 1.0,
+                            teacher_logit_scale: float = 1.0, student_softcap: Optional[float] = None,
+                            teacher_softcap: Optional[float] = None, ignore_index: int = -100, tp_group=None,
+                            reduce_grad_hidden: bool = True, backend: str = "auto",
+                            **topk_settings) -> DistillationOutput:
+    """The distillation loss straight from the LM heads, without the [tokens x vocab] logits.
+
+    Args:
+        student_hidden [..., H_s], student_weight [V, H_s], labels [...]: as ``hidden``, ``weight``, ``labels`` of
+            ``logitless.fused_logprobs``; labels mark the scored tokens (label != ignore_index; their values are
+            checked to lie in [0, V) but the full-vocabulary divergences do not otherwise read them).
+        divergence: "forward_kl" KL(p_t || p_s), "reverse_kl" KL(p_s || p_t), "jsd" (TRL's generalized JSD with
+            ``beta``), from ``teacher_hidden`` [..., H_t] and ``teacher_weight`` [V, H_t] (the same V; H and dtype
+            may differ from the student's); or "forward_kl_topk" / "forward_kl_topk_tail" from
+            ``teacher_topk_ids`` / ``teacher_topk_logprobs`` [..., k].
+        beta: jsd's mixture weight in [0, 1] (0 = forward KL, 1 = reverse KL, TRL's ``beta``); None otherwise.
+        temperature: a number, or a tensor per sequence [b, 1] or per token; divides both heads' logits (TRL's
+            order: after the logit scale and softcap). Not differentiated.
+        loss_agg, cu_seqlens: the aggregations of ``fused_policy_loss`` (``LOSS_AGGS``).
+        num_items_in_batch: TRL's normalisation: with loss_agg="token-mean", the loss is the sum of the scored
+            tokens' divergences over this count (a number or 0-d tensor) instead of their mean.
+        token_weight: optional per-token (or per-sequence [b, 1]) weight multiplying each token's term.
+        student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap: each head's logits are
+            softcap * tanh(scale * raw / softcap) (or scale * raw without softcap) before the temperature, as
+            TRL's ``ChunkedDivergenceFunction`` takes them.
+        ignore_index, tp_group, reduce_grad_hidden: as in ``fused_logprobs``; under ``tp_group`` both heads'
+            weights are this rank's shard of the same vocabulary rows.
+        backend: "auto" ("triton" on CUDA, else "chunked"), "triton" (cuBLAS products, the elementwise stages in
+            three Triton kernels), "chunked" (the same pass in torch) or "reference" (every token's float32 logits at
+            once, for tests). The top-k divergences take fused_logprobs' backends. ``logitless.last_backend()`` says
+            which ran.
+        topk_settings: the top-k divergences' settings (verl's clamps); refused for the full-vocabulary ones.
+
+    Returns:
+        ``DistillationOutput``. Gradients flow to the student's hidden states and weight only (the teacher's
+        tensors get none), formed in the forward pass (handed out once by the backward).
+    """
+    div = _divergence(divergence, beta)
+    ignore_index = checks.ignore_index(ignore_index)
+    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    if div is None:
+        for name, value in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+            if value is not None:
+                raise ValueError(f"{name} is for the full-vocabulary divergences; divergence={divergence!r} "
+                                 "takes teacher_topk_ids and teacher_topk_logprobs")
+        return _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs,
+                     temperature=temperature, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
+                     num_items_in_batch=num_items_in_batch, token_weight=token_weight,
+                     student_logit_scale=student_logit_scale, student_softcap=student_softcap,
+                     teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+                     ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
+                     backend=backend, settings=topk_settings)
+    if topk_settings:
+        raise TypeError(f"unknown argument(s) {', '.join(sorted(topk_settings))} for divergence={divergence!r}")
+    for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
+        if value is not None:
+            raise ValueError(f"{name} is for the top-k divergences; divergence={divergence!r} takes teacher_hidden "
+                             "and teacher_weight")
+    for name, value in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+        if value is None:
+            raise ValueError(f"divergence={divergence!r} needs {name} (the teacher's full distribution)")
+    labels = checks.index_tensor(labels, "labels")
+    s_hidden, s_weight = _head(student_hidden, student_weight, labels, "student")
+    t_hidden = checks.tensor(teacher_hidden, "teacher_hidden")
+    t_weight = checks.tensor(teacher_weight, "teacher_weight")
+    for name, t in (("teacher_hidden", t_hidden), ("teacher_weight", t_weight)):
+        if t.device != s_hidden.device:
+            raise ValueError(f"{name} is on {t.device}, student_hidden on {s_hidden.device}: both heads must be on "
+                             "one device")
+    # under tp_group the op compares the two heads' shards on every rank alike (a refusal on some ranks only
+    # would leave the others waiting in a collective)
+    if tp_group is None and t_weight.dim() == 2 and t_weight.shape[0] != s_weight.shape[0]:
+        raise ValueError(f"teacher_weight has {t_weight.shape[0]} vocabulary rows, student_weight "
+                         f"{s_weight.shape[0]}: the two heads must share the vocabulary")
+    t_hidden, t_weight = _head(t_hidden, t_weight, labels, "teacher")
+    student = HeadTransform(_logit_scale(student_logit_scale, "student_logit_scale"),
+                            _softcap(student_softcap, "student_softcap"))
+    teacher = HeadTransform(_logit_scale(teacher_logit_scale, "teacher_logit_scale"),
+                            _softcap(teacher_softcap, "teacher_softcap"))
+    backend = _backend(backend, s_hidden)
+    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight)
+    inv_temp = inv_temperature(temperature, labels, check_values=False)
+    grad = torch.is_grad_enabled()
+    loss, per_token, entropy = fused_distillation_loss_op(
+        Head(s_hidden.reshape(-1, s_hidden.shape[-1]), s_weight, student),
+        Head(t_hidden.detach().reshape(-1, t_hidden.shape[-1]), t_weight.detach(), teacher),
+        labels.reshape(-1).long(), inv_temp, token_w, div, backend=backend, ignore_index=ignore_index,
+        tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
+        need_dh=grad and s_hidden.requires_grad, need_dw=grad and s_weight.requires_grad)
+    valid = labels != ignore_index
+    # TRL's logged entropy: the scored tokens' sum over their count (0 with none, as TRL logs it)
+    mean_entropy = entropy.sum() / valid.sum().clamp_min(1)
+    return DistillationOutput(loss, per_token.view(labels.shape), entropy.view(labels.shape),
+                              metrics={"entropy": mean_entropy})
+
+
+# the top-k divergences' own settings (verl's clamps), passed by name
+TOPK_SETTINGS = ("log_prob_min_clamp", "loss_max_clamp", "with_overlap")
+
+
+def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs, *,
+          temperature, loss_agg, cu_seqlens, num_items_in_batch, token_weight, student_logit_scale, student_softcap,
+          teacher_logit_scale, teacher_softcap, ignore_index, tp_group, reduce_grad_hidden, backend,
+          settings) -> DistillationOutput:
+    """The top-k divergences: the per-token term of ``distill_topk.topk_divergence`` (verl's forward_kl_topk,
+    its clamps and metrics; differentiable through the k-label log-probs), aggregated here."""
+    unknown = sorted(set(settings) - set(TOPK_SETTINGS))
+    if unknown:
+        raise TypeError(f"unknown argument(s) {', '.join(unknown)} for divergence={divergence!r}; its settings "
+                        f"are {TOPK_SETTINGS}")
+    for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
+        if value is None:
+            raise ValueError(f"divergence={divergence!r} needs {name} (the teacher's top-k)")
+    for name, value, default in (("student_logit_scale", student_logit_scale, 1.0),
+                                 ("teacher_logit_scale", teacher_logit_scale, 1.0),
+                                 ("teacher_softcap", teacher_softcap, None)):
+        if not (value is default or value == default):
+            raise ValueError(f"{name} has no effect on divergence={divergence!r} (the teacher's top-k log-probs "
+                             f"are given; the student's logits take student_softcap only): leave it {default}")
+    loss_max_clamp = settings.get("loss_max_clamp")
+    if loss_max_clamp is not None:
+        loss_max_clamp = checks.finite_float(loss_max_clamp, "loss_max_clamp", minimum=0.0)
+    labels = checks.index_tensor(labels, "labels")
+    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight)
+    out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
+                          divergence=divergence, temperature=temperature, ignore_index=ignore_index,
+                          tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
+                          softcap=student_softcap, log_prob_min_clamp=settings.get("log_prob_min_clamp"),
+                          with_overlap=settings.get("with_overlap", True))
+    d = out.divergence
+    if loss_max_clamp is not None:
+        # verl's distillation_loss: the terms clamped to [-c, c] before the aggregation (its loss_min / loss_max
+        # metrics are of the terms before)
+        d = d.clamp(-loss_max_clamp, loss_max_clamp)
+    loss = (d.reshape(-1) * token_w).sum()
+    stats = out.token_stats
+    # with_overlap=False: no overlap diagnostics (None)
+    return DistillationOutput(loss, d.detach(), None, stats["student_mass"], stats["teacher_mass"],
+                              stats.get("overlap_count"), stats.get("overlap_token_advantage"), out.metrics)

@@ -1,0 +1,168 @@
+"""The fused full-vocabulary distillation pass in pure torch (any device): the "chunked" and "reference"
+backends of ``fused_distillation_loss``.
+
+The policy pass's skeleton (``policy_parts.py``) with two heads: per chunk of c scored tokens, the float32
+logits [c, V] of both heads (two GEMMs), the statistics (both log-normalisers and the student's entropy;
+combined across the vocab-parallel group), the per-token divergence and its derivative with respect to the
+student's logits (``divergence_terms.py``), weighted by the token's loss weight, and from them d_hidden and
+d_weight (two GEMMs). The gradient is formed in the same pass as the value: nothing is recomputed, four GEMMs
+in all. The chunk plan is the policy pass's (``policy_chunked.max_chunk_rows``: LOGITLESS_CHUNK_ELEMENTS
+float32 logits a chunk, at least MIN_ROWS tokens); "reference" takes every token in one chunk.
+
+    distill_pass(student, teacher, inv_temp [n], token_w [n], divergence, dh, dw, tp=None, rows_per_chunk=None)
+        -> (divergence [n], student entropy [n]) float32
+
+student / teacher: ``Head`` (hidden [n, H_s|H_t], this rank's weight rows [V_local, H], its ``HeadTransform``);
+both weights hold the same vocabulary rows. dh ([n, H_s], hidden's dtype, float32 under tensor parallelism:
+reduced by the caller) and dw (the student weight's shape and dtype) are the caller's buffers or None; the pass
+writes every element of those given. The loss is sum_i token_w[i] * divergence[i] (the caller sums it).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .divergence_terms import Divergence, HeadTransform
+from .maths import mm_fp32
+from .policy_chunked import max_chunk_rows, shifted_statistics
+from .policy_parts import accumulate_product, product_into
+
+if TYPE_CHECKING:
+    from ..parallel import VocabParallel
+
+
+class Head(NamedTuple):
+    hidden: Tensor
+    weight: Tensor
+    transform: HeadTransform
+
+
+def _global(tp: Optional["VocabParallel"], lse: Tensor, ent: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """The whole vocabulary's log-normaliser (and entropy) from this shard's."""
+    if tp is None:
+        return lse, ent
+    lse, ent, _ = tp.combine_stats(lse, ent, torch.zeros_like(lse))
+    return lse, ent
+
+
+def _summed(tp: Optional["VocabParallel"], d: Tensor, a: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """The per-token sums over the whole vocabulary from this shard's (one all-reduce of [1 or 2, c])."""
+    if tp is None or tp.world_size == 1:
+        return d, a
+    both = torch.stack([d] if a is None else [d, a])
+    dist.all_reduce(both, group=tp.group)
+    return both[0], None if a is None else both[1]
+
+
+def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
+                 dh: Optional[Tensor], dw: Optional[Tensor], tp: Optional["VocabParallel"] = None,
+                 rows_per_chunk: Optional[int] = None, kernels: Optional[ModuleType] = None) -> tuple[Tensor, Tensor]:
+    """kernels: None for the torch stages, or a module with the three stages as kernels
+    (``ops/triton/distill_chunk.py``: the "triton" backend)."""
+    hs, ws = student.hidden, student.weight
+    n = hs.shape[0]
+    dev = hs.device
+    div_out = torch.empty(n, dtype=torch.float32, device=dev)
+    ent_out = torch.empty(n, dtype=torch.float32, device=dev)
+    with_grad = dh is not None or dw is not None
+    # every rank cuts the same chunks (the combines are collectives): the plan is made for the largest shard
+    plan_vocab = max(tp.sizes) if tp is not None else ws.shape[0]
+    # the policy plan's rows: halved for the torch stages' [c, V] temporaries of two heads, doubled for the
+    # kernels' (two float32 products and the dlogits, nothing more)
+    plan = max_chunk_rows(n, plan_vocab, hs.dtype, dev)
+    step = rows_per_chunk or max(1, min(n, 2 * plan) if kernels is not None else plan // 2)
+    acc = dw
+    if dw is not None and dw.dtype != torch.float32 and not dw.is_cuda:
+        # CPU chunks are small: a float32 accumulator, rounded once (as the policy pass does)
+        acc = torch.empty(dw.shape, dtype=torch.float32, device=dev)
+    half_gemms = hs.is_cuda and hs.dtype != torch.float32
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        it = inv_temp[start:stop]
+        h = hs[start:stop]
+        raw_s = mm_fp32(h, ws.t())
+        raw_t = mm_fp32(teacher.hidden[start:stop], teacher.weight.t())
+        stage = _kernel_stages if kernels is not None else _torch_stages
+        dz = stage(raw_s, raw_t, it, token_w[start:stop], student.transform, teacher.transform, divergence, tp,
+                   div_out[start:stop], ent_out[start:stop], with_grad, hs.dtype if half_gemms else torch.float32,
+                   kernels)
+        if dz is None:
+            continue
+        if dh is not None:
+            product_into(dh[start:stop], dz, ws)
+        if acc is not None:
+            if acc.dtype == dz.dtype or half_gemms:
+                accumulate_product(acc, dz.t(), h, first=start == 0)
+            elif start == 0:
+                acc.copy_(mm_fp32(dz.t(), h))
+            else:
+                acc.add_(mm_fp32(dz.t(), h))
+    if acc is not None and acc is not dw:
+        dw.copy_(acc)
+    return div_out, ent_out
+
+
+def _torch_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTransform, divergence: Divergence, tp,
+                  div_out, ent_out, with_grad, dz_dtype, kernels=None) -> Optional[Tensor]:
+    """One chunk's statistics, divergence and (with_grad) token_w * dD/draw_s in torch, in place on the
+    products."""
+    zs, tanh_s = student.logits(raw_s, it, keep_tanh=with_grad)
+    zt, _ = teacher.logits(raw_t, it)
+    m, lse_s, ent = shifted_statistics(zs)            # zs now holds zs - m
+    lse_s, ent = _global(tp, lse_s, ent)
+    ls = zs.sub_((lse_s - m).unsqueeze(1))             # the student's log-probs, in place
+    lse_t, _ = _global(tp, torch.logsumexp(zt, dim=1), None)
+    lt = zt.sub_(lse_t.unsqueeze(1))
+    d, a, lm = divergence.partial_sums(ls, lt)
+    d, a = _summed(tp, d, a)
+    div_out.copy_(d)
+    ent_out.copy_(ent)
+    if not with_grad:
+        return None
+    dz = divergence.student_dlogits(ls, lt, d, a, lm)
+    del ls, lt, lm, zs, zt
+    return student.chain(dz.mul_(w.unsqueeze(1)), it, tanh_s).to(dz_dtype)
+
+
+def _kernel_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTransform, divergence: Divergence, tp,
+                   div_out, ent_out, with_grad, dz_dtype, kernels) -> Optional[Tensor]:
+    """The same with the three kernels: each reads the two products once."""
+    lse_s, ent, lse_t = kernels.statistics(raw_s, raw_t, it, student, teacher)
+    lse_s, ent = _global(tp, lse_s, ent)
+    lse_t, _ = _global(tp, lse_t, None)
+    d, a = kernels.sums(raw_s, raw_t, it, lse_s, lse_t, divergence, student, teacher)
+    d, a = _summed(tp, d, a if divergence.kind == "jsd" else None)
+    div_out.copy_(d)
+    ent_out.copy_(ent)
+    if not with_grad:
+        return None
+    dz = torch.empty(raw_s.shape, dtype=dz_dtype, device=raw_s.device)
+    return kernels.dlogits(raw_s, raw_t, it, lse_s, lse_t, d, d if a is None else a, w, divergence, student,
+                           teacher, dz)
+
+
+def distill_pass_whole(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
+                       dh: Optional[Tensor], dw: Optional[Tensor],
+                       tp: Optional["VocabParallel"] = None) -> tuple[Tensor, Tensor]:
+    """The "reference" backend: one chunk of every token (both heads' float32 logits [n, V])."""
+    return distill_pass(student, teacher, inv_temp, token_w, divergence, dh, dw, tp=tp,
+                        rows_per_chunk=max(1, student.hidden.shape[0]))
+
+
+def distill_pass_triton(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
+                        dh: Optional[Tensor], dw: Optional[Tensor],
+                        tp: Optional["VocabParallel"] = None) -> tuple[Tensor, Tensor]:
+    """The "triton" backend: cuBLAS products, the three elementwise stages as Triton kernels."""
+    from .triton import distill_chunk
+    return distill_pass(student, teacher, inv_temp, token_w, divergence, dh, dw, tp=tp, kernels=distill_chunk)
+
+
+def distill_pass_for(backend_name: str):
+    """The pass of the backend called ``backend_name`` ("reference", "chunked" or "triton")."""
+    if backend_name == "triton":
+        return distill_pass_triton
+    return distill_pass_whole if backend_name == "reference" else distill_pass

@@ -1,0 +1,93 @@
+"""fused_distillation_loss's top-k route: the per-token term of ``distill_topk.topk_divergence`` (held to verl's
+own functions by test_distill_topk.py), aggregated by loss_agg / num_items_in_batch / token_weight as the
+full-vocabulary divergences are, verl's loss_max_clamp, verl's metrics and per-token diagnostics passed on, and the
+settings that have no effect there refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill64 import weights64
+from logitless.losses import fused_distillation_loss
+from logitless.losses.distill_topk import topk_divergence
+
+V, H, K = 4099, 96, 5
+LEAD = (3, 7)
+
+
+def batch():
+    hidden = torch.randn(*LEAD, H)
+    weight = torch.randn(V, H) * 0.3
+    z = hidden.double() @ weight.double().t()
+    teacher = torch.log_softmax(1.5 * z + 1.5 * torch.randn(z.shape, dtype=torch.float64), -1)
+    t_lp, t_ids = teacher.topk(K, dim=-1)
+    labels = torch.randint(0, V, LEAD)
+    labels[0, :3] = -100
+    labels[2, 5] = -100
+    return hidden, weight, t_ids, t_lp.float(), labels
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
+    monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(4 * 700))
+    hidden, weight, t_ids, t_lp, labels = batch()
+    temperature = torch.rand(LEAD[0], 1) + 0.5
+    tw = torch.rand(LEAD) + 0.5
+    kw = dict(divergence=divergence, temperature=temperature, log_prob_min_clamp=-6.0)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_distillation_loss(h1, w1, labels, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp,
+                                  loss_agg=loss_agg, token_weight=tw, loss_max_clamp=1.0, **kw)
+    out.loss.backward()
+
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = topk_divergence(h2, w2, labels, t_ids, t_lp, **kw)
+    valid = labels != -100
+    w = weights64(valid, loss_agg) * tw.double()
+    clamped = ref.divergence.clamp(-1.0, 1.0)
+    assert (ref.divergence[valid] > 1.0).any() and (ref.divergence[valid] < 1.0).any()   # the clamp bites
+    loss = (clamped.double() * w).sum()
+    loss.backward()
+    assert abs(out.loss.item() - loss.item()) <= 1e-6 * max(1.0, loss.item())
+    assert torch.equal(out.divergence, clamped.detach())
+    assert out.entropy is None
+    for name in ("student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage"):
+        assert torch.equal(getattr(out, name), ref.token_stats[name])
+    assert set(out.metrics) == set(ref.metrics)
+    for name, value in ref.metrics.items():
+        assert torch.equal(out.metrics[name], value), name
+    for got, want in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+def test_topk_route_without_overlap():
+    """with_overlap=False passes through: no overlap diagnostics, the same loss and gradients."""
+    hidden, weight, t_ids, t_lp, labels = batch()
+    kw = dict(teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp, divergence="forward_kl_topk")
+    grads = []
+    for overlap in (True, False):
+        h = hidden.clone().requires_grad_()
+        out = fused_distillation_loss(h, weight, labels, with_overlap=overlap, **kw)
+        out.loss.backward()
+        grads.append((out.loss.detach(), h.grad))
+        assert (out.overlap_count is None) == (not overlap)
+        assert ("distillation/overlap_ratio" in out.metrics) == overlap
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6)
+    assert (grads[0][1] - grads[1][1]).abs().max() <= 1e-5 * grads[1][1].abs().max()
+
+
+@pytest.mark.parametrize("changes,error,match", [
+    ({"student_logit_scale": 2.0}, ValueError, "student_logit_scale has no effect"),
+    ({"teacher_softcap": 5.0}, ValueError, "teacher_softcap has no effect"),
+    ({"teacher_logit_scale": 0.5}, ValueError, "teacher_logit_scale has no effect"),
+    ({"clamp": -3.0}, TypeError, "unknown argument.*clamp"),
+    ({"loss_max_clamp": -1.0}, ValueError, "loss_max_clamp"),
+    ({"teacher_topk_ids": None}, ValueError, "needs teacher_topk_ids"),
+    ({"beta": 0.5}, ValueError, "does not use it"),
+])
+def test_topk_route_refusals(changes, error, match):
+    hidden, weight, t_ids, t_lp, labels = batch()
+    kw = dict(teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp, divergence="forward_kl_topk")
+    kw.update(changes)
+    with pytest.raises(error, match=match):
+        fused_distillation_loss(hidden, weight, labels, **kw)
