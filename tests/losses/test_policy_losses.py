@@ -292,8 +292,11 @@ def verl_sapo_apart(agg, kl_type, kl_coef, entropy_coef):
         pg = core.compute_policy_loss_sapo(old, lp, adv, m, agg, verl_config(tau_pos=1.2, tau_neg=0.9))[0]
         kl = core.agg_loss(core.kl_penalty(lp, ref, kl_type), m, agg)
         return pg + kl_coef * kl - entropy_coef * core.agg_loss(ent, m, agg)
-    return dict(surrogate="sapo", sapo_tau_pos=1.2, sapo_tau_neg=0.9, loss_agg="seq-mean-token-mean", kl_agg=agg,
-                entropy_agg=agg, kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef), fn
+    settings = dict(surrogate="sapo", sapo_tau_pos=1.2, sapo_tau_neg=0.9, loss_agg="seq-mean-token-mean", kl_agg=agg,
+                    kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    if entropy_coef:        # entropy_agg without an entropy bonus is refused (a setting nothing reads)
+        settings["entropy_agg"] = agg
+    return settings, fn
 
 
 CASES["verl-sapo-kl-entropy-token-mean"] = verl_sapo_apart("token-mean", "low_var_kl", 0.3, 0.05)

@@ -228,10 +228,12 @@ SAPO_CASES = [  # (loss_agg_mode, KL estimator, entropy coefficient, engine sett
     ("token-mean", "low_var_kl", 0.02, {"use_remove_padding": True}),
     ("seq-mean-token-sum", "mse", -0.03, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30}),
     ("seq-mean-token-sum-norm", "kl", 0.05, {"use_remove_padding": True, "micro_batch_size_per_gpu": 3}),
+    # verl's default entropy_coeff=0: no entropy bonus, so no entropy_agg (PolicyLoss refuses a setting nothing reads)
+    ("token-mean", "kl", 0.0, {"use_remove_padding": True}),
 ]
 
 
-@pytest.mark.parametrize("agg, kl, entropy, engine", SAPO_CASES, ids=[c[0] for c in SAPO_CASES])
+@pytest.mark.parametrize("agg, kl, entropy, engine", SAPO_CASES, ids=[f"{c[0]}-entropy{c[2]}" for c in SAPO_CASES])
 def test_sapo_terms_aggregated_apart_match_verl_update(actor, agg, kl, entropy, engine):
     """sapo with a KL loss and an entropy bonus under an aggregation other than seq-mean-token-mean: each term
     keeps verl's own aggregation (the fused loss's kl_agg / entropy_agg), against verl's update."""
@@ -247,6 +249,22 @@ def test_sapo_terms_aggregated_apart_match_verl_update(actor, agg, kl, entropy, 
     assert_same_update(actor, got, want)
     kl_loss = want[0]["kl_loss"]
     assert all(abs(v) > 1e-4 for v in (kl_loss if isinstance(kl_loss, list) else [kl_loss])), "no KL loss"
+
+
+def test_sapo_terms_of_a_micro_batch_without_scored_tokens():
+    """separate_terms with a policy-term constant of 0 (no scored token in the micro-batch): the coefficients stay,
+    so the settings still make a PolicyLoss (an entropy_agg beside an entropy_coef turned to 0 would be refused)."""
+    from logitless.losses import PolicyLoss
+    from logitless.verl.policy import separate_terms
+
+    kwargs = dict(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, loss_agg="seq-mean-token-mean",
+                  kl_coef=0.2, kl_type="k1", kl_agg="token-mean", entropy_coef=0.02, entropy_agg="token-mean",
+                  dual_clip=None)
+    got = separate_terms(kwargs, 0.0, 0.0)
+    assert got["entropy_coef"] == 0.02 and got["kl_coef"] == 0.2
+    lp = torch.full((2, 3), -1.0)
+    PolicyLoss(advantages=torch.ones(2, 3), old_logprobs=lp, ref_logprobs=lp, **got)
+    assert separate_terms(kwargs, 2.0, 1.0)["entropy_coef"] == pytest.approx(0.01)
 
 
 def test_triton_backend_head(model_dir, actor):

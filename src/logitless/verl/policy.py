@@ -109,8 +109,10 @@ def settings(config, *, calculate_entropy: bool) -> dict:
                entropy_coef=float(config.entropy_coeff) if calculate_entropy else 0.0,
                loss_agg=AGG[pg_agg_mode(config)])
     if pg_agg_mode(config) != config.loss_agg_mode:
-        # sapo: the KL loss and the entropy bonus keep loss_agg_mode's weights (``separate_terms`` scales them)
-        out["entropy_agg"] = AGG[config.loss_agg_mode]
+        # sapo: the KL loss and the entropy bonus keep loss_agg_mode's weights (``separate_terms`` scales them);
+        # each only where its term is in the loss (PolicyLoss refuses a setting nothing reads)
+        if out["entropy_coef"] != 0.0:
+            out["entropy_agg"] = AGG[config.loss_agg_mode]
         if config.use_kl_loss:
             out["kl_agg"] = AGG[config.loss_agg_mode]
     if mode in ("vanilla", "dppo_tv", "dppo_kl"):
@@ -150,8 +152,9 @@ def separate_terms(kwargs: dict, pg_scale: float, term_scale: float) -> dict:
     ``loss_scale``); its KL and entropy terms carry loss_agg_mode's weights (``kl_agg``, ``entropy_agg``) and
     need that mode's constant, ``term_scale`` (``loss_scale(..., agg_mode=config.loss_agg_mode)``): their
     coefficients are multiplied by term_scale / pg_scale. pg_scale is 0 only when no sequence has a scored
-    token, and then no term has one either."""
-    ratio = term_scale / pg_scale if pg_scale else 0.0
+    token, and then no term has one either: the coefficients stay as they are (the loss is 0 whatever they are;
+    a coefficient set to 0 would leave its ``entropy_agg`` a setting without effect, which PolicyLoss refuses)."""
+    ratio = term_scale / pg_scale if pg_scale else 1.0
     return dict(kwargs, kl_coef=kwargs["kl_coef"] * ratio, entropy_coef=kwargs["entropy_coef"] * ratio)
 
 
