@@ -116,7 +116,7 @@ def test_gradient_no_further_from_float64_than_the_trainers_float32(regime, kl_t
     inputs = far_batch(*REGIMES[regime])
     hidden, weight, labels, adv, old, ref = inputs
     loss64, dh64, dw64 = evaluate(*inputs, kl_type, kl_ratio, torch.float64)
-    _, dh32, dw32 = evaluate(*inputs, kl_type, kl_ratio, torch.float32)
+    loss32, dh32, dw32 = evaluate(*inputs, kl_type, kl_ratio, torch.float32)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, clip_low=0.2, clip_high=0.28, kl_coef=KL_COEF,
                             kl_type=kl_type, kl_ratio=kl_ratio, ratio_log_clamp=None, loss_agg="token-sum",
@@ -127,7 +127,9 @@ def test_gradient_no_further_from_float64_than_the_trainers_float32(regime, kl_t
               "float32": (rel_err(dh32[valid], dh64[valid]), rel_err(dw32, dw64))}
     print(f"{regime} {kl_type} kl_ratio={kl_ratio} {backend}: loss {out.loss.item():.6g} (float64 "
           f"{loss64.item():.6g}); d_hidden, d_weight relative errors {errors}")
-    assert abs(out.loss.item() - loss64.item()) <= 1e-5 * abs(loss64.item())
+    # the loss too: no further from float64 than the trainer's float32 (a loss that nearly cancels, say -0.0039 from
+    # terms of order 1, is off by a few 1e-7 in any float32 evaluation), or within 1e-5 of it
+    assert abs(out.loss.item() - loss64.item()) <= max(abs(loss32.item() - loss64.item()), 1e-5 * abs(loss64.item()))
     for fused, trainer in zip(errors["fused"], errors["float32"], strict=True):
         assert fused <= max(trainer, FLOOR)
 

@@ -412,11 +412,21 @@ def test_rollout_logprobs_missing_as_nan(backend, small_chunks):
 
 def test_k3_unclamped_differs_from_verls_clamped_k3():
     """ref far above the policy's log-prob: verl's k3 clamps at 10, TRL's does not."""
-    hidden, weight, labels, adv, old, ref, rollout = batch()
-    ref = (ref + 6.0).clamp(max=0.0)          # still a log-prob
-    outs = [fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=1.0, kl_type=k).loss.item()
-            for k in ("k3", "k3_unclamped")]
-    assert outs[1] > outs[0] + 1.0
+    hidden, weight, labels, adv, old, _, _ = batch()
+    valid = labels != -100
+    # at temperature 3 the policy is flat (log-probs near -log V), so a reference 6 nats above it is still a
+    # log-prob (<= 0) at most tokens: k3 = e^6 - 7 there, far past verl's clamp at 10
+    lp = logprobs_entropy64(hidden, weight, labels, temperature=3.0)[0]
+    ref = torch.where(valid, (lp + 6.0).clamp(max=0.0), float("nan")).float()
+    old = torch.where(valid, lp.float(), float("nan"))
+    outs = [fused_policy_loss(hidden, weight, labels, adv, old, ref_logprobs=ref, kl_coef=1.0, kl_type=k,
+                              temperature=3.0).loss.item() for k in ("k3", "k3_unclamped")]
+    # the policy term is the same in both: the difference is the token-mean of what the clamp cuts off
+    d = ref[valid].double() - lp[valid]
+    k3 = torch.expm1(d) - d
+    cut = (k3 - k3.clamp(-10.0, 10.0)).mean().item()
+    assert cut > 1.0
+    assert outs[1] - outs[0] == pytest.approx(cut, rel=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["chunked", TRITON])
