@@ -64,8 +64,11 @@ def _errors(hidden, weight, labels, backend, a, b, temperature=1.0, softcap=None
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("precision", ["bf16x3", "bf16x6", "tf32", "ieee"])
 @pytest.mark.parametrize("head", ["plain", "temperature+softcap"])
-def test_precision_against_float64_beats_bf16(backend, precision, head):
-    hidden, weight, labels = _inputs()
+def test_precision_against_float64_beats_bf16(backend, precision, head, seed):
+    torch.manual_seed(seed)
+    # tf32 is held to a ratio of two maxima: over 7 tokens that ratio fell below 2 on 2 of 300 seeds (min 1.49,
+    # median 7.7, chunked); over 28 on none of 200 (min 2.9, median 7.7, largest tf32 error 1.0e-2)
+    hidden, weight, labels = _inputs(n=28 if precision == "tf32" else 7)
     kw = {} if head == "plain" else {"temperature": 0.7, "softcap": 30.0}
     a, b = torch.randn(labels.shape, dtype=torch.float64), torch.randn(labels.shape, dtype=torch.float64)
     lp_err, ent_err, dh_err, dw_err = _errors(hidden, weight, labels, backend, a, b, precision=precision, **kw)
@@ -109,9 +112,10 @@ def test_policy_loss_against_float64(backend, precision, grad_precision):
     hidden, weight, labels = _inputs(n=20, ignored=3, logit_std=5.0)
     adv = torch.randn(labels.shape)
     # old log-probs near the current ones: ratios well inside the clip range, so no token sits where a 1e-5
-    # change of its log-prob flips its clipping (a jump of its gradient no precision could match)
+    # change of its log-prob flips its clipping (a jump of its gradient no precision could match); at most 0, as
+    # log-probs are (the loss refuses old log-probs above 0: a token near log-prob 0 plus noise would be one)
     lp_now, _ = logprobs_entropy64(hidden, weight, labels.clamp(min=0), 0.8)
-    old = (lp_now + 0.03 * torch.randn(labels.shape, dtype=torch.float64)).float()
+    old = (lp_now + 0.03 * torch.randn(labels.shape, dtype=torch.float64)).clamp(max=0.0).float()
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     out = fused_policy_loss(h, w, labels, adv, old, backend=backend, entropy_coef=0.01, temperature=0.8,
