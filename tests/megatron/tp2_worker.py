@@ -8,6 +8,8 @@ import json
 import sys
 import traceback
 
+import tp2_distill_cases
+
 LP_TOL = ENT_TOL = 2e-5
 GRAD_TOL = 1e-4
 TP = 2
@@ -25,6 +27,7 @@ def _case_names():
               "hybrid-forward_padded-sp", "mtp-gpt-sp-tied", "mtp-gpt-nosp", "mtp-hybrid-nosp",
               "mtp-hybrid-sp-tied", "labels-none-hybrid-sp",
               "forward_padded-sp-thd", "forward_packed-nosp-thd", "forward_padded-sp-bshd"]
+    names += tp2_distill_cases.CASES
     names += ["cp2-forward_packed-grads", "cp2-forward_padded-per_token", "cp2-forward_padded-legacy",
               "cp2-forward_padded-hybrid"]
     return names
@@ -116,6 +119,8 @@ def run_case(name, env, torch, seed):
     from logitless.megatron import forward_packed, forward_padded, last_path
     if name.startswith("cp2"):
         return run_cp_case(name, env, torch, seed)
+    if name.startswith("distill"):
+        return tp2_distill_cases.run(name, env, torch, seed, TP)
     gen = torch.Generator().manual_seed(seed)
     parts = name.split("-")
     sp = "sp" in parts

@@ -1,4 +1,4 @@
-"""TRL tests: one tiny Qwen2 (random weights, a fresh printed seed) saved once per test module."""
+"""TRL tests: tiny Qwen2s (random weights, fresh printed seeds) saved once per test module."""
 import os
 
 import pytest
@@ -10,3 +10,12 @@ def folder(tmp_path_factory):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"model seed={seed}")
     return trl_tiny.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")), seed)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A wider, deeper tiny Qwen2 on the same vocabulary (H = 48, 3 layers): the distillation tests' teacher."""
+    import trl_tiny
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"teacher seed={seed}")
+    return trl_tiny.save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_teacher")), seed, hidden_size=48, layers=3)

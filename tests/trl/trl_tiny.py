@@ -25,12 +25,13 @@ def tokenizer():
     return fast
 
 
-def save_tiny_qwen2(folder: str, seed: int) -> str:
+def save_tiny_qwen2(folder: str, seed: int, hidden_size: int = 32, layers: int = 2) -> str:
     """A random tiny Qwen2 and its tokenizer, saved to ``folder`` (returned)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = tokenizer()
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(cfg)
@@ -74,3 +75,22 @@ def grpo_trainer(folder: str, out_dir: str, seed: int = 0, **overrides):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return GRPOTrainer(model=folder, reward_funcs=reward_even_words, args=args,
                        train_dataset=Dataset.from_dict({"prompt": prompts()}), processing_class=tokenizer())
+
+
+def distillation_trainer(student: str, teacher: str, out_dir: str, seed: int = 0, **overrides):
+    """A DistillationTrainer: the saved tiny ``student`` (its folder) trained toward the saved ``teacher`` (a folder
+    too; same vocabulary, other width), 8 prompts a step, completions of at most 8 tokens sampled from the student,
+    float32 on CPU. ``overrides`` go to DistillationConfig."""
+    from datasets import Dataset
+
+    from transformers import AutoModelForCausalLM
+    from trl import DistillationConfig, DistillationTrainer
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=8, max_completion_length=8, max_steps=3, use_cpu=True,
+              logging_steps=1, report_to="none", learning_rate=5e-3, save_strategy="no", temperature=0.9, seed=seed,
+              bf16=False, disable_tqdm=True)
+    kw.update(overrides)
+    args = DistillationConfig(**kw)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return DistillationTrainer(model=AutoModelForCausalLM.from_pretrained(student),
+                               teacher_model=AutoModelForCausalLM.from_pretrained(teacher), args=args,
+                               train_dataset=Dataset.from_dict({"prompt": prompts()}), processing_class=tokenizer())

@@ -37,6 +37,11 @@ CASES = [
                                    f"{P}clip_ratio_high=0.2", f"{P}loss_agg_mode=seq-mean-token-mean",
                                    f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.02", *verl_ulysses.FSDP1],
      PACKED, 77),
+    ("distill-topk-only", [f"{ve.DL}use_task_rewards=False", f"{ve.DL}use_policy_gradient=False",
+                           f"{ve.DL}log_prob_min_clamp=-12.0", f"{ve.DL}loss_max_clamp=0.3"], PACKED, 78),
+    ("distill-topk-task-rewards", [f"{ve.DL}use_task_rewards=True", f"{ve.DL}distillation_loss_coef=0.7",
+                                   f"{P}loss_agg_mode=seq-mean-token-mean", f"{P}entropy_coeff=0.01"],
+     {**PACKED, "use_dynamic_bsz": True, "max_token_len_per_gpu": 30}, 79),
     ("triton-seq-mean-token-sum-norm", [f"{P}loss_agg_mode=seq-mean-token-sum-norm", f"{P}use_kl_loss=True",
                                         f"{P}kl_loss_type=abs", f"{P}entropy_coeff=0.02"], PACKED, 75),
 ]
@@ -58,7 +63,8 @@ def test_ulysses_fused_matches_verl_update(runs, case):
     check(results, name)
     for rank, res in enumerate(results):
         out = res[name][1]
-        assert out["record"][:3] == ["fsdp", "verl.policy_loss", ""], out["record"]
+        entry = "verl.distillation" if name.startswith("distill") else "verl.policy_loss"
+        assert out["record"][:3] == ["fsdp", entry, ""], out["record"]
         assert out["forward"] == ("forward_with_triton_backend" if name.startswith("triton")
                                   else "forward_with_torch_backend"), out["forward"]
         if name.startswith("untied"):

@@ -25,6 +25,9 @@ VOCAB = 263
 HIDDEN = 40
 
 P = "actor_rollout_ref.actor."
+D = "distillation."
+DL = "distillation.distillation_loss."
+K = 6          # the teacher's top-k in the distillation batches
 # every verl policy-loss mode the fused loss runs, with settings that make its own terms bind
 FUSED_MODES = {
     "vanilla": [f"{P}clip_ratio_c=1.2"],
@@ -240,21 +243,34 @@ class Actor:
 
     def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
         """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
-        ``overrides``; engine settings (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz,
-        max_token_len_per_gpu) from ``engine``. Returns (metrics, {name: parameter after the step})."""
+        ``overrides`` (or, when they enable ``distillation``, verl's ``distillation_ppo_loss`` with its
+        distillation config and the batch flags ``RayPPOTrainer._update_actor`` sets); engine settings
+        (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz, max_token_len_per_gpu) from ``engine``.
+        Returns (metrics, {name: parameter after the step})."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.losses import ppo_loss
 
         from transformers import Qwen2ForCausalLM
-        _, config = actor_config(self.model_dir, overrides)
+        cfg, config = actor_config(self.model_dir, overrides)
         module = self.worker.engine.module
         with torch.no_grad():
             for p, p0 in zip(module.parameters(), self.initial, strict=True):
                 p.copy_(p0)
-        self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        flags = {}
+        if cfg.distillation.enabled:
+            from verl.trainer.distillation import distillation_ppo_loss
+            from verl.utils.config import omega_conf_to_dataclass
+            dcfg = omega_conf_to_dataclass(cfg.distillation)
+            loss_cfg = dcfg.distillation_loss
+            topk = loss_cfg.loss_settings.use_topk
+            flags = {"distillation_use_topk": topk,
+                     "distillation_only": topk and not loss_cfg.use_task_rewards and not loss_cfg.use_policy_gradient}
+            self.worker.set_loss_fn(partial(distillation_ppo_loss, config=config, distillation_config=dcfg))
+        else:
+            self.worker.set_loss_fn(partial(ppo_loss, config=config))
         torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
         data = to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
-        tu.assign_non_tensor(data, **(engine or {}))
+        tu.assign_non_tensor(data, **flags, **(engine or {}))
         plain = Qwen2ForCausalLM.forward
         Qwen2ForCausalLM.forward = self.forward
         try:
@@ -377,3 +393,36 @@ def to_actor_input(tensors, meta, *, calculate_entropy: bool, mini_batch_size: i
                          global_batch_size=mini_batch_size, mini_batch_size=mini_batch_size, epochs=epochs, seed=1,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     return td
+
+
+def distillation_enabled(model_dir, mode, *settings):
+    """The hydra overrides that enable verl's distillation with ``mode`` (a teacher whose config verl accepts:
+    it is never started here)."""
+    return [f"{D}enabled=True", f"{D}n_gpus_per_node=2", f"{D}nnodes=1", "actor_rollout_ref.rollout.name=vllm",
+            f"{D}teacher_models.teacher_model.model_path={model_dir}", f"{DL}loss_mode={mode}", f"{DL}topk={K}",
+            *settings]
+
+
+def teacher_batch(gen, model_dir, *, topk: bool, noise: float = 1.5, **batch):
+    """verl_engine.rollout_batch plus the teacher's tensors: top-k ``teacher_ids`` / ``teacher_logprobs``
+    [b, seq, K] (topk) or the sampled token's id and log-prob [b, seq, 1] (estimator modes), per position the
+    teacher's distribution of the next token; padding positions hold id 0 and log-prob 0, as verl's padding."""
+    from transformers import Qwen2ForCausalLM
+    tensors, meta = rollout_batch(gen, model_dir, **batch)
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
+                       position_ids=tensors["position_ids"]).logits.double()
+    logits = logits + noise * torch.randn(logits.shape, generator=gen, dtype=torch.float64)
+    logp = torch.log_softmax(logits, -1)
+    valid = tensors["attention_mask"].bool()
+    if topk:
+        lp, ids = logp.topk(K, dim=-1)
+        tensors["teacher_ids"] = torch.where(valid[..., None], ids, 0)
+        tensors["teacher_logprobs"] = torch.where(valid[..., None], lp, 0.0).float()
+    else:
+        nxt = torch.roll(tensors["input_ids"], -1, dims=1)
+        lp = logp.gather(-1, nxt[..., None])
+        tensors["teacher_logprobs"] = torch.where(valid[..., None], lp, 0.0).float()
+        tensors["teacher_ids"] = torch.where(valid[..., None], nxt[..., None], 0)   # verl converts the pair
+    return tensors, meta

@@ -71,7 +71,8 @@ def register() -> None:
 def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
     """Each case: (name, actor overrides, engine settings, seed); per case the unfused update (verl's loss) and
     the fused one on the sp=2 engine (a name starting "triton": on verl's "triton" fused-kernel backend;
-    "untied": an untied head, against verl's logits path; "fsdp1": strategy fsdp), both ranks writing their
+    "untied": an untied head, against verl's logits path; "fsdp1": strategy fsdp; "distill": verl's top-k
+    distillation with the case's distillation settings, against verl's logits path), both ranks writing their
     parameters' norms of difference and metrics."""
     import os
     torch.set_num_threads(1)
@@ -101,6 +102,9 @@ def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
             untied = (ve.Actor(f"{model_dir}/untied", built[1:]), ve.Actor(f"{model_dir}/untied", built))
         # a case named "fsdp1...": strategy fsdp (FSDP1 over both ranks, verl_engine.cpu_fsdp1)
         fsdp1 = (ve.Actor(model_dir, [*built, *FSDP1]) if any(c[0].startswith("fsdp1") for c in cases) else None)
+        # a case named "distill...": verl's top-k distillation, against verl's logits path (its fused kernels have
+        # no top-k distillation) on the sp=2 engine without fused kernels
+        logits = ve.Actor(model_dir, built[1:]) if any(c[0].startswith("distill") for c in cases) else None
         for name, overrides, engine, seed in cases:
             try:
                 reference, fused = untied if name.startswith("untied") else (actor, actor)
@@ -108,7 +112,12 @@ def run(rank: int, init_file: str, model_dir: str, cases, out_dir: str) -> None:
                     reference = fused = fsdp1
                 fused = triton if name.startswith("triton") else fused
                 gen = torch.Generator().manual_seed(seed)
-                tensors, meta = ve.rollout_batch(gen, reference.model_dir, is_weights=True)
+                if name.startswith("distill"):
+                    reference = logits
+                    tensors, meta = ve.teacher_batch(gen, model_dir, topk=True)
+                    overrides = ve.distillation_enabled(model_dir, "forward_kl_topk", *overrides)
+                else:
+                    tensors, meta = ve.rollout_batch(gen, reference.model_dir, is_weights=True)
                 want = reference.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6,
                                         engine=engine)
                 if rank == 0:

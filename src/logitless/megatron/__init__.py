@@ -9,14 +9,15 @@ gather included); ``build_fused_schedule_plan`` builds megatron-core's combined-
 the processor; MTP losses come from the fused op too. ``last_path()`` says which path ran on which
 model class and ``strict=True`` / ``LOGITLESS_STRICT=1`` forbids fallback.
 
-Modules: ``processor`` (the output processor), ``unlabelled`` (labels=None), ``detect`` (hook or
-legacy, cached per model), ``patch`` (the legacy instance patch), ``mtp`` (fused MTP losses),
-``schedule`` (the schedule-plan path), ``head`` (the output layer's TP group and MuP scale),
-``forward`` (whole-batch entry points), ``packing`` (THD, TP x CP padding, zigzag), ``temperature``
-(its [b, s] layout rule); the record is ``logitless.record``.
+Modules: ``processor`` (the output processor), ``distill`` (its distillation target, ``DistillationTarget``),
+``unlabelled`` (labels=None), ``detect`` (hook or legacy, cached per model), ``patch`` (the legacy instance
+patch), ``mtp`` (fused MTP losses), ``schedule`` (the schedule-plan path), ``head`` (the output layer's TP
+group and MuP scale), ``forward`` (whole-batch entry points), ``packing`` (THD, TP x CP padding, zigzag),
+``temperature`` (its [b, s] layout rule); the record is ``logitless.record``.
 """
 from ..record import FusedPathUnavailable, PathRecord, last_path, strict_enabled
 from .detect import fused_forward_mode, supports_output_processor_hook, unwrap_gpt_model, unwrap_language_model
+from .distill import DistillationTarget
 from .forward import forward_packed, forward_padded
 from .mtp import disable_fused_mtp, enable_fused_mtp, fused_mtp_enabled
 from .packing import (
@@ -35,7 +36,8 @@ from .schedule import build_fused_schedule_plan, schedule_plan_processor, suppor
 
 __all__ = ["unwrap_language_model", "enable_fused_mtp", "disable_fused_mtp", "fused_mtp_enabled",
            "build_fused_schedule_plan", "schedule_plan_processor", "supports_schedule_plan_hook",
-           "FusedOutputProcessorContext", "fused_output_processor", "supports_output_processor_hook",
+           "FusedOutputProcessorContext", "fused_output_processor", "DistillationTarget",
+           "supports_output_processor_hook",
            "fused_forward_mode", "patch_fused_forward", "unpatch_fused_forward", "forward_padded",
            "forward_packed", "FusedPathUnavailable", "PathRecord", "last_path", "strict_enabled",
            "unwrap_gpt_model", "PackedBatch", "pack_padded", "pack_sequences",

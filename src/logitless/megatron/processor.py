@@ -4,7 +4,8 @@ logits: per-token log-probability of the label and entropy, from the fused op.
 Megatron hands over hidden_states [s, b, h] (after the final norm; sequence-parallel scattered
 when SP is on; the CP-local slice under context parallelism) and labels [b, s]. The processor
 returns ``TokenLogProbs`` in the labels' layout [b, s], float32; or, when the context carries a
-``PolicyLoss``, the fused policy loss and its metrics (``PolicyLossOutput``, per-token fields [b, s]).
+``PolicyLoss``, the fused policy loss and its metrics (``PolicyLossOutput``, per-token fields [b, s]); or, when it
+carries a ``DistillationTarget``, the distillation loss (``DistillationOutput``, ``distill.py``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .. import checks
 from ..api import TokenLogProbs, fused_logprobs
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import last_backend, processor_path, write_record
+from .distill import DistillationTarget, distillation_loss
 from .head import logit_scale, tp_group_and_size
 from .mtp import opt_in_late
 from .temperature import check_temperature, temperature_bs
@@ -50,6 +52,7 @@ class FusedOutputProcessorContext:
     backend: str = "auto"
     loss: Optional[PolicyLoss] = None
     without_labels: str = "logits"
+    distillation: Optional[DistillationTarget] = None
 
     def __post_init__(self):
         check_temperature(self.temperature)
@@ -57,6 +60,11 @@ class FusedOutputProcessorContext:
         checks.ignore_index(self.ignore_index)
         if self.loss is not None and not isinstance(self.loss, PolicyLoss):
             raise TypeError(f"loss must be a logitless.losses.PolicyLoss or None, got {type(self.loss).__name__}")
+        if self.distillation is not None and not isinstance(self.distillation, DistillationTarget):
+            raise TypeError("distillation must be a logitless.megatron.DistillationTarget or None, got "
+                            f"{type(self.distillation).__name__}")
+        if self.distillation is not None and self.loss is not None:
+            raise ValueError("loss and distillation are two different outputs of the processor: set one")
         if self.without_labels not in WITHOUT_LABELS:
             raise ValueError(f"without_labels must be one of {WITHOUT_LABELS}, got {self.without_labels!r}")
 
@@ -149,6 +157,13 @@ def fused_output_processor(*, hidden_states: Tensor, output_layer, output_weight
                          f"[{b}, {s}]")
     c = logit_scale(kwargs.get("scale_logits"))
     temperature = temperature_bs(context.temperature, b, s, labels.device)
+    if context.distillation is not None:
+        out = distillation_loss(context.distillation, hidden, weight, labels, temperature, logit_scale=c,
+                                ignore_index=context.ignore_index, tp_group=group if tp_size > 1 else None,
+                                reduce_grad_hidden=reduce_grad_hidden, backend=context.backend,
+                                sequence_parallel=not reduce_grad_hidden)
+        write_record(processor_path(), last_backend(), "processor", model=model_name(kwargs))
+        return out
     if c != 1.0:
         temperature = temperature / c  # softmax(c * z / T) == softmax(z / (T / c))
     if context.loss is not None and context.loss.cu_seqlens is not None:

@@ -6,13 +6,17 @@ Float32 operands choose (``precision``):
 - "ieee": IEEE float32 products (today's float32 path: exact to float32, but float32 FMA, no tensor cores).
 - "bf16x3": each operand as a sum of two bfloat16 parts, x = x_hi + x_lo (x_hi = x rounded to bfloat16,
   x_lo = the rest rounded to bfloat16: 16 bits of mantissa together), and the three products
-  h_hi w_hi + h_hi w_lo + h_lo w_hi with float32 accumulation (the dropped h_lo w_lo is ~2^-16 relative).
+  h_hi w_lo + h_lo w_hi + h_hi w_hi with float32 accumulation (the dropped h_lo w_lo is ~2^-16 relative).
   The three products are ONE bfloat16 GEMM of three times the depth: along K,
-      h3 = [h_hi | h_hi | h_lo]  [N, 3H]      w3 = [w_hi | w_lo | w_hi]  [V, 3H]      h3 @ w3.T = the sum
+      h3 = [h_hi | h_lo | h_hi]  [N, 3H]      w3 = [w_lo | w_hi | w_hi]  [V, 3H]      h3 @ w3.T = the sum
   so every half-precision kernel (the forward statistics, the policy pass, their Hopper Gluon kernel) runs it
   unchanged, on the tensor cores, at ~3x the bfloat16 GEMM. Default for float32 operands on CUDA.
+  The small products come first along K and (hi, hi) last: the K loop adds each tile onto a float32
+  accumulator, and tensor-core accumulation truncates relative to the accumulator. With (hi, hi) first, every
+  correction tile would be added onto a logit-sized accumulator and lose ~ulp(logit) each (biased, so it grows
+  with the depth: bf16x6 was no better than bf16x3); last, the corrections sum while the accumulator is small.
 - "bf16x6": three bfloat16 parts (24 bits: all of float32's mantissa) and the six products x_i y_j with
-  i + j <= 2, the same way: [N, 6H] and [V, 6H].
+  i + j <= 2, the same way, smallest first: [N, 6H] and [V, 6H].
 - "tf32": the operands rounded to TF32 (10-bit mantissa) and multiplied with TF32 tensor-core dots (on the
   CPU and in triton's interpreter: float32 products of the rounded values, the same numbers).
 
@@ -43,9 +47,10 @@ from torch import Tensor
 PRECISIONS = ("auto", "bf16x3", "bf16x6", "tf32", "ieee")
 GRAD_PRECISIONS = ("auto", "bf16", "bf16x3", "bf16x6", "ieee")
 
-# parts of each operand, and the products (part of the left operand, part of the right) of each split
-_SPLITS = {"bf16x3": (2, ((0, 0), (0, 1), (1, 0))),
-           "bf16x6": (3, ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)))}
+# parts of each operand, and the products (part of the left operand, part of the right) of each split, in
+# their order along K: smallest first, (hi, hi) last (see the module's docstring: the accumulation's rounding)
+_SPLITS = {"bf16x3": (2, ((0, 1), (1, 0), (0, 0))),
+           "bf16x6": (3, ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)))}
 
 
 def resolve(precision: Optional[str], grad_precision: Optional[str], dtype: torch.dtype,
@@ -90,6 +95,26 @@ def split_parts(x: Tensor, parts: int) -> list[Tensor]:
         if i + 1 < parts:
             rest = rest - part.float()
     return out
+
+
+def split_concat_reference(x: Tensor, blocks: tuple) -> Tensor:
+    """[rows, len(blocks) * H] bfloat16 whose block b of columns is ``split_parts(x, ...)[blocks[b]]``: a split
+    operand, the parts concatenated along K. The definition the CUDA kernel (``ops.triton.split``) matches."""
+    h = x.shape[1]
+    parts = split_parts(x, max(blocks) + 1)
+    out = torch.empty((x.shape[0], len(blocks) * h), dtype=torch.bfloat16, device=x.device)
+    for b, i in enumerate(blocks):
+        out[:, b * h:(b + 1) * h] = parts[i]
+    return out
+
+
+def split_concat(x: Tensor, blocks: tuple) -> Tensor:
+    """``split_concat_reference`` in one pass over x on CUDA (a triton kernel: the torch path reads and writes
+    the float32 operand several times, in the forward and again in the backward); the reference elsewhere."""
+    if x.is_cuda:
+        from .triton.split import split_concat as kernel  # lazy: no triton on the CPU path
+        return kernel(x, blocks)
+    return split_concat_reference(x, blocks)
 
 
 def round_tf32(x: Tensor) -> Tensor:
@@ -162,12 +187,11 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
         return None
     if precision in _SPLITS:
         parts, pairs = _SPLITS[precision]
-        h_parts, w_parts = split_parts(hidden, parts), split_parts(weight, parts)
-        h_stats = torch.cat([h_parts[i] for i, _ in pairs], dim=1)
-        w_stats = torch.cat([w_parts[j] for _, j in pairs], dim=1)
-        del h_parts, w_parts
+        h_stats = split_concat(hidden, tuple(i for i, _ in pairs))
+        w_stats = split_concat(weight, tuple(j for _, j in pairs))
         h = hidden.shape[1]
-        # views of the concatenation: block b of K holds part pairs[b] (the first block is (hi, hi))
+        # views of the concatenation: block b of K holds parts pairs[b]; part i's view is the first block that
+        # holds it (the dict keeps the last assignment, hence reversed)
         h_views = {i: h_stats[:, b * h:(b + 1) * h] for b, (i, _) in reversed(list(enumerate(pairs)))}
         w_views = {j: w_stats[:, b * h:(b + 1) * h] for b, (_, j) in reversed(list(enumerate(pairs)))}
         h_views = tuple(h_views[i] for i in range(parts))

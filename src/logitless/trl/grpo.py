@@ -19,7 +19,7 @@ from .. import checks
 from .names import METHOD, STATE, VISION_ARGS
 
 
-def _grpo_trainer_class():
+def grpo_trainer_class():
     try:
         from trl import GRPOTrainer
     except Exception as exc:  # noqa: BLE001 - any failure means trl cannot be used here
@@ -28,7 +28,7 @@ def _grpo_trainer_class():
 
 
 def _check_trainer(trainer):
-    cls = _grpo_trainer_class()
+    cls = grpo_trainer_class()
     if not isinstance(trainer, cls):
         raise TypeError(f"trainer must be a trl.GRPOTrainer instance, got {type(trainer).__name__}")
 
@@ -141,11 +141,13 @@ def enable(trainer, *, fused_loss: bool = False):
         from .loss import compute_loss
         trainer.__dict__["_compute_loss"] = types.MethodType(compute_loss, trainer)
     else:
-        _restore(trainer, state, "_compute_loss")
+        restore_method(trainer, state, "_compute_loss")
     return trainer
 
 
-def _restore(trainer, state, name):
+def restore_method(trainer, state, name):
+    """Put back on ``trainer`` what enable() replaced of ``name`` (the class's method when it was not an instance
+    attribute before)."""
     if name in state["previous"]:
         trainer.__dict__[name] = state["previous"][name]
     else:
@@ -158,7 +160,7 @@ def disable(trainer):
     state = trainer.__dict__.pop(STATE, None)
     if state is not None:
         for name in (METHOD, "_compute_loss"):
-            _restore(trainer, state, name)
+            restore_method(trainer, state, name)
     return trainer
 
 

@@ -18,10 +18,10 @@ Replaced (see ``sites()``; ``uninstall()`` puts every original back):
 The record of what ran: ``logitless.megatron.last_path()`` (path "hook" or "legacy", entry "verl")
 after a Megatron call, ``logitless.last_backend()`` after any call.
 
-Modules: ``install`` (sites, install / uninstall), ``core`` (verl's contracts on logitless),
-``megatron`` and ``fsdp`` (the sites of each engine), ``fused_loss`` and ``megatron_loss`` (the fused
-policy loss on each engine, ``megatron_legacy`` its route on older megatron-core; ``policy`` and ``tokens``
-map verl's settings and batches onto it).
+Modules: ``install`` (sites, install / uninstall), ``core`` (verl's contracts on logitless), ``megatron`` and
+``fsdp`` (the sites of each engine), ``distill`` (verl's distillation loss on the FSDP engine's fused head),
+``fused_loss`` and ``megatron_loss`` (the fused policy loss on each engine, ``megatron_legacy`` its route on
+older megatron-core; ``policy`` and ``tokens`` map verl's settings and batches onto it).
 """
 from ..record import FusedPathUnavailable, last_backend, last_path
 from .install import install, is_installed, sites, uninstall

@@ -28,7 +28,7 @@ import sys
 
 from ..record import FusedPathUnavailable
 from ..sharded_head import call_head, is_dtensor
-from . import fused_loss
+from . import distill, fused_loss
 from .core import fused_linear_for_ppo, linear_cross_entropy
 from .sites import Site, strict_mode
 
@@ -74,6 +74,9 @@ def _make_forward(original):
 
         def compute(h, w):
             fused = fused_loss.head(h, w, input_ids, temperature)
+            if fused is None:        # a top-k distillation micro-batch: the divergence alongside (distill.py)
+                fused = distill.head(h, w, input_ids, temperature,
+                                     entropy_dtype=hidden_states.dtype if backend == "torch" else None)
             if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
                 lp, ent = fused
                 return lp, (ent.to(hidden_states.dtype) if backend == "torch" else ent)
@@ -95,6 +98,8 @@ def _make_kernel(original):
         def compute(h, w):
             if reduction == "none":
                 fused = fused_loss.head(h, w, labels, temperature, flat=True)
+                if fused is None:
+                    fused = distill.head(h, w, labels, temperature, flat=True)
                 if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
                     return fused
             return linear_cross_entropy(h, w, labels, temperature, reduction, dist_process_group,

@@ -39,7 +39,7 @@ import torch
 from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
-from . import ulysses
+from . import distill, ulysses
 from .bypass import rejection_counts_missing
 from .policy import (
     MICRO_BATCH_MEAN,
@@ -250,11 +250,42 @@ def _fused_loss_function(plan: Plan, verl_loss, path: str = "fsdp", through=None
     return loss_function
 
 
+def _distill_fallback(reason: str) -> None:
+    """verl computes this distillation micro-batch's loss itself (from the logits)."""
+    write_record("unfused", None, distill.ENTRY, reason)
+    if strict_mode():
+        raise FusedPathUnavailable(f"verl's distillation loss cannot run fused: {reason} (logitless.verl strict "
+                                   "mode: install(strict=True) or LOGITLESS_STRICT=1)")
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("logitless.verl: verl computes the distillation loss itself (unfused): %s", reason)
+
+
+def _distillation_step(original, engine, micro_batch, loss_function, forward_only):
+    """A micro-batch of verl's distillation loss (``distill.py``)."""
+    plan, why = distill.make_plan(engine, micro_batch, loss_function)
+    if plan is None:
+        if why:
+            _distill_fallback(why)
+            return original(engine, micro_batch, loss_function, forward_only)
+
+        def estimator(model_output, data, dp_group=None):      # verl's loss on the fused head's log-probs
+            out = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+            write_record("fsdp", last_backend(), distill.ENTRY)
+            return out
+        return original(engine, micro_batch, estimator, forward_only)
+    with distill.planned(plan):
+        return original(engine, micro_batch, distill.loss_function(plan, loss_function, _distill_fallback),
+                        forward_only)
+
+
 def _make_forward_step(original):
     @functools.wraps(original)
     def forward_step(self, micro_batch, loss_function, forward_only):
         if not SiteState.fused_loss or forward_only or loss_function is None:
             return original(self, micro_batch, loss_function, forward_only)
+        if distill.is_distillation(loss_function):
+            return _distillation_step(original, self, micro_batch, loss_function, forward_only)
         plan, why = make_plan(self, micro_batch, loss_function)
         if plan is None:
             if why:
