@@ -64,8 +64,11 @@ def _errors(hidden, weight, labels, backend, a, b, temperature=1.0, softcap=None
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("precision", ["bf16x3", "bf16x6", "tf32", "ieee"])
 @pytest.mark.parametrize("head", ["plain", "temperature+softcap"])
-def test_precision_against_float64_beats_bf16(backend, precision, head):
-    hidden, weight, labels = _inputs()
+def test_precision_against_float64_beats_bf16(backend, precision, head, seed):
+    torch.manual_seed(seed)
+    # tf32 is held to a ratio of two maxima: over 7 tokens that ratio fell below 2 on 2 of 300 seeds (min 1.49,
+    # median 7.7, chunked); over 28 on none of 200 (min 2.9, median 7.7, largest tf32 error 1.0e-2)
+    hidden, weight, labels = _inputs(n=28 if precision == "tf32" else 7)
     kw = {} if head == "plain" else {"temperature": 0.7, "softcap": 30.0}
     a, b = torch.randn(labels.shape, dtype=torch.float64), torch.randn(labels.shape, dtype=torch.float64)
     lp_err, ent_err, dh_err, dw_err = _errors(hidden, weight, labels, backend, a, b, precision=precision, **kw)
