@@ -79,6 +79,10 @@ def setup(device: torch.device) -> None:
         ve.setup()
         return
     ve.stub_server_modules()
+    # as the test harness does: verl's value-head patch imports trl's AutoModelForCausalLMWithValueHead, which trl
+    # 1.16 no longer has (the H100 run of 2026-12-06 stopped there with trl installed); the actor never uses it
+    import verl.models.transformers.monkey_patch as mp
+    mp.is_trl_available = lambda: False
     import socket
 
     import torch.distributed as dist
