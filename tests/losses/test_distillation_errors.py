@@ -91,3 +91,20 @@ def test_values_refused_inside_the_op():
     labels = torch.randint(0, V, (2, 5))
     labels[0, 1] = -100
     call(labels=labels, token_weight=tw)        # not read at an ignored token
+
+
+@pytest.mark.parametrize("name", ["student_hidden", "teacher_hidden"])
+def test_non_finite_hidden_at_a_scored_token_is_refused(name):
+    """A NaN in a scored row of either head's hidden states is refused, naming that argument; on an ignored row it
+    is never read (the loss and gradients stay finite)."""
+    kw = inputs()
+    kw[name][0, 3, 1] = float("nan")
+    labels = kw["labels"]
+    with pytest.raises(ValueError, match=f"{name} holds a NaN"):
+        call(**kw)
+    labels[0, 3] = -100
+    sh = kw["student_hidden"].requires_grad_(True)
+    sw = kw["student_weight"].requires_grad_(True)
+    out = call(**kw)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(sw.grad).all() and torch.isfinite(sh.grad).all()

@@ -31,24 +31,31 @@ def _none_if_nan(x: float) -> Optional[float]:
     return None if math.isnan(x) else x
 
 
-def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int,
-                 ignore_index: int) -> Optional[Tensor]:
-    """ValueError for a label outside [0, vocab) that is not ignore_index, a temperature out of range, or a
-    non-finite per-token weight at a scored token; the scored rows (None: every row). One host read."""
+def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int, ignore_index: int,
+                 s_hidden: Tensor, t_hidden: Tensor) -> Optional[Tensor]:
+    """ValueError for a label outside [0, vocab) that is not ignore_index, a temperature out of range, a
+    non-finite per-token weight or a non-finite student / teacher hidden state at a scored token; the scored rows
+    (None: every row). One host read."""
     valid = labels != ignore_index
     if labels.numel() == 0:
         return None
     bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
     bad_temp = ~checks.inverse_temperature_ok(inv_temp)
     bad_w = (valid & ~torch.isfinite(token_w)).any()
+    bad_s, bad_t = checks.non_finite_rows(s_hidden, valid), checks.non_finite_rows(t_hidden, valid)
     count = valid.sum()
-    bad_label, bad_temp, bad_w, count = torch.stack([bad_label, bad_temp, bad_w, count]).tolist()
+    bad_label, bad_temp, bad_w, bad_s, bad_t, count = torch.stack(
+        [bad_label, bad_temp, bad_w, bad_s, bad_t, count]).tolist()
     if bad_label:
         checks.check_label_range(labels, valid, vocab, ignore_index)
     if bad_temp:
         raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
     if bad_w:
         raise ValueError("token_weight must be finite at every scored token (label != ignore_index)")
+    for bad, name in ((bad_s, "student_hidden"), (bad_t, "teacher_hidden")):
+        if bad:
+            raise ValueError(f"{name} holds a NaN or an infinity in a scored row (label != ignore_index): its "
+                             f"divergence and every gradient would be NaN")
     count = int(count)
     return None if count == labels.numel() else torch.nonzero_static(valid, size=count).squeeze(1)
 
@@ -67,7 +74,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
                 raise ValueError(f"teacher_weight's vocabulary shards {t_tp.sizes} differ from student_weight's "
                                  f"{tp.sizes} over tp_group: both heads must be sharded the same way")
         vocab = tp.vocab_size if tp is not None else s_weight.shape[0]
-        rows = _scored_rows(labels, inv_temp, token_w, vocab, ignore_index)
+        rows = _scored_rows(labels, inv_temp, token_w, vocab, ignore_index, s_hidden, t_hidden)
 
         def pick(t: Tensor) -> Tensor:
             return t if rows is None else t.index_select(0, rows)
