@@ -24,7 +24,7 @@ from ..ops.divergence_terms import Divergence, HeadTransform
 from ..ops.function import _layout
 from ..ops.maths import no_autocast
 from ..record import record_backend
-from . import function as _policy_function  # noqa: F401  (registers logitless::scale_by_upstream_)
+from .function import hand_out_gradients  # (its module registers logitless::scale_by_upstream_)
 
 
 def _none_if_nan(x: float) -> Optional[float]:
@@ -125,15 +125,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _backward(ctx, g_loss, *_):
-    if ctx.handed_out:
-        raise RuntimeError("fused_distillation_loss: a second backward through the same loss. Its gradients are "
-                           "formed in the forward and handed out once; call fused_distillation_loss again")
-    ctx.handed_out = True
-    grads = []
-    for g, needed in zip(ctx.saved_tensors, ctx.need, strict=True):
-        if needed:     # in place: no second gradient-sized buffer
-            torch.ops.logitless.scale_by_upstream_(g, g_loss)
-        grads.append(g if needed else None)
+    grads = hand_out_gradients(ctx, g_loss, "fused_distillation_loss")
     return grads[0], grads[1], None, None, None, None, None
 
 

@@ -264,16 +264,24 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.handed_out = False
 
 
-def _backward(ctx, g_loss, *_):
+def hand_out_gradients(ctx, g_loss, op_name: str) -> list:
+    """The backward of a loss whose (d_hidden, d_weight) were formed in its forward and saved (``ctx.saved_tensors``,
+    ``ctx.need``, ``ctx.handed_out``): each needed one scaled in place by the upstream gradient, once; a second
+    backward is a RuntimeError. Shared by the fused policy loss and the fused distillation loss."""
     if ctx.handed_out:
-        raise RuntimeError("fused_policy_loss: a second backward through the same loss. Its gradients are "
-                           "formed in the forward and handed out once; call fused_policy_loss again")
+        raise RuntimeError(f"{op_name}: a second backward through the same loss. Its gradients are "
+                           f"formed in the forward and handed out once; call {op_name} again")
     ctx.handed_out = True
     grads = []
     for g, needed in zip(ctx.saved_tensors, ctx.need, strict=True):
         if needed:     # in place: no second gradient-sized buffer
             torch.ops.logitless.scale_by_upstream_(g, g_loss)
         grads.append(g if needed else None)
+    return grads
+
+
+def _backward(ctx, g_loss, *_):
+    grads = hand_out_gradients(ctx, g_loss, "fused_policy_loss")
     return grads[0], grads[1], None, None, ctx.no_grad_of_list
 
 
