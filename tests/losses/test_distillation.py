@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distill64 import distill64, weights64
-from logitless import last_backend
+from logitless import last_backend, last_precision
 from logitless.losses import LOSS_AGGS, fused_distillation_loss
 
 V, HS, HT = 4099, 96, 80
@@ -198,3 +198,37 @@ def test_compiled_fullgraph_matches_eager():
                       token_w=weights64(labels != -100, "seq-mean-token-mean"))
     close(results[1][3], 2.0 * truth[3], None, 1e-4)
     assert abs(results[1][0].item() - 2.0 * truth[0].item()) <= 1e-5
+
+
+@pytest.mark.parametrize("s_dtype,t_dtype,want", [
+    (torch.float32, torch.float32, ("ieee", "ieee")), (torch.bfloat16, torch.bfloat16, ("native", "native")),
+    (torch.bfloat16, torch.float32, ("ieee", "native")), (torch.float32, torch.float16, ("ieee", "ieee"))])
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+def test_record_says_how_the_products_ran(s_dtype, t_dtype, want, backend):
+    """last_precision() after the loss: the pass takes no precision setting; a float32 head's products are IEEE
+    float32 (the statistics whenever either head is float32, the gradient products when the student is) and
+    half-precision ones exact ("native"), as fused_logprobs and fused_policy_loss record theirs. The numbers
+    are IEEE float32's: within float32's resolution of float64 (test_against_float64's bounds), which a float32
+    head multiplied in bfloat16 or TF32 would miss (a tenth of a nat, docs/precision.md)."""
+    hs, ws, ht, wt, labels = heads(s_dtype=s_dtype, t_dtype=t_dtype)
+    fused_logprobs_record = last_precision()
+    out, dh, dw = run(backend, hs, ws, ht, wt, labels, "jsd", 0.5)
+    assert last_precision() == want, (last_precision(), fused_logprobs_record)
+    if want == ("ieee", "ieee"):
+        check(out, dh, dw, distill64(hs, ws, ht, wt, labels, "jsd", 0.5), labels)
+
+
+@pytest.mark.parametrize("dtype,want", [(torch.float32, ("ieee", "ieee")), (torch.bfloat16, ("native", "native"))])
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+def test_topk_route_record(dtype, want, divergence):
+    """The top-k route runs the k-label op with the student's IEEE float32 products (float32) or exact ones
+    (half precision), named so (the tail's gradient needs no forced bf16x6 then: IEEE is float32-exact)."""
+    hs, ws, _, _, labels = heads(s_dtype=dtype)
+    z = hs.double() @ ws.double().t()
+    t_lp, t_ids = torch.log_softmax(z + torch.randn(z.shape, dtype=torch.float64), -1).topk(5, dim=-1)
+    h = hs.clone().requires_grad_()
+    out = fused_distillation_loss(h, ws, labels, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp.float(),
+                                  divergence=divergence)
+    assert last_precision() == want
+    out.loss.backward()
+    assert last_precision() == want and h.grad.abs().max() > 0

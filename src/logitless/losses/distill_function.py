@@ -60,6 +60,15 @@ def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int, 
     return None if count == labels.numel() else torch.nonzero_static(valid, size=count).squeeze(1)
 
 
+def products_ran(student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> tuple[str, str]:
+    """(statistics, gradients) for ``last_precision()``: how the pass multiplied. It takes no precision setting:
+    float32 operands are IEEE float32 products (``maths.mm_fp32``, a float32 dlogits for a float32 student),
+    half-precision ones exact ("native"). The statistics are "ieee" when either head is float32 (the other
+    head's half-precision products are exact anyway); the gradient products are the student's alone."""
+    stats = "ieee" if torch.float32 in (student_dtype, teacher_dtype) else "native"
+    return stats, "ieee" if student_dtype == torch.float32 else "native"
+
+
 @torch.library.custom_op("logitless::fused_distillation_loss", mutates_args=())
 def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: Tensor, labels: Tensor,
                 inv_temp: Tensor, token_w: Tensor, *, kind: str, beta: float, s_scale: float, s_softcap: float,
@@ -93,7 +102,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
         div, ent = distill_pass_for(backend)(student, teacher, pick(inv_temp), w,
                                              Divergence(kind, _none_if_nan(beta)), dh, dw, tp=tp)
         loss = (w.double() * div.double()).sum().float()
-        record_backend(backend)
+        record_backend(backend, products_ran(s_hidden.dtype, t_hidden.dtype))
         if dh is not None:
             if tp is not None:
                 dh = tp.reduce_grad_hidden(dh)

@@ -120,8 +120,12 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     flat_ids = ids.reshape(-1, k)
     mod, _ = choose_backend(hidden, weight, backend)
+    # float32 students multiply in IEEE float32 (the full-vocabulary pass's products; no precision setting here),
+    # named so that the op runs and records it
+    precision = ("ieee", "ieee") if hidden.dtype == torch.float32 else ("native", "native")
     options = function.OpOptions(backend=mod.name, with_entropy=False, ignore_index=ignore_index, softcap=softcap,
-                                 tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden)
+                                 tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
+                                 precision=precision[0], grad_precision=precision[1])
     with_tail = divergence == "forward_kl_topk_tail"
     s_lp, _, s_tail, s_top = label_set_function.fused_logprobs_k(
         hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,

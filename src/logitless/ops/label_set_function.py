@@ -246,6 +246,17 @@ def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
                           softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name, precision, grad_precision)
 
 
+def backward_precision(grad_precision: str, with_tail: bool) -> str:
+    """The gradient products the backward runs for an op asked for ``grad_precision``: "bf16x6" for "bf16" or
+    "bf16x3" when the op has a tail output. A gradient through the tail is, at the k ids, the difference of the
+    dense part's G p_j and the one-hot part's, each ~ g_tail / P_tail: dlogits of 8 or 16 bits cannot resolve it
+    when the tail is small (P_tail 1e-4: errors of 0.1 relative), so such an op's gradients run float32-exact,
+    the six products of "bf16x6" (docs/precision.md, "k ids per token"). Decided from the op's outputs, not from
+    whether the tail gets a gradient, so that the forward's record (``last_precision()``, which a backward on
+    another thread could not update) says what the backward runs."""
+    return "bf16x6" if with_tail and grad_precision in ("bf16", "bf16x3") else grad_precision
+
+
 def _stats_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, n: int):
     """(hidden, weight, tf32) the forward multiplies: a precision's statistics operands (``precision.py``; made
     here, dropped with the pass, never saved), or the operands themselves (none needed for no kept row)."""
@@ -313,7 +324,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         tail = torch.where(valid, tail, torch.zeros_like(tail)) if tail is not None else None
         top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
     del h_s, w_s
-    record_backend(_pass_name(mod.name) if with_tail or select else mod.name, (precision, grad_precision))
+    record_backend(_pass_name(mod.name) if with_tail or select else mod.name,
+                   (precision, backward_precision(grad_precision, with_tail)))
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -363,7 +375,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend(_pass_name(mod.name), (precision, grad_precision))
+    record_backend(_pass_name(mod.name), (precision, backward_precision(grad_precision, True)))
     return ids, lp, tail, lse
 
 
@@ -410,12 +422,8 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
         g_ent = torch.where(valid, g_ent, torch.zeros_like(g_ent)) if g_ent is not None else None
         g_t = torch.where(valid, g_t, torch.zeros_like(g_t)) if g_t is not None else None
     G, coef = label_sets.tail_coefficients(g_lp, g_t, lp, tl)
-    if g_t is not None and grad_precision in ("bf16", "bf16x3"):
-        # a gradient through the tail is, at the k ids, the difference of the dense part's G p_j and the one-hot
-        # part's, each ~ g_tail / P_tail: dlogits of 8 or 16 bits cannot resolve it when the tail is small
-        # (P_tail 1e-4: errors of 0.1 relative), so these run float32-exact, the six products of "bf16x6"
-        # (docs/precision.md, "k ids per token")
-        grad_precision = "bf16x6"
+    # an op with a tail output (tail [N], empty without) runs the gradient products its forward recorded
+    grad_precision = backward_precision(grad_precision, tail.numel() > 0)
     n = local.shape[0]
     # the precision's operands again (the forward's were dropped): the dense part recomputes the statistics'
     # logits from them and forms its products with their gradient parts
