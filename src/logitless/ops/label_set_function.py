@@ -159,15 +159,16 @@ def _pass_name(backend: str) -> str:
 
 
 def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, given=None, given_local=None,
-              select=0):
-    """label_sets.vocab_pass over the kept rows in token blocks -> (one SetPartial [n], the selection or None)."""
+              select=0, host_read=True):
+    """label_sets.vocab_pass over the kept rows in token blocks -> (one SetPartial [n], the selection or None).
+    host_read=False: no value read on the host (check_inputs=False)."""
     step, columns = _pass_columns(backend, hidden, weight, n)
     parts, sels = [], []
     for start, stop in _blocks(n, step):
         part, sel = label_sets.vocab_pass(
             _rows(hidden, rows, start, stop), weight, inv_temp[start:stop], softcap, columns, offset, k,
             None if given is None else given[start:stop], None if given_local is None else given_local[start:stop],
-            select)
+            select, host_read)
         parts.append(part)
         sels.append(sel)
     if len(parts) == 1:
@@ -286,7 +287,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         with tf32_products(tf32):
             part, sel = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name,
                                   tp.vocab_offset if tp is not None else 0, given=ids, given_local=local,
-                                  select=select)
+                                  select=select, host_read=check_inputs)
         part = _global(part, tp, k, select=False)
         lse, tail = part.lse_and_tail()
         lp = part.vals - lse.unsqueeze(1)
@@ -450,7 +451,7 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
                                     need_dw, softcap, finish, operands=ops, add_dh=add_dh)
     del ops, h_s, w_s
     if need_dw and n:
-        label_sets.add_onehot_dw(dw, hidden, local, c, rows)
+        label_sets.add_onehot_dw(dw, hidden, local, c, rows, host_read=check_inputs)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
 
 
