@@ -368,3 +368,32 @@ def test_onehot_dw_without_host_read(dtype, seed, monkeypatch):
         assert rel_err(dw, want) <= tol, (host_read, rel_err(dw, want))
     if dtype == torch.float32:
         assert (got[True] - got[False]).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_topk_unchecked_reads_nothing_on_the_host(backend, seed):
+    """fused_topk(check_inputs=False): no host read in the forward or the backward (``host_reads``, which sees
+    the checked call's), the same ids, log-probs, tail and gradients as the checked call, the masked rows (NaN
+    temperature padding there) zero and gradient-free."""
+    from host_reads import host_reads
+    hidden, weight, gen = inputs(torch.float32, seed)
+    mask = torch.ones(LEAD, dtype=torch.bool)
+    mask[0, 2] = mask[0, 5] = False
+    temperature = (torch.rand(LEAD, generator=gen) + 0.5).masked_fill(~mask, float("nan"))
+    a, b = torch.randn(*LEAD, K, generator=gen), torch.randn(LEAD, generator=gen)
+    results = {}
+    for check in (False, True):
+        hidden.grad = weight.grad = None
+        with host_reads() as seen:
+            top = fused_topk(hidden, weight, K, mask=mask, backend=backend, check_inputs=check,
+                             temperature=temperature if not check else temperature.nan_to_num(1.0))
+            ((top.logprobs * a).sum() + (top.tail_logprob * b).sum()).backward()
+        assert (seen == []) == (not check), seen
+        results[check] = (top.ids, top.logprobs.detach(), top.tail_logprob.detach(), hidden.grad.clone(),
+                          weight.grad.clone())
+    assert torch.equal(results[False][0], results[True][0])
+    assert (results[False][0][~mask] == -1).all() and (results[False][3][~mask] == 0).all()
+    for got, want in zip(results[False][1:], results[True][1:], strict=True):
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    with pytest.raises(TypeError, match="check_inputs must be a bool"):
+        fused_topk(hidden, weight, K, check_inputs=None)

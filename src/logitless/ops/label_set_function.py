@@ -60,14 +60,20 @@ def fused_logprobs_k(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: T
 
 def fused_topk(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, k: int, backend: str,
                softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
-               precision: str = "native", grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor]:
+               precision: str = "native", grad_precision: str = "native",
+               check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(ids [N, k] int64, logprobs [N, k], tail [N]) of the rows where mask [N] is True (ids -1, logprobs 0,
     tail 0 elsewhere); logprobs and tail differentiable w.r.t. hidden and weight. precision / grad_precision as
-    ``precision.resolve`` returns them."""
+    ``precision.resolve`` returns them. check_inputs=False: no host read (every row computed, the masked ones at
+    inverse temperature 1 and zeroed; the temperatures are not checked)."""
+    if not check_inputs:
+        # every row runs: a masked one at inverse temperature 1, here so that the backward (which reads the op's
+        # inputs) sees it too: NaN padding reaches nothing
+        inv_temp = inv_temp.masked_fill(~mask, 1.0)
     ids, lp, tail, _ = torch.ops.logitless.fused_topk(hidden, weight, inv_temp, mask, k=k, backend=backend,
                                                        softcap=softcap, tp_group=tp_group,
                                                        reduce_grad_hidden=reduce_grad_hidden, precision=precision,
-                                                       grad_precision=grad_precision)
+                                                       grad_precision=grad_precision, check_inputs=check_inputs)
     return ids, lp, tail
 
 
@@ -346,20 +352,23 @@ def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, 
 @torch.library.custom_op("logitless::fused_topk", mutates_args=())
 def _topk_op(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, *, k: int, backend: str,
              softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool, precision: str = "native",
-             grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             grad_precision: str = "native", check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         return _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden, precision,
-                     grad_precision)
+                     grad_precision, check_inputs)
 
 
 def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden, precision="native",
-          grad_precision="native"):
+          grad_precision="native", check_inputs=True):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N = hidden.shape[0]
-    if N and not bool(checks.inverse_temperature_ok(inv_temp)):
-        raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
-    every = bool(mask.all()) if N else True
+    if check_inputs:
+        if N and not bool(checks.inverse_temperature_ok(inv_temp)):
+            raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
+        every = bool(mask.all()) if N else True
+    else:
+        every = True        # no host read: every row runs (``fused_topk`` set the masked ones' temperature)
     rows = None if every else mask.nonzero().squeeze(1)
     if rows is not None:
         inv_temp = inv_temp[rows]
@@ -368,11 +377,16 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     # the selection and the sums are over the precision's logits (its statistics operands)
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
     with tf32_products(tf32):
-        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, offset)
+        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, offset, host_read=check_inputs)
     del h_s, w_s
     part = _global(part, tp, k, select=True)
     lse, tail = part.lse_and_tail()
     lp, ids = part.vals - lse.unsqueeze(1), part.ids
+    if not check_inputs:
+        # the masked rows' outputs as the checked call leaves them (their lse stays: the backward's p of the row)
+        ids = torch.where(mask.unsqueeze(1), ids, -1)
+        lp = torch.where(mask.unsqueeze(1), lp, 0.0)
+        tail = torch.where(mask, tail, 0.0)
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
@@ -382,7 +396,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
 
 @_topk_op.register_fake
 def _topk_fake(hidden, weight, inv_temp, mask, *, k, backend, softcap, tp_group, reduce_grad_hidden,
-               precision="native", grad_precision="native"):
+               precision="native", grad_precision="native", check_inputs=True):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return (hidden.new_empty((n, k), dtype=torch.int64), hidden.new_empty((n, k), **f), hidden.new_empty(n, **f),
@@ -514,7 +528,8 @@ def _setup_topk(ctx, inputs, keyword_only_inputs, output):
 
 def _backward_topk_autograd(ctx, _g_ids, g_lp, g_tail, _g_lse):
     # masked rows hold ids -1 on all k: ignored rows of the k-label backward with ignore_index -1
-    dh, dw = _backward_call(ctx, g_lp, None, g_tail, ctx.saved_tensors[7], -1, True)
+    dh, dw = _backward_call(ctx, g_lp, None, g_tail, ctx.saved_tensors[7], -1,
+                            ctx.options.get("check_inputs", True))
     return dh, dw, None, None
 
 
