@@ -1,4 +1,4 @@
-"""Host reads of tensor values, caught on the CPU.
+"""Host reads of tensor values (and tensors made from host data), caught on the CPU.
 
 A CUDA op that reads a device value on the host (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``, a boolean
 mask index, ``repeat_interleave`` without ``output_size``, ...) synchronises the stream and cannot be captured in a
@@ -31,9 +31,14 @@ READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::n
 DEVICE_SIDE = {"logitless::scale_by_upstream_"}
 
 
+# a tensor made from host data (torch.tensor(...) inside the call): on CUDA a copy from pageable host memory,
+# which a CUDA-graph capture refuses as well
+FROM_HOST = {"aten::lift_fresh", "aten::lift_fresh_copy"}
+
+
 def _reads(func, args, kwargs) -> bool:
     name = func._schema.name
-    if name in READS:
+    if name in READS or name in FROM_HOST:
         return True
     if name == "aten::repeat_interleave":
         # repeats given as a tensor: the output's size is their sum, read on the host unless output_size says it

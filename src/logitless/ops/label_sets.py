@@ -252,7 +252,7 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
     if given is not None and select:
         sel = (torch.full((n, select), float("-inf"), dtype=torch.float32, device=dev),
                torch.full((n, select), -1, dtype=torch.int64, device=dev))
-    neg_inf = torch.tensor(float("-inf"), device=dev)
+    neg_inf = torch.full((), float("-inf"), device=dev)          # a fill, not a copy from the host
     for start in range(0, vocab, columns):
         stop = min(start + columns, vocab)
         z, _ = logits_from_products(mm_fp32(hidden, weight[start:stop].t()), inv_temp, softcap)
