@@ -157,3 +157,51 @@ def test_the_other_ops_unchecked_read_nothing_on_the_host():
             loss = fused_policy_loss(h, w, labels, adv, old, backend="chunked", check_inputs=check).loss
             loss.backward()
         assert (seen == []) == (not check), seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU")
+@pytest.mark.parametrize("divergence,beta", [("jsd", 0.5), ("forward_kl_topk", None), ("forward_kl_topk_tail", None)])
+def test_cuda_graph_capture_and_replay(divergence, beta):
+    """A whole step (loss, backward) captured once with check_inputs=False on the default backend, replayed on
+    new inputs copied into the captured buffers; each replay's loss and gradients against an eager checked call."""
+    dev = torch.device("cuda")
+    first = [t.to(dev) if torch.is_tensor(t) else t for t in batch()]
+    hs, ws, ht, wt, labels, temperature, token_weight, t_ids, t_lp = first
+    h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+    static = dict(ht=ht.clone(), labels=labels.clone(), temperature=temperature.clone(),
+                  token_weight=token_weight.clone(), t_ids=t_ids.clone(), t_lp=t_lp.clone())
+
+    def captured_step():
+        teacher = teacher_of(divergence, static["ht"], wt, static["t_ids"], static["t_lp"], beta)
+        out = fused_distillation_loss(h, w, static["labels"], divergence=divergence, temperature=static["temperature"],
+                                      token_weight=static["token_weight"], check_inputs=False, **teacher)
+        out.loss.backward()
+        return out.loss, out.divergence
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):      # warm-up: kernel builds and allocator pools, outside capture
+        for _ in range(2):
+            h.grad = w.grad = None
+            captured_step()
+    torch.cuda.current_stream().wait_stream(side)
+    h.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss, div = captured_step()
+    for _ in range(2):
+        new = [t.to(dev) if torch.is_tensor(t) else t for t in batch()]
+        with torch.no_grad():
+            h.copy_(new[0])
+        for key, value in zip(("ht", "labels", "temperature", "token_weight", "t_ids", "t_lp"),
+                              (new[2], new[4], new[5], new[6], new[7], new[8]), strict=True):
+            static[key].copy_(value)
+        for t in (loss, div, h.grad, w.grad):   # poison: the replay must write every element
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, dh, dw = step(new[0], ws, new[4], divergence, beta, new[2], wt, new[7], new[8],
+                            temperature=new[5].nan_to_num(1.0), token_weight=new[6])
+        assert (loss - want.loss).abs() <= 1e-5 * max(1.0, want.loss.abs().item())
+        assert (div - want.divergence).abs().max() <= 1e-4
+        assert (h.grad - dh).abs().max() <= 1e-4 * dh.abs().max() and (w.grad - dw).abs().max() <= 1e-4 * dw.abs().max()
