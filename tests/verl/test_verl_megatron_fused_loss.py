@@ -313,8 +313,10 @@ def tp2_results(tmp_path_factory):
 @pytest.mark.parametrize("case", verl_megatron_tp2_worker.CASES)
 def test_tensor_parallel_two_ranks(tp2_results, case):
     """verl's unfused Megatron actor against the fused loss at TP 2, with sequence parallelism (mbridge's default at
-    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss, and geo_mean under SP:
-    every rank's parameter shards after the step, rank 0's metrics."""
+    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss, and geo_mean under SP;
+    verl's distillation (test_verl_megatron_distillation.py at TP 1): forward_kl_topk with both clamps (SP and
+    not), with task rewards (SP), k3 with task rewards: every rank's parameter shards after the step, rank 0's
+    metrics."""
     from ranks import check
     check(tp2_results, case)
 

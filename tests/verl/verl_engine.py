@@ -432,3 +432,16 @@ def teacher_batch(gen, model_dir, *, topk: bool, noise: float = 1.5, **batch):
         tensors["teacher_logprobs"] = torch.where(valid[..., None], lp, 0.0).float()
         tensors["teacher_ids"] = torch.where(valid[..., None], nxt[..., None], 0)   # verl converts the pair
     return tensors, meta
+
+
+def check_distillation_case(metrics, mode, dsettings):
+    """The reference run's ``metrics`` exercise what a distillation case names: the top-k metrics present with a
+    partial overlap of the teacher's and the student's top-k, ``loss_max_clamp`` (in ``dsettings``) binding."""
+    if mode == "forward_kl_topk":
+        for key in ("distillation/student_mass", "distillation/teacher_mass", "distillation/overlap_ratio",
+                    "distillation/overlap_token_advantage", "distillation/loss_min", "distillation/loss_max"):
+            assert key in metrics, key
+        assert 0 < max(metrics["distillation/overlap_ratio"]) < 1, "the top-k sets never (or always) overlap"
+    clamp = next((float(s.split("=")[1]) for s in dsettings if "loss_max_clamp" in s), None)
+    if clamp is not None:
+        assert max(metrics["distillation/loss_max"]) > clamp, "loss_max_clamp never binds: the case tests nothing"
