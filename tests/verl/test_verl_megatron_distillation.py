@@ -123,20 +123,23 @@ def test_without_fused_kernels_runs_verls_loss_recorded(model_dir, actors):
     assert_same_update(plain.initial, got, want)
 
 
-def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors):
+@pytest.mark.parametrize("setting, named", [("legacy", "legacy fused forward"),
+                                             ("context_parallel", "context_parallel_size=2 with top-k distillation")])
+def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors, monkeypatch, setting, named):
     """A top-k setting the fused path does not run (verl's legacy fused-forward mode on a release with the hook,
-    which logitless' legacy patch does not serve) is refused naming it, strict mode or not: verl's own fused
-    forward has no top-k outputs to fall back on."""
+    which logitless' legacy patch does not serve; context parallelism, its size reported as 2 by Megatron's state)
+    is refused before the model runs, naming it, strict mode or not: verl's own fused forward has no top-k outputs
+    to fall back on."""
+    from megatron.core import parallel_state
     from verl.utils.megatron_utils import unwrap_model
     _, fused = actors
     gen = torch.Generator().manual_seed(4)
     tensors, meta = teacher_batch(gen, model_dir, topk=True)
     overrides = enabled(model_dir, "forward_kl_topk", f"{DL}use_task_rewards=False")
     model = unwrap_model(fused.worker.engine.module[0])
-    saved = model._verl_fused_forward_mode
-    model._verl_fused_forward_mode = "legacy"
-    try:
-        with pytest.raises(FusedPathUnavailable, match="legacy fused forward"):
-            run(fused, tensors, meta, overrides, fused=True)
-    finally:
-        model._verl_fused_forward_mode = saved
+    if setting == "legacy":
+        monkeypatch.setattr(model, "_verl_fused_forward_mode", "legacy")
+    else:
+        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(FusedPathUnavailable, match=named):
+        run(fused, tensors, meta, overrides, fused=True)
