@@ -32,6 +32,8 @@ settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context 
 logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
 "verl.policy_loss", with the backend that ran.
 
+verl's distillation loss (``distillation_ppo_loss``) takes its own path through both sites: ``megatron_distill.py``.
+
 Pipeline parallelism (with or without virtual stages): Megatron's schedule calls the forward step on every stage
 and the loss function on the last one only. Each stage makes the same plan from the same micro-batch (verl
 hands every pipeline rank the whole batch); on a stage without the output layer (``post_process=False``) the
