@@ -392,7 +392,8 @@ def pp2_results(tmp_path_factory):
 def test_pipeline_parallel_two_ranks(pp2_results, case):
     """verl's unfused Megatron actor against the fused loss at PP 2 (the output processor on the last stage), with
     and without 2 virtual stages per rank: vanilla token-mean (dual clip, KL loss, entropy bonus), gspo
-    seq-mean-token-mean with dynamic micro-batch sizes, sapo seq-mean-token-sum (its terms aggregated apart); every
-    rank's parameters after the step, the last stage's metrics."""
+    seq-mean-token-mean with dynamic micro-batch sizes, sapo seq-mean-token-sum (its terms aggregated apart); verl's
+    forward_kl_topk distillation with task rewards (1F1B) and with both clamps (interleaved); every rank's
+    parameters after the step, the last stage's metrics."""
     from ranks import check
     check(pp2_results, case)

@@ -445,3 +445,16 @@ def check_distillation_case(metrics, mode, dsettings):
     clamp = next((float(s.split("=")[1]) for s in dsettings if "loss_max_clamp" in s), None)
     if clamp is not None:
         assert max(metrics["distillation/loss_max"]) > clamp, "loss_max_clamp never binds: the case tests nothing"
+
+
+def case_batch(gen, model_dir, loss):
+    """A multi-rank worker's case: ``loss`` is the actor overrides (verl's ``ppo_loss``; a rollout batch) or
+    (distillation mode, its settings) (verl's ``distillation_ppo_loss``; a batch with the teacher's tensors).
+    Returns (tensors, meta, overrides, the entry ``last_path()`` records, check(metrics) of the reference run)."""
+    if not isinstance(loss, tuple):
+        tensors, meta = rollout_batch(gen, model_dir)
+        return tensors, meta, loss, "verl.policy_loss", lambda metrics: None
+    mode, dsettings = loss
+    tensors, meta = teacher_batch(gen, model_dir, topk=mode == "forward_kl_topk")
+    return (tensors, meta, distillation_enabled(model_dir, mode, *dsettings), "verl.distillation",
+            lambda metrics: check_distillation_case(metrics, mode, dsettings))

@@ -80,13 +80,7 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
                                   vme.Actor(model_dir, [*thd, *engine, fused_kernels]))
                 plain, fused = built[key]
                 gen = torch.Generator().manual_seed(31)            # the same batch on both ranks
-                entry = "verl.policy_loss"
-                if isinstance(loss, tuple):                        # verl's distillation
-                    mode, dsettings = loss
-                    tensors, meta = ve.teacher_batch(gen, model_dir, topk=mode == "forward_kl_topk")
-                    loss, entry = ve.distillation_enabled(model_dir, mode, *dsettings), "verl.distillation"
-                else:
-                    tensors, meta = ve.rollout_batch(gen, model_dir)
+                tensors, meta, loss, entry, check = ve.case_batch(gen, model_dir, loss)
                 want = plain.update(tensors, meta, loss, calculate_entropy=True, mini_batch_size=6)
                 lv.install(fused_loss=True, strict=True)
                 try:
@@ -95,8 +89,8 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
                 finally:
                     lv.uninstall()
                 assert (rec.path, rec.entry, rec.reason) == ("hook", entry, ""), rec
-                if entry == "verl.distillation" and want[0] is not None:
-                    ve.check_distillation_case(want[0], mode, dsettings)
+                if want[0] is not None:
+                    check(want[0])
                 tf = fused.worker.engine.tf_config
                 assert tf.tensor_model_parallel_size == 2 and tf.sequence_parallel == (engine is SP), tf
                 assert (want[0] is not None) == (rank == 0), "metrics expected on verl's source rank only"
