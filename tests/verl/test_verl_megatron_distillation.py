@@ -123,13 +123,14 @@ def test_without_fused_kernels_runs_verls_loss_recorded(model_dir, actors):
     assert_same_update(plain.initial, got, want)
 
 
-@pytest.mark.parametrize("setting, named", [("legacy", "legacy fused forward"),
-                                             ("context_parallel", "context_parallel_size=2 with top-k distillation")])
+@pytest.mark.parametrize("setting, named", [
+    ("legacy", "legacy fused forward"),
+    ("context_parallel", "context_parallel_size=2 with tensor_model_parallel_size=2 and top-k distillation")])
 def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors, monkeypatch, setting, named):
     """A top-k setting the fused path does not run (verl's legacy fused-forward mode on a release with the hook,
-    which logitless' legacy patch does not serve; context parallelism, its size reported as 2 by Megatron's state)
-    is refused before the model runs, naming it, strict mode or not: verl's own fused forward has no top-k outputs
-    to fall back on."""
+    which logitless' legacy patch does not serve; context parallelism 2 with TP 2, their sizes reported so to the
+    refusal) is refused before the model runs, naming it, strict mode or not: verl's own fused forward has no top-k
+    outputs to fall back on."""
     from megatron.core import parallel_state
     from verl.utils.megatron_utils import unwrap_model
     _, fused = actors
@@ -141,5 +142,13 @@ def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors, monkeypatc
         monkeypatch.setattr(model, "_verl_fused_forward_mode", "legacy")
     else:
         monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
-    with pytest.raises(FusedPathUnavailable, match=named):
-        run(fused, tensors, meta, overrides, fused=True)
+        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)
+    cfg = fused.worker.engine.engine_config            # a frozen dataclass: set past its check, put back
+    tp = cfg.tensor_model_parallel_size
+    if setting == "context_parallel":
+        object.__setattr__(cfg, "tensor_model_parallel_size", 2)
+    try:
+        with pytest.raises(FusedPathUnavailable, match=named):
+            run(fused, tensors, meta, overrides, fused=True)
+    finally:
+        object.__setattr__(cfg, "tensor_model_parallel_size", tp)

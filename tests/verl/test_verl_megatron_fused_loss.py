@@ -334,8 +334,9 @@ def test_context_parallel_two_ranks(cp2_results, case):
     """verl's unfused Megatron actor against the fused loss at CP 2 (verl's zigzag split; each rank's fused loss
     on its own rows with the whole micro-batch's normalisation): token-local modes (vanilla, cispo, dppo_tv, gpg)
     under token-mean, token-sum, seq-mean-token-sum(-norm), fixed and dynamic micro-batch sizes; gspo and
-    seq-mean-token-mean refused by name under strict mode and run by verl (recorded) otherwise. Every rank's
-    parameters after the step, rank 0's metrics."""
+    seq-mean-token-mean refused by name under strict mode and run by verl (recorded) otherwise; verl's distillation:
+    forward_kl_topk with both clamps, with task rewards (dynamic micro-batch sizes, rollout_is_weights), k3 with
+    task rewards. Every rank's parameters after the step, rank 0's metrics."""
     from ranks import check
     check(cp2_results, case)
 

@@ -447,14 +447,15 @@ def check_distillation_case(metrics, mode, dsettings):
         assert max(metrics["distillation/loss_max"]) > clamp, "loss_max_clamp never binds: the case tests nothing"
 
 
-def case_batch(gen, model_dir, loss):
+def case_batch(gen, model_dir, loss, **batch):
     """A multi-rank worker's case: ``loss`` is the actor overrides (verl's ``ppo_loss``; a rollout batch) or
-    (distillation mode, its settings) (verl's ``distillation_ppo_loss``; a batch with the teacher's tensors).
-    Returns (tensors, meta, overrides, the entry ``last_path()`` records, check(metrics) of the reference run)."""
+    (distillation mode, its settings) (verl's ``distillation_ppo_loss``; a batch with the teacher's tensors);
+    ``batch``: rollout_batch's settings. Returns (tensors, meta, overrides, the entry ``last_path()`` records,
+    check(metrics) of the reference run)."""
     if not isinstance(loss, tuple):
-        tensors, meta = rollout_batch(gen, model_dir)
+        tensors, meta = rollout_batch(gen, model_dir, **batch)
         return tensors, meta, loss, "verl.policy_loss", lambda metrics: None
     mode, dsettings = loss
-    tensors, meta = teacher_batch(gen, model_dir, topk=mode == "forward_kl_topk")
+    tensors, meta = teacher_batch(gen, model_dir, topk=mode == "forward_kl_topk", **batch)
     return (tensors, meta, distillation_enabled(model_dir, mode, *dsettings), "verl.distillation",
             lambda metrics: check_distillation_case(metrics, mode, dsettings))

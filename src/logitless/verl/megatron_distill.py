@@ -18,8 +18,10 @@ Here, with verl's fused kernels on:
   logitless' ``topk_divergence`` over the TP group: the per-token divergence (verl's ``log_prob_min_clamp`` on both
   sides, the clamp at 0), the masses summed after that clamp (verl's Megatron convention,
   ``clamped_masses``), the overlap with the student's own top-k; only for the response tokens (verl's loss reads
-  no other), on verl's packed rows (``cu_seqlens_q_padded``). The loss function verl calls turns those rows into
-  nested model outputs with verl's own ``postprocess_thd_engine`` (the names verl's logits processor gives them) and
+  no other), on verl's packed rows (``cu_seqlens_q_padded``; under context parallelism the rank's rows of verl's
+  zigzag split, ``megatron_cp.local_positions``). The loss function verl calls turns those rows into
+  nested model outputs with verl's own ``postprocess_thd_engine`` (the names verl's logits processor gives them;
+  under CP it all-gathers them over the CP group, the rank's own rows keeping their gradient, as for verl's) and
   runs verl's ``distillation_ppo_loss`` on them: loss_max_clamp, use_task_rewards with distillation_loss_coef,
   use_policy_gradient, the aggregation, the policy loss on the log-probs and every metric are verl's code. The
   divergence keeps its graph: the loss's backward reaches the hidden states and the head weight through
@@ -29,9 +31,12 @@ Here, with verl's fused kernels on:
 
 Recorded: path "hook" or "legacy", entry "verl.distillation". Not fused: without fused kernels verl's logits path
 runs (recorded "unfused", raised under strict mode, ``fused_loss._distill_fallback``). A top-k configuration with
-fused kernels that logitless does not run (``refusals``: context parallelism, a model neither path reaches) is
+fused kernels that logitless does not run (``refusals``: CP with TP > 1, a model neither path reaches) is
 refused with ``FusedPathUnavailable`` naming it, strict mode or not: verl's own fused forward would fail on it (no
 top-k outputs).
+
+Under context parallelism every CP rank computes verl's whole loss from the gathered rows, and its model gets the
+gradient of its own rows only: verl's own scheme, reproduced by running verl's code on the same rows.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ import torch
 from ..api import head_operands
 from ..losses.distill_topk import topk_divergence
 from ..record import FusedPathUnavailable, last_backend, write_record
-from . import distill
+from . import distill, megatron_cp
 from .megatron_legacy import forward_mode, legacy_route, unroutable
 from .tokens import IGNORE, thd_destinations
 
@@ -64,18 +69,49 @@ def pending() -> Optional[distill.DistillPlan]:
     return _pending.plan
 
 
+def _context_parallel() -> tuple[int, int]:
+    """(size, rank) of Megatron's context-parallel group ((1, 0) without model-parallel state)."""
+    from megatron.core import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+
+
 def refusals(engine, model) -> list:
     """Megatron settings a top-k distillation micro-batch does not run fused under, as "setting (why)"."""
     bad = []
-    from megatron.core import parallel_state
-    cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    if cp > 1:
-        bad.append(f"context_parallel_size={cp} with top-k distillation (verl's zigzag split of the teacher's "
-                   "top-k: not wired)")
+    cp, _ = _context_parallel()
+    tp = int(engine.engine_config.tensor_model_parallel_size or 1)
+    if cp > 1 and tp > 1:
+        bad.append(f"context_parallel_size={cp} with tensor_model_parallel_size={tp} and top-k distillation (not "
+                   "tested)")
+    if cp > 1 and getattr(getattr(_unwrapped(model), "config", None), "experimental_attention_variant", None) \
+            == "dsv4_hybrid":      # verl's contiguous CP layout for that attention (_get_context_parallel_layout)
+        bad.append("a context-parallel layout other than verl's zigzag split with top-k distillation (not wired)")
     why = unroutable(model)
     if why:
         bad.append(why)
     return bad
+
+
+def _unwrapped(model):
+    from verl.utils.megatron_utils import unwrap_model
+    return unwrap_model(model)
+
+
+def _rows(tokens, labels, cu_padded) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest, pick): the packed position p's row in verl's global padded THD layout is dest[p]; this rank's rows
+    are the global rows ``pick`` (None: all of them, no context parallelism; under CP verl's zigzag split,
+    ``megatron_cp.local_positions``). ValueError when the rows do not fit the micro-batch."""
+    cp, rank = _context_parallel()
+    if cp == 1:
+        return thd_destinations(tokens, labels, cu_padded), None
+    whole = labels.new_zeros(1, int(cu_padded[-1]))
+    pick = megatron_cp.local_positions(cu_padded, cp, rank).to(labels.device)
+    if labels.shape != (1, pick.numel()):
+        raise ValueError(f"this context-parallel rank's labels {tuple(labels.shape)} are not its {pick.numel()} rows "
+                         f"of cu_seqlens_q_padded {cu_padded.tolist()}")
+    return thd_destinations(tokens, whole, cu_padded), pick
 
 
 def _refused(why: str) -> FusedPathUnavailable:
@@ -94,7 +130,7 @@ def processor(original, plan: distill.DistillPlan, *, hidden_states, output_laye
     if packed is None or getattr(packed, "cu_seqlens_q_padded", None) is None:
         raise _refused("Megatron passed no packed_seq_params.cu_seqlens_q_padded (verl's THD layout)")
     try:
-        dest = thd_destinations(plan.tokens, labels, packed.cu_seqlens_q_padded)
+        dest, pick = _rows(plan.tokens, labels, packed.cu_seqlens_q_padded)
     except ValueError as exc:
         raise _refused(str(exc)) from exc
     from ..megatron.head import tp_group_and_size
@@ -109,9 +145,10 @@ def processor(original, plan: distill.DistillPlan, *, hidden_states, output_laye
     h, w = head_operands(hidden.reshape(n, hidden.shape[-1]), weight)
 
     def lay(values, fill):
-        rows = values.new_full((n, *values.shape[1:]), fill).to(dev)
+        width = n if pick is None else int(packed.cu_seqlens_q_padded[-1])
+        rows = values.new_full((width, *values.shape[1:]), fill).to(dev)
         rows[dest] = values.to(dev)
-        return rows
+        return rows if pick is None else rows.index_select(0, pick)
     scored = lay(plan.tokens.scored, False)
     clamp = plan.log_prob_min_clamp
     with torch.autocast(h.device.type, enabled=False):
