@@ -125,12 +125,13 @@ def test_without_fused_kernels_runs_verls_loss_recorded(model_dir, actors):
 
 @pytest.mark.parametrize("setting, named", [
     ("legacy", "legacy fused forward"),
-    ("context_parallel", "context_parallel_size=2 with tensor_model_parallel_size=2 and top-k distillation")])
+    ("context_parallel", "context_parallel_size=2 with tensor_model_parallel_size=2 and top-k distillation"),
+    ("no_teacher_ids", "the micro-batch has no nested teacher_ids")])
 def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors, monkeypatch, setting, named):
     """A top-k setting the fused path does not run (verl's legacy fused-forward mode on a release with the hook,
     which logitless' legacy patch does not serve; context parallelism 2 with TP 2, their sizes reported so to the
-    refusal) is refused before the model runs, naming it, strict mode or not: verl's own fused forward has no top-k
-    outputs to fall back on."""
+    refusal; a batch without the teacher's top-k ids) is refused before the model runs, naming it, strict mode or
+    not: verl's own fused forward has no top-k outputs to fall back on."""
     from megatron.core import parallel_state
     from verl.utils.megatron_utils import unwrap_model
     _, fused = actors
@@ -140,6 +141,8 @@ def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors, monkeypatc
     model = unwrap_model(fused.worker.engine.module[0])
     if setting == "legacy":
         monkeypatch.setattr(model, "_verl_fused_forward_mode", "legacy")
+    elif setting == "no_teacher_ids":
+        del tensors["teacher_ids"]
     else:
         monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
         monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)

@@ -206,6 +206,12 @@ def is_distillation(loss_function) -> bool:
     return _distillation_configs(loss_function) is not None
 
 
+def uses_topk(loss_function) -> bool:
+    """Whether verl's distillation loss ``loss_function`` is a top-k one (its per-token terms from the logits)."""
+    configs = _distillation_configs(loss_function)
+    return configs is not None and bool(getattr(configs[1].distillation_loss.loss_settings, "use_topk", False))
+
+
 def make_plan(engine, micro_batch, loss_function, *, model_output_flag: bool = True
               ) -> tuple[Optional[DistillPlan], str]:
     """(plan, "") for a top-k micro-batch that runs fused, (None, "") for an estimator mode (verl's loss on the

@@ -31,7 +31,8 @@ Here, with verl's fused kernels on:
 
 Recorded: path "hook" or "legacy", entry "verl.distillation". Not fused: without fused kernels verl's logits path
 runs (recorded "unfused", raised under strict mode, ``fused_loss._distill_fallback``). A top-k configuration with
-fused kernels that logitless does not run (``refusals``: CP with TP > 1, a model neither path reaches) is
+fused kernels that logitless does not run (``refusals``: CP with TP > 1, a model neither path reaches; a batch
+``distill.make_plan`` cannot lay out) is
 refused with ``FusedPathUnavailable`` naming it, strict mode or not: verl's own fused forward would fail on it (no
 top-k outputs).
 
@@ -184,9 +185,15 @@ def loss_function(plan: distill.DistillPlan, verl_loss, path: str):
 def forward_step(original, engine, batch, model, logits_processor_func, postprocess_micro_batch_func):
     """One distillation micro-batch of ``MegatronEngineWithLMHead.forward_step`` (``batch`` already taken from
     the iterator); see the module docstring."""
+    from verl.utils import tensordict_utils as tu
+
     from .fused_loss import _distill_fallback
     plan, why = distill.make_plan(engine, batch, logits_processor_func, model_output_flag=False)
     if plan is None and why:
+        fused_kernels = tu.get_non_tensor_data(batch, key="use_fused_kernels",
+                                               default=engine.engine_config.use_fused_kernels)
+        if fused_kernels and distill.uses_topk(logits_processor_func):
+            raise _refused(why)          # verl's fused forward would not produce the top-k outputs either
         _distill_fallback(why)           # raises under strict mode, before the model runs
         return original(engine, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
     path = forward_mode(model)
