@@ -155,3 +155,22 @@ def test_topk_setting_not_wired_is_refused_by_name(model_dir, actors, monkeypatc
             run(fused, tensors, meta, overrides, fused=True)
     finally:
         object.__setattr__(cfg, "tensor_model_parallel_size", tp)
+
+
+def test_untied_head_matches_verl_megatron_update(tmp_path):
+    """An untied output layer (the processor's output_weight is None: the divergence from output_layer.weight),
+    forward_kl_topk with task rewards and a clamp, against verl's logits path."""
+    ve.save_tiny_qwen2(str(tmp_path), seed=4, tied=False)
+    plain = vme.Actor(str(tmp_path), THD)
+    fused = vme.Actor(str(tmp_path), [*THD, "actor_rollout_ref.model.use_fused_kernels=True"])
+    assert not fused.worker.engine.share_embeddings_and_output_weights
+    gen = torch.Generator().manual_seed(17)
+    tensors, meta = teacher_batch(gen, str(tmp_path), topk=True)
+    dsettings = [f"{DL}use_task_rewards=True", f"{DL}distillation_loss_coef=0.3", f"{DL}use_policy_gradient=False",
+                 f"{DL}log_prob_min_clamp=-8.0", f"{DL}loss_max_clamp=0.5"]
+    overrides = enabled(str(tmp_path), "forward_kl_topk", *dsettings) + [f"{P}loss_agg_mode=token-sum"]
+    want = run(plain, tensors, meta, overrides, fused=False)
+    got = run(fused, tensors, meta, overrides, fused=True, strict=True)
+    assert (lv.last_path().path, lv.last_path().entry) == ("hook", "verl.distillation")
+    ve.check_distillation_case(want[0], "forward_kl_topk", dsettings)
+    assert_same_update(plain.initial, got, want)
