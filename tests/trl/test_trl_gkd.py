@@ -238,7 +238,8 @@ def test_return_outputs_and_refusals(folder, teacher, tmp_path, kind):
         trainer.model.config.final_logit_softcapping = None
     # a subclass with a loss of its own
     cls = type(trainer)
-    trainer.__class__ = type("Mine", (cls,), {"generalized_jsd_loss": staticmethod(cls.generalized_jsd_loss)})
+    own = staticmethod(lambda *args, **kwargs: cls.generalized_jsd_loss(*args, **kwargs))
+    trainer.__class__ = type("Mine", (cls,), {"generalized_jsd_loss": own})
     try:
         with pytest.raises(ValueError, match=r"Mine\.generalized_jsd_loss"):
             lt.enable(trainer)
@@ -250,3 +251,19 @@ def test_return_outputs_and_refusals(folder, teacher, tmp_path, kind):
         with pytest.raises(ValueError, match="token_type_ids"):
             trainer.compute_loss(trainer.model, {**inputs, "token_type_ids": torch.zeros_like(inputs["input_ids"])})
         lt.disable(trainer)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_head_transforms(tmp_path, kind):
+    """These trainers take the logits from each model's own forward: a Cohere student (its forward multiplies the
+    logits by logit_scale, with the head tied to the embedding) and a Gemma 2 teacher (its forward softcaps them by
+    final_logit_softcapping); the enabled loss applies each as the forward does."""
+    student = trl_tiny.save_tiny(str(tmp_path / "cohere"), "cohere", int.from_bytes(os.urandom(4), "little"),
+                                 logit_scale=0.6)
+    teacher = trl_tiny.save_tiny(str(tmp_path / "gemma2"), "gemma2", int.from_bytes(os.urandom(4), "little"),
+                                 hidden_size=48, final_logit_softcapping=3.0)
+    trainer = _trainer(kind, student, teacher, tmp_path / "out", beta=0.3, temperature=1.2)
+    trainer.model.train()
+    inputs = _batch(trainer)
+    theirs, ours = _both(trainer, lambda t: _loss_call(t, inputs, None))
+    _assert_close(theirs, ours)

@@ -134,3 +134,21 @@ def experimental_distillation_trainer(kind: str, student: str, teacher: str, out
     return Trainer(model=AutoModelForCausalLM.from_pretrained(student),
                    teacher_model=AutoModelForCausalLM.from_pretrained(teacher), args=Config(**kw),
                    train_dataset=Dataset.from_dict({"messages": conversations()}), processing_class=tok)
+
+
+def save_tiny(folder: str, model_type: str, seed: int, hidden_size: int = 32, **config) -> str:
+    """A random tiny causal LM of ``model_type`` on the tokenizer's vocabulary (``config`` overrides its config),
+    saved with the tokenizer to ``folder`` (returned)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=64,
+              pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    kw.update(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)      # spread the logits
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -237,8 +237,8 @@ def enable(trainer, *, fused_loss=None):
     if fused_loss is not None:
         checks.boolean(fused_loss, "fused_loss")
         if not fused_loss:
-            raise ValueError(f"fused_loss=False: a {base_class(trainer).__name__} computes no per-token log-probs apart "
-                             "from its loss, so logitless computes the loss; leave fused_loss out (or True)")
+            raise ValueError(f"fused_loss=False: a {base_class(trainer).__name__} computes no per-token log-probs "
+                             "apart from its loss, so logitless computes the loss; leave fused_loss out (or True)")
     check_mappable(trainer)
     state = trainer.__dict__.get(STATE)
     if state is None:
