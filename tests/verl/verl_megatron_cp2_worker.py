@@ -1,7 +1,8 @@
 """One rank of the two-process check of the fused loss on verl's Megatron engine under context parallelism 2
 (gloo, CPU, TP 1; verl_megatron_engine.py with mcore_env's CPU context-parallel attention): per case, verl's
 unfused Megatron actor and the fused-kernel actor with ``install(fused_loss=True)`` make one update on the same
-batch; this rank's parameters after the step and (rank 0, verl's source rank) the metrics must agree. A loss
+batch (verl's ``ppo_loss``, or its ``distillation_ppo_loss``); this rank's parameters after the step and (rank 0,
+verl's source rank) the metrics must agree. A loss
 the fused path does not run under CP (sequence-coupled) raises under strict mode, naming the setting, and
 otherwise runs verl's own loss, recorded. Writes {case: [ok, message]} through tests/ranks.py.
 
@@ -10,6 +11,8 @@ otherwise runs verl's own loss, recorded. Writes {case: [ok, message]} through t
 """
 import os
 import traceback
+
+from verl_megatron_tp2_worker import K3_TASK, TOPK_CLAMPS, TOPK_TASK
 
 P = "actor_rollout_ref.actor."
 MB3 = {"micro_batch_size_per_gpu": 3}
@@ -37,6 +40,11 @@ SETTINGS = (
      "loss_mode='gspo' under context parallelism"),
     ("cp2-seq-mean-token-mean-refused", [f"{P}loss_agg_mode=seq-mean-token-mean"], {}, False,
      "loss_agg_mode='seq-mean-token-mean' under context parallelism"),
+    # verl's distillation (verl_megatron_tp2_worker's cases): each rank's divergence on its zigzag rows, verl's loss
+    # on the gathered ones
+    ("cp2-distill-topk-clamps", TOPK_CLAMPS, {}, False, None),
+    ("cp2-distill-topk-task-rewards", TOPK_TASK, DYN, True, None),
+    ("cp2-distill-k3-task-rewards", K3_TASK, MB3, False, None),
 )
 CASES = [c[0] for c in SETTINGS]
 
@@ -70,31 +78,34 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
 
     def update(actor, gen_seed, loss, engine, is_weights, *, install=False, strict=True):
         gen = torch.Generator().manual_seed(gen_seed)            # the same batch on both ranks
-        tensors, meta = ve.rollout_batch(gen, model_dir, is_weights=is_weights)
+        tensors, meta, overrides, entry, check = ve.case_batch(gen, model_dir, loss, is_weights=is_weights)
         if install:
             lv.install(fused_loss=True, strict=strict)
         try:
-            return actor.update(tensors, meta, loss, calculate_entropy=True, mini_batch_size=6, engine=engine)
+            out = actor.update(tensors, meta, overrides, calculate_entropy=True, mini_batch_size=6, engine=engine)
         finally:
             lv.uninstall()
+        if not install and out[0] is not None:
+            check(out[0])
+        return out, entry
     try:
         for i, (case, loss, engine, is_weights, refused) in enumerate(SETTINGS):
             try:
                 seed = 31 + i
-                want = update(plain, seed, loss, engine, is_weights)
+                want, entry = update(plain, seed, loss, engine, is_weights)
                 if refused is not None:
                     try:
                         update(fused, seed, loss, engine, is_weights, install=True)
                         raise AssertionError("strict mode did not refuse the loss under context parallelism")
                     except lv.FusedPathUnavailable as exc:
                         assert refused in str(exc), exc
-                    got = update(fused, seed, loss, engine, is_weights, install=True, strict=False)
+                    got, _ = update(fused, seed, loss, engine, is_weights, install=True, strict=False)
                     rec = lv.last_path()
                     assert rec.path == "unfused" and refused in rec.reason, rec
                 else:
-                    got = update(fused, seed, loss, engine, is_weights, install=True)
+                    got, _ = update(fused, seed, loss, engine, is_weights, install=True)
                     rec = lv.last_path()
-                    assert (rec.path, rec.entry, rec.reason) == ("hook", "verl.policy_loss", ""), rec
+                    assert (rec.path, rec.entry, rec.reason) == ("hook", entry, ""), rec
                 assert (want[0] is not None) == (rank == 0), "metrics expected on verl's source rank only"
                 vme.assert_same_update(plain.initial, got, want)
                 if case.startswith("cp2-vanilla") and rank == 0:

@@ -1,9 +1,9 @@
 """One rank of the two-process check of the fused loss on verl's Megatron engine under pipeline parallelism 2 (gloo,
 CPU), with and without 2 virtual stages per rank (a 4-layer tiny Qwen2): per case, verl's unfused Megatron actor
-and the fused-kernel actor with ``install(fused_loss=True)`` make one update on the same batch through Megatron's
-pipeline schedule (1F1B, or interleaved); this rank's parameters after the step (its own stages' layers; the
-embedding on the first stage, the output layer on the last) and (the last stage, verl's source rank) the metrics
-must agree. Writes {case: [ok, message]} through tests/ranks.py.
+and the fused-kernel actor with ``install(fused_loss=True)`` make one update on the same batch (verl's ``ppo_loss``,
+or its ``distillation_ppo_loss``) through Megatron's pipeline schedule (1F1B, or interleaved); this rank's
+parameters after the step (its own stages' layers; the embedding on the first stage, the output layer on the last)
+and (the last stage, verl's source rank) the metrics must agree. Writes {case: [ok, message]} through tests/ranks.py.
 
 What the pipeline needs on CPU is in verl_megatron_engine.py's set-up already (test-side only): megatron-core's
 p2p communication calls ``torch.cuda.synchronize()`` after gloo's ``batch_isend_irecv`` (for the shapes, which
@@ -16,6 +16,8 @@ batched isend / irecv themselves.
 """
 import os
 import traceback
+
+from verl_megatron_tp2_worker import TOPK_CLAMPS, TOPK_TASK
 
 P = "actor_rollout_ref.actor."
 M = "actor_rollout_ref.actor.megatron."
@@ -33,6 +35,9 @@ SETTINGS = (
     # verl's interleaved schedule takes a number of micro-batches divisible by the pipeline size: 6 sequences in 2
     ("pp2-vp2-token-mean", PIPE + VIRTUAL, TOKEN_MEAN, {"micro_batch_size_per_gpu": 3}),
     ("pp2-vp2-sapo-seq-mean-token-sum", PIPE + VIRTUAL, SAPO, {"micro_batch_size_per_gpu": 3}),
+    # verl's distillation (verl_megatron_tp2_worker's cases): the divergence on the last stage
+    ("pp2-distill-topk-task-rewards", PIPE, TOPK_TASK, None),
+    ("pp2-vp2-distill-topk-clamps", PIPE + VIRTUAL, TOPK_CLAMPS, {"micro_batch_size_per_gpu": 3}),
 )
 CASES = [c[0] for c in SETTINGS]
 
@@ -72,7 +77,7 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
                                   vme.Actor(model_dir, [*thd, *engine, fused_kernels]))
                 plain, fused = built[key]
                 gen = torch.Generator().manual_seed(31)            # the same batch on both ranks
-                tensors, meta = ve.rollout_batch(gen, model_dir)
+                tensors, meta, loss, entry, check = ve.case_batch(gen, model_dir, loss)
                 want = plain.update(tensors, meta, loss, calculate_entropy=True, mini_batch_size=6, engine=micro)
                 lv.install(fused_loss=True, strict=True)
                 try:
@@ -84,7 +89,8 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
                 assert tf.pipeline_model_parallel_size == 2, tf
                 assert len(fused.worker.engine.module) == (2 if VIRTUAL[0] in engine else 1)
                 if rank == 1:          # the last stage ran the processor
-                    assert (rec.path, rec.entry, rec.reason) == ("hook", "verl.policy_loss", ""), rec
+                    assert (rec.path, rec.entry, rec.reason) == ("hook", entry, ""), rec
+                    check(want[0])
                 assert (want[0] is not None) == (rank == 1), "metrics expected on the last stage only"
                 vme.assert_same_update(plain.initial, got, want)
                 results[case] = [True, ""]

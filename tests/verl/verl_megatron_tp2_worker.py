@@ -1,6 +1,7 @@
 """One rank of the two-process check of the fused loss on verl's Megatron engine (gloo, CPU, tensor parallelism
 2): per case, verl's unfused Megatron actor and the fused-kernel actor with ``install(fused_loss=True)`` make one
-update on the same batch; this rank's parameter shards after the step and (rank 0, verl's source rank) the
+update on the same batch (with verl's ``ppo_loss``, or with its ``distillation_ppo_loss`` on a batch carrying the
+teacher's top-k / log-probs); this rank's parameter shards after the step and (rank 0, verl's source rank) the
 metrics must agree. Writes {case: [ok, message]} through tests/ranks.py.
 
 ``run(rank, init_file, tmp_dir, out_dir)`` is spawned on two ranks by test_verl_megatron_fused_loss.py
@@ -18,13 +19,28 @@ GSPO = [f"{P}policy_loss.loss_mode=gspo", f"{P}loss_agg_mode=seq-mean-token-mean
 GEO_MEAN = [f"{P}policy_loss.loss_mode=geo_mean", f"{P}loss_agg_mode=token-mean", f"{P}use_kl_loss=True",
             f"{P}kl_loss_type=low_var_kl", f"{P}entropy_coeff=0.02", f"{P}clip_ratio_low=0.1",
             f"{P}clip_ratio_high=0.15"]
-# (case, engine settings, loss settings)
+DL = "distillation.distillation_loss."
+# verl's distillation (verl_engine.distillation_enabled with this mode and these settings): forward_kl_topk with
+# both clamps, forward_kl_topk with task rewards (policy loss, KL loss, entropy bonus), k3 with task rewards
+TOPK_CLAMPS = ("forward_kl_topk", [f"{DL}use_task_rewards=False", f"{DL}use_policy_gradient=False",
+                                   f"{DL}log_prob_min_clamp=-9.0", f"{DL}loss_max_clamp=0.3"])
+TOPK_TASK = ("forward_kl_topk", [f"{DL}use_task_rewards=True", f"{DL}distillation_loss_coef=0.7",
+                                 f"{DL}use_policy_gradient=False", f"{DL}log_prob_min_clamp=-10.0",
+                                 f"{P}loss_agg_mode=seq-mean-token-mean", f"{P}use_kl_loss=True",
+                                 f"{P}entropy_coeff=0.01"])
+K3_TASK = ("k3", [f"{DL}use_task_rewards=True", f"{DL}distillation_loss_coef=0.5", f"{DL}use_policy_gradient=False",
+                  f"{DL}loss_max_clamp=0.8", f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.01"])
+# (case, engine settings, loss settings: actor overrides, or (distillation mode, settings))
 SETTINGS = (
     ("tp2-nosp-token-mean", NOSP, TOKEN_MEAN),
     ("tp2-nosp-gspo-seq-mean", NOSP, GSPO),
     ("tp2-sp-token-mean", SP, TOKEN_MEAN),
     ("tp2-sp-gspo-seq-mean", SP, GSPO),
     ("tp2-sp-geo-mean", SP, GEO_MEAN),
+    ("tp2-nosp-distill-topk-clamps", NOSP, TOPK_CLAMPS),
+    ("tp2-sp-distill-topk-clamps", SP, TOPK_CLAMPS),
+    ("tp2-sp-distill-topk-task-rewards", SP, TOPK_TASK),
+    ("tp2-nosp-distill-k3-task-rewards", NOSP, K3_TASK),
 )
 CASES = [c[0] for c in SETTINGS]
 VOCAB = 262            # Megatron splits the vocabulary over the TP ranks (mbridge does not pad it)
@@ -64,7 +80,7 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
                                   vme.Actor(model_dir, [*thd, *engine, fused_kernels]))
                 plain, fused = built[key]
                 gen = torch.Generator().manual_seed(31)            # the same batch on both ranks
-                tensors, meta = ve.rollout_batch(gen, model_dir)
+                tensors, meta, loss, entry, check = ve.case_batch(gen, model_dir, loss)
                 want = plain.update(tensors, meta, loss, calculate_entropy=True, mini_batch_size=6)
                 lv.install(fused_loss=True, strict=True)
                 try:
@@ -72,7 +88,9 @@ def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
                     rec = lv.last_path()
                 finally:
                     lv.uninstall()
-                assert (rec.path, rec.entry, rec.reason) == ("hook", "verl.policy_loss", ""), rec
+                assert (rec.path, rec.entry, rec.reason) == ("hook", entry, ""), rec
+                if want[0] is not None:
+                    check(want[0])
                 tf = fused.worker.engine.tf_config
                 assert tf.tensor_model_parallel_size == 2 and tf.sequence_parallel == (engine is SP), tf
                 assert (want[0] is not None) == (rank == 0), "metrics expected on verl's source rank only"
