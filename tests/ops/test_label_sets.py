@@ -397,3 +397,26 @@ def test_topk_unchecked_reads_nothing_on_the_host(backend, seed):
         assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
     with pytest.raises(TypeError, match="check_inputs must be a bool"):
         fused_topk(hidden, weight, K, check_inputs=None)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_k_labels_unchecked_reads_nothing_on_the_host(with_entropy, seed):
+    """fused_logprobs with labels [..., k] and check_inputs=False: no host read forward or backward (the one-hot
+    d_weight in its fixed-size form), the same numbers as the checked call."""
+    from host_reads import host_reads
+    hidden, weight, gen = inputs(torch.float32, seed)
+    ids = distinct_ids(LEAD, K, V, gen)
+    ids[0, 4] = -100
+    g = torch.randn(ids.shape, generator=gen)
+    results = {}
+    for check in (False, True):
+        hidden.grad = weight.grad = None
+        with host_reads() as seen:
+            out = fused_logprobs(hidden, weight, ids, backend="chunked", check_inputs=check,
+                                 with_entropy=with_entropy)
+            loss = (out.logprobs * g).sum() + (out.entropy.sum() if with_entropy else 0.0)
+            loss.backward()
+        assert (seen == []) == (not check), seen
+        results[check] = (out.logprobs.detach(), hidden.grad.clone(), weight.grad.clone())
+    for got, want in zip(results[False], results[True], strict=True):
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
