@@ -8,8 +8,9 @@ otherwise runs verl's own loss, recorded. Writes {case: [ok, message]} through t
 ``run(rank, init_file, tmp_dir, out_dir)`` is spawned on two ranks by test_verl_megatron_fused_loss.py
 (tests/ranks.py's ``spawn``).
 """
-import os
-import traceback
+from functools import partial
+
+from verl_megatron_ranks import fused_update, run_rank, verl_update
 
 P = "actor_rollout_ref.actor."
 MB3 = {"micro_batch_size_per_gpu": 3}
@@ -41,67 +42,42 @@ SETTINGS = (
 CASES = [c[0] for c in SETTINGS]
 
 
-def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
-    import torch
-    torch.set_num_threads(1)
-    import verl_engine as ve
-    ve.stub_server_modules()
+CP = ["actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.megatron.context_parallel_size=2"]
+
+
+def prepare(r) -> None:
+    tf = r.actors(CP)[1].worker.engine.tf_config
+    assert tf.context_parallel_size == 2 and tf.tensor_model_parallel_size == 1, tf
+
+
+def check(r, case, seed, loss, engine, is_weights, refused) -> None:
     import verl_megatron_engine as vme
 
     import logitless.verl as lv
-    from ranks import finish
-    results = {}
-    try:
-        vme.setup(rank, 2, init_file)
-        model_dir = os.path.join(tmp_dir, "qwen2")
-        if rank == 0:                  # transformers saves on the main process only
-            ve.save_tiny_qwen2(model_dir, seed=3, tied=True)
-        torch.distributed.barrier()
-        cp = ["actor_rollout_ref.model.use_remove_padding=True",
-              "actor_rollout_ref.actor.megatron.context_parallel_size=2"]
-        plain = vme.Actor(model_dir, cp)
-        fused = vme.Actor(model_dir, [*cp, "actor_rollout_ref.model.use_fused_kernels=True"])
-        tf = fused.worker.engine.tf_config
-        assert tf.context_parallel_size == 2 and tf.tensor_model_parallel_size == 1, tf
-    except Exception:  # noqa: BLE001 - reported to the parent test
-        results["setup"] = [False, traceback.format_exc()[-3000:]]
-        finish(results, out_dir, rank)
-        return
+    plain, fused = r.actors(CP)
 
-    def update(actor, gen_seed, loss, engine, is_weights, *, install=False, strict=True):
-        gen = torch.Generator().manual_seed(gen_seed)            # the same batch on both ranks
-        tensors, meta = ve.rollout_batch(gen, model_dir, is_weights=is_weights)
-        if install:
-            lv.install(fused_loss=True, strict=strict)
+    def batch():                # each update on a batch of its own, the same on both ranks and in each update
+        return r.batch(seed, is_weights=is_weights)
+    want = verl_update(plain, *batch(), loss, engine)
+    if refused is not None:
         try:
-            return actor.update(tensors, meta, loss, calculate_entropy=True, mini_batch_size=6, engine=engine)
-        finally:
-            lv.uninstall()
-    try:
-        for i, (case, loss, engine, is_weights, refused) in enumerate(SETTINGS):
-            try:
-                seed = 31 + i
-                want = update(plain, seed, loss, engine, is_weights)
-                if refused is not None:
-                    try:
-                        update(fused, seed, loss, engine, is_weights, install=True)
-                        raise AssertionError("strict mode did not refuse the loss under context parallelism")
-                    except lv.FusedPathUnavailable as exc:
-                        assert refused in str(exc), exc
-                    got = update(fused, seed, loss, engine, is_weights, install=True, strict=False)
-                    rec = lv.last_path()
-                    assert rec.path == "unfused" and refused in rec.reason, rec
-                else:
-                    got = update(fused, seed, loss, engine, is_weights, install=True)
-                    rec = lv.last_path()
-                    assert (rec.path, rec.entry, rec.reason) == ("hook", "verl.policy_loss", ""), rec
-                assert (want[0] is not None) == (rank == 0), "metrics expected on verl's source rank only"
-                vme.assert_same_update(plain.initial, got, want)
-                if case.startswith("cp2-vanilla") and rank == 0:
-                    assert max(want[0]["actor/pg_clipfrac_lower"]) > 0, "dual clip never active"
-                results[case] = [True, ""]
-            except Exception:  # noqa: BLE001 - recorded per case, so one failure does not hide the others
-                results[case] = [False, traceback.format_exc()[-3000:]]
-        vme.teardown()
-    finally:
-        finish(results, out_dir, rank)
+            fused_update(fused, *batch(), loss, engine)
+            raise AssertionError("strict mode did not refuse the loss under context parallelism")
+        except lv.FusedPathUnavailable as exc:
+            assert refused in str(exc), exc
+        got, rec = fused_update(fused, *batch(), loss, engine, strict=False)
+        assert rec.path == "unfused" and refused in rec.reason, rec
+    else:
+        got, rec = fused_update(fused, *batch(), loss, engine)
+        assert (rec.path, rec.entry, rec.reason) == ("hook", "verl.policy_loss", ""), rec
+    assert (want[0] is not None) == (r.rank == 0), "metrics expected on verl's source rank only"
+    vme.assert_same_update(plain.initial, got, want)
+    if case.startswith("cp2-vanilla") and r.rank == 0:
+        assert max(want[0]["actor/pg_clipfrac_lower"]) > 0, "dual clip never active"
+
+
+def run(rank: int, init_file: str, tmp_dir: str, out_dir: str) -> None:
+    run_rank(rank, init_file, tmp_dir, out_dir,
+             [(case, partial(check, case=case, seed=31 + i, loss=loss, engine=engine, is_weights=is_weights,
+                             refused=refused))
+              for i, (case, loss, engine, is_weights, refused) in enumerate(SETTINGS)], prepare=prepare)
