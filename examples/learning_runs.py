@@ -1,6 +1,6 @@
 """What the two TRL learning scripts (trl_grpo_learning.py, trl_distillation_learning.py) share: the word-level
-tokenizer, the per-step meter, each run's record (OUT/<mode>-seed<seed>.json), the modes run in fresh processes,
-and the table and the plot of the runs. Not a script of its own: each learning script imports it."""
+tokenizer (trl_grpo.py's), the per-step meter, each run's record (OUT/<mode>-seed<seed>.json), the modes run in
+fresh processes, and the table and the plot of the runs. Not a script of its own: each learning script imports it."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ import time
 import warnings
 
 import torch
+from trl_grpo import build_tokenizer  # noqa: F401 - the word-level tokenizer of the GRPO example, the scripts' too
 
 # the arguments a run's record leaves out of its settings: where it writes and which runs it makes, not what it runs
 NOT_SETTINGS = ("out", "mode", "modes", "plot", "plot_only", "png", "noise_seeds", "seed")
@@ -23,21 +24,6 @@ NOT_SETTINGS = ("out", "mode", "modes", "plot", "plot_only", "png", "noise_seeds
 STYLES = {"trl": dict(color="tab:blue", linewidth=4, alpha=0.45), "fused": dict(color="tab:orange", linewidth=1.4),
           "liger": dict(color="tab:green", linewidth=1.4, linestyle=":")}
 MIB = 2.0 ** 20
-
-
-def build_tokenizer(vocab_size: int):
-    """Words "w0", "w1", ... after <pad>, <eos>, <unk> (ids 0, 1, 2), split on white space; left padding."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for i in range(vocab_size - len(vocab)):
-        vocab[f"w{i}"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    fast.padding_side = "left"
-    return fast
 
 
 # ---------------------------------------------------------------- the command line
