@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import checks
 from ..record import record_backend
-from . import chunked, label_sets, token_chunks
+from . import chunked, label_sets, tail_backward, token_chunks
 from .function import OpOptions, _layout
 from .maths import no_autocast, tf32_products
 from .precision import make_operands
@@ -254,14 +254,14 @@ def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
 
 
 def backward_precision(grad_precision: str, with_tail: bool) -> str:
-    """The gradient products the backward runs for an op asked for ``grad_precision``: "bf16x6" for "bf16" or
-    "bf16x3" when the op has a tail output. A gradient through the tail is, at the k ids, the difference of the
-    dense part's G p_j and the one-hot part's, each ~ g_tail / P_tail: dlogits of 8 or 16 bits cannot resolve it
-    when the tail is small (P_tail 1e-4: errors of 0.1 relative), so such an op's gradients run float32-exact,
-    the six products of "bf16x6" (docs/precision.md, "k ids per token"). Decided from the op's outputs, not from
-    whether the tail gets a gradient, so that the forward's record (``last_precision()``, which a backward on
-    another thread could not update) says what the backward runs."""
-    return "bf16x6" if with_tail and grad_precision in ("bf16", "bf16x3") else grad_precision
+    """The gradient products the backward runs for an op asked for ``grad_precision``: an op with a tail output
+    runs ``tail_backward`` (float32 IEEE products of the operands: "ieee", or "native" for half operands), the
+    others the backend's with ``grad_precision``. Decided from the op's outputs, not from whether the tail gets
+    a gradient, so that the forward's record (``last_precision()``, which a backward on another thread could
+    not update) says what the backward runs."""
+    if with_tail and grad_precision != "native":
+        return "ieee"
+    return grad_precision
 
 
 def _stats_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, n: int):
@@ -427,18 +427,26 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
         else g_logprobs.float()
     g_ent = g_entropy.float() if g_entropy is not None and entropy.numel() else None
     g_t = g_tail.float() if g_tail is not None and tail.numel() else None
-    ent, lp, tl = (entropy if g_ent is not None else None), logprobs, (tail if g_t is not None else None)
+    ent, lp, tl = (entropy if g_ent is not None else None), logprobs, (tail if tail.numel() else None)
     if rows is not None:
         local, inv_temp, lse, g_lp, lp = local[rows], inv_temp[rows], lse[rows], g_lp[rows], lp[rows]
         ent, g_ent = (ent[rows], g_ent[rows]) if g_ent is not None else (None, None)
-        tl, g_t = (tl[rows], g_t[rows]) if g_t is not None else (None, None)
+        tl = tl[rows] if tl is not None else None
+        g_t = g_t[rows] if g_t is not None else None
     elif not check_inputs:
         g_lp = torch.where(valid.unsqueeze(1), g_lp, torch.zeros_like(g_lp))
         g_ent = torch.where(valid, g_ent, torch.zeros_like(g_ent)) if g_ent is not None else None
         g_t = torch.where(valid, g_t, torch.zeros_like(g_t)) if g_t is not None else None
-    G, coef = label_sets.tail_coefficients(g_lp, g_t, lp, tl)
-    # an op with a tail output (tail [N], empty without) runs the gradient products its forward recorded
-    grad_precision = backward_precision(grad_precision, tail.numel() > 0)
+    if tail.numel():
+        # an op with a tail output: its own pass (``tail_backward``: no cancellation at the k ids)
+        n = local.shape[0]
+        h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
+        step, columns = _pass_columns(mod.name, h_s, w_s, n)
+        dh, dw = tail_backward.grads(hidden, weight, h_s, w_s, tf32, local, inv_temp, lse, tl, g_lp, g_t, rows,
+                                     softcap, need_dh, need_dw, step, columns,
+                                     tp.reduce_grad_hidden if tp is not None else (lambda d: d))
+        return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
+    G, coef = g_lp.sum(dim=1), g_lp
     n = local.shape[0]
     # the precision's operands again (the forward's were dropped): the dense part recomputes the statistics'
     # logits from them and forms its products with their gradient parts

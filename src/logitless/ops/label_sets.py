@@ -12,10 +12,13 @@ and the temperature, as the dense part does (``maths.apply_softcap_derivative``)
 rank adds only the ids its shard holds (-1 marks the others): its d_hidden is partial and is all-reduced with
 the backend's, its d_weight rows are its own.
 
-The tail (the mass outside a set S of k ids): log(sum_{j not in S} exp(z_j)) - lse, summed directly over the
-columns outside S, never as log(1 - sum_S p) (which loses everything when the set holds 1 - 1e-9 of the mass
-in float32). Its gradient is [j not in S] p_j / P_tail - p_j: a multiple of p (into the backend's G) plus
--p_j / P_tail at the k ids (into the one-hot coefficients): see ``tail_coefficients``.
+The tail (the mass outside a set S of k ids): log P_tail = lse_tail - lse with lse_tail the logsumexp of the
+columns outside S, summed directly over them relative to *their own* running max (so that a tail far below
+the top-k, e.g. log P_tail = -120, neither underflows nor is rounded away), never as log(1 - sum_S p) (which
+loses everything when the set holds 1 - 1e-9 of the mass in float32). Its gradient is
+    d log P_tail / d z_j = [j not in S] exp(z_j - lse_tail) - p_j,
+bounded by 1: the backward (``tail_backward.py``) forms it term by term, never as a difference of two terms of
+size p_j / P_tail at the k ids.
 """
 from __future__ import annotations
 
@@ -146,31 +149,14 @@ def _add_onehot_dw_static(dw: Tensor, hidden: Tensor, ids: Tensor, c: Tensor, ro
         dw.index_put_((torch.where(used, seg_ids, 0),), acc.to(dw.dtype), accumulate=True)
 
 
-def tail_coefficients(g_lp: Tensor, g_tail: Optional[Tensor], lp: Tensor,
-                      tail: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(G [n], coef [n, k]): the backend's g_lp (the multiple of -p over every column) and the one-hot
-    coefficients at the ids, for g_lp [n, k] on the ids' log-probs and g_tail [n] on the tail log-prob.
-
-    d tail / d z_j = [j not in S] p_j / P_tail - p_j, so with a = g_tail / P_tail:
-        G = sum_k g_k + g_tail - a          coef_k = g_k - a p_k = g_k - g_tail exp(lp_k - tail).
-    A row whose g_tail is 0 adds nothing (also where its tail is -inf)."""
-    G = g_lp.sum(dim=1)
-    if g_tail is None:
-        return G, g_lp
-    zero = g_tail == 0
-    a = torch.where(zero, torch.zeros_like(g_tail), g_tail * torch.exp(-tail))
-    scaled = g_tail.unsqueeze(1) * torch.exp(lp - tail.unsqueeze(1))
-    scaled = torch.where(zero.unsqueeze(1), torch.zeros_like(g_lp), scaled)
-    return G + g_tail - a, g_lp - scaled
-
-
 # ------------------------------------------------------------------------------------------ the vocabulary pass
 
 class SetPartial(NamedTuple):
     """One token block's statistics over the vocabulary columns a pass has seen (this rank's shard).
 
-    m:    [n] float32, the largest logit seen (-inf before the first column)
-    rest: [n] float32, sum of exp(z_j - m) over the columns *outside* the set
+    m:    [n] float32, the largest logit seen *outside* the set (-inf before the first such column)
+    rest: [n] float32, sum of exp(z_j - m) over the columns outside the set (0 while m is -inf): relative to
+          their own max, so that it is >= 1 once a column is seen and never underflows
     vals: [n, k] float32, the set's logits (-inf where the set's id is not among the columns seen)
     ids:  [n, k] int64 global ids of the set (selection: the current top-k candidates, -1 for none yet)
     """
@@ -180,10 +166,25 @@ class SetPartial(NamedTuple):
     ids: Tensor
 
     def lse_and_tail(self) -> tuple[Tensor, Tensor]:
-        """(lse, tail log-prob) [n]: both from positive sums, nothing subtracted."""
-        inside = torch.exp(self.vals - self.m.unsqueeze(1)).sum(dim=1)
-        lse = self.m + torch.log(self.rest + inside)
-        return lse, self.m + torch.log(self.rest) - lse
+        """(lse, tail log-prob) [n]: lse_tail = m + log rest (-inf when no column lies outside the set), lse the
+        logsumexp of it and the set's logits, tail = lse_tail - lse: from positive sums, in log space."""
+        lse_tail = self.m + torch.log(self.rest)
+        lse = torch.logsumexp(torch.cat([self.vals, lse_tail.unsqueeze(1)], 1), dim=1)
+        return lse, lse_tail - lse
+
+
+def _finite(m: Tensor) -> Tensor:
+    """m with -inf as 0: the reference to subtract (exp(-inf - 0) = 0, where exp(-inf - -inf) would be NaN)."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def add_to_rest(m: Tensor, rest: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+    """(m, rest) [n] with the columns z [n, c] (-inf for a column not in the rest) added: the new max, the
+    old sum rescaled to it, plus sum exp(z - max). The tile z is consumed (in place)."""
+    m_new = torch.maximum(m, z.amax(dim=1)) if z.shape[1] else m
+    ref = _finite(m_new).unsqueeze(1)
+    rest = rest * torch.exp(m - _finite(m_new)) + z.sub_(ref).exp_().sum(dim=1)
+    return m_new, rest
 
 
 def order_by_value_then_id(vals: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -194,12 +195,13 @@ def order_by_value_then_id(vals: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     return vals.gather(1, by_val), ids.gather(1, by_val)
 
 
-def merge_candidates(vals: Tensor, ids: Tensor, k: int, m: Tensor, rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The top k of candidates vals / ids [n, c >= k] (ties to the lower id), and rest [n] (relative to m)
-    plus the evicted candidates' exp(v - m): a sum of positive terms."""
+def merge_candidates(vals: Tensor, ids: Tensor, k: int, m: Tensor, rest: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The top k of candidates vals / ids [n, c >= k] (ties to the lower id), and (m, rest) [n] with the evicted
+    candidates added (``add_to_rest``: they may lie above m, the max of the columns outside the set)."""
     vals, ids = order_by_value_then_id(vals, ids)
-    evicted = torch.exp(vals[:, k:] - m.unsqueeze(1)).sum(dim=1)
-    return vals[:, :k].contiguous(), ids[:, :k].contiguous(), rest + evicted
+    m, rest = add_to_rest(m, rest, vals[:, k:].clone())
+    return vals[:, :k].contiguous(), ids[:, :k].contiguous(), m, rest
 
 
 def _chunk_topk(z: Tensor, k: int, host_read: bool = True) -> tuple[Tensor, Tensor]:
@@ -256,13 +258,11 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
     for start in range(0, vocab, columns):
         stop = min(start + columns, vocab)
         z, _ = logits_from_products(mm_fp32(hidden, weight[start:stop].t()), inv_temp, softcap)
-        m_new = torch.maximum(m, z.amax(dim=1))
-        rest = rest * torch.exp(m - m_new)       # exp(-inf) = 0 before the first chunk
         if given is not None:
             if sel is not None:
                 cv, cc = _chunk_topk(z, select, host_read)
-                sv, si, _ = merge_candidates(torch.cat([sel[0], cv], 1), torch.cat([sel[1], cc + (offset + start)], 1),
-                                             select, m_new, rest)
+                sv, si, _, _ = merge_candidates(torch.cat([sel[0], cv], 1),
+                                                torch.cat([sel[1], cc + (offset + start)], 1), select, m, rest)
                 sel = (sv, si)
             local = given_local - start
             inside = (given_local >= 0) & (local >= 0) & (local < stop - start)
@@ -271,14 +271,13 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
             # -inf at the set's columns: scatter_add (order-free: -inf + 0 = -inf) so a column 0 that stands in
             # for ids outside this chunk cannot overwrite a set column 0
             z.scatter_add_(1, cols, torch.where(inside, neg_inf, torch.zeros((), device=dev)).expand_as(cols))
-            rest = rest + z.sub_(m_new.unsqueeze(1)).exp_().sum(dim=1)     # in place: the tile is done
+            m, rest = add_to_rest(m, rest, z)         # in place: the tile is done
         else:
             cv, cc = _chunk_topk(z, k, host_read)
             z.scatter_(1, cc, neg_inf.expand_as(cc))
-            rest = rest + z.sub_(m_new.unsqueeze(1)).exp_().sum(dim=1)     # in place: the tile is done
-            vals, ids, rest = merge_candidates(torch.cat([vals, cv], 1), torch.cat([ids, cc + (offset + start)], 1),
-                                               k, m_new, rest)
-        m = m_new
+            m, rest = add_to_rest(m, rest, z)         # in place: the tile is done
+            vals, ids, m, rest = merge_candidates(torch.cat([vals, cv], 1),
+                                                  torch.cat([ids, cc + (offset + start)], 1), k, m, rest)
     return SetPartial(m, rest, vals, ids), sel
 
 
@@ -289,10 +288,10 @@ def combine_partials(parts: list[SetPartial], k: int, select: bool) -> SetPartia
     m = torch.stack([p.m for p in parts]).amax(dim=0)
     rest = torch.zeros_like(m)
     for p in parts:
-        rest = rest + p.rest * torch.exp(p.m - m)
+        rest = rest + p.rest * torch.exp(p.m - _finite(m))     # a shard with no rest column: m -inf, rest 0
     if not select:
         vals = torch.stack([p.vals for p in parts]).amax(dim=0)
         return SetPartial(m, rest, vals, parts[0].ids)
-    vals, ids, rest = merge_candidates(torch.cat([p.vals for p in parts], 1), torch.cat([p.ids for p in parts], 1),
-                                       k, m, rest)
+    vals, ids, m, rest = merge_candidates(torch.cat([p.vals for p in parts], 1),
+                                          torch.cat([p.ids for p in parts], 1), k, m, rest)
     return SetPartial(m, rest, vals, ids)
