@@ -347,8 +347,8 @@ def test_k_labels_tail_against_float64(backend, precision, grad_precision):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, _, tail, _ = label_set_function.fused_logprobs_k(h, w, labels, torch.ones(labels.shape[0]), options,
                                                          with_tail=True)
-    # an op with a tail runs (and records) float32-exact gradient products for "bf16" / "bf16x3"
-    grads = "bf16x6" if grads in ("bf16", "bf16x3") else grads
+    # an op with a tail runs (and records) its own pass of IEEE float32 gradient products (tail_backward.py)
+    grads = "ieee"
     assert last_precision() == (stats, grads)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp = _logp64(h64, w64)
@@ -366,8 +366,7 @@ def test_k_labels_tail_against_float64(backend, precision, grad_precision):
 @pytest.mark.parametrize("backend", ["chunked", "triton"])
 @pytest.mark.parametrize("precision,grad_precision", [("bf16x3", None), ("bf16x3", "bf16x3"), (None, None)])
 def test_topk_against_float64(backend, precision, grad_precision):
-    # logits of std 3: the tail's gradient is, at the k ids, a difference of terms ~ 1 / P_tail (see
-    # label_set_function._backward_k); with std 8 the top-5 tail is ~1e-4 and float32 itself loses it
+    # logits of std 3 (the tail's gradient is formed term by term, tail_backward.py, whatever the tail's size)
     hidden, weight, _ = _inputs(n=9, ignored=0, logit_std=3.0)
     mask = torch.ones(9, dtype=torch.bool)
     mask[4] = False
@@ -375,11 +374,9 @@ def test_topk_against_float64(backend, precision, grad_precision):
     out = logitless.fused_topk(h, w, K, mask=mask, backend=backend, temperature=0.8, precision=precision,
                                grad_precision=grad_precision)
     stats = precision or "ieee"
-    grads = grad_precision or ("ieee" if stats == "ieee" else "bf16")
-    # a gradient through the tail runs float32-exact gradient products whatever grad_precision says (the top-k
-    # tail of logits of std 8 is small: bfloat16 or 16-bit dlogits would miss by far more than their usual
-    # error), and the record says so
-    tail_grads = "ieee" if grads == "ieee" else "bf16x6"
+    # an op with a tail runs its own backward pass (tail_backward.py: IEEE float32 gradient products, whatever
+    # grad_precision says), and the record says so
+    tail_grads = "ieee"
     assert last_precision() == (stats, tail_grads)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp = _logp64(h64, w64, 0.8)
@@ -428,12 +425,12 @@ def test_topk_record_is_the_backward_products(grad_precision, through, monkeypat
     h = hidden.clone().requires_grad_(True)
     out = logitless.fused_topk(h, weight, K, backend="chunked", precision="bf16x3", grad_precision=grad_precision)
     recorded = last_precision()
-    want = {None: "bf16x6", "bf16x3": "bf16x6", "bf16x6": "bf16x6", "ieee": "ieee"}[grad_precision]
-    assert recorded == ("bf16x3", want)
+    # an op with a tail runs tail_backward.py's IEEE float32 products (no precision's gradient split asked for)
+    assert recorded == ("bf16x3", "ieee")
     loss = {"logprobs": out.logprobs.sum(), "tail": out.tail_logprob.sum(),
             "both": out.logprobs.sum() + out.tail_logprob.sum()}[through]
     loss.backward()
-    assert asked == [want] and h.grad.abs().max() > 0
+    assert asked == [] and h.grad.abs().max() > 0
     # labels [..., k] without the tail: the gradient products asked for, recorded and run
     asked.clear()
     labels = out.ids.detach()
