@@ -27,8 +27,10 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
   backend's statistics pass (Triton's kernels on CUDA) plus a gathered product for the k ids. The tail divergence
   always takes the torch pass (it sums the mass outside the ids).
 - Bad input is a ValueError / TypeError naming the argument before any kernel runs: ids outside [0, V) or
-  repeated within a token, teacher log-probs above 0 or NaN (on scored tokens), mismatched shapes, an unknown
-  divergence, a non-finite log_prob_min_clamp.
+  repeated within a token, teacher log-probs above 0 or NaN (on scored tokens), -inf without log_prob_min_clamp
+  (its term is 0 * -inf = NaN, verl's too: the clamp makes it finite), for the tail divergence k probabilities
+  summing above 1 (beyond rounding: ``MASS_SLACK``), mismatched shapes, an unknown divergence, a
+  log_prob_min_clamp that is not finite and < 0.
 
 The divergences, per scored token, with S the teacher's k ids, q_i = exp(teacher log-prob), s_i = the student's
 log-prob at id i (softmax over the whole vocabulary, at ``temperature``):
@@ -74,10 +76,17 @@ class TopKDivergence(NamedTuple):
     token_stats: dict
 
 
-def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int,
-                   check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+# how far above 1 a scored token's k teacher probabilities may sum (the tail divergence; more is refused): the
+# rounding of k log-probs of a distribution, in half precision (bfloat16: 2^-8 relative per probability) and float32
+MASS_SLACK = {False: 1e-2, True: 1e-4}
+
+
+def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int, check_inputs: bool = True,
+                   allow_neg_inf: bool = True, with_tail: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(scored [...] bool, ids [..., k] int64 with ignore_index on unscored tokens, teacher log-probs float32
-    with 0 on unscored tokens). check_inputs=False: the log-probs' values are not read on the host."""
+    with 0 on unscored tokens). ValueError for a -inf log-prob on a scored token unless ``allow_neg_inf`` (a
+    clamp makes it finite), and with ``with_tail`` for k probabilities summing above 1 (beyond the rounding of
+    their dtype: ``MASS_SLACK``). check_inputs=False: the log-probs' values are not read on the host."""
     ids = checks.index_tensor(ids, "teacher_topk_ids")
     logprobs = checks.tensor(logprobs, "teacher_topk_logprobs")
     if not logprobs.is_floating_point():
@@ -93,7 +102,9 @@ def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int,
             raise ValueError(f"{name} is on {t.device}, the student's tokens on {labels.device}")
     scored = labels != ignore_index
     if check_inputs:
-        lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs")
+        slack = (MASS_SLACK[logprobs.dtype in (torch.float32, torch.float64)]) if with_tail else None
+        lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs",
+                                                 allow_neg_inf=allow_neg_inf, mass_slack=slack)
     else:
         lp = torch.where(scored.unsqueeze(-1), logprobs.detach().float(), 0.0)
     ids = torch.where(scored.unsqueeze(-1), ids.long(), torch.full_like(ids, ignore_index, dtype=torch.int64))
@@ -126,11 +137,17 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     checks.boolean(with_overlap, "with_overlap")
     checks.boolean(check_inputs, "check_inputs")
     clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
+    if clamp is not None and clamp >= 0:
+        raise ValueError(f"log_prob_min_clamp must be < 0 (a floor for log-probs, which are <= 0; verl's default is "
+                         f"-10.0), got {clamp!r}: at or above 0 every log-prob is clamped to it and the loss is 0")
     checks.boolean(clamped_masses, "clamped_masses")
     if clamped_masses and clamp is None:
         raise ValueError("clamped_masses=True has no effect without log_prob_min_clamp (the masses are the same "
                          "sums then): leave it False")
-    scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index, check_inputs)
+    # a -inf teacher log-prob (probability 0) is a NaN term without a clamp (verl's too): refused then
+    scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index, check_inputs,
+                                       allow_neg_inf=clamp is not None,
+                                       with_tail=divergence == "forward_kl_topk_tail")
     k = ids.shape[-1]
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     if not check_inputs:

@@ -120,6 +120,10 @@ def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens,
         if isinstance(num_items_in_batch, Tensor):
             count = checks.real_tensor(num_items_in_batch, "num_items_in_batch", device=labels.device, max_dim=0,
                                        check_values=False).double()
+            if check_inputs:
+                # the tensor TRL passes is checked as the number is (one host read; none without check_inputs):
+                # a negative count would flip the loss's sign, inf zero it
+                checks.finite_float(float(count), "num_items_in_batch", minimum=0.0, above=True)
         else:
             count = checks.finite_float(num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
         w = valid.double() / count
@@ -180,7 +184,9 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             order: after the logit scale and softcap). Not differentiated.
         loss_agg, cu_seqlens: the aggregations of ``fused_policy_loss`` (``LOSS_AGGS``).
         num_items_in_batch: TRL's normalisation: with loss_agg="token-mean", the loss is the sum of the scored
-            tokens' divergences over this count (a number or 0-d tensor) instead of their mean.
+            tokens' divergences over this count (a number or 0-d tensor) instead of their mean; it must be finite
+            and > 0 (ValueError naming it; a tensor's value is read on the host, not checked with
+            check_inputs=False).
         token_weight: optional per-token (or per-sequence [b, 1]) weight multiplying each token's term.
         student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap: each head's logits are
             softcap * tanh(scale * raw / softcap) (or scale * raw without softcap) before the temperature, as

@@ -227,18 +227,36 @@ def _global(part, tp, k, select):
 # ------------------------------------------------------------------------------------------ forward ops
 
 @torch.library.custom_op("logitless::checked_logprobs", mutates_args=())
-def checked_logprobs(logprobs: Tensor, scored: Tensor, name: str) -> Tensor:
+def checked_logprobs(logprobs: Tensor, scored: Tensor, name: str, allow_neg_inf: bool = True,
+                     mass_slack: Optional[float] = None) -> Tensor:
     """float32 log-probs [..., k], 0 on the rows where scored [...] is False; ValueError naming ``name`` when a
-    scored one is above 0 or NaN. A custom op: its host synchronisation is opaque to torch.compile."""
+    scored one is above 0 or NaN, -inf (unless ``allow_neg_inf``), or when a scored row's k probabilities sum to
+    more than 1 + ``mass_slack`` (None: not checked). One host read. A custom op: its host synchronisation is
+    opaque to torch.compile."""
     lp = logprobs.float()
-    bad = scored.unsqueeze(-1) & (torch.isnan(lp) | (lp > 0))
-    if lp.numel() and bool(bad.any()):
+    if not lp.numel():
+        return torch.where(scored.unsqueeze(-1), lp, torch.zeros_like(lp))
+    on = scored.unsqueeze(-1)
+    bad = on & (torch.isnan(lp) | (lp > 0))
+    neg_inf = on & (lp == float("-inf"))
+    mass = torch.where(on, logprobs.double().exp(), 0.0).sum(dim=-1)
+    over = (mass > 1.0 + (mass_slack if mass_slack is not None else float("inf"))) & scored
+    any_bad, any_inf, any_over = torch.stack([bad.any(), neg_inf.any(), over.any()]).tolist()
+    if any_bad:
         raise ValueError(f"{name} must be <= 0 and not NaN on scored tokens; got {float(lp[bad][0])!r}")
-    return torch.where(scored.unsqueeze(-1), lp, torch.zeros_like(lp))
+    if any_inf and not allow_neg_inf:
+        raise ValueError(f"{name} holds -inf (a probability 0) on a scored token: its term 0 * (-inf - s) is NaN "
+                         f"(verl's forward_kl_topk gives NaN there too); pass log_prob_min_clamp (verl's default "
+                         f"-10.0) or finite log-probs")
+    if any_over:
+        raise ValueError(f"{name}: a scored token's k probabilities sum to {float(mass[over][0]):.6g} > 1 (beyond "
+                         f"rounding): not the log-probs of one distribution (another temperature or normalisation, "
+                         f"or logits?); the tail bucket 1 - sum needs a sum <= 1")
+    return torch.where(on, lp, torch.zeros_like(lp))
 
 
 @checked_logprobs.register_fake
-def _checked_logprobs_fake(logprobs, scored, name):
+def _checked_logprobs_fake(logprobs, scored, name, allow_neg_inf=True, mass_slack=None):
     return logprobs.new_empty(logprobs.shape, dtype=torch.float32)
 
 

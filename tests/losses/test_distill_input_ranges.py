@@ -1,0 +1,92 @@
+"""Values outside an argument's range that used to give a silent wrong number (a flipped or zero loss, NaN):
+num_items_in_batch as a tensor, log_prob_min_clamp >= 0, a -inf teacher log-prob without a clamp, teacher top-k
+masses above 1 for the tail divergence. Each is a ValueError naming the argument; the values just inside the
+range still give the float64 number."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from logitless.losses import fused_distillation_loss
+
+V, H, HT, N, K = 4099, 96, 80, 7, 5
+
+
+def inputs(seed=70):
+    g = torch.Generator().manual_seed(seed)
+    sh, sw = torch.randn(1, N, H, generator=g), torch.randn(V, H, generator=g) * 0.1
+    th, tw = torch.randn(1, N, HT, generator=g), torch.randn(V, HT, generator=g) * 0.1
+    labels = torch.randint(0, V, (1, N), generator=g)
+    labels[0, 2] = -100
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])[None]
+    tlp = torch.log_softmax(torch.randn(1, N, K, generator=g), -1) + math.log(0.9)
+    return sh, sw, th, tw, labels, ids, tlp
+
+
+def full(count, **kw):
+    sh, sw, th, tw, labels, _, _ = inputs()
+    return fused_distillation_loss(sh, sw, labels, divergence="forward_kl", teacher_hidden=th, teacher_weight=tw,
+                                   num_items_in_batch=count, **kw)
+
+
+@pytest.mark.parametrize("bad", [-3.0, float("inf"), 0, float("nan"), -1])
+def test_num_items_in_batch_tensor_is_range_checked(bad):
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        full(torch.tensor(bad))
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        full(bad)
+
+
+def test_num_items_in_batch_tensor_equals_the_number():
+    a, b = full(torch.tensor(13)).loss, full(13).loss
+    assert torch.equal(a, b) and a.item() > 0
+    # unchecked (no host read): the tensor is taken as it is
+    assert torch.equal(full(torch.tensor(13.0), check_inputs=False).loss, b)
+
+
+def topk(divergence, tlp=None, **kw):
+    sh, sw, _, _, labels, ids, t = inputs()
+    return fused_distillation_loss(sh, sw, labels, divergence=divergence, teacher_topk_ids=ids,
+                                   teacher_topk_logprobs=t if tlp is None else tlp, **kw)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+@pytest.mark.parametrize("clamp", [0.0, 1.0, 1e-9])
+def test_log_prob_min_clamp_at_or_above_zero_refused(divergence, clamp):
+    with pytest.raises(ValueError, match="log_prob_min_clamp must be < 0"):
+        topk(divergence, log_prob_min_clamp=clamp)
+    assert topk(divergence, log_prob_min_clamp=-1e-3).loss.item() != 0.0 or divergence == "forward_kl_topk"
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+def test_teacher_minus_inf_refused_without_clamp(divergence):
+    *_, tlp = inputs()
+    tlp[0, 4, 3] = float("-inf")
+    with pytest.raises(ValueError, match="teacher_topk_logprobs holds -inf"):
+        topk(divergence, tlp)
+    # with a clamp (verl's -10) the term is finite: the same as any log-prob below the clamp
+    low = tlp.clone()
+    low[0, 4, 3] = -50.0
+    a, b = topk(divergence, tlp, log_prob_min_clamp=-10.0), topk(divergence, low, log_prob_min_clamp=-10.0)
+    assert torch.isfinite(a.loss) and abs(a.loss.item() - b.loss.item()) < 1e-6
+    # an unscored token's -inf is never read
+    *_, labels, _, _ = inputs()
+    assert labels[0, 2] == -100
+    tlp2 = inputs()[-1].clone()
+    tlp2[0, 2, 0] = float("-inf")
+    assert torch.isfinite(topk(divergence, tlp2).loss)
+
+
+def test_tail_refuses_teacher_mass_above_one():
+    big = torch.full((1, N, K), -0.01)              # 5 ids at 0.99 each: a mass of 4.95
+    with pytest.raises(ValueError, match="teacher_topk_logprobs: a scored token's k probabilities sum to 4.95"):
+        topk("forward_kl_topk_tail", big)
+    # a distribution's log-probs (mass exactly 1 up to float32 rounding) are accepted; bfloat16 ones too
+    *_, tlp = inputs()
+    whole = torch.log_softmax(tlp, -1)
+    assert torch.isfinite(topk("forward_kl_topk_tail", whole).loss)
+    assert torch.isfinite(topk("forward_kl_topk_tail", whole.bfloat16()).loss)
+    # verl's forward_kl_topk takes any top-k log-probs <= 0 (its masses are metrics)
+    assert torch.isfinite(topk("forward_kl_topk", big).loss)
