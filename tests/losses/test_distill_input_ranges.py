@@ -90,3 +90,45 @@ def test_tail_refuses_teacher_mass_above_one():
     assert torch.isfinite(topk("forward_kl_topk_tail", whole.bfloat16()).loss)
     # verl's forward_kl_topk takes any top-k log-probs <= 0 (its masses are metrics)
     assert torch.isfinite(topk("forward_kl_topk", big).loss)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "triton"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_topk_student_logit_scale_before_softcap(divergence, backend, softcap):
+    """A Cohere / Granite / MuP student head: z = softcap(scale * raw) / T, the scale before the cap (as the
+    full-vocabulary divergences take it), against float64; folding the scale into the temperature is wrong
+    with a cap."""
+    sh, sw, _, _, labels, ids, tlp = inputs(seed=71)
+    scale, temp = 2.5, 0.8
+    h, w = sh.clone().requires_grad_(), sw.clone().requires_grad_()
+    out = fused_distillation_loss(h, w, labels, divergence=divergence, teacher_topk_ids=ids,
+                                  teacher_topk_logprobs=tlp, student_logit_scale=scale, student_softcap=softcap,
+                                  temperature=temp, backend=backend)
+    out.loss.backward()
+    h64, w64 = sh.double().requires_grad_(), sw.double().requires_grad_()
+    raw = scale * (h64 @ w64.T)
+    z = raw if softcap is None else softcap * torch.tanh(raw / softcap)
+    ls = torch.log_softmax(z / temp, -1)
+    s = ls.gather(-1, ids)
+    q = tlp.double()
+    d = (q.exp() * (q - s)).sum(-1)
+    if divergence == "forward_kl_topk_tail":
+        outside = torch.ones_like(ls, dtype=torch.bool).scatter_(-1, ids, False)
+        lpt = torch.logsumexp(ls.masked_fill(~outside, float("-inf")), -1)
+        qt = 1 - q.exp().sum(-1)
+        d = d + qt * (qt.log() - lpt)
+    else:
+        d = d.clamp_min(0.0)
+    scored = labels != -100
+    want = d[scored].mean()
+    want.backward()
+    assert abs(out.loss.item() - want.item()) < 1e-5 * max(1.0, abs(want.item()))
+    for got, ref in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert (got.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+    if softcap is not None:
+        # the scale folded into the temperature instead is a different loss
+        folded = fused_distillation_loss(sh, sw, labels, divergence=divergence, teacher_topk_ids=ids,
+                                         teacher_topk_logprobs=tlp, student_softcap=softcap, temperature=temp / scale,
+                                         backend=backend)
+        assert abs(folded.loss.item() - want.item()) > 1e-3

@@ -20,6 +20,8 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
   scored token the means are NaN, the minima +inf and the maxima -inf; overlap_token_advantage is 0.
 - ``token_stats``: the detached per-token tensors behind them ([...]: ``student_mass``, ``teacher_mass``,
   ``overlap_count`` int64, ``overlap_token_advantage``), for callers that aggregate across micro-batches.
+- ``logit_scale``: the student's logit scale (Cohere's ``logit_scale``, Granite's ``logits_scaling`` as a
+  multiplier, MuP's), applied to the raw products before the softcap, as the full-vocabulary divergences do.
 - ``check_inputs=False``: no host synchronisation (nothing below is checked; every row runs, the unscored ones
   with zero outputs and no gradient), as in ``fused_logprobs``.
 - ``with_overlap=False``: no overlap (the two overlap metrics and token stats are absent). The overlap needs the
@@ -126,7 +128,8 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                     temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                     reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
                     log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True,
-                    clamped_masses: bool = False, check_inputs: bool = True) -> TopKDivergence:
+                    clamped_masses: bool = False, check_inputs: bool = True,
+                    logit_scale: float = 1.0) -> TopKDivergence:
     """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
     if divergence not in TOPK_DIVERGENCES:
         raise ValueError(f"divergence must be one of {TOPK_DIVERGENCES}, got {divergence!r}")
@@ -150,6 +153,12 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                                        with_tail=divergence == "forward_kl_topk_tail")
     k = ids.shape[-1]
     inv_temp = inv_temperature(temperature, labels, check_values=False)
+    scale = checks.finite_float(logit_scale, "logit_scale", minimum=0.0, above=True)
+    if scale != 1.0:
+        # the student's logits softcap(scale * raw) / T: c tanh(s raw / c) / T is the op's softcap c / s at
+        # inverse temperature s / T (exact: the scale is applied before the cap, as TRL's heads take it)
+        inv_temp = inv_temp * scale
+        softcap = None if softcap is None else softcap / scale
     if not check_inputs:
         # every row runs (no host read): an unscored one at inverse temperature 1, so that NaN padding of a
         # per-token temperature reaches no gradient

@@ -288,12 +288,12 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
     for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
         if value is None:
             raise ValueError(f"divergence={divergence!r} needs {name} (the teacher's top-k)")
-    for name, value, default in (("student_logit_scale", student_logit_scale, 1.0),
-                                 ("teacher_logit_scale", teacher_logit_scale, 1.0),
+    for name, value, default in (("teacher_logit_scale", teacher_logit_scale, 1.0),
                                  ("teacher_softcap", teacher_softcap, None)):
         if not (value is default or value == default):
             raise ValueError(f"{name} has no effect on divergence={divergence!r} (the teacher's top-k log-probs "
-                             f"are given; the student's logits take student_softcap only): leave it {default}")
+                             f"are given; only the student's head takes a logit scale and softcap): leave it "
+                             f"{default}")
     loss_max_clamp = settings.get("loss_max_clamp")
     if loss_max_clamp is not None:
         loss_max_clamp = checks.finite_float(loss_max_clamp, "loss_max_clamp", minimum=0.0)
@@ -303,7 +303,9 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
     out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
                           divergence=divergence, temperature=temperature, ignore_index=ignore_index,
                           tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-                          softcap=student_softcap, log_prob_min_clamp=settings.get("log_prob_min_clamp"),
+                          softcap=student_softcap, logit_scale=checks.finite_float(
+                              student_logit_scale, "student_logit_scale", minimum=0.0, above=True),
+                          log_prob_min_clamp=settings.get("log_prob_min_clamp"),
                           with_overlap=settings.get("with_overlap", True), check_inputs=check_inputs)
     d = out.divergence
     if loss_max_clamp is not None:

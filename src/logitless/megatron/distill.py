@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
 from torch import Tensor
 
 from .. import checks
@@ -91,10 +90,11 @@ def distillation_loss(target: DistillationTarget, hidden: Tensor, weight: Tensor
         for name in ("log_prob_min_clamp", "loss_max_clamp"):
             if getattr(target, name) is not None:
                 kwargs[name] = getattr(target, name)
-        # MuP's logit scale on the student: the teacher's log-probs are given, so it folds into the temperature
+        # MuP's logit scale on the student, before any softcap (not folded into the temperature, which a cap
+        # would make wrong)
         out = fused_distillation_loss(student, weight, labels, teacher_topk_ids=target.teacher_topk_ids,
                                       teacher_topk_logprobs=target.teacher_topk_logprobs,
-                                      temperature=_over(temperature, logit_scale), **kwargs)
+                                      temperature=temperature, student_logit_scale=logit_scale, **kwargs)
     else:
         t_hidden = target.teacher_hidden
         if sequence_parallel:
@@ -106,10 +106,3 @@ def distillation_loss(target: DistillationTarget, hidden: Tensor, weight: Tensor
                                       teacher_weight=target.teacher_weight.detach(), beta=target.beta,
                                       temperature=temperature, student_logit_scale=logit_scale, **kwargs)
     return out
-
-
-def _over(temperature, c: float):
-    """softmax(c * z / T) == softmax(z / (T / c))."""
-    if c == 1.0:
-        return temperature
-    return temperature / c if isinstance(temperature, torch.Tensor) else float(temperature) / c
