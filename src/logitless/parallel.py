@@ -122,6 +122,27 @@ class VocabParallel:
         return cls(group=group, rank=rank, world_size=world, sizes=sizes,
                    vocab_offset=sum(sizes[:rank]), vocab_size=sum(sizes))
 
+    def check_same_rows(self, weight: Tensor, name: str, ref_name: str) -> None:
+        """ValueError on every rank alike unless ``weight`` (another head's shard, e.g. a teacher's) holds as
+        many rows as this layout's shard on every rank, with one H and dtype across the group. One all-gather
+        of four numbers and a host read on *every* call (not cached: a shard that differs on one rank after a
+        first call must still be refused everywhere, not leave the other ranks in a mismatched collective)."""
+        code = _DTYPES.index(weight.dtype) if weight.dtype in _DTYPES else -1
+        mine = torch.tensor([self.sizes[self.rank], weight.shape[0], weight.shape[1], code], dtype=torch.int64,
+                            device=weight.device)
+        every = torch.empty(self.world_size * 4, dtype=torch.int64, device=weight.device)
+        _gather_into(every, mine, self.group)
+        ref, rows, hs, codes = (tuple(int(x) for x in col) for col in every.view(self.world_size, 4).t().cpu())
+        if rows != ref:
+            raise ValueError(f"{name}'s vocabulary shards {rows} differ from {ref_name}'s {ref} over tp_group: "
+                             "both heads must be sharded the same way")
+        if len(set(hs)) != 1:
+            raise ValueError(f"{name}'s shards differ in hidden size across tp_group: H per rank = {list(hs)}; "
+                             "every rank must hold rows of the same [V, H] matrix")
+        if len(set(codes)) != 1:
+            names = [str(_DTYPES[c]) if c >= 0 else "other" for c in codes]
+            raise ValueError(f"{name}'s shards differ in dtype across tp_group: dtype per rank = {names}")
+
     def with_reduce(self, reduce: bool) -> "VocabParallel":
         """This layout with :meth:`reduce_grad_hidden` all-reducing (True) or passing through (False)."""
         return self if reduce == self.reduce else dataclasses.replace(self, reduce=reduce)

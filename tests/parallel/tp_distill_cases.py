@@ -127,6 +127,34 @@ def case_distill_shards_differ(ctx):
     ck.done()
 
 
+def case_distill_shards_differ_after_a_call(ctx):
+    """After a call with matching shards (the layouts' sizes are cached per shard shape), rank 0's teacher shard
+    one row short is still refused on every rank, with the shards' message (not a mismatched collective: rank 0
+    exchanging its new shape alone, the others waiting or pairing it with their next collective)."""
+    ck = Checks()
+    sizes = uneven_sizes(V, ctx.world)
+    _, ws = shard(ctx, torch.randn(V, HS), sizes)
+    _, wt = shard(ctx, torch.randn(V, HT), sizes)
+    labels = torch.randint(0, V, LEAD)
+    sh, th = torch.randn(*LEAD, HS), torch.randn(*LEAD, HT)
+    warm = fused_distillation_loss(sh, ws, labels, teacher_hidden=th, teacher_weight=wt, divergence="jsd", beta=0.5,
+                                   tp_group=ctx.group)
+    ck.true("warm call", bool(torch.isfinite(warm.loss)), str(warm.loss))
+    bad = wt[:-1] if ctx.rank == 0 else wt
+    try:
+        fused_distillation_loss(sh, ws, labels, teacher_hidden=th, teacher_weight=bad, divergence="jsd", beta=0.5,
+                                tp_group=ctx.group)
+    except ValueError as exc:
+        ck.true("message", "sharded the same way" in str(exc), str(exc))
+    else:
+        ck.true("refused", False, "no error")
+    # the group is still in step: a good call after the refusal gives the warm call's loss
+    again = fused_distillation_loss(sh, ws, labels, teacher_hidden=th, teacher_weight=wt, divergence="jsd",
+                                    beta=0.5, tp_group=ctx.group)
+    ck.true("after", bool(torch.equal(again.loss, warm.loss)), f"{again.loss} vs {warm.loss}")
+    ck.done()
+
+
 def _named(fns):
     return [(fn.__name__[len("case_"):], fn) for fn in fns]
 
@@ -137,4 +165,4 @@ def pre_init_cases():
 
 def cases_for(world: int):
     return _named([case_distill_every_divergence, case_distill_bfloat16_student, case_distill_triton_interpreted,
-                   case_distill_shards_differ])
+                   case_distill_shards_differ, case_distill_shards_differ_after_a_call])

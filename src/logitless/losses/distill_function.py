@@ -78,7 +78,13 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(s_hidden):
         tp = _layout(tp_group, s_weight, reduce_grad_hidden)
-        if tp is not None:
+        if tp is not None and check_inputs:
+            # compared on every call, on every rank (the layouts' sizes are cached per shape: a teacher shard
+            # that differs on one rank after a first call would otherwise exchange alone)
+            tp.check_same_rows(t_weight, "teacher_weight", "student_weight")
+        elif tp is not None:
+            # no host read: the cached layouts (a shard that changes on one rank only after the first call is
+            # not seen: docs/distillation.md)
             t_tp = _layout(tp_group, t_weight, reduce_grad_hidden)
             if t_tp.sizes != tp.sizes:
                 raise ValueError(f"teacher_weight's vocabulary shards {t_tp.sizes} differ from student_weight's "
