@@ -382,9 +382,16 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N = hidden.shape[0]
     if check_inputs:
-        if N and not bool(checks.inverse_temperature_ok(inv_temp)):
-            raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
-        every = bool(mask.all()) if N else True
+        every = True
+        if N:
+            # one host read: the temperatures, a non-finite hidden state in a row the mask keeps, the mask
+            bad_temp, bad_hidden, every = torch.stack([~checks.inverse_temperature_ok(inv_temp),
+                                                       checks.non_finite_rows(hidden, mask), mask.all()]).tolist()
+            if bad_temp:
+                raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
+            if bad_hidden:
+                raise ValueError("hidden must be finite at every row where mask is True: a NaN or an infinity "
+                                 "there gives NaN log-probs and arbitrary ids, and a NaN weight gradient")
     else:
         every = True        # no host read: every row runs (``fused_topk`` set the masked ones' temperature)
     rows = None if every else mask.nonzero().squeeze(1)
