@@ -169,6 +169,22 @@ def test_target_refusals(megatron_tp1):
     with pytest.raises(ValueError, match="log_prob_min_clamp"):
         DistillationTarget("forward_kl", teacher_hidden=torch.ones(4, 2, 8), teacher_weight=torch.ones(9, 8),
                            log_prob_min_clamp=-5.0)
+    # the settings' checks that need no tensor run at construction, not after the student's forward
+    full = dict(teacher_hidden=torch.ones(4, 2, 8), teacher_weight=torch.ones(9, 8))
+    with pytest.raises(ValueError, match="beta is the mixture weight"):
+        DistillationTarget("forward_kl", beta=0.5, **full)
+    with pytest.raises(ValueError, match="needs beta"):
+        DistillationTarget("jsd", **full)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+        DistillationTarget("jsd", beta=2.0, **full)
+    with pytest.raises(ValueError, match="log_prob_min_clamp must be < 0"):
+        DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, log_prob_min_clamp=5.0)
+    with pytest.raises(ValueError, match="loss_max_clamp"):
+        DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, loss_max_clamp=-1.0)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, num_items_in_batch=-3)
+    DistillationTarget("jsd", beta=0.5, **full)
+    DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, log_prob_min_clamp=-10.0)
     with pytest.raises(TypeError, match="DistillationTarget"):
         FusedOutputProcessorContext(distillation={"divergence": "forward_kl"})
     from logitless.losses import PolicyLoss

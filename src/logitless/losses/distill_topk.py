@@ -83,6 +83,17 @@ class TopKDivergence(NamedTuple):
 MASS_SLACK = {False: 1e-2, True: 1e-4}
 
 
+def log_prob_clamp(value) -> Optional[float]:
+    """log_prob_min_clamp checked: None, or a finite number < 0 (ValueError naming it)."""
+    if value is None:
+        return None
+    clamp = checks.finite_float(value, "log_prob_min_clamp")
+    if clamp >= 0:
+        raise ValueError(f"log_prob_min_clamp must be < 0 (a floor for log-probs, which are <= 0; verl's default is "
+                         f"-10.0), got {clamp!r}: at or above 0 every log-prob is clamped to it and the loss is 0")
+    return clamp
+
+
 def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int, check_inputs: bool = True,
                    allow_neg_inf: bool = True, with_tail: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(scored [...] bool, ids [..., k] int64 with ignore_index on unscored tokens, teacher log-probs float32
@@ -139,10 +150,7 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     softcap = checks.softcap(softcap)
     checks.boolean(with_overlap, "with_overlap")
     checks.boolean(check_inputs, "check_inputs")
-    clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
-    if clamp is not None and clamp >= 0:
-        raise ValueError(f"log_prob_min_clamp must be < 0 (a floor for log-probs, which are <= 0; verl's default is "
-                         f"-10.0), got {clamp!r}: at or above 0 every log-prob is clamped to it and the loss is 0")
+    clamp = log_prob_clamp(log_prob_min_clamp)
     checks.boolean(clamped_masses, "clamped_masses")
     if clamped_masses and clamp is None:
         raise ValueError("clamped_masses=True has no effect without log_prob_min_clamp (the masses are the same "

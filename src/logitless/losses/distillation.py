@@ -26,7 +26,7 @@ from ..ops.distill_chunked import Head
 from ..ops.divergence_terms import FULL_VOCAB_DIVERGENCES, TAKES_BETA, Divergence, HeadTransform
 from .aggregate import check_agg_layout, check_cu_seqlens, check_loss_agg, cu_seqlens_error, token_weights
 from .distill_function import fused_distillation_loss_op
-from .distill_topk import TOPK_DIVERGENCES, topk_divergence
+from .distill_topk import TOPK_DIVERGENCES, log_prob_clamp, topk_divergence
 
 DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
 DISTILLATION_BACKENDS = ("auto", "reference", "chunked", "triton")
@@ -75,6 +75,15 @@ def _divergence(divergence, beta) -> Optional[Divergence]:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must lie in [0, 1], got {beta!r}")
     return Divergence.of(divergence, beta) if divergence in FULL_VOCAB_DIVERGENCES else None
+
+
+def check_settings(divergence, beta, log_prob_min_clamp=None, loss_max_clamp=None) -> None:
+    """The checks of ``fused_distillation_loss``'s settings that need no tensor (for callers that hold them
+    before the student's forward, e.g. ``logitless.megatron.DistillationTarget``)."""
+    _divergence(divergence, beta)
+    log_prob_clamp(log_prob_min_clamp)
+    if loss_max_clamp is not None:
+        checks.finite_float(loss_max_clamp, "loss_max_clamp", minimum=0.0)
 
 
 def _head(hidden, weight, labels, who: str) -> tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import checks
 from ..losses import DIVERGENCES, fused_distillation_loss
+from ..losses.distillation import check_settings
 
 TOPK = ("forward_kl_topk", "forward_kl_topk_tail")
 
@@ -59,6 +60,11 @@ class DistillationTarget:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is a top-k divergence's setting; divergence={self.divergence!r} "
                                      "does not use it: leave it None")
+        # the settings' checks that need no tensor, here: inside the processor they would come only after the
+        # student's whole forward (on every pipeline rank)
+        check_settings(self.divergence, self.beta, self.log_prob_min_clamp, self.loss_max_clamp)
+        if isinstance(self.num_items_in_batch, (int, float)):
+            checks.finite_float(self.num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
         if self.teacher_hidden is not None:
             t = checks.tensor(self.teacher_hidden, "teacher_hidden")
             if t.dim() != 3:
