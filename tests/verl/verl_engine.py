@@ -112,13 +112,43 @@ def stub_server_modules() -> None:
         _stub_missing(name)
 
 
+# the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) this process's gloo group was started
+# with: verl's Worker reads them, so setup() puts them back in the environment on every call, since
+# tests/verl/conftest.py restores the environment after each test module (left set, they reach the processes a
+# later test starts, whose init_process_group then meets this process's store on MASTER_PORT)
+_GROUP_ENV: dict[str, str] = {}
+
+
+def start_group(rank: int = 0, world: int = 1, init_file: str | None = None) -> None:
+    """The gloo group, unless one is up (another test module's): 1 rank on a free port, or a worker's rank of
+    ``world`` meeting the others at ``init_file``; its launcher's variables put (back) in the environment."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        env = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1")
+        if init_file is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                env["MASTER_PORT"] = str(s.getsockname()[1])
+            os.environ.update(env)
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        else:
+            env["MASTER_PORT"] = os.environ.get("MASTER_PORT", "0")   # verl's Worker reads it; ranks meet at the file
+            os.environ.update(env)
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        _GROUP_ENV.update(env)
+    os.environ.update(_GROUP_ENV)
+
+
 def setup() -> None:
-    """Once per process: the CPU platform, the 1-rank gloo group and the import workarounds."""
+    """The gloo group (start_group: 1 rank unless a worker started its own), the CPU platform and the import
+    workarounds (once per process); the environment they need, on every call."""
     global _READY
+    start_group()
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")    # the engine registry's key for its FSDP engine
     if _READY:
         return
     stub_server_modules()
-    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")    # the engine registry's key for its FSDP engine
     from verl.plugin.platform import platform_manager
     platform_manager.set_platform(_cpu_platform())
     for cpu_module in (torch.cpu,):
@@ -128,14 +158,6 @@ def setup() -> None:
                 setattr(cpu_module, fn, lambda *a, **k: 0)
     import verl.models.transformers.monkey_patch as mp
     mp.is_trl_available = lambda: False
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        dist.init_process_group("gloo", rank=0, world_size=1)
     _READY = True
 
 

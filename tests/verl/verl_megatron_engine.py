@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 import types
 from functools import partial
 
@@ -151,19 +150,8 @@ def cpu_megatron():
 def setup(rank: int = 0, world: int = 1, init_file: str | None = None) -> None:
     """A gloo group (1 rank, unless a worker of a multi-rank test passes its rank, the world size and the
     file the ranks meet at; another test module may have torn its own down) and verl's CPU platform
-    (verl_engine.setup)."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1")
-        if init_file is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-            dist.init_process_group("gloo", rank=rank, world_size=world)
-        else:
-            os.environ.setdefault("MASTER_PORT", "0")        # verl's Worker reads it; the ranks meet at the file
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    (verl_engine.start_group and setup)."""
+    ve.start_group(rank, world, init_file)
     ve.setup()
 
 
