@@ -132,3 +132,17 @@ def test_topk_student_logit_scale_before_softcap(divergence, backend, softcap):
                                          teacher_topk_logprobs=tlp, student_softcap=softcap, temperature=temp / scale,
                                          backend=backend)
         assert abs(folded.loss.item() - want.item()) > 1e-3
+
+
+def test_num_items_in_batch_tensor_check_compiles_without_a_graph_break():
+    torch._dynamo.reset()
+    sh, sw, th, tw, labels, _, _ = inputs()
+    count = torch.tensor(13)
+
+    def step(h):
+        return fused_distillation_loss(h, sw, labels, divergence="forward_kl", teacher_hidden=th, teacher_weight=tw,
+                                       num_items_in_batch=count).loss
+
+    explained = torch._dynamo.explain(step)(sh)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert torch.equal(torch.compile(step, fullgraph=True)(sh), step(sh))

@@ -70,6 +70,20 @@ def products_ran(student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> tupl
     return stats, "ieee" if student_dtype == torch.float32 else "native"
 
 
+@torch.library.custom_op("logitless::checked_count", mutates_args=())
+def checked_count(count: Tensor) -> Tensor:
+    """A 0-d count (TRL's num_items_in_batch) as float64, ValueError naming num_items_in_batch unless it is finite
+    and > 0 (a negative count would flip the loss's sign, inf zero it). One host read; a custom op, so that
+    torch.compile(fullgraph=True) traces it without a graph break."""
+    checks.finite_float(float(count), "num_items_in_batch", minimum=0.0, above=True)
+    return count.double().clone()
+
+
+@checked_count.register_fake
+def _checked_count_fake(count):
+    return count.new_empty(count.shape, dtype=torch.float64)
+
+
 @torch.library.custom_op("logitless::fused_distillation_loss", mutates_args=())
 def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: Tensor, labels: Tensor,
                 inv_temp: Tensor, token_w: Tensor, *, kind: str, beta: float, s_scale: float, s_softcap: float,

@@ -25,7 +25,7 @@ from ..api import check_head, inv_temperature, tp_group_name
 from ..ops.distill_chunked import Head
 from ..ops.divergence_terms import FULL_VOCAB_DIVERGENCES, TAKES_BETA, Divergence, HeadTransform
 from .aggregate import check_agg_layout, check_cu_seqlens, check_loss_agg, cu_seqlens_error, token_weights
-from .distill_function import fused_distillation_loss_op
+from .distill_function import checked_count, fused_distillation_loss_op
 from .distill_topk import TOPK_DIVERGENCES, log_prob_clamp, topk_divergence
 
 DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
@@ -130,9 +130,8 @@ def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens,
             count = checks.real_tensor(num_items_in_batch, "num_items_in_batch", device=labels.device, max_dim=0,
                                        check_values=False).double()
             if check_inputs:
-                # the tensor TRL passes is checked as the number is (one host read; none without check_inputs):
-                # a negative count would flip the loss's sign, inf zero it
-                checks.finite_float(float(count), "num_items_in_batch", minimum=0.0, above=True)
+                # the tensor TRL passes is checked as the number is (one host read; none without check_inputs)
+                count = checked_count(count)
         else:
             count = checks.finite_float(num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
         w = valid.double() / count
