@@ -24,9 +24,10 @@ from .maths import (
     apply_softcap_derivative,
     block_scratch,
     dlogits_in_blocks,
-    label_logits,
     logits_from_products,
     mm_fp32,
+    one_thread_on_cpu,
+    product_into,
     row_blocks,
 )
 from .precision import GradOperands
@@ -96,25 +97,65 @@ def _local_labels(labels: Tensor, start: int, stop: int) -> Tensor:
     return torch.where(inside, labels - start, torch.full_like(labels, -1))
 
 
+def _chunk_stats(raw: Tensor, labels: Tensor, inv_temp: Tensor, softcap: Optional[float], with_entropy: bool,
+                 out: Tensor, zy: Tensor, scratch: Tensor, blocks) -> None:
+    """One vocabulary chunk's statistics, block by block (``row_blocks``: on CPU a block and its scratch stay in L2
+    from one operation to the next, so the chunk's products are read from memory about once, not once an
+    operation): out[0] = mc, the row max of the chunk's logits z; out[1] = sc = sum exp(z - mc); out[2] =
+    tc = sum exp(z - mc) * (z - mc) (with_entropy). ``raw`` [c, C] (float32 products) becomes z - mc in place;
+    zy takes z at the label where ``labels`` (this chunk's columns, -1: not here) has one."""
+    vocab = raw.shape[1]
+    has = labels >= 0
+    cols = torch.where(has, labels, torch.zeros_like(labels)).unsqueeze(1)
+    picked = torch.empty_like(zy)
+    mc, sc, tc = out
+    with one_thread_on_cpu(raw.device):
+        for r0, r1 in blocks:
+            zb, _ = logits_from_products(raw[r0:r1], inv_temp[r0:r1], softcap)
+            torch.gather(zb, 1, cols[r0:r1], out=picked[r0:r1].unsqueeze(1))
+            mb = torch.amax(zb, dim=1, out=mc[r0:r1])
+            xb = zb.sub_(mb.unsqueeze(1))
+            e = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
+            torch.sum(e, dim=1, out=sc[r0:r1])
+            if with_entropy:
+                torch.sum(e.mul_(xb), dim=1, out=tc[r0:r1])
+    torch.where(has, picked, zy, out=zy)
+
+
 def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
+    """The online logsumexp over the vocabulary chunks of ``stats_columns``: each chunk's statistics relative to its
+    own row max (``_chunk_stats``), merged into the running ones relative to the running max m:
+        s = s * exp(m - m') + sc * exp(mc - m'),
+        t = exp(m - m') * (t + s (m - m')) + exp(mc - m') * (tc + sc (mc - m'))     (m' = max(m, mc))."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    m = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
-    s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    t = torch.zeros_like(s) if with_entropy else None   # sum_j exp(z_j - m) * (z_j - m)
-    zy = torch.zeros_like(s)
-    for start, stop in _chunks(vocab, stats_columns(n, vocab, hidden.device)):
-        z, _ = logits_from_products(mm_fp32(hidden, weight[start:stop].t()), inv_temp, softcap)
-        m_new = torch.maximum(m, z.amax(dim=1))
-        rescale = torch.exp(m - m_new)          # exp(-inf) = 0 on the first chunk
-        zy += label_logits(z, _local_labels(labels, start, stop))
-        x = z.sub_(m_new.unsqueeze(1))      # z - m_new, in place
-        e = x.exp()
-        e_sum = e.sum(dim=1)
-        if t is not None:
-            # re-centre the old sum on the new max: sum e_old' (z - m_new) = rescale * (t + s * (m - m_new))
-            shift = torch.where(torch.isfinite(m), m - m_new, torch.zeros_like(m))
-            t.add_(s * shift).mul_(rescale).add_(e.mul_(x).sum(dim=1))     # e * x in place: no temporary
-        s.mul_(rescale).add_(e_sum)
+    dev = hidden.device
+    step = stats_columns(n, vocab, dev)
+    # the chunk's products land in one buffer for every chunk (a fresh [n, step] tile a chunk would, on CPU,
+    # often be a fresh mapping whose pages fault in), and its blocks' scratch
+    tile = torch.empty(n * step, dtype=torch.float32, device=dev)
+    scratch = block_scratch(n, step, dev)
+    blocks = row_blocks(n, step, dev)
+    part = torch.empty((3, n), dtype=torch.float32, device=dev)
+    zy = torch.zeros(n, dtype=torch.float32, device=dev)
+    m = s = t = None
+    for start, stop in _chunks(vocab, step):
+        raw = tile[:n * (stop - start)].view(n, stop - start)
+        product_into(raw, hidden, weight[start:stop].t())
+        if stop - start != step:
+            blocks = row_blocks(n, stop - start, dev)
+        _chunk_stats(raw, _local_labels(labels, start, stop), inv_temp, softcap, with_entropy, part, zy, scratch,
+                     blocks)
+        mc, sc, tc = part
+        if m is None:           # the first chunk: its statistics are the running ones
+            m, s, t = mc.clone(), sc.clone(), tc.clone() if with_entropy else None
+            continue
+        m_new = torch.maximum(m, mc)
+        d_old, d_new = m - m_new, mc - m_new            # <= 0, one of them 0
+        a, b = d_old.exp(), d_new.exp()
+        if with_entropy:
+            # re-centre both sums on the new max: sum e' (z - m') = exp(m - m') * (t + s * (m - m'))
+            t.addcmul_(s, d_old).mul_(a).add_(tc.addcmul_(sc, d_new).mul_(b))
+        s.mul_(a).add_(sc.mul_(b))
         m = m_new
     log_s = torch.log(s)
     lse = m + log_s
@@ -134,17 +175,24 @@ def grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need
     if need_dw and dw_acc is None:
         dw = torch.empty((vocab, go.hidden_size), dtype=go.out_dtype, device=weight.device)
     step = chunk_rows(n, vocab, hidden.device)
-    # the row blocks' scratch of the dlogits, once a call (CPU: a block of the [N, step] tile stays in L2)
+    # the row blocks' scratch of the dlogits, once a call (CPU: a block of the [N, step] tile stays in L2), and
+    # one buffer for every chunk's products (without a softcap)
     blocks = row_blocks(n, step, hidden.device)
     scratch = block_scratch(n, step, hidden.device)
+    tile = torch.empty(n * step, dtype=torch.float32, device=hidden.device) if softcap is None else None
     for start, stop in _chunks(vocab, step):
         w = weight[start:stop]
-        # with a softcap, t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
-        z, t = logits_from_products(mm_fp32(hidden, w.t()), inv_temp, softcap, keep_tanh=True)
         if stop - start != step:
             blocks = row_blocks(n, stop - start, hidden.device)
+        if softcap is None:
+            # the products times inv_temp inside the blocks (``prescale``), while each block is in cache
+            z, t, prescale = tile[:n * (stop - start)].view(n, stop - start), None, inv_temp
+            product_into(z, hidden, w.t())
+        else:
+            # t = tanh(raw / softcap) is a second [N, chunk] tile, for the derivative of the cap
+            (z, t), prescale = logits_from_products(mm_fp32(hidden, w.t()), inv_temp, softcap, keep_tanh=True), None
         dz = dlogits_in_blocks(z, _local_labels(labels, start, stop), inv_temp, lse, ent, g_lp, g_ent, scratch,
-                               blocks)
+                               blocks, prescale)
         dz = apply_softcap_derivative(dz, t)
         if dh is not None:
             for a, b in go.products(dz, [p[start:stop] for p in go.weight_parts]):
