@@ -6,7 +6,7 @@ chunks have one width for every batch (``stats_columns``), so a token's bits dep
 the BLAS and torch's reductions (docs/determinism.md); on CUDA by default the width is the budget over N
 (LOGITLESS_CHUNKED_COLUMNS chooses).
 Backward recomputes each chunk and produces that chunk's d_weight rows whole, while d_hidden
-is accumulated in float32. One call takes at most T = LOGITLESS_CHUNK_ELEMENTS / 1024 tokens
+is accumulated in float32. One call takes at most T = (the tile budget) / (its fewest columns) tokens
 (``token_rows``); ``ops/token_chunks.py`` feeds it larger inputs in chunks of T tokens. Peak extra
 memory per call: one [T, chunk] tile (a few of them in flight) and the float32 d_hidden [T, H].
 """
@@ -36,9 +36,12 @@ name = "chunked"
 
 # Elements of one float32 logits chunk; override with LOGITLESS_CHUNK_ELEMENTS.
 # CUDA: 64 MiB keeps the GEMMs large; the caching allocator recycles the tiles.
-# CPU: 8 MiB. Larger tiles exceed glibc's mmap threshold, so every temporary is a fresh mapping whose
-# pages fault in on first touch (measured: 1.59x the 4-GEMM floor at 64 MiB, 1.08-1.15x at 4-8 MiB).
-DEFAULT_CHUNK_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 21}
+# CPU: 32 MiB, in one buffer a call (``stats``, ``grads``: never a fresh tile a chunk, whose pages would fault in),
+# so that few and wide products run: each product on torch's threads ends in a join, and on a machine busy with
+# other work a join waits for a descheduled thread (benchmarks/DESIGN.md: at N1024 H512 V32000, 8192 columns a
+# product against 1024, the forward 1.54x the GEMM against 4.07x on 2 loaded cores; 1.25x against 1.15x of CPU
+# time on one thread).
+DEFAULT_CHUNK_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 23}
 
 # Where the forward cuts the vocabulary (LOGITLESS_CHUNKED_COLUMNS=auto): "fixed", at the same columns for every
 # batch; "batch", the budget over N (wider products, so fewer and larger GEMMs, for small batches).
@@ -51,11 +54,22 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
 
 # A tile keeps at least this many vocabulary columns: more tokens than budget / MIN_COLUMNS are taken in
 # token chunks, so the products stay wide enough for the BLAS (an [N, 16] tile at N = 1M would not be).
+# Under the default budget CPU tiles keep 8192 (calls of at most 1024 tokens; see DEFAULT_CHUNK_ELEMENTS); an
+# explicit LOGITLESS_CHUNK_ELEMENTS keeps MIN_COLUMNS on every device.
 MIN_COLUMNS = 1024
+DEFAULT_MIN_COLUMNS = {"cuda": MIN_COLUMNS, "cpu": 8192}
+
+
+def _kind(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
 
 
 def _tile_budget(device: torch.device) -> int:
-    return knobs.chunk_elements(DEFAULT_CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"])
+    return knobs.chunk_elements(DEFAULT_CHUNK_ELEMENTS[_kind(device)])
+
+
+def _min_columns(device: torch.device) -> int:
+    return MIN_COLUMNS if knobs.chunk_elements(None) is not None else DEFAULT_MIN_COLUMNS[_kind(device)]
 
 
 def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
@@ -64,26 +78,28 @@ def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
 
 
 def _max_tokens(device: torch.device) -> int:
-    return max(1, _tile_budget(device) // MIN_COLUMNS)
+    return max(1, _tile_budget(device) // _min_columns(device))
 
 
 def stats_columns(n_tokens: int, vocab: int, device: torch.device) -> int:
     """Vocabulary rows per forward chunk. "fixed" columns (CPU's default): a function of the vocabulary and the
-    budget alone (the budget over the most tokens of a call, ``token_rows``: MIN_COLUMNS by default), so a token's
+    budget alone (the budget over the most tokens of a call, ``token_rows``: 1024 on CUDA and 8192 on CPU by default),
+    so a token's
     online logsumexp rescales at the same columns in every batch and its bits depend on the batch only through the
     BLAS and the row reductions (docs/determinism.md). "batch" columns (CUDA's default): the budget over N
     (``chunk_rows``), wider products for small batches. LOGITLESS_CHUNKED_COLUMNS overrides the device's rule."""
     rule = knobs.chunked_columns()
     if rule == "auto":
-        rule = DEFAULT_COLUMNS["cuda" if device.type == "cuda" else "cpu"]
+        rule = DEFAULT_COLUMNS[_kind(device)]
     if rule == "batch":
         return chunk_rows(n_tokens, vocab, device)
     return max(1, min(vocab, _tile_budget(device) // _max_tokens(device)))
 
 
 def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
-    """Most tokens per call, both stages: the tile budget over MIN_COLUMNS (2^24 / 1024 = 16384 on CUDA,
-    2048 on CPU by default). Depends on the device only, as the backward's chunking must (contract.py)."""
+    """Most tokens per call, both stages: the tile budget over its fewest columns (2^24 / 1024 = 16384 on CUDA,
+    2^23 / 8192 = 1024 on CPU by default; budget / MIN_COLUMNS for an explicit budget). Depends on the device
+    only, as the backward's chunking must (contract.py)."""
     return _max_tokens(hidden.device)
 
 
