@@ -39,7 +39,7 @@ name = "chunked"
 # CPU: 32 MiB, in one buffer a call (``stats``, ``grads``: never a fresh tile a chunk, whose pages would fault in),
 # so that few and wide products run: each product on torch's threads ends in a join, and on a machine busy with
 # other work a join waits for a descheduled thread (benchmarks/DESIGN.md: at N1024 H512 V32000, 8192 columns a
-# product against 1024, the forward 1.54x the GEMM against 4.07x on 2 loaded cores; 1.25x against 1.15x of CPU
+# product against 1024, the forward 1.86x the GEMM against 4.07x on 2 loaded cores; 1.25x against 1.15x of CPU
 # time on one thread).
 DEFAULT_CHUNK_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 23}
 
