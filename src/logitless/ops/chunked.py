@@ -159,23 +159,27 @@ def stats(hidden, weight, labels, inv_temp, with_entropy, softcap=None):
         product_into(raw, hidden, weight[start:stop].t())
         if stop - start != step:
             blocks = row_blocks(n, stop - start, dev)
-        _chunk_stats(raw, _local_labels(labels, start, stop), inv_temp, softcap, with_entropy, part, zy, scratch,
-                     blocks)
-        mc, sc, tc = part
-        if m is None:           # the first chunk: its statistics are the running ones
-            m, s, t = mc.clone(), sc.clone(), tc.clone() if with_entropy else None
-            continue
-        m_new = torch.maximum(m, mc)
-        d_old, d_new = m - m_new, mc - m_new            # <= 0, one of them 0
-        a, b = d_old.exp(), d_new.exp()
-        if with_entropy:
-            # re-centre both sums on the new max: sum e' (z - m') = exp(m - m') * (t + s * (m - m'))
-            t.addcmul_(s, d_old).mul_(a).add_(tc.addcmul_(sc, d_new).mul_(b))
-        s.mul_(a).add_(sc.mul_(b))
-        m = m_new
-    log_s = torch.log(s)
-    lse = m + log_s
-    ent = log_s - t / s if t is not None else None
+        # between the products, on one thread (CPU): the merge's small exponentials too, which MKL's vector maths
+        # would otherwise hand to torch's threads (a wait for the second thread on a busy machine)
+        with one_thread_on_cpu(dev):
+            _chunk_stats(raw, _local_labels(labels, start, stop), inv_temp, softcap, with_entropy, part, zy, scratch,
+                         blocks)
+            mc, sc, tc = part
+            if m is None:           # the first chunk: its statistics are the running ones
+                m, s, t = mc.clone(), sc.clone(), tc.clone() if with_entropy else None
+                continue
+            m_new = torch.maximum(m, mc)
+            d_old, d_new = m - m_new, mc - m_new            # <= 0, one of them 0
+            a, b = d_old.exp(), d_new.exp()
+            if with_entropy:
+                # re-centre both sums on the new max: sum e' (z - m') = exp(m - m') * (t + s * (m - m'))
+                t.addcmul_(s, d_old).mul_(a).add_(tc.addcmul_(sc, d_new).mul_(b))
+            s.mul_(a).add_(sc.mul_(b))
+            m = m_new
+    with one_thread_on_cpu(dev):
+        log_s = torch.log(s)
+        lse = m + log_s
+        ent = log_s - t / s if t is not None else None
     return lse, ent, zy
 
 
