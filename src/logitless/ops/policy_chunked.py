@@ -22,10 +22,10 @@ from .chunked import DEFAULT_CHUNK_ELEMENTS
 from .maths import (
     block_scratch,
     dlogits_in_blocks,
+    ieee_fp32,
     label_logits,
     mm_fp32,
     one_thread_on_cpu,
-    product_into,
     row_blocks,
 )
 from .policy_parts import Combine, accumulate_product
@@ -122,7 +122,8 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
             z = mm_fp32(h, weight.t())
         else:
             z = tile[:(stop - start) * vocab].view(stop - start, vocab)
-            product_into(z, h, weight.t())
+            with ieee_fp32(h):
+                torch.mm(h, weight.t(), out=z)
         # on CPU everything between the products on one thread (``one_thread_on_cpu``): the terms' small
         # exponentials and logarithms too, which MKL's vector maths would otherwise hand to torch's threads (on a
         # busy machine, each such call waited milliseconds for the second thread)
