@@ -31,21 +31,18 @@ sampling seeds (same weights): their spread is the run-to-run noise the trl / fu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# the GRPO learning script's tokenizer, step meter and run records, shared by both learning scripts
-import trl_grpo_learning as common  # noqa: E402
+# the tokenizer, the step meter, the run records, the table and the plot, shared with trl_grpo_learning.py
+import learning_runs as common  # noqa: E402
 
 MODES = ("trl", "fused")
 # per-size defaults; every one can be overridden by its flag
@@ -70,27 +67,12 @@ HELD_OUT = 256          # held-out sequences
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for the models, the JSON of each run and the plot")
-    p.add_argument("--mode", choices=MODES, help="run only this mode, in this process")
-    p.add_argument("--modes", default=",".join(MODES), help="modes to run, each in a fresh process")
-    p.add_argument("--seed", type=int, default=0, help="the trainer's seed (sampling, data order)")
-    p.add_argument("--noise-seeds", default="1,2", help="extra trl seeds for the run-to-run noise ('' for none)")
-    p.add_argument("--model-seed", type=int, default=0, help="the seed of the teacher's and student's weights")
-    p.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    for name in SIZES["cpu"]:
-        p.add_argument("--" + name.replace("_", "-"), type=type(SIZES["cpu"][name]), default=None)
+    p = common.argument_parser(__doc__, MODES, SIZES, out="the models, the JSON of each run and the plot",
+                               noise_seeds="1,2", weights="the teacher's and student's weights",
+                               png_name="distillation_curves.png")
     p.add_argument("--beta", type=float, default=0.5, help="TRL's beta: 0 forward KL, 0.5 the JSD, 1 reverse KL")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and divergence temperature (TRL's)")
-    p.add_argument("--plot", action="store_true", help="after the runs, draw the curves and print the table")
-    p.add_argument("--plot-only", action="store_true", help="only plot the runs already in --out")
-    p.add_argument("--png", default=None, help="where the plot goes (default OUT/distillation_curves.png)")
-    args = p.parse_args(argv)
-    for name, value in SIZES[args.size].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dtype not in ("float32", "bfloat16"):
-        p.error(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    args = common.parse_sized(p, argv, SIZES)
     if not 2 <= args.task_words <= args.vocab - 3:
         p.error(f"--task-words must lie in [2, vocab - 3 = {args.vocab - 3}], got {args.task_words}")
     return args
@@ -193,7 +175,7 @@ def prepare_models(args) -> dict:
     record = {"settings": settings, "teacher_heldout_accuracy": acc, "teacher_last_loss": last_loss,
               "teacher_train_s": time.perf_counter() - t0,
               "student_heldout_accuracy": heldout_accuracy(student, heldout_batch(args))}
-    common._write(path, record)
+    common.write_record(path, record)
     print(f"teacher: held-out accuracy {acc:.3f} after {args.teacher_steps} steps (last loss {last_loss:.3f}, "
           f"{record['teacher_train_s']:.1f} s); the untrained student: {record['student_heldout_accuracy']:.3f}")
     return record
@@ -217,11 +199,7 @@ def build_prompts(args, n: int = 512):
 
 def run_one(args, mode: str, seed: int) -> dict:
     """Distil the student from ``seed`` in this mode and write OUT/<mode>-seed<seed>.json (returned)."""
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
-                            category=FutureWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")      # see trl_grpo_learning.run_one
+    common.quiet_trainer()
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
@@ -230,10 +208,7 @@ def run_one(args, mode: str, seed: int) -> dict:
     hf_logging.disable_progress_bar()
     models = prepare_models(args)
     path = os.path.join(args.out, f"{mode}-seed{seed}.json")
-    record = {"mode": mode, "seed": seed, "model_seed": args.model_seed, "machine": common.machine(),
-              "versions": common.versions(), "models": models,
-              "settings": {k: v for k, v in vars(args).items() if k not in (
-                  "out", "mode", "modes", "plot", "plot_only", "png", "noise_seeds", "seed")}}
+    record = common.new_record(args, mode, seed, models=models)
     dtype = getattr(torch, args.dtype)
     folder = os.path.join(args.out, "models")
     student = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "student"), dtype=dtype)
@@ -271,21 +246,12 @@ def run_one(args, mode: str, seed: int) -> dict:
         t0 = time.perf_counter()
         trainer.train()
         record["train_s"] = time.perf_counter() - t0
-    if mode == "fused":
-        import logitless
-        record["logitless_backend"] = logitless.last_backend()
-    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
-    steps = []
-    for row in meter.rows:
-        h = logs.get(row["step"], {})
-        steps.append({**row, **{k: h[k] for k in LOGGED if h.get(k) is not None}})
+    steps = common.step_rows(meter, trainer, LOGGED)
+    for row in steps:
         if row["step"] in evals:
-            steps[-1]["heldout_accuracy"] = evals[row["step"]]
+            row["heldout_accuracy"] = evals[row["step"]]
     record["heldout_accuracy_start"] = evals[0]
-    record["steps"] = steps
-    record["summary"] = summarise(steps)
-    common._write(path, record)
-    s = record["summary"]
+    s = common.close_record(path, record, steps, summarise)
     print(f"{mode} seed {seed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, held-out accuracy "
           f"{evals[0]:.3f} -> {s['final_heldout']:.3f}, step {s['median_step_s']:.3f} s (median), peak "
           f"{s['peak_mib']:.1f} MiB (+{s['rise_median_mib']:.1f} over a step's start, median); {path}")
@@ -293,137 +259,56 @@ def run_one(args, mode: str, seed: int) -> dict:
 
 
 def summarise(steps, window: int = 5) -> dict:
-    """Mean loss of the first / last ``window`` steps, the last held-out accuracy, the median step time, the largest
-    peak, a step's peak rise over its start (median, and the largest after step 1)."""
+    """Mean loss of the first / last ``window`` steps, the last held-out accuracy, the step time and memory
+    (learning_runs.step_summary)."""
     losses = [s["loss"] for s in steps if "loss" in s]
     held = [s["heldout_accuracy"] for s in steps if "heldout_accuracy" in s]
-    rises = [s["peak_over_start_bytes"] for s in steps]
-    mib = 2.0 ** 20
     return {"first_loss": statistics.fmean(losses[:window]) if losses else float("nan"),
             "final_loss": statistics.fmean(losses[-window:]) if losses else float("nan"),
             "final_heldout": held[-1] if held else float("nan"),
-            "median_step_s": statistics.median(s["step_time_s"] for s in steps) if steps else float("nan"),
-            "peak_mib": max((s["peak_bytes"] for s in steps), default=0) / mib,
-            "rise_median_mib": statistics.median(rises) / mib if rises else float("nan"),
-            "rise_max_mib": max(rises[1:] or rises or [0]) / mib}
+            **common.step_summary(steps)}
 
 
-# ---------------------------------------------------------------- several runs, the plot, the table
-
-def run_all(args, argv):
-    """The models once, then every requested mode (and the noise seeds of trl), each in a fresh process."""
-    runs = [(m, args.seed) for m in args.modes.split(",") if m]
-    runs += [("trl", int(s)) for s in args.noise_seeds.split(",") if s.strip()]
-    bad = [m for m, _ in runs if m not in MODES]
-    if bad:
-        raise SystemExit(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
-    prepare_models(args)
-    passed = common._strip(argv, ("--modes", "--noise-seeds", "--seed", "--png"), ("--plot", "--plot-only"))
-    for mode, seed in runs:
-        cmd = [sys.executable, os.path.abspath(__file__), *passed, "--mode", mode, "--seed", str(seed)]
-        print(f"== {mode} seed {seed}", flush=True)
-        subprocess.run(cmd, check=True)
-
-
-def load_runs(out_dir):
-    runs = [r for r in common.load_runs(out_dir) if r.get("mode") in MODES]
-    order = {m: i for i, m in enumerate(MODES)}
-    runs.sort(key=lambda r: (r["seed"], order[r["mode"]]))
-    return runs
-
-
-def curve(run, key):
-    return {s["step"]: s[key] for s in run.get("steps", []) if key in s}
-
-
-def distance(a, b, key):
-    """Mean absolute difference of two runs' ``key`` over the steps where both have it."""
-    ca, cb = curve(a, key), curve(b, key)
-    common_steps = sorted(set(ca) & set(cb))
-    return statistics.fmean(abs(ca[s] - cb[s]) for s in common_steps) if common_steps else float("nan")
-
+# ---------------------------------------------------------------- the table, the distances, the plot
 
 def table(runs) -> str:
-    """One row per run; ``peak`` is CUDA's max_memory_allocated on a GPU, the process's peak RSS on CPU."""
-    lines = ["| mode | seed | loss, first 5 steps | loss, last 5 steps | held-out accuracy: start -> end | "
-             "step time (median) | peak memory | a step's peak over its start: median (max after step 1) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
+    def cells(r):
         s = summarise(r["steps"])
-        lines.append(f"| {r['mode']} | {r['seed']} | {s['first_loss']:.4f} | {s['final_loss']:.4f} | "
-                     f"{r['heldout_accuracy_start']:.3f} -> {s['final_heldout']:.3f} | {s['median_step_s']:.3f} s | "
-                     f"{s['peak_mib']:.1f} MiB | {s['rise_median_mib']:.1f} MiB ({s['rise_max_mib']:.1f} MiB) |")
-    return "\n".join(lines)
+        return [f"{s['first_loss']:.4f}", f"{s['final_loss']:.4f}",
+                f"{r['heldout_accuracy_start']:.3f} -> {s['final_heldout']:.3f}"]
+    return common.table(runs, ["loss, first 5 steps", "loss, last 5 steps", "held-out accuracy: start -> end"],
+                        cells)
 
 
 def distances(runs) -> list:
     """Each run's distance to TRL's loss at the first seed (loss per step, held-out accuracy per evaluation): fused
     at the same seed against TRL's other seeds, the run-to-run noise."""
-    base = [r for r in runs if r["mode"] == "trl"]
-    if not base:
-        return []
-    ref = base[0]
     out = []
-    for r in runs:
-        if r is ref:
-            continue
-        la, lb = curve(r, "loss"), curve(ref, "loss")
+    for r, ref in common.against_first_trl(runs):
+        la, lb = common.curve(r, "loss"), common.curve(ref, "loss")
         apart = next((st for st in sorted(set(la) & set(lb))
                       if abs(la[st] - lb[st]) > 1e-4 * max(abs(lb[st]), 1e-3)), None)
         out.append(f"{r['mode']} seed {r['seed']} vs trl seed {ref['seed']}: mean |loss difference| per step "
-                   f"{distance(r, ref, 'loss'):.5f}, mean |held-out accuracy difference| per evaluation "
-                   f"{distance(r, ref, 'heldout_accuracy'):.4f}, first step whose loss differs by more than 1e-4 "
-                   f"(relative): {apart}")
+                   f"{common.distance(r, ref, 'loss'):.5f}, mean |held-out accuracy difference| per evaluation "
+                   f"{common.distance(r, ref, 'heldout_accuracy'):.4f}, first step whose loss differs by more "
+                   f"than 1e-4 (relative): {apart}")
     return out
 
 
 def plot(runs, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax_loss, ax_held) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
-    styles = {"trl": dict(color="tab:blue", linewidth=4, alpha=0.45), "fused": dict(color="tab:orange", linewidth=1.4)}
-    for r in runs:
-        style = dict(styles[r["mode"]])
-        if r["mode"] == "trl" and r["seed"] != runs[0]["seed"]:
-            style.update(color="tab:gray", linestyle="--", linewidth=1.1, alpha=1.0)
-        label = {"trl": "TRL's loss", "fused": "logitless"}[r["mode"]] + f" (seed {r['seed']})"
-        for ax, key in ((ax_loss, "loss"), (ax_held, "heldout_accuracy")):
-            c = curve(r, key)
-            if key == "heldout_accuracy":
-                c = {0: r["heldout_accuracy_start"], **c}
-            ax.plot(list(c), list(c.values()), label=label, **style)
     s = runs[0]["settings"]
-    where = runs[0]["machine"].split(",")[0].split(":")[0]
-    ax_loss.set_ylabel(f"loss (TRL's generalized JSD, beta {s.get('beta')})")
-    ax_held.set_ylabel("held-out next-word accuracy")
-    for ax in (ax_loss, ax_held):
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-    ax_held.legend(fontsize=8)
-    fig.suptitle(f"TRL DistillationTrainer, V={s.get('vocab')}, teacher H={s.get('hidden')} -> student "
-                 f"H={s.get('student_hidden')}, {s.get('dtype')}, {where}", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
-    fig.savefig(png)
-    print(f"plot: {png}")
+    common.plot(
+        runs, png, [(f"loss (TRL's generalized JSD, beta {s.get('beta')})", lambda r: common.curve(r, "loss")),
+                    ("held-out next-word accuracy",
+                     lambda r: {0: r["heldout_accuracy_start"], **common.curve(r, "heldout_accuracy")})],
+        {"trl": "TRL's loss", "fused": "logitless"},
+        f"TRL DistillationTrainer, V={s.get('vocab')}, teacher H={s.get('hidden')} -> student "
+        f"H={s.get('student_hidden')}, {s.get('dtype')}, {common.where(runs)}", (10, 3.8))
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.mode:
-        run_one(args, args.mode, args.seed)
-    elif not args.plot_only:
-        run_all(args, argv)
-    if args.plot or args.plot_only:
-        runs = load_runs(args.out)
-        if not runs:
-            raise SystemExit(f"no runs in {args.out}")
-        plot(runs, args.png or os.path.join(args.out, "distillation_curves.png"))
-        print(table(runs))
-        for line in distances(runs):
-            print(line)
+    common.main(sys.argv[1:] if argv is None else argv, __file__, MODES, parse_args, run_one,
+               (plot, table, distances), "distillation_curves.png", prepare=prepare_models)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def parse_args():
 
 
 def build_tokenizer(vocab_size: int):
+    """Words "w0", "w1", ... after <pad>, <eos>, <unk> (ids 0, 1, 2), split on white space; left padding."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from transformers import PreTrainedTokenizerFast

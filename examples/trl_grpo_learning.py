@@ -36,21 +36,19 @@ difference is judged against. ``--plot`` draws every run's reward curve into OUT
 """
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import math
 import os
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the tokenizer, the step meter, the run records, the table and the plot, shared with trl_distillation_learning.py
+import learning_runs as runs_common  # noqa: E402
+from learning_runs import build_tokenizer  # noqa: E402
 
 MODES = ("trl", "fused", "liger")
 # per-size defaults; every one can be overridden by its flag
@@ -68,49 +66,18 @@ LOGGED = ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "clip_ra
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for the JSON of each run (and the plot)")
-    p.add_argument("--mode", choices=MODES, help="run only this mode, in this process")
-    p.add_argument("--modes", default=",".join(MODES), help="modes to run, each in a fresh process")
-    p.add_argument("--seed", type=int, default=0, help="the trainer's seed (sampling, data order)")
-    p.add_argument("--noise-seeds", default="1", help="extra trl seeds for the run-to-run noise ('' for none)")
-    p.add_argument("--model-seed", type=int, default=0, help="the seed of the model's random weights")
-    p.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    for name in SIZES["cpu"]:
-        p.add_argument("--" + name.replace("_", "-"), type=type(SIZES["cpu"][name]), default=None)
+    p = runs_common.argument_parser(__doc__, MODES, SIZES, out="the JSON of each run (and the plot)", noise_seeds="1",
+                                    weights="the model's random weights", png_name="reward_curves.png")
     p.add_argument("--target-every", type=int, default=8, help="target words: those whose number is a multiple")
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--steps-per-generation", type=int, default=2)
     p.add_argument("--liger-on-cpu", action="store_true", help="run the liger mode without CUDA (a check only)")
     p.add_argument("--liger-uncompiled", action="store_true", help="Liger's loss without torch.compile")
-    p.add_argument("--plot", action="store_true", help="after the runs, draw the reward curves and print the table")
-    p.add_argument("--plot-only", action="store_true", help="only plot the runs already in --out")
-    p.add_argument("--png", default=None, help="where the plot goes (default OUT/reward_curves.png)")
-    args = p.parse_args(argv)
-    for name, value in SIZES[args.size].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dtype not in ("float32", "bfloat16"):
-        p.error(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
-    return args
+    return runs_common.parse_sized(p, argv, SIZES)
 
 
 # ---------------------------------------------------------------- model, tokenizer, prompts, reward
-
-def build_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for i in range(vocab_size - len(vocab)):
-        vocab[f"w{i}"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    fast.padding_side = "left"
-    return fast
-
 
 def build_model(folder: str, args) -> str:
     """A random tiny Qwen2 and its tokenizer saved to ``folder`` (TRL loads the reference model from it too).
@@ -211,93 +178,11 @@ def liger_unavailable(args) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- measuring
-
-def _status_kib(key: str) -> int:
-    return int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
-
-
-class StepMeter:
-    """Wall time and peak memory of each optimizer step (generation, scoring, loss, backward, optimizer)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.rows = []
-
-    def callback(self):
-        from transformers import TrainerCallback
-        meter = self
-
-        class Meter(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kw):
-                meter.begin()
-
-            def on_step_end(self, args, state, control, **kw):
-                meter.end(state.global_step)
-        return Meter()
-
-    def begin(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.start_bytes = torch.cuda.memory_allocated()
-        else:
-            self.start_bytes = _status_kib("VmRSS") * 1024
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")                       # reset VmHWM to the current resident set
-        self.t0 = time.perf_counter()
-
-    def end(self, step):
-        if self.cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        else:
-            peak = _status_kib("VmHWM") * 1024
-        self.rows.append({"step": step, "step_time_s": time.perf_counter() - self.t0, "peak_bytes": peak,
-                          "peak_over_start_bytes": peak - self.start_bytes})
-
-
 # ---------------------------------------------------------------- one run
-
-def versions() -> dict:
-    import logitless
-    import transformers
-    import trl
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "trl": trl.__version__, "logitless": getattr(logitless, "__version__", "?")}
-    try:
-        from importlib.metadata import version
-
-        import liger_kernel  # noqa: F401
-        out["liger-kernel"] = version("liger-kernel")
-    except Exception:  # noqa: BLE001 - not installed: not recorded
-        pass
-    return out
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU: {cpu}, {os.cpu_count()} cores"
-
 
 def run_one(args, mode: str, seed: int) -> dict:
     """Train one mode from ``seed`` and write OUT/<mode>-seed<seed>.json (returned)."""
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated",
-                            category=FutureWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not torch.cuda.is_available():
-        # DeepSpeed, where it is installed, is imported by accelerate and logs a WARNING when it finds no GPU;
-        # naming the device it should use (its own DS_ACCELERATOR setting) is all it needs
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    runs_common.quiet_trainer()
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
@@ -305,15 +190,13 @@ def run_one(args, mode: str, seed: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
     hf_logging.disable_progress_bar()
     path = os.path.join(args.out, f"{mode}-seed{seed}.json")
-    record = {"mode": mode, "seed": seed, "model_seed": args.model_seed, "machine": machine(),
-              "versions": versions(), "settings": {k: v for k, v in vars(args).items() if k not in (
-                  "out", "mode", "modes", "plot", "plot_only", "png", "noise_seeds", "seed")}}
+    record = runs_common.new_record(args, mode, seed)
     if mode == "liger":
         why = liger_unavailable(args)
         if why:
             print(f"liger mode skipped: {why}")
             record["skipped"] = why
-            _write(path, record)
+            runs_common.write_record(path, record)
             return record
     use_cpu = not torch.cuda.is_available()
     bf16 = args.dtype == "bfloat16"
@@ -337,23 +220,12 @@ def run_one(args, mode: str, seed: int) -> dict:
             logitless.trl.enable(trainer, fused_loss=True)
         elif mode == "liger":
             enable_liger(trainer, compiled=torch.cuda.is_available() and not args.liger_uncompiled)
-        meter = StepMeter(trainer.accelerator.device)
+        meter = runs_common.StepMeter(trainer.accelerator.device)
         trainer.add_callback(meter.callback())
         t0 = time.perf_counter()
         trainer.train()
         record["train_s"] = time.perf_counter() - t0
-    if mode == "fused":
-        import logitless
-        record["logitless_backend"] = logitless.last_backend()
-    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
-    steps = []
-    for row in meter.rows:
-        h = logs.get(row["step"], {})
-        steps.append({**row, **{k: h[k] for k in LOGGED if h.get(k) is not None}})
-    record["steps"] = steps
-    record["summary"] = summarise(steps)
-    _write(path, record)
-    s = record["summary"]
+    s = runs_common.close_record(path, record, runs_common.step_rows(meter, trainer, LOGGED), summarise)
     print(f"{mode} seed {seed}: reward {s['first_reward']:.3f} -> {s['final_reward']:.3f}, "
           f"step {s['median_step_s']:.3f} s (median), peak {s['peak_mib']:.1f} MiB "
           f"(+{s['rise_median_mib']:.1f} over a step's start, median); {path}")
@@ -362,167 +234,56 @@ def run_one(args, mode: str, seed: int) -> dict:
 
 def summarise(steps, window: int = 10) -> dict:
     """Rewards of the generation batches in the first / last ``window`` steps; the first step whose batch
-    reached a reward of 0.5 and of 0.9; the median step time; the largest peak over the run; a step's peak
-    rise over its start (median over the steps, and the largest after step 1, whose first calls allocate
-    workspaces that later steps reuse)."""
+    reached a reward of 0.5 and of 0.9; the step time and memory (learning_runs.step_summary)."""
     rewards = [(s["step"], s["reward"]) for s in steps if "reward" in s]
     last = steps[-1]["step"] if steps else 0
     first = [r for st, r in rewards if st <= window]
     final = [r for st, r in rewards if st > last - window]
-    mib = 2.0 ** 20
-    rises = [s["peak_over_start_bytes"] for s in steps]
     return {"first_reward": statistics.fmean(first) if first else float("nan"),
             "final_reward": statistics.fmean(final) if final else float("nan"),
             "step_to_0.5": next((st for st, r in rewards if r >= 0.5), None),
             "step_to_0.9": next((st for st, r in rewards if r >= 0.9), None),
-            "median_step_s": statistics.median(s["step_time_s"] for s in steps) if steps else float("nan"),
-            "peak_mib": max((s["peak_bytes"] for s in steps), default=0) / mib,
-            "rise_median_mib": statistics.median(rises) / mib if rises else float("nan"),
-            "rise_max_mib": max(rises[1:] or rises or [0]) / mib}
+            **runs_common.step_summary(steps)}
 
 
-def _write(path, record):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-
-
-# ---------------------------------------------------------------- several runs, the plot, the table
-
-def run_all(args, argv):
-    """Every requested mode (and the noise seeds of trl), each in a fresh process running this script."""
-    runs = [(m, args.seed) for m in args.modes.split(",") if m]
-    runs += [("trl", int(s)) for s in args.noise_seeds.split(",") if s.strip()]
-    bad = [m for m, _ in runs if m not in MODES]
-    if bad:
-        raise SystemExit(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
-    passed = _strip(argv, ("--modes", "--noise-seeds", "--seed", "--png"), ("--plot", "--plot-only"))
-    for mode, seed in runs:
-        cmd = [sys.executable, os.path.abspath(__file__), *passed, "--mode", mode, "--seed", str(seed)]
-        print(f"== {mode} seed {seed}", flush=True)
-        subprocess.run(cmd, check=True)
-
-
-def _strip(argv, with_value, flags):
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in with_value:
-            skip = "=" not in a
-            continue
-        if name in flags:
-            continue
-        out.append(a)
-    return out
-
-
-def load_runs(out_dir):
-    runs = []
-    for path in sorted(glob.glob(os.path.join(out_dir, "*-seed*.json"))):
-        with open(path) as f:
-            runs.append(json.load(f))
-    order = {m: i for i, m in enumerate(MODES)}
-    runs.sort(key=lambda r: (r["seed"], order.get(r["mode"], 9)))
-    return runs
-
-
-def reward_curve(run):
-    return {s["step"]: s["reward"] for s in run.get("steps", []) if "reward" in s}
-
-
-def curve_distance(a, b):
-    """Mean absolute difference of two runs' rewards over the steps where both generated."""
-    ca, cb = reward_curve(a), reward_curve(b)
-    common = sorted(set(ca) & set(cb))
-    return statistics.fmean(abs(ca[s] - cb[s]) for s in common) if common else float("nan")
-
+# ---------------------------------------------------------------- the table, the distances, the plot
 
 def table(runs) -> str:
-    """One row per run; ``peak`` is CUDA's max_memory_allocated on a GPU, the process's peak RSS on CPU."""
-    lines = ["| mode | seed | reward, first 10 steps | reward, last 10 steps | first step >= 0.5 / 0.9 | "
-             "step time (median) | peak memory | a step's peak over its start: median (max after step 1) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
+    def cells(r):
         if "skipped" in r:
-            lines.append(f"| {r['mode']} | {r['seed']} | skipped: {r['skipped']} | | | | | |")
-            continue
+            return f"skipped: {r['skipped']}"
         s = summarise(r["steps"])
-        lines.append(f"| {r['mode']} | {r['seed']} | {s['first_reward']:.3f} | {s['final_reward']:.3f} | "
-                     f"{s['step_to_0.5']} / {s['step_to_0.9']} | {s['median_step_s']:.3f} s | "
-                     f"{s['peak_mib']:.1f} MiB | {s['rise_median_mib']:.1f} MiB ({s['rise_max_mib']:.1f} MiB) |")
-    return "\n".join(lines)
+        return [f"{s['first_reward']:.3f}", f"{s['final_reward']:.3f}", f"{s['step_to_0.5']} / {s['step_to_0.9']}"]
+    return runs_common.table(runs, ["reward, first 10 steps", "reward, last 10 steps", "first step >= 0.5 / 0.9"],
+                             cells)
 
 
 def distances(runs) -> list[str]:
     """The trl / fused (and liger) distance against the trl seed-to-seed distance (the noise)."""
-    done = [r for r in runs if "skipped" not in r]
-    base = [r for r in done if r["mode"] == "trl"]
-    if not base:
-        return []
-    ref = base[0]
     out = []
-    for r in done:
-        if r is ref:
-            continue
-        ca, cb = reward_curve(r), reward_curve(ref)
+    for r, ref in runs_common.against_first_trl(runs):
+        ca, cb = runs_common.curve(r, "reward"), runs_common.curve(ref, "reward")
         apart = next((st for st in sorted(set(ca) & set(cb)) if ca[st] != cb[st]), None)
         out.append(f"{r['mode']} seed {r['seed']} vs trl seed {ref['seed']}: mean |reward difference| per generation "
-                   f"{curve_distance(r, ref):.4f}, final rewards {summarise(r['steps'])['final_reward']:.3f} vs "
-                   f"{summarise(ref['steps'])['final_reward']:.3f}, first generation whose reward differs: "
-                   f"step {apart}")
+                   f"{runs_common.distance(r, ref, 'reward'):.4f}, final rewards "
+                   f"{summarise(r['steps'])['final_reward']:.3f} vs {summarise(ref['steps'])['final_reward']:.3f}, "
+                   f"first generation whose reward differs: step {apart}")
     return out
 
 
 def plot(runs, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-    # the same-seed curves coincide for many steps: wide pale trl, fused on top, liger dotted, so all show
-    styles = {"trl": dict(color="tab:blue", linewidth=4, alpha=0.45), "fused": dict(color="tab:orange", linewidth=1.4),
-              "liger": dict(color="tab:green", linewidth=1.4, linestyle=":")}
-    for r in runs:
-        if "skipped" in r:
-            continue
-        c = reward_curve(r)
-        style = dict(styles.get(r["mode"], {}))
-        if r["mode"] == "trl" and r["seed"] != runs[0]["seed"]:
-            style.update(color="tab:gray", linestyle="--", linewidth=1.1, alpha=1.0)
-        label = {"trl": "TRL's loss", "fused": "logitless fused_loss=True", "liger": "Liger's GRPO loss"}[r["mode"]]
-        ax.plot(list(c), list(c.values()), label=f"{label} (seed {r['seed']})", **style)
     done = [r for r in runs if "skipped" not in r]
     s = done[0]["settings"] if done else {}
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward of the generation batch")
-    where = done[0]["machine"].split(",")[0].split(":")[0] if done else ""
-    ax.set_title(f"TRL GRPOTrainer, loss_type {s.get('loss_type')}, beta {s.get('beta')}, V={s.get('vocab')}, "
-                 f"{s.get('dtype')}, {where}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
-    fig.savefig(png)
-    print(f"plot: {png}")
+    runs_common.plot(
+        runs, png, [("mean reward of the generation batch", lambda r: runs_common.curve(r, "reward"))],
+        {"trl": "TRL's loss", "fused": "logitless fused_loss=True", "liger": "Liger's GRPO loss"},
+        f"TRL GRPOTrainer, loss_type {s.get('loss_type')}, beta {s.get('beta')}, V={s.get('vocab')}, "
+        f"{s.get('dtype')}, {runs_common.where(runs)}", (6.4, 3.8))
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.mode:
-        run_one(args, args.mode, args.seed)
-    elif not args.plot_only:
-        run_all(args, argv)
-    if args.plot or args.plot_only:
-        runs = load_runs(args.out)
-        if not runs:
-            raise SystemExit(f"no runs in {args.out}")
-        plot(runs, args.png or os.path.join(args.out, "reward_curves.png"))
-        print(table(runs))
-        for line in distances(runs):
-            print(line)
+    runs_common.main(sys.argv[1:] if argv is None else argv, __file__, MODES, parse_args, run_one,
+                    (plot, table, distances), "reward_curves.png")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ Any other placement raises ValueError naming it (see :func:`tensor_parallel_shar
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Callable, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
-__all__ = ["call_head", "check_layout", "inner_head", "head_shape", "is_dtensor", "tensor_parallel_shard", "replicated"]
+__all__ = ["call_head", "check_layout", "inner_head", "head_shape", "is_dtensor", "tensor_parallel_shard", "replicated",
+           "whole_weight"]
 
 # compute(hidden, weight, tp_group) -> a tuple of tensors (or None): the fused outputs
 Compute = Callable[[Tensor, Tensor, object], tuple]
@@ -111,6 +113,27 @@ def replicated(hidden: Tensor) -> Tensor:
     """``hidden`` as a plain tensor holding the whole of it on every rank (differentiably): a DTensor
     (e.g. the sequence-parallel output of a tensor-parallel model) is gathered; anything else is returned."""
     return hidden.full_tensor() if is_dtensor(hidden) else hidden
+
+
+def is_zero3_partitioned(weight: Tensor) -> bool:
+    """Whether ``weight`` is a parameter DeepSpeed ZeRO-3 partitions (it carries ZeRO's ``ds_*`` attributes)."""
+    return getattr(weight, "ds_numel", None) is not None and hasattr(weight, "ds_status")
+
+
+@contextlib.contextmanager
+def whole_weight(head: nn.Module):
+    """The whole [V, H] weight of a head that is read here but not trained (a distillation teacher's), as a plain
+    tensor for the duration of the context, without gradient: an FSDP2 DTensor gathered (``full_tensor``), a
+    DeepSpeed ZeRO-3 partition gathered (``GatheredParameters``, released again on exit), anything else as it is.
+    Use it inside the op's call: a ZeRO-3 weight read after the context is a freed placeholder."""
+    weight = inner_head(head).weight
+    if is_zero3_partitioned(weight):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            yield weight.detach()
+        return
+    yield replicated(weight).detach()
 
 
 def _fsdp2_units_holding(owner: Optional[nn.Module], weight: Tensor) -> Sequence[nn.Module]:

@@ -217,3 +217,30 @@ def test_compile_fullgraph(seed):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(gh, hidden.grad)
     torch.testing.assert_close(gw, weight.grad)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+def test_clamped_masses_sum_after_the_clamp(backend, seed):
+    """clamped_masses=True (verl's Megatron convention): student_mass = sum exp(max(s_i, c)), teacher_mass =
+    sum exp(max(t_i, c)) against float64, with the clamp binding on both sides; divergence, overlap and gradients
+    as without it. Without a clamp the setting has no effect: a ValueError."""
+    hidden, weight, t_ids, t_lp, _ = batch(seed)
+    labels = torch.full((B, P + R), 7)
+    s = torch.log_softmax(hidden.detach().double() @ weight.detach().double().t(), -1).gather(-1, t_ids)
+    c = float(torch.quantile(torch.cat([s.flatten(), t_lp.double().flatten()]), 0.3))      # binds on both sides
+    assert bool((s < c).any()) and bool((t_lp < c).any())
+    plain = topk_divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, backend=backend)
+    got = topk_divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, backend=backend,
+                          clamped_masses=True)
+    want_s, want_t = s.clamp_min(c).exp().sum(-1), t_lp.double().clamp_min(c).exp().sum(-1)
+    torch.testing.assert_close(got.token_stats["student_mass"].double(), want_s, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got.token_stats["teacher_mass"].double(), want_t, atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(plain.token_stats["student_mass"], got.token_stats["student_mass"])
+    assert math.isclose(float(got.metrics["distillation/teacher_mass"]), float(want_t.mean()), rel_tol=1e-5)
+    for name in ("overlap_count", "overlap_token_advantage"):
+        assert torch.equal(got.token_stats[name], plain.token_stats[name])
+    assert torch.equal(got.divergence, plain.divergence)
+    with pytest.raises(ValueError, match="clamped_masses=True has no effect without log_prob_min_clamp"):
+        topk_divergence(hidden, weight, labels, t_ids, t_lp, clamped_masses=True)
+    with pytest.raises(TypeError, match="clamped_masses"):
+        topk_divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, clamped_masses=1)

@@ -6,22 +6,16 @@ from __future__ import annotations
 import pytest
 
 import entropy_group_cases
-from tp_harness import EXIT, run_world
+from tp_harness import EXIT, check_outcome
 
 MODULE = "entropy_group_cases"
 
 
-def check_outcome(world: int, case: str) -> None:
-    per_rank = run_world(world, MODULE)[case]
-    failed = [o for o in per_rank if o != "ok"]
-    assert not failed, "\n\n".join(failed)
-
-
 @pytest.mark.parametrize("world,case", [(w, name) for w in (2, 3) for name, _ in entropy_group_cases.cases_for(w)])
 def test_entropy_quantile_over_the_group(world, case):
-    check_outcome(world, case)
+    check_outcome(world, case, MODULE, skips=False)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_entropy_group_ranks_exit_cleanly(world):
-    check_outcome(world, EXIT)
+    check_outcome(world, EXIT, MODULE, skips=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 import tp_cases
-from test_tp_vocab_parallel import check_outcome, params
+from test_tp_vocab_parallel import params
+from tp_harness import check_outcome
 
 
 @pytest.mark.parametrize("world,case", params(tp_cases.ERROR_CASES + [tp_cases.case_error_not_initialised]))

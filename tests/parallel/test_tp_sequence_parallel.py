@@ -7,7 +7,8 @@ import torch
 
 import tp_cases
 from logitless.parallel import next_token_labels
-from test_tp_vocab_parallel import check_outcome, params
+from test_tp_vocab_parallel import params
+from tp_harness import check_outcome
 
 
 @pytest.mark.parametrize("world,case", params(tp_cases.SEQUENCE_CASES))

@@ -6,25 +6,16 @@ from __future__ import annotations
 import pytest
 
 import tp_topk_cases
-from tp_harness import EXIT, run_world
+from tp_harness import EXIT, check_outcome
 
 MODULE = "tp_topk_cases"
 
 
-def check_outcome(world: int, case: str) -> None:
-    per_rank = run_world(world, MODULE)[case]
-    failed = [o for o in per_rank if o != "ok" and not o.startswith("skip: ")]
-    assert not failed, "\n\n".join(failed)
-    skips = sorted({o for o in per_rank if o.startswith("skip: ")})
-    if skips:
-        pytest.skip("; ".join(s[len("skip: "):] for s in skips))
-
-
 @pytest.mark.parametrize("world,case", [(w, name) for w in (2, 3) for name in tp_topk_cases.names(w)])
 def test_topk_vocab_parallel(world, case):
-    check_outcome(world, case)
+    check_outcome(world, case, MODULE)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_topk_ranks_exit_cleanly(world):
-    check_outcome(world, EXIT)
+    check_outcome(world, EXIT, MODULE)

@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 
 import tp_cases
-from tp_harness import EXIT, run_world
-
-
-def check_outcome(world: int, case: str) -> None:
-    per_rank = run_world(world)[case]
-    failed = [o for o in per_rank if o != "ok" and not o.startswith("skip: ")]
-    assert not failed, "\n\n".join(failed)
-    skips = sorted({o for o in per_rank if o.startswith("skip: ")})
-    if skips:
-        pytest.skip("; ".join(s[len("skip: "):] for s in skips))
+from tp_harness import EXIT, check_outcome
 
 
 def params(fns):

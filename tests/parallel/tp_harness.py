@@ -63,6 +63,20 @@ def run_world(world: int, cases_module: str = "tp_cases") -> dict:
     return outcomes
 
 
+def check_outcome(world: int, case: str, cases_module: str = "tp_cases", *, skips: bool = True) -> None:
+    """A test's verdict on ``case`` of ``cases_module`` over ``world`` ranks (run_world): every rank's outcome
+    "ok", or, where ``skips``, the test skipped with the reasons of the ranks that skipped it (otherwise a skip
+    fails like any other outcome)."""
+    # imported here, not at the top: the rank processes import this module too
+    import pytest
+    per_rank = run_world(world, cases_module)[case]
+    failed = [o for o in per_rank if o != "ok" and not (skips and o.startswith("skip: "))]
+    assert not failed, "\n\n".join(failed)
+    reasons = sorted({o[len("skip: "):] for o in per_rank if o.startswith("skip: ")})
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
 def _entry(rank: int, world: int, tmp: str, seed: int, cases_module: str = "tp_cases") -> None:
     # where no GPU exists triton must interpret, and must learn it before its first import
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from logitless import last_backend
+from logitless import last_backend, last_precision
 from logitless.losses import fused_policy_loss, policy_loss_reference
 from policy64 import loss64, policy_inputs
 from tp_cases import Checks, Ctx, even_sizes, same_on_every_rank, shard, uneven_sizes  # noqa: F401
@@ -32,7 +32,7 @@ def configure_process() -> None:
 
 
 def check_policy_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes, lead=LEAD, h=H, dtype=torch.float32,
-                         reduce_grad_hidden=True, fn=fused_policy_loss, tag="", salt=0, **loss_kw):
+                         reduce_grad_hidden=True, fn=fused_policy_loss, tag="", salt=0, tol=None, **loss_kw):
     tag = f"[{backend}{' ' + tag if tag else ''}]"
     torch.manual_seed(ctx.seed + salt)     # the same inputs on every rank
     hidden, weight, labels, adv, old, ref = policy_inputs(lead, h, sum(sizes), dtype, old_noise=0.5)
@@ -44,10 +44,14 @@ def check_policy_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes, lead=LEAD
              reduce_grad_hidden=reduce_grad_hidden, backend=backend, **loss_kw)
     ck.true(f"{tag} last_backend", last_backend() == backend, f"is {last_backend()}")
     out.loss.backward()
-    spec = {k: v for k, v in loss_kw.items() if k != "loss_agg"}
+    if "precision" in loss_kw:
+        ran = tuple(last_precision())
+        want = (loss_kw["precision"], loss_kw.get("grad_precision") or "bf16")
+        ck.true(f"{tag} last_precision", ran == want, f"is {ran}, not {want}")
+    spec = {k: v for k, v in loss_kw.items() if k not in ("loss_agg", "precision", "grad_precision")}
     loss, lp, ent, clip_fraction, kl, dh, dw = loss64(hidden, weight, labels, adv, old, temperature=temperature,
                                                       loss_agg=loss_kw.get("loss_agg", "token-mean"), ref=ref, **spec)
-    tol = TOL[dtype]
+    tol = tol or TOL[dtype]
     valid = labels != -100
     ck.abs_le(f"{tag} loss", out.loss.detach().reshape(1), loss.reshape(1), tol[0])
     ck.abs_le(f"{tag} logprobs", out.logprobs, lp, tol[1])
@@ -99,6 +103,22 @@ def case_policy_triton_interpreted(ctx):
     ck.done()
 
 
+def case_policy_split_precision(ctx):
+    """A float32 head by the three-product bfloat16 split, each rank splitting its own shard: the loss and its
+    statistics within the split's bound of float64, bfloat16 gradient products by default (bfloat16's relative
+    error), float32-exact ones with grad_precision="bf16x3"."""
+    ck = Checks()
+    for backend in ("chunked", "triton"):
+        sizes, lead, h = (even_sizes(V, ctx.world), LEAD, H) if backend == "chunked" else ([60, 37, 40][:ctx.world],
+                                                                                          (3, 7), 32)
+        check_policy_sharded(ctx, ck, backend=backend, sizes=sizes, lead=lead, h=h, loss_agg="seq-mean-token-mean",
+                             entropy_coef=0.05, kl_coef=0.2, precision="bf16x3", tol=(2e-4, 2e-4, 3e-2), tag="bf16x3")
+        check_policy_sharded(ctx, ck, backend=backend, sizes=sizes, lead=lead, h=h, loss_agg="token-mean",
+                             entropy_coef=0.05, precision="bf16x3", grad_precision="bf16x3",
+                             reduce_grad_hidden=False, tol=(2e-4, 2e-4, 1e-4), tag="bf16x3 split grads", salt=5)
+    ck.done()
+
+
 def case_policy_coupled(ctx):
     """Losses that couple a sequence's tokens (GSPO's sequence ratio with TRL's bias-corrected KL) and the
     batch's (the entropy mask), across the group: the one fused pass with chunks cut at sequence boundaries
@@ -142,4 +162,4 @@ def pre_init_cases():
 
 def cases_for(world: int):
     return _named([case_policy_chunked_and_reference, case_policy_reference_path, case_policy_bfloat16,
-                   case_policy_triton_interpreted, case_policy_coupled])
+                   case_policy_triton_interpreted, case_policy_split_precision, case_policy_coupled])

@@ -94,3 +94,61 @@ def distillation_trainer(student: str, teacher: str, out_dir: str, seed: int = 0
     return DistillationTrainer(model=AutoModelForCausalLM.from_pretrained(student),
                                teacher_model=AutoModelForCausalLM.from_pretrained(teacher), args=args,
                                train_dataset=Dataset.from_dict({"prompt": prompts()}), processing_class=tokenizer())
+
+
+# a chat template for the word-level tokenizer: each message's words, space-separated (GKD's and GOLD's collator
+# splits prompt and completion with it)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def conversations(n: int = 8):
+    """n prompt / answer conversations of the tiny vocabulary's words, answers of 3 to 6 words."""
+    return [[{"role": "user", "content": p},
+             {"role": "assistant", "content": " ".join(f"w{(11 * i + 5 * j + 3) % N_WORDS}" for j in range(3 + i % 4))}]
+            for i, p in enumerate(prompts(n))]
+
+
+def experimental_distillation_trainer(kind: str, student: str, teacher: str, out_dir: str, seed: int = 0,
+                                      **overrides):
+    """A GKDTrainer (kind "gkd") or GOLDTrainer ("gold") of trl.experimental on the saved tiny ``student`` and
+    ``teacher`` folders, 8 conversations a step, completions of at most 6 sampled tokens, float32 on CPU.
+    ``overrides`` go to GKDConfig / GOLDConfig."""
+    from datasets import Dataset
+
+    from transformers import AutoModelForCausalLM
+    tok = tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=8, use_cpu=True, logging_steps=1, report_to="none",
+              learning_rate=5e-3, save_strategy="no", seed=seed, bf16=False, disable_tqdm=True, max_length=64)
+    if kind == "gkd":
+        from trl.experimental.gkd import GKDConfig as Config
+        from trl.experimental.gkd import GKDTrainer as Trainer
+        kw.update(max_new_tokens=6)
+    else:
+        from trl.experimental.gold import GOLDConfig as Config
+        from trl.experimental.gold import GOLDTrainer as Trainer
+        # the byte offsets of extended ULD need a byte-level BPE tokenizer; without ULD they are not read
+        kw.update(max_completion_length=6, use_extended_uld=False)
+    kw.update(overrides)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return Trainer(model=AutoModelForCausalLM.from_pretrained(student),
+                   teacher_model=AutoModelForCausalLM.from_pretrained(teacher), args=Config(**kw),
+                   train_dataset=Dataset.from_dict({"messages": conversations()}), processing_class=tok)
+
+
+def save_tiny(folder: str, model_type: str, seed: int, hidden_size: int = 32, **config) -> str:
+    """A random tiny causal LM of ``model_type`` on the tokenizer's vocabulary (``config`` overrides its config),
+    saved with the tokenizer to ``folder`` (returned)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=64,
+              pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    kw.update(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)      # spread the logits
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -9,6 +9,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "megatron"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def restored_environment():
+    """The process's environment as it was before the module, after it: verl_engine.setup() sets the launcher's
+    variables of its gloo group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) and verl's Worker writes more
+    (REDIS_STORE_SERVER_HOST, ...); left set, a later test's subprocess inherits them and its
+    init_process_group tries to listen on the port this process's store holds (EADDRINUSE). Autouse at module
+    scope, so it is set up before the module's fixtures that build actors and torn down after them."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny tied Qwen2 checkpoint (verl_engine.save_tiny_qwen2, seed 3), saved once per test module."""

@@ -313,8 +313,10 @@ def tp2_results(tmp_path_factory):
 @pytest.mark.parametrize("case", verl_megatron_tp2_worker.CASES)
 def test_tensor_parallel_two_ranks(tp2_results, case):
     """verl's unfused Megatron actor against the fused loss at TP 2, with sequence parallelism (mbridge's default at
-    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss, and geo_mean under SP:
-    every rank's parameter shards after the step, rank 0's metrics."""
+    TP > 1) and without, a token-mean and a sequence-level (gspo, seq-mean-token-mean) loss, and geo_mean under SP;
+    verl's distillation (test_verl_megatron_distillation.py at TP 1): forward_kl_topk with both clamps (SP and
+    not), with task rewards (SP), k3 with task rewards: every rank's parameter shards after the step, rank 0's
+    metrics."""
     from ranks import check
     check(tp2_results, case)
 
@@ -332,8 +334,9 @@ def test_context_parallel_two_ranks(cp2_results, case):
     """verl's unfused Megatron actor against the fused loss at CP 2 (verl's zigzag split; each rank's fused loss
     on its own rows with the whole micro-batch's normalisation): token-local modes (vanilla, cispo, dppo_tv, gpg)
     under token-mean, token-sum, seq-mean-token-sum(-norm), fixed and dynamic micro-batch sizes; gspo and
-    seq-mean-token-mean refused by name under strict mode and run by verl (recorded) otherwise. Every rank's
-    parameters after the step, rank 0's metrics."""
+    seq-mean-token-mean refused by name under strict mode and run by verl (recorded) otherwise; verl's distillation:
+    forward_kl_topk with both clamps, with task rewards (dynamic micro-batch sizes, rollout_is_weights), k3 with
+    task rewards. Every rank's parameters after the step, rank 0's metrics."""
     from ranks import check
     check(cp2_results, case)
 
@@ -390,7 +393,8 @@ def pp2_results(tmp_path_factory):
 def test_pipeline_parallel_two_ranks(pp2_results, case):
     """verl's unfused Megatron actor against the fused loss at PP 2 (the output processor on the last stage), with
     and without 2 virtual stages per rank: vanilla token-mean (dual clip, KL loss, entropy bonus), gspo
-    seq-mean-token-mean with dynamic micro-batch sizes, sapo seq-mean-token-sum (its terms aggregated apart); every
-    rank's parameters after the step, the last stage's metrics."""
+    seq-mean-token-mean with dynamic micro-batch sizes, sapo seq-mean-token-sum (its terms aggregated apart); verl's
+    forward_kl_topk distillation with task rewards (1F1B) and with both clamps (interleaved); every rank's
+    parameters after the step, the last stage's metrics."""
     from ranks import check
     check(pp2_results, case)

@@ -112,13 +112,43 @@ def stub_server_modules() -> None:
         _stub_missing(name)
 
 
+# the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) this process's gloo group was started
+# with: verl's Worker reads them, so setup() puts them back in the environment on every call, since
+# tests/verl/conftest.py restores the environment after each test module (left set, they reach the processes a
+# later test starts, whose init_process_group then meets this process's store on MASTER_PORT)
+_GROUP_ENV: dict[str, str] = {}
+
+
+def start_group(rank: int = 0, world: int = 1, init_file: str | None = None) -> None:
+    """The gloo group, unless one is up (another test module's): 1 rank on a free port, or a worker's rank of
+    ``world`` meeting the others at ``init_file``; its launcher's variables put (back) in the environment."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        env = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1")
+        if init_file is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                env["MASTER_PORT"] = str(s.getsockname()[1])
+            os.environ.update(env)
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        else:
+            env["MASTER_PORT"] = os.environ.get("MASTER_PORT", "0")   # verl's Worker reads it; ranks meet at the file
+            os.environ.update(env)
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        _GROUP_ENV.update(env)
+    os.environ.update(_GROUP_ENV)
+
+
 def setup() -> None:
-    """Once per process: the CPU platform, the 1-rank gloo group and the import workarounds."""
+    """The gloo group (start_group: 1 rank unless a worker started its own), the CPU platform and the import
+    workarounds (once per process); the environment they need, on every call."""
     global _READY
+    start_group()
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")    # the engine registry's key for its FSDP engine
     if _READY:
         return
     stub_server_modules()
-    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")    # the engine registry's key for its FSDP engine
     from verl.plugin.platform import platform_manager
     platform_manager.set_platform(_cpu_platform())
     for cpu_module in (torch.cpu,):
@@ -128,14 +158,6 @@ def setup() -> None:
                 setattr(cpu_module, fn, lambda *a, **k: 0)
     import verl.models.transformers.monkey_patch as mp
     mp.is_trl_available = lambda: False
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        dist.init_process_group("gloo", rank=0, world_size=1)
     _READY = True
 
 
@@ -248,7 +270,6 @@ class Actor:
         (use_remove_padding, micro_batch_size_per_gpu, use_dynamic_bsz, max_token_len_per_gpu) from ``engine``.
         Returns (metrics, {name: parameter after the step})."""
         from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.losses import ppo_loss
 
         from transformers import Qwen2ForCausalLM
         cfg, config = actor_config(self.model_dir, overrides)
@@ -256,18 +277,7 @@ class Actor:
         with torch.no_grad():
             for p, p0 in zip(module.parameters(), self.initial, strict=True):
                 p.copy_(p0)
-        flags = {}
-        if cfg.distillation.enabled:
-            from verl.trainer.distillation import distillation_ppo_loss
-            from verl.utils.config import omega_conf_to_dataclass
-            dcfg = omega_conf_to_dataclass(cfg.distillation)
-            loss_cfg = dcfg.distillation_loss
-            topk = loss_cfg.loss_settings.use_topk
-            flags = {"distillation_use_topk": topk,
-                     "distillation_only": topk and not loss_cfg.use_task_rewards and not loss_cfg.use_policy_gradient}
-            self.worker.set_loss_fn(partial(distillation_ppo_loss, config=config, distillation_config=dcfg))
-        else:
-            self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        flags = set_loss_fn(self.worker, cfg, config)
         torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
         data = to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
         tu.assign_non_tensor(data, **flags, **(engine or {}))
@@ -283,6 +293,24 @@ class Actor:
             params[name] = p.detach().clone()
         # under Ulysses only the first rank of each sp group collects the output (the others: None)
         return (tu.get(out, "metrics") if out is not None else None), params
+
+
+def set_loss_fn(worker, cfg, config) -> dict:
+    """The actor's loss set on ``worker`` as the trainer sets it: verl's ``ppo_loss`` of the actor ``config``, or,
+    when the composed ``cfg`` enables ``distillation``, verl's ``distillation_ppo_loss`` with its distillation
+    config. Returns the batch flags ``RayPPOTrainer._update_actor`` sets with it."""
+    from verl.workers.utils.losses import ppo_loss
+    if not cfg.distillation.enabled:
+        worker.set_loss_fn(partial(ppo_loss, config=config))
+        return {}
+    from verl.trainer.distillation import distillation_ppo_loss
+    from verl.utils.config import omega_conf_to_dataclass
+    dcfg = omega_conf_to_dataclass(cfg.distillation)
+    loss_cfg = dcfg.distillation_loss
+    topk = loss_cfg.loss_settings.use_topk
+    worker.set_loss_fn(partial(distillation_ppo_loss, config=config, distillation_config=dcfg))
+    return {"distillation_use_topk": topk,
+            "distillation_only": topk and not loss_cfg.use_task_rewards and not loss_cfg.use_policy_gradient}
 
 
 def run(actor, tensors, meta, overrides, *, fused, strict=False, calculate_entropy=True, engine=None):
@@ -426,3 +454,30 @@ def teacher_batch(gen, model_dir, *, topk: bool, noise: float = 1.5, **batch):
         tensors["teacher_logprobs"] = torch.where(valid[..., None], lp, 0.0).float()
         tensors["teacher_ids"] = torch.where(valid[..., None], nxt[..., None], 0)   # verl converts the pair
     return tensors, meta
+
+
+def check_distillation_case(metrics, mode, dsettings):
+    """The reference run's ``metrics`` exercise what a distillation case names: the top-k metrics present with a
+    partial overlap of the teacher's and the student's top-k, ``loss_max_clamp`` (in ``dsettings``) binding."""
+    if mode == "forward_kl_topk":
+        for key in ("distillation/student_mass", "distillation/teacher_mass", "distillation/overlap_ratio",
+                    "distillation/overlap_token_advantage", "distillation/loss_min", "distillation/loss_max"):
+            assert key in metrics, key
+        assert 0 < max(metrics["distillation/overlap_ratio"]) < 1, "the top-k sets never (or always) overlap"
+    clamp = next((float(s.split("=")[1]) for s in dsettings if "loss_max_clamp" in s), None)
+    if clamp is not None:
+        assert max(metrics["distillation/loss_max"]) > clamp, "loss_max_clamp never binds: the case tests nothing"
+
+
+def case_batch(gen, model_dir, loss, **batch):
+    """A multi-rank worker's case: ``loss`` is the actor overrides (verl's ``ppo_loss``; a rollout batch) or
+    (distillation mode, its settings) (verl's ``distillation_ppo_loss``; a batch with the teacher's tensors);
+    ``batch``: rollout_batch's settings. Returns (tensors, meta, overrides, the entry ``last_path()`` records,
+    check(metrics) of the reference run)."""
+    if not isinstance(loss, tuple):
+        tensors, meta = rollout_batch(gen, model_dir, **batch)
+        return tensors, meta, loss, "verl.policy_loss", lambda metrics: None
+    mode, dsettings = loss
+    tensors, meta = teacher_batch(gen, model_dir, topk=mode == "forward_kl_topk", **batch)
+    return (tensors, meta, distillation_enabled(model_dir, mode, *dsettings), "verl.distillation",
+            lambda metrics: check_distillation_case(metrics, mode, dsettings))

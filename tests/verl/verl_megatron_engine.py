@@ -16,6 +16,8 @@ What CPU needs (test-side only, ``cpu_megatron`` below; verl, mbridge and megatr
   extended to that spec's norms (``input_layernorm`` / ``pre_mlp_layernorm``, which TE fuses into the linear
   layers), a torch RMSNorm for sequence parallelism (``SequenceParallelRMSNorm``); mbridge 0.15.1 tests
   ``ModelType.encoder_and_decoder``, which megatron-core 0.19 no longer has;
+- verl's optimizer step calls the device's ``empty_cache`` after a top-k distillation batch: a no-op on
+  ``torch.cpu``, which has none;
 - float32 parameters: verl's McoreEngineConfig accepts only bfloat16 / float16, so ``dtype`` is set past its
   check; SGD without momentum (``sgd_momentum=0``) so the step is the gradient itself;
 - no tokenizer (verl only reads its pad id, 0 here).
@@ -27,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 import types
 from functools import partial
 
@@ -113,6 +114,10 @@ def cpu_megatron():
              (Qwen2Bridge, "_MLP_MAPPING", Qwen2Bridge._MLP_MAPPING),
              (Qwen2Bridge, "_DIRECT_MAPPING", Qwen2Bridge._DIRECT_MAPPING)]
     torch.cuda.current_device = lambda: "cpu"
+    # verl's optimizer step empties the device cache after a top-k distillation batch; torch.cpu has no such call
+    had_empty_cache = hasattr(torch.cpu, "empty_cache")
+    if not had_empty_cache:
+        torch.cpu.empty_cache = lambda: None
     tensor_parallel.model_parallel_cuda_manual_seed = lambda s, *a, **k: seed(s, inference_rng_tracker=True)
     torch.nn.Module.cuda = lambda self, device=None: self
     llm_bridge.LLMBridge._get_transformer_layer_spec = local_spec
@@ -135,6 +140,8 @@ def cpu_megatron():
     finally:
         for owner, name, value in saved[::-1]:
             setattr(owner, name, value)
+        if not had_empty_cache:
+            del torch.cpu.empty_cache
         for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
             os.environ.pop(k, None)
         os.environ.update(nvte)
@@ -143,19 +150,8 @@ def cpu_megatron():
 def setup(rank: int = 0, world: int = 1, init_file: str | None = None) -> None:
     """A gloo group (1 rank, unless a worker of a multi-rank test passes its rank, the world size and the
     file the ranks meet at; another test module may have torn its own down) and verl's CPU platform
-    (verl_engine.setup)."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1")
-        if init_file is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-            dist.init_process_group("gloo", rank=rank, world_size=world)
-        else:
-            os.environ.setdefault("MASTER_PORT", "0")        # verl's Worker reads it; the ranks meet at the file
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    (verl_engine.start_group and setup)."""
+    ve.start_group(rank, world, init_file)
     ve.setup()
 
 
@@ -224,18 +220,18 @@ class Actor:
 
     def update(self, tensors, meta, overrides=(), *, calculate_entropy: bool, mini_batch_size: int, engine=None):
         """One ``train_mini_batch`` from the initial parameters with verl's ``ppo_loss`` of the actor config
-        ``overrides``; engine settings (micro_batch_size_per_gpu, use_dynamic_bsz, max_token_len_per_gpu) from
+        ``overrides`` (or, when they enable ``distillation``, verl's ``distillation_ppo_loss``: verl_engine's
+        ``set_loss_fn``); engine settings (micro_batch_size_per_gpu, use_dynamic_bsz, max_token_len_per_gpu) from
         ``engine``. Returns (metrics, {name: parameter after the step})."""
         from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.losses import ppo_loss
-        _, config = actor_config(self.model_dir, overrides)
+        cfg, config = actor_config(self.model_dir, overrides)
         with torch.no_grad():
             for name, p in self.params().items():
                 p.copy_(self.initial[name])
-        self.worker.set_loss_fn(partial(ppo_loss, config=config))
+        flags = ve.set_loss_fn(self.worker, cfg, config)
         torch.manual_seed(2024)        # every update draws the same random numbers (clip_cov's token choice)
         data = ve.to_actor_input(tensors, meta, calculate_entropy=calculate_entropy, mini_batch_size=mini_batch_size)
-        tu.assign_non_tensor(data, **(engine or {}))
+        tu.assign_non_tensor(data, **flags, **(engine or {}))
         with cpu_megatron():
             out = self.worker.train_mini_batch(data)
         metrics = None if out is None else tu.get(out, "metrics")      # verl's non-source TP ranks log none

@@ -3,7 +3,8 @@ output-processor hook: verl's legacy fused forward, which logitless' legacy patc
 micro-batches): ``TrainingWorker.train_mini_batch`` -> ``MegatronEngineWithLMHead``, TP 1 on a 1-rank gloo group
 (the CPU recipe of verl_megatron_engine.py), one SGD step against verl's own unfused Megatron path
 (``use_fused_kernels=False``) on the same batch and parameters: every parameter, every metric verl logs (names and
-values), ``last_path()`` saying "legacy"; verl's compute_log_prob and a fallback setting on that release too.
+values), ``last_path()`` saying "legacy"; verl's compute_log_prob, a fallback setting and verl's distillation
+(forward_kl_topk, k3) on that release too.
 Not collected by the main suite (no test_ prefix): test_verl_legacy.py runs it with .venv-legacy's python."""
 import pytest
 import torch
@@ -123,3 +124,41 @@ def test_unfusable_setting_runs_verl_loss_on_legacy(actors):
     rec = lv.last_path()
     assert rec.path == "unfused" and rec.entry == "verl.policy_loss" and named in rec.reason, rec
     assert_same_update(plain.initial, got, want)
+
+
+DL = ve.DL
+# verl's distillation on the legacy release: (mode, distillation settings, actor settings)
+DISTILLATION = {
+    "topk-clamps": ("forward_kl_topk", [f"{DL}use_task_rewards=False", f"{DL}use_policy_gradient=False",
+                                        f"{DL}log_prob_min_clamp=-9.0", f"{DL}loss_max_clamp=0.3"], []),
+    "topk-task-rewards": ("forward_kl_topk", [f"{DL}use_task_rewards=True", f"{DL}distillation_loss_coef=0.7",
+                                              f"{DL}use_policy_gradient=False"],
+                          [f"{P}loss_agg_mode=seq-mean-token-mean", f"{P}use_kl_loss=True", f"{P}entropy_coeff=0.01"]),
+    "k3-task-rewards": ("k3", [f"{DL}use_task_rewards=True", f"{DL}distillation_loss_coef=0.5",
+                               f"{DL}use_policy_gradient=False"], [f"{P}use_kl_loss=True"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DISTILLATION))
+def test_distillation_legacy_matches_verl_megatron_update(actors, case):
+    """verl's distillation (``distillation_ppo_loss``) through logitless' legacy patch (top-k: the divergence in
+    verl's output processor; k3: verl's legacy fused forward on logitless' head) against verl's update from the
+    model's logits: parameters, every metric, path "legacy", verl's instance forward back in place."""
+    plain, fused = actors
+    mode, dsettings, settings = DISTILLATION[case]
+    gen = torch.Generator().manual_seed(41 + sorted(DISTILLATION).index(case))
+    tensors, meta = ve.teacher_batch(gen, plain.model_dir, topk=mode == "forward_kl_topk")
+    overrides = ve.distillation_enabled(plain.model_dir, mode, *dsettings) + settings
+    entropy = any("entropy_coeff" in s for s in settings)
+    verl_forward = _gpt(fused).__dict__["forward"]
+    want = plain.update(tensors, meta, overrides, calculate_entropy=entropy, mini_batch_size=6)
+    lv.install(fused_loss=True, strict=True)
+    try:
+        got = fused.update(tensors, meta, overrides, calculate_entropy=entropy, mini_batch_size=6)
+    finally:
+        lv.uninstall()
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("legacy", "verl.distillation", ""), rec
+    ve.check_distillation_case(want[0], mode, dsettings)
+    assert_same_update(plain.initial, got, want)
+    assert _gpt(fused).__dict__["forward"] == verl_forward

@@ -6,7 +6,8 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
     topk_divergence(student_hidden [..., H], student_weight [V, H], labels [...], teacher_topk_ids [..., k],
                     teacher_topk_logprobs [..., k], *, divergence="forward_kl_topk", temperature=1.0,
                     ignore_index=-100, tp_group=None, reduce_grad_hidden=True, backend="auto", softcap=None,
-                    log_prob_min_clamp=None, with_overlap=True) -> TopKDivergence(divergence, metrics, token_stats)
+                    log_prob_min_clamp=None, with_overlap=True, clamped_masses=False)
+                    -> TopKDivergence(divergence, metrics, token_stats)
 
 - ``labels`` only marks the scored tokens (``labels != ignore_index``); the teacher's ids and log-probs of the
   other tokens are never read (padding may hold anything).
@@ -38,7 +39,9 @@ log-prob at id i (softmax over the whole vocabulary, at ``temperature``):
   sum_S exp(s_i) and teacher_mass = sum_S q_i, both before the clamp; the overlap counts the teacher's ids among
   the student's own top-k (k = the teacher's k, ties to the lower id), and its advantage is the mean of
   -exp(t_i) (t_i - u_i) over the overlapping ids (0 where none). verl's Megatron path sums the masses after the
-  clamp: the two differ only where a log-prob lies below c.
+  clamp: the two differ only where a log-prob lies below c. ``clamped_masses=True`` sums them after the clamp,
+  sum_S exp(u_i) and sum_S exp(t_i), as verl's Megatron path does (it needs a ``log_prob_min_clamp``: without one
+  the two sums are the same, and the setting would have no effect).
 - ``"forward_kl_topk_tail"``: the mass outside the top-k as one more bucket on both sides,
       D = sum_{i in S} exp(t_i) (t_i - u_i) + q_tail (log q_tail - log p_tail),
   q_tail = 1 - sum_S q_i (from the teacher's log-probs, in float64, 0 when they sum to 1 or more: the bucket then
@@ -105,7 +108,8 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                     teacher_topk_logprobs: Tensor, *, divergence: str = "forward_kl_topk",
                     temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                     reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
-                    log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True) -> TopKDivergence:
+                    log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True,
+                    clamped_masses: bool = False) -> TopKDivergence:
     """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
     if divergence not in TOPK_DIVERGENCES:
         raise ValueError(f"divergence must be one of {TOPK_DIVERGENCES}, got {divergence!r}")
@@ -115,6 +119,10 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     softcap = checks.softcap(softcap)
     checks.boolean(with_overlap, "with_overlap")
     clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
+    checks.boolean(clamped_masses, "clamped_masses")
+    if clamped_masses and clamp is None:
+        raise ValueError("clamped_masses=True has no effect without log_prob_min_clamp (the masses are the same "
+                         "sums then): leave it False")
     scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index)
     k = ids.shape[-1]
     inv_temp = inv_temperature(temperature, labels, check_values=False)
@@ -127,7 +135,7 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
         hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,
         select=k if with_overlap else 0, labels_name="teacher_topk_ids")
     s_lp = s_lp.view(ids.shape)
-    terms = topk_terms(s_lp, t_lp, clamp)
+    terms = topk_terms(s_lp, t_lp, clamp, clamped_masses=clamped_masses)
     if with_tail:
         d = terms.kl + tail_term(s_tail.view(labels.shape), t_lp)
     else:
@@ -166,14 +174,17 @@ class TopKTerms(NamedTuple):
     teacher_mass: Tensor   # [...] sum_S q, detached
 
 
-def topk_terms(s_lp: Tensor, t_lp: Tensor, clamp: Optional[float]) -> TopKTerms:
+def topk_terms(s_lp: Tensor, t_lp: Tensor, clamp: Optional[float], *, clamped_masses: bool = False) -> TopKTerms:
     """The k buckets of verl's forward_kl_topk, from the student's log-probs s_lp [..., k] at the teacher's ids
-    and the teacher's t_lp [..., k] (float32): masses before the clamp, then both sides clamped from below at
-    ``clamp`` (None: no clamp) and summed as sum exp(t) (t - u)."""
+    and the teacher's t_lp [..., k] (float32): masses before the clamp (``clamped_masses``: after it, verl's
+    Megatron convention), then both sides clamped from below at ``clamp`` (None: no clamp) and summed as
+    sum exp(t) (t - u)."""
     student_mass = s_lp.detach().exp().sum(dim=-1)
     teacher_mass = t_lp.exp().sum(dim=-1)
     if clamp is not None:
         s_lp, t_lp = s_lp.clamp_min(clamp), t_lp.clamp_min(clamp)
+        if clamped_masses:
+            student_mass, teacher_mass = s_lp.detach().exp().sum(dim=-1), t_lp.exp().sum(dim=-1)
     token_kl = t_lp.exp() * (t_lp - s_lp)
     return TopKTerms(token_kl.sum(dim=-1), token_kl, student_mass, teacher_mass)
 

@@ -6,12 +6,15 @@
   (every TRL loss setting mapped, TRL's metrics logged; what cannot be mapped is refused by name);
 - on a ``trl.DistillationTrainer`` computes its loss (TRL's generalized JSD between the student's and the teacher's
   next-token distributions) with ``logitless.losses.fused_distillation_loss`` from both models' last hidden states
-  and heads; TRL's normalisation and metrics stay TRL's.
+  and heads; TRL's normalisation and metrics stay TRL's;
+- on ``trl.experimental``'s ``GKDTrainer`` / ``GOLDTrainer`` computes their loss (the same generalized JSD, from each
+  model's own head transform) the same way; GOLD's ULD loss is refused.
 
 ``disable(trainer)`` restores TRL's methods (docs/trl.md).
 
 Modules: ``enable`` (the entry points), ``grpo`` (GRPOTrainer's instance patch), ``loss`` (its fused-loss mapping),
-``distillation`` (DistillationTrainer's), ``names`` (TRL's names they read)."""
+``distillation`` (DistillationTrainer's), ``gkd`` (GKDTrainer's and GOLDTrainer's), ``names`` (TRL's names they
+read)."""
 from .enable import disable, enable, is_enabled
 
 __all__ = ["enable", "disable", "is_enabled"]

@@ -22,8 +22,9 @@ TRL's settings map as follows:
                             a bf16 model is multiplied in bf16, as TRL does)
 
 Refused at ``enable`` (``check_mappable``), by name: no teacher, an LM head with a bias (TRL adds it; the fused op
-has none), an adapter on a head, a vision-language trainer, a tensor-parallel student head, DeepSpeed ZeRO-3 (the
-teacher's partitioned head is not gathered here), a beta outside [0, 1], a temperature that is not positive.
+has none), an adapter on a head, a vision-language trainer, a tensor-parallel student head, a beta outside [0, 1], a
+temperature that is not positive. Sharded heads: the student's runs the op as its own forward (``call_head``: FSDP2 /
+ZeRO-3 gather it and reduce its gradient); the teacher's is gathered whole for the call (``whole_weight``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from numbers import Real
 import torch
 
 from .. import checks
-from ..sharded_head import call_head, check_layout, head_shape, inner_head, is_dtensor, replicated
+from ..sharded_head import call_head, check_layout, head_shape, inner_head, is_dtensor, whole_weight
 from .names import STATE, VISION_ARGS
 
 METHOD = "_compute_loss"
@@ -132,11 +133,6 @@ def unmappable(trainer) -> list:
         bad.append(f"temperature={temp!r} (must be finite and > 0)")
     if getattr(trainer, "_is_vlm", False):
         bad.append("a vision-language model (logitless.trl scores text-only models)")
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-        if is_deepspeed_zero3_enabled():
-            bad.append("DeepSpeed ZeRO-3 (the teacher's partitioned lm_head is not gathered by logitless.trl's "
-                       "distillation)")
     for name in ("model", "teacher_model"):
         bad += _head_problems(trainer, name, getattr(trainer, name))
     return bad
@@ -187,8 +183,6 @@ def compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         # the teacher's backbone through its own wrapper, so FSDP / DDP gather its parameters, as TRL runs it
         teacher_hidden = self._forward_redirection(self.teacher_model, unwrapped_teacher, self._get_last_hidden_state,
                                                    unwrapped_teacher, input_ids, attention_mask, k)
-        # a sharded teacher head (FSDP2 DTensor): gathered once, without gradient
-        teacher_weight = replicated(unwrapped_teacher.get_output_embeddings().weight)
     settings = {**head_settings(unwrapped_student, "student"), **head_settings(unwrapped_teacher, "teacher")}
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(labels.device)
@@ -196,11 +190,15 @@ def compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
     def compute(hidden, weight, tp_group):
         # run as the student head's forward (sharded_head.call_head): whatever shards the head gathers it
         hs, ws = _operands(hidden, weight)
-        ht, wt = _operands(teacher_hidden.to(ws.device), teacher_weight.to(ws.device))
-        with torch.autocast(hs.device.type, enabled=False):
-            out = fused_distillation_loss(hs, ws, labels.to(hs.device), teacher_hidden=ht, teacher_weight=wt,
-                                          divergence="jsd", beta=float(self.beta), temperature=float(self.temperature),
-                                          num_items_in_batch=num_items_in_batch, ignore_index=IGNORE, **settings)
+        # the teacher's head, whole and without gradient for this call: an FSDP2 DTensor or a ZeRO-3 partition
+        # gathered (whole_weight)
+        with whole_weight(unwrapped_teacher.get_output_embeddings()) as teacher_weight:
+            ht, wt = _operands(teacher_hidden.to(ws.device), teacher_weight.to(ws.device))
+            with torch.autocast(hs.device.type, enabled=False):
+                out = fused_distillation_loss(hs, ws, labels.to(hs.device), teacher_hidden=ht, teacher_weight=wt,
+                                              divergence="jsd", beta=float(self.beta),
+                                              temperature=float(self.temperature),
+                                              num_items_in_batch=num_items_in_batch, ignore_index=IGNORE, **settings)
         return out.loss, out.entropy
 
     student_head = unwrapped_student.get_output_embeddings()

@@ -1,5 +1,6 @@
 """``logitless.trl.enable / disable / is_enabled``: one entry for every TRL trainer logitless computes, each
-trainer's patch in its own module (``grpo.py``: GRPOTrainer; ``distillation.py``: DistillationTrainer)."""
+trainer's patch in its own module (``grpo.py``: GRPOTrainer; ``distillation.py``: DistillationTrainer; ``gkd.py``:
+trl.experimental's GKDTrainer and GOLDTrainer)."""
 from __future__ import annotations
 
 from .names import STATE
@@ -7,22 +8,25 @@ from .names import STATE
 
 def _module(trainer):
     """The module that patches this kind of trainer, or TypeError naming the kinds supported."""
-    from . import distillation, grpo
+    from . import distillation, gkd, grpo
 
     if distillation.is_distillation_trainer(trainer):
         return distillation
+    if gkd.base_class(trainer) is not None:
+        return gkd
     if isinstance(trainer, grpo.grpo_trainer_class()):
         return grpo
-    raise TypeError(f"trainer must be a trl.GRPOTrainer or trl.DistillationTrainer instance, got "
-                    f"{type(trainer).__name__}")
+    raise TypeError(f"trainer must be a trl.GRPOTrainer or trl.DistillationTrainer instance, or a GKDTrainer / "
+                    f"GOLDTrainer of trl.experimental, got {type(trainer).__name__}")
 
 
 def enable(trainer, *, fused_loss=None):
     """Compute ``trainer``'s LM-head work with logitless (no logits); only this instance changes. Returns ``trainer``.
 
     GRPOTrainer: its per-token log-probs and entropies (``fused_loss=True``: the policy loss too; docs/trl.md).
-    DistillationTrainer: its loss, with ``logitless.losses.fused_distillation_loss`` from both models' last hidden
-    states and heads (``fused_loss`` left out or True).
+    DistillationTrainer, and trl.experimental's GKDTrainer / GOLDTrainer: its loss, with
+    ``logitless.losses.fused_distillation_loss`` from both models' last hidden states and heads (``fused_loss`` left
+    out or True).
     Settings that cannot be reproduced exactly are refused here, by name (ValueError), before any step runs.
     Idempotent; ``disable(trainer)`` restores TRL's methods."""
     module = _module(trainer)

@@ -206,9 +206,17 @@ def is_distillation(loss_function) -> bool:
     return _distillation_configs(loss_function) is not None
 
 
-def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[DistillPlan], str]:
+def uses_topk(loss_function) -> bool:
+    """Whether verl's distillation loss ``loss_function`` is a top-k one (its per-token terms from the logits)."""
+    configs = _distillation_configs(loss_function)
+    return configs is not None and bool(getattr(configs[1].distillation_loss.loss_settings, "use_topk", False))
+
+
+def make_plan(engine, micro_batch, loss_function, *, model_output_flag: bool = True
+              ) -> tuple[Optional[DistillPlan], str]:
     """(plan, "") for a top-k micro-batch that runs fused, (None, "") for an estimator mode (verl's loss on the
-    fused head's log-probs: nothing to plan), (None, why) when it cannot run fused."""
+    fused head's log-probs: nothing to plan), (None, why) when it cannot run fused. ``model_output_flag``: the
+    engine reads the batch's return_model_output (the FSDP engine; the Megatron engine does not)."""
     from verl.utils import tensordict_utils as tu
 
     def get(key, default=None):
@@ -218,7 +226,7 @@ def make_plan(engine, micro_batch, loss_function) -> tuple[Optional[DistillPlan]
     if not get("use_fused_kernels", False):
         return None, ("use_fused_kernels=False (the model would build the logits; set "
                       "actor_rollout_ref.model.use_fused_kernels=True)")
-    if get("return_model_output", False):
+    if model_output_flag and get("return_model_output", False):
         return None, "return_model_output=True with distillation"
     settings = loss_cfg.loss_settings
     if not getattr(settings, "use_topk", False):

@@ -32,6 +32,8 @@ settings of ``fused_loss.make_plan`` plus a sequence-coupled loss under context 
 logitless' legacy patch running the same processor, ``megatron_legacy.py``) and entry
 "verl.policy_loss", with the backend that ran.
 
+verl's distillation loss (``distillation_ppo_loss``) takes its own path through both sites: ``megatron_distill.py``.
+
 Pipeline parallelism (with or without virtual stages): Megatron's schedule calls the forward step on every stage
 and the loss function on the last one only. Each stage makes the same plan from the same micro-batch (verl
 hands every pipeline rank the whole batch); on a stage without the output layer (``post_process=False``) the
@@ -50,12 +52,13 @@ import torch
 
 from ..losses import PolicyLoss
 from ..record import write_record
-from . import megatron_cp
+from . import megatron_cp, megatron_distill
+from .distill import is_distillation
 from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
 from .megatron_legacy import forward_mode, legacy_route, unroutable
 from .policy import loss_mode
 from .sites import Site, SiteState
-from .tokens import IGNORE, ResponseTokens, Rows
+from .tokens import IGNORE, ResponseTokens, Rows, thd_destinations
 
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
 FUSED = "verl.models.mcore.model_forward_fused"
@@ -73,20 +76,9 @@ def thd_rows(tokens: ResponseTokens, labels: torch.Tensor, cu_padded: torch.Tens
     cu_padded[i] + its length) (verl pads each sequence to a multiple of the TP size, and the tail),
     1-D [n], with the sequences' padded boundaries (the tail past cu_padded[-1] a segment of its own).
     ValueError when labels or cu_padded do not fit the micro-batch."""
-    lengths = tokens.offsets.diff()
-    b = lengths.numel()
+    dest = thd_destinations(tokens, labels, cu_padded)
+    n, dev = labels.shape[1], labels.device
     cu = cu_padded.to("cpu", torch.long)
-    if labels.dim() != 2 or labels.shape[0] != 1 or cu.dim() != 1 or cu.numel() != b + 1:
-        raise ValueError(f"verl's packed labels {tuple(labels.shape)} and cu_seqlens_q_padded {tuple(cu.shape)} do "
-                         f"not describe this micro-batch of {b} sequences")
-    n = labels.shape[1]
-    if int(cu[-1]) > n or bool((cu.diff() < lengths.cpu()).any()):
-        raise ValueError(f"cu_seqlens_q_padded {cu.tolist()} leaves less room than the sequences' lengths "
-                         f"{lengths.tolist()} in {n} rows (context parallelism splits them?)")
-    dev = labels.device
-    # packed position p of sequence i -> row cu[i] + (p - offsets[i])
-    shift = torch.repeat_interleave(cu[:-1] - tokens.offsets[:-1].cpu(), lengths.cpu())
-    dest = (torch.arange(tokens.total) + shift).to(dev)
 
     def lay(t, fill):
         if t is None:
@@ -136,7 +128,13 @@ def _context_parallel():
 def _make_processor(original):
     @functools.wraps(original)
     def fused_output_processor(*, hidden_states, output_layer, output_weight, labels, context, config, **kwargs):
-        """verl's output processor; under a pending plan, the fused policy loss (see the module docstring)."""
+        """verl's output processor; under a pending plan, the fused policy loss (see the module docstring), or
+        under a pending top-k distillation plan the divergence beside verl's outputs (``megatron_distill.py``)."""
+        distillation = megatron_distill.pending()
+        if distillation is not None and distillation.result is None:
+            return megatron_distill.processor(original, distillation, hidden_states=hidden_states,
+                                              output_layer=output_layer, output_weight=output_weight, labels=labels,
+                                              context=context, config=config, **kwargs)
         plan = _pending.plan
         if plan is None or plan.result is not None or plan.failure:
             return original(hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
@@ -189,6 +187,9 @@ def _make_forward_step(original):
         if not SiteState.fused_loss or forward_only or logits_processor_func is None:
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)
+        if is_distillation(logits_processor_func):
+            return megatron_distill.forward_step(original, self, batch, model, logits_processor_func,
+                                                 postprocess_micro_batch_func)
         plan, why = make_plan(self, batch, logits_processor_func)
         cp = None
         if plan is not None:

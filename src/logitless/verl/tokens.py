@@ -145,3 +145,22 @@ def for_rows(tokens: ResponseTokens, labels: Tensor) -> Rows:
                     lay(tokens.ref_logprobs, 0.0), lay(tokens.rollout_weights, 0.0), None)
     raise ValueError(f"labels of shape {tuple(labels.shape)} match neither the packed layout [1, >= {tokens.total}] "
                      f"nor the padded one [{b}, >= {int(lengths.max())}] of this micro-batch")
+
+
+def thd_destinations(tokens: ResponseTokens, labels: Tensor, cu_padded: Tensor) -> Tensor:
+    """int64 [total] on labels' device: the row of verl's packed THD labels [1, n] that holds each packed
+    position (sequence i at rows [cu_padded[i], cu_padded[i] + its length): verl pads each sequence to a multiple
+    of the TP size, and the tail). ValueError when labels or cu_padded do not fit the micro-batch."""
+    lengths = tokens.offsets.diff()
+    b = lengths.numel()
+    cu = cu_padded.to("cpu", torch.long)
+    if labels.dim() != 2 or labels.shape[0] != 1 or cu.dim() != 1 or cu.numel() != b + 1:
+        raise ValueError(f"verl's packed labels {tuple(labels.shape)} and cu_seqlens_q_padded {tuple(cu.shape)} do "
+                         f"not describe this micro-batch of {b} sequences")
+    n = labels.shape[1]
+    if int(cu[-1]) > n or bool((cu.diff() < lengths.cpu()).any()):
+        raise ValueError(f"cu_seqlens_q_padded {cu.tolist()} leaves less room than the sequences' lengths "
+                         f"{lengths.tolist()} in {n} rows (context parallelism splits them?)")
+    # packed position p of sequence i -> row cu[i] + (p - offsets[i])
+    shift = torch.repeat_interleave(cu[:-1] - tokens.offsets[:-1].cpu(), lengths.cpu())
+    return (torch.arange(tokens.total) + shift).to(labels.device)
