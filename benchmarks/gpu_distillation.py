@@ -17,7 +17,8 @@ std about 4 each, a divergence of order 0.1-1 a token).
    torch.compile(naive). A peer that fails (out of memory, missing) is a row with its error.
 4. Each one's error against float64 on the first sequence (1024 tokens): the loss, the per-token divergence
    (where the peer gives it) and the student's d_hidden (relative norm).
-5. The top-k loss ("forward_kl_topk", k = 32) against the student's 4-GEMM floor, when logitless has it.
+5. The top-k loss ("forward_kl_topk", k = 32) against the student's 4-GEMM floor, when logitless has it, and
+   verl's forward_kl_topk from the student's full bf16 logits (its FSDP logits processor's function) beside it.
 
 Writes DIR/gpu_distillation.json and .md and prints a short table last. --dry-run runs every step on tiny
 shapes on the CPU (wall-clock timing, no memory figures): a check of the script, not a measurement.
@@ -251,6 +252,44 @@ def topk_section(data, reps, device):
         ms = time_cuda(step, warmup=1, reps=reps, device=device)[0]
         RESULTS["rows"][f"logitless forward_kl_topk (k=32, with_overlap={overlap})"] = {
             "fwd_bwd_ms": ms, "student_floor_ms": floor_ms, "x_student_floor": ms / floor_ms}
+    verl_topk_row(data, top, floor_ms, reps, device)
+
+
+def verl_topk_row(data, top, floor_ms, reps, device):
+    """verl 0.9.1's forward_kl_topk as its FSDP logits processor computes it: the student's bf16 logits of every
+    token (the model's head), then its loss on them against the same teacher top-k, token-mean over the scored
+    tokens; forward + backward against the same student floor. A row with its error where verl is missing."""
+    name = "verl forward_kl_topk from full logits (k=32)"
+    try:
+        from verl.trainer.distillation.fsdp.losses import compute_forward_kl_topk
+        from verl.workers.config import DistillationConfig, DistillationLossConfig
+    except Exception as exc:  # noqa: BLE001
+        RESULTS["rows"][name] = {"error": f"verl not importable: {type(exc).__name__}: {str(exc)[:200]}"}
+        return
+    cfg = DistillationConfig(distillation_loss=DistillationLossConfig(loss_mode="forward_kl_topk", topk=32,
+                                                                      use_policy_gradient=False))
+    n = data[4].numel()
+
+    def nested(t):
+        return torch.nested.nested_tensor([t.reshape(n, 32)], layout=torch.jagged)
+    t_lp, t_ids = nested(top.logprobs.float()), nested(top.ids)
+
+    def fn(h, w, _ht, _wt, lab):
+        logits = torch.nn.functional.linear(h.reshape(1, n, -1), w)
+        out = compute_forward_kl_topk(logits, t_lp, t_ids, cfg, "thd")
+        scored = (lab.reshape(-1) != -100).float()
+        per_token = out["distillation_losses"][0].reshape(-1).clamp_min(0.0)    # verl's registered loss clamps
+        return (per_token * scored).sum() / scored.sum(), None
+    try:
+        step, _ = step_of(fn, data)
+        ms = time_cuda(step, warmup=1, reps=reps, device=device)[0]
+        RESULTS["rows"][name] = {"fwd_bwd_ms": ms, "student_floor_ms": floor_ms, "x_student_floor": ms / floor_ms}
+    except Exception as exc:  # noqa: BLE001
+        RESULTS["rows"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log(traceback.format_exc()[-1500:])
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 def main():
     p = argparse.ArgumentParser()

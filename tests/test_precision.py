@@ -347,6 +347,8 @@ def test_k_labels_tail_against_float64(backend, precision, grad_precision):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, _, tail, _ = label_set_function.fused_logprobs_k(h, w, labels, torch.ones(labels.shape[0]), options,
                                                          with_tail=True)
+    # an op with a tail runs (and records) float32-exact gradient products for "bf16" / "bf16x3"
+    grads = "bf16x6" if grads in ("bf16", "bf16x3") else grads
     assert last_precision() == (stats, grads)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp = _logp64(h64, w64)
@@ -374,7 +376,11 @@ def test_topk_against_float64(backend, precision, grad_precision):
                                grad_precision=grad_precision)
     stats = precision or "ieee"
     grads = grad_precision or ("ieee" if stats == "ieee" else "bf16")
-    assert last_precision() == (stats, grads)
+    # a gradient through the tail runs float32-exact gradient products whatever grad_precision says (the top-k
+    # tail of logits of std 8 is small: bfloat16 or 16-bit dlogits would miss by far more than their usual
+    # error), and the record says so
+    tail_grads = "ieee" if grads == "ieee" else "bf16x6"
+    assert last_precision() == (stats, tail_grads)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp = _logp64(h64, w64, 0.8)
     top64 = logp.detach().topk(K, dim=1).values
@@ -389,9 +395,6 @@ def test_topk_against_float64(backend, precision, grad_precision):
     ((lp64 * a).sum() + (tail64 * b).sum()).backward()
     assert (out.logprobs - lp64).abs().max().item() <= BOUND[stats]
     assert (out.tail_logprob - tail64).abs().max().item() <= BOUND[stats]
-    # a gradient through the tail runs float32-exact gradient products whatever grad_precision says (the top-k
-    # tail of logits of std 8 is small: bfloat16 or 16-bit dlogits would miss by far more than their usual error)
-    tail_grads = "ieee" if grads == "ieee" else "bf16x6"
     assert rel_err(h.grad, h64.grad) <= GRAD_BOUND[tail_grads], rel_err(h.grad, h64.grad)
     assert rel_err(w.grad, w64.grad) <= GRAD_BOUND[tail_grads], rel_err(w.grad, w64.grad)
     assert h.grad[4].abs().max() == 0
@@ -405,3 +408,38 @@ def test_k_labels_and_topk_refuse_a_precision_without_effect():
         logitless.fused_topk(hidden.bfloat16(), weight.bfloat16(), K, grad_precision="bf16x3")
     with pytest.raises(ValueError, match="precision must be one of"):
         logitless.fused_topk(hidden, weight, K, precision="fp32")
+
+
+@pytest.mark.parametrize("grad_precision", [None, "bf16x3", "bf16x6", "ieee"])
+@pytest.mark.parametrize("through", ["logprobs", "tail", "both"])
+def test_topk_record_is_the_backward_products(grad_precision, through, monkeypatch):
+    # the record is written by the forward; the backward (possibly on autograd's device thread, which a
+    # thread-local record would not reach) must run the gradient products it names, whichever outputs get a
+    # gradient: the products the backward's make_operands is asked for, against the record
+    from logitless.ops import label_set_function
+    asked = []
+
+    def spy(hidden, weight, precision, grad_precision, with_grad=True):
+        if with_grad:
+            asked.append(grad_precision)
+        return make_operands(hidden, weight, precision, grad_precision, with_grad)
+    monkeypatch.setattr(label_set_function, "make_operands", spy)
+    hidden, weight, _ = _inputs(n=9, ignored=0, logit_std=3.0)
+    h = hidden.clone().requires_grad_(True)
+    out = logitless.fused_topk(h, weight, K, backend="chunked", precision="bf16x3", grad_precision=grad_precision)
+    recorded = last_precision()
+    want = {None: "bf16x6", "bf16x3": "bf16x6", "bf16x6": "bf16x6", "ieee": "ieee"}[grad_precision]
+    assert recorded == ("bf16x3", want)
+    loss = {"logprobs": out.logprobs.sum(), "tail": out.tail_logprob.sum(),
+            "both": out.logprobs.sum() + out.tail_logprob.sum()}[through]
+    loss.backward()
+    assert asked == [want] and h.grad.abs().max() > 0
+    # labels [..., k] without the tail: the gradient products asked for, recorded and run
+    asked.clear()
+    labels = out.ids.detach()
+    h.grad = None
+    k_out = fused_logprobs(h, weight, labels, backend="chunked", precision="bf16x3", grad_precision=grad_precision)
+    plain = grad_precision or "bf16"
+    assert last_precision() == ("bf16x3", plain)
+    k_out.logprobs.sum().backward()
+    assert asked == [plain]

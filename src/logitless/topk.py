@@ -27,7 +27,7 @@ class TopKLogProbs(NamedTuple):
 def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[float, Tensor] = 1.0,
                mask: Optional[Tensor] = None, tp_group=None, reduce_grad_hidden: bool = True,
                backend: str = "auto", softcap: Optional[float] = None, precision: Optional[str] = None,
-               grad_precision: Optional[str] = None) -> TopKLogProbs:
+               grad_precision: Optional[str] = None, check_inputs: bool = True) -> TopKLogProbs:
     """The top-k of softmax(z), z = hidden @ weight.T / temperature (softcapped first with ``softcap``, as in
     ``fused_logprobs``), per token, in one pass over the vocabulary and without the [tokens x vocab] logits.
 
@@ -48,6 +48,10 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
             (docs/precision.md; default: the three-product bfloat16 split on CUDA, IEEE float32 elsewhere): the
             selection, the log-probs and the tail are those of the precision's logits. Half-precision operands
             take only None / "auto". ``last_precision()`` says what ran.
+        check_inputs: True (default): the temperatures are checked (ValueError) and only the rows where mask is
+            True are computed: host reads, inside the op. False: none at all (CUDA-graph capture): every row is
+            computed, the masked ones at temperature 1 and then given ids -1, logprobs 0, tail 0 (a non-finite
+            hidden state there reaches d_weight), as in ``fused_logprobs``.
 
     Returns:
         TopKLogProbs(ids, logprobs, tail_logprob). ``logprobs`` and ``tail_logprob`` are differentiable w.r.t.
@@ -62,6 +66,7 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
     if not 1 <= k <= vocab:
         raise ValueError(f"k must lie in [1, V={vocab}], got k={k}")
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    checks.boolean(check_inputs, "check_inputs")
     softcap = checks.softcap(softcap)
     precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
     lead = hidden.shape[:-1]
@@ -79,5 +84,5 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
     inv_temp = inv_temperature(temperature, mask, check_values=False)
     ids, lp, tail = label_set_function.fused_topk(hidden.reshape(-1, hidden.shape[-1]), weight, inv_temp,
                                                   mask.reshape(-1), k, mod.name, softcap, tp_group_name(tp_group),
-                                                  reduce_grad_hidden, precision, grad_precision)
+                                                  reduce_grad_hidden, precision, grad_precision, check_inputs)
     return TopKLogProbs(ids.view(lead + (k,)), lp.view(lead + (k,)), tail.view(lead))

@@ -276,3 +276,40 @@ def test_chunked_backend_on_cpu_is_batch_invariant_from_16_tokens(seed):
         out = fused_logprobs(hidden[idx], weight, labels[idx], backend="chunked", with_entropy=True)
         assert torch.equal(out.logprobs[where], ref.logprobs), n
         assert torch.equal(out.entropy[where], ref.entropy), n
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not torch.backends.mkl.is_available(),
+                    reason="on the CPU the two heads' products are MKL's GEMMs, row-invariant from 16 rows")
+def test_distillation_per_token_outputs_are_batch_invariant(seed):
+    """fused_distillation_loss on the triton backend: a token's divergence and student entropy are the same bits
+    in any batch (16 or more tokens on the CPU, whose GEMMs take other kernels below; the elementwise kernels
+    reduce each token over column spans fixed by V, then combine the spans in torch), with ignored rows and
+    other tokens around it. On a GPU the products are cuBLAS GEMMs whose kernel may depend on the row count: this
+    test run there is what says whether the guarantee holds."""
+    from logitless.losses import fused_distillation_loss
+    g = torch.Generator().manual_seed(seed)
+    v, hs, ht, total = 2600, 96, 80, 40      # two column spans under the interpreter, the second ragged
+    hidden = torch.randn(total, hs, generator=g).to(DEVICE)
+    weight = (torch.randn(v, hs, generator=g) * (3 / hs ** 0.5)).to(DEVICE)
+    t_hidden = torch.randn(total, ht, generator=g).to(DEVICE)
+    t_weight = (torch.randn(v, ht, generator=g) * (3 / ht ** 0.5)).to(DEVICE)
+    labels = torch.randint(0, v, (total,), generator=g).to(DEVICE)
+    labels[::7] = -100
+
+    def per_token(idx):
+        out = fused_distillation_loss(hidden[idx], weight, labels[idx], teacher_hidden=t_hidden[idx],
+                                      teacher_weight=t_weight, divergence="jsd", beta=0.3, backend="triton")
+        return out.divergence, out.entropy
+    first = torch.arange(16, device=DEVICE)
+    ref = per_token(first)
+    for n in (17, total):
+        where = torch.randperm(n, generator=g)[:16].to(DEVICE)
+        idx = torch.randperm(total, generator=g)[:n].to(DEVICE)
+        # the first 16 tokens at random places among others
+        others = idx[~torch.isin(idx, first)][:n - 16]
+        idx = torch.empty(n, dtype=torch.int64, device=DEVICE)
+        keep = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        keep[where] = False
+        idx[where], idx[keep] = first, others
+        got = per_token(idx)
+        assert torch.equal(got[0][where], ref[0]) and torch.equal(got[1][where], ref[1]), n

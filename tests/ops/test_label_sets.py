@@ -316,3 +316,107 @@ def test_k_labels_triton_batch_invariant(seed):
         one = fused_logprobs(hidden[i:i + 1], weight, ids[i:i + 1], temperature=temperature[i:i + 1],
                              backend="triton", softcap=3.0)
         assert torch.equal(one.logprobs[0], whole.logprobs[i]) and torch.equal(one.entropy[0], whole.entropy[i])
+
+
+def test_selection_without_host_read_is_the_same(seed):
+    """check_inputs=False's selection (no host read of which rows hold a tie at the k-th value: every row
+    re-taken by the rule) takes the columns the stable sort takes, ties to the lower column: on tiles of
+    integer products (runs of equal logits across the cut) and of random ones."""
+    from logitless.ops.label_sets import _chunk_topk
+    gen = torch.Generator().manual_seed(seed)
+    small_ints = torch.randint(-2, 3, (9 + 301, H), generator=gen).float()
+    ties = small_ints[:9] @ small_ints[9:].t()
+    plain = torch.randn(9, 301, generator=gen)
+    for z in (ties, plain, ties[:, :3]):
+        want = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :K]
+        for host_read in (True, False):
+            vals, cols = _chunk_topk(z.clone(), K, host_read)
+            assert torch.equal(cols.sort(dim=1).values, want.sort(dim=1).values), host_read
+            assert torch.equal(vals, z.gather(1, cols))
+    # a run of equal logits crosses the cut at k in some row of the integer tile (the case the rule is for)
+    kth = torch.sort(ties, dim=-1, descending=True, stable=True).values[:, K - 1:K]
+    assert ((ties == kth).sum(-1) > (torch.sort(ties, dim=-1, descending=True).values[:, :K] == kth).sum(-1)).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onehot_dw_without_host_read(dtype, seed, monkeypatch):
+    """check_inputs=False's one-hot d_weight (every pair, sizes fixed by the shapes) against the compacted one and
+    float64: ids repeated across tokens (a few ids shared by many), ids of another rank (-1), zero coefficients,
+    blocks of 7 pairs (segments cut by the blocks)."""
+    from logitless.ops import label_sets
+    monkeypatch.setattr(label_sets, "GATHER_ELEMENTS", 7 * H)
+    gen = torch.Generator().manual_seed(seed)
+    n, vocab = 23, 41
+    hidden = torch.randn(n, H, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:K] for _ in range(n)])
+    ids[ids % 3 == 0] = ids[ids % 3 == 0] % 4            # a few ids appear in many tokens
+    ids[3, 1] = ids[5, 0] = -1
+    c = torch.randn(n, K, generator=gen)
+    c[7, 2] = 0.0
+    start = torch.randn(vocab, H, generator=gen).to(dtype)
+    want = start.double().clone()
+    keep = (ids >= 0) & (c != 0)
+    for i, j in keep.nonzero().tolist():
+        want[ids[i, j]] += c[i, j].double() * hidden[i].double()
+    got = {}
+    for host_read in (True, False):
+        dw = start.clone()
+        label_sets.add_onehot_dw(dw, hidden, ids, c, host_read=host_read)
+        got[host_read] = dw
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for host_read, dw in got.items():
+        assert rel_err(dw, want) <= tol, (host_read, rel_err(dw, want))
+    if dtype == torch.float32:
+        assert (got[True] - got[False]).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_topk_unchecked_reads_nothing_on_the_host(backend, seed):
+    """fused_topk(check_inputs=False): no host read in the forward or the backward (``host_reads``, which sees
+    the checked call's), the same ids, log-probs, tail and gradients as the checked call, the masked rows (NaN
+    temperature padding there) zero and gradient-free."""
+    from host_reads import host_reads
+    hidden, weight, gen = inputs(torch.float32, seed)
+    mask = torch.ones(LEAD, dtype=torch.bool)
+    mask[0, 2] = mask[0, 5] = False
+    temperature = (torch.rand(LEAD, generator=gen) + 0.5).masked_fill(~mask, float("nan"))
+    a, b = torch.randn(*LEAD, K, generator=gen), torch.randn(LEAD, generator=gen)
+    results = {}
+    for check in (False, True):
+        hidden.grad = weight.grad = None
+        with host_reads() as seen:
+            top = fused_topk(hidden, weight, K, mask=mask, backend=backend, check_inputs=check,
+                             temperature=temperature if not check else temperature.nan_to_num(1.0))
+            ((top.logprobs * a).sum() + (top.tail_logprob * b).sum()).backward()
+        assert (seen == []) == (not check), seen
+        results[check] = (top.ids, top.logprobs.detach(), top.tail_logprob.detach(), hidden.grad.clone(),
+                          weight.grad.clone())
+    assert torch.equal(results[False][0], results[True][0])
+    assert (results[False][0][~mask] == -1).all() and (results[False][3][~mask] == 0).all()
+    for got, want in zip(results[False][1:], results[True][1:], strict=True):
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    with pytest.raises(TypeError, match="check_inputs must be a bool"):
+        fused_topk(hidden, weight, K, check_inputs=None)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_k_labels_unchecked_reads_nothing_on_the_host(with_entropy, seed):
+    """fused_logprobs with labels [..., k] and check_inputs=False: no host read forward or backward (the one-hot
+    d_weight in its fixed-size form), the same numbers as the checked call."""
+    from host_reads import host_reads
+    hidden, weight, gen = inputs(torch.float32, seed)
+    ids = distinct_ids(LEAD, K, V, gen)
+    ids[0, 4] = -100
+    g = torch.randn(ids.shape, generator=gen)
+    results = {}
+    for check in (False, True):
+        hidden.grad = weight.grad = None
+        with host_reads() as seen:
+            out = fused_logprobs(hidden, weight, ids, backend="chunked", check_inputs=check,
+                                 with_entropy=with_entropy)
+            loss = (out.logprobs * g).sum() + (out.entropy.sum() if with_entropy else 0.0)
+            loss.backward()
+        assert (seen == []) == (not check), seen
+        results[check] = (out.logprobs.detach(), hidden.grad.clone(), weight.grad.clone())
+    for got, want in zip(results[False], results[True], strict=True):
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())

@@ -8,7 +8,8 @@
 Like the fused policy loss, the gradients are formed in the forward (``ops/distill_chunked.py``: four GEMMs,
 nothing recomputed) and handed out once, scaled by the upstream gradient, in the backward; the teacher gets
 none. Inside the op, one host synchronisation checks the labels, temperatures and per-token weights and counts
-the scored tokens (label != ignore_index); only those reach the pass (ignored rows cost nothing).
+the scored tokens (label != ignore_index); only those reach the pass (ignored rows cost nothing). With
+check_inputs=False there is none: every row runs, the rows not scored with weight 0 and outputs 0.
 """
 from __future__ import annotations
 
@@ -60,11 +61,20 @@ def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int, 
     return None if count == labels.numel() else torch.nonzero_static(valid, size=count).squeeze(1)
 
 
+def products_ran(student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> tuple[str, str]:
+    """(statistics, gradients) for ``last_precision()``: how the pass multiplied. It takes no precision setting:
+    float32 operands are IEEE float32 products (``maths.mm_fp32``, a float32 dlogits for a float32 student),
+    half-precision ones exact ("native"). The statistics are "ieee" when either head is float32 (the other
+    head's half-precision products are exact anyway); the gradient products are the student's alone."""
+    stats = "ieee" if torch.float32 in (student_dtype, teacher_dtype) else "native"
+    return stats, "ieee" if student_dtype == torch.float32 else "native"
+
+
 @torch.library.custom_op("logitless::fused_distillation_loss", mutates_args=())
 def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: Tensor, labels: Tensor,
                 inv_temp: Tensor, token_w: Tensor, *, kind: str, beta: float, s_scale: float, s_softcap: float,
                 t_scale: float, t_softcap: float, backend: str, ignore_index: int, tp_group: Optional[str],
-                reduce_grad_hidden: bool, need_dh: bool, need_dw: bool
+                reduce_grad_hidden: bool, need_dh: bool, need_dw: bool, check_inputs: bool = True
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(s_hidden):
         tp = _layout(tp_group, s_weight, reduce_grad_hidden)
@@ -74,7 +84,14 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
                 raise ValueError(f"teacher_weight's vocabulary shards {t_tp.sizes} differ from student_weight's "
                                  f"{tp.sizes} over tp_group: both heads must be sharded the same way")
         vocab = tp.vocab_size if tp is not None else s_weight.shape[0]
-        rows = _scored_rows(labels, inv_temp, token_w, vocab, ignore_index, s_hidden, t_hidden)
+        if check_inputs:
+            rows = _scored_rows(labels, inv_temp, token_w, vocab, ignore_index, s_hidden, t_hidden)
+        else:
+            # no host read: every row runs; a row not scored gets inverse temperature 1 (NaN padding of a
+            # per-token temperature reaches nothing) and weight 0 (no gradient), its outputs 0 below
+            rows, valid = None, labels != ignore_index
+            inv_temp = inv_temp.masked_fill(~valid, 1.0)
+            token_w = token_w.masked_fill(~valid, 0.0)
 
         def pick(t: Tensor) -> Tensor:
             return t if rows is None else t.index_select(0, rows)
@@ -92,8 +109,10 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
         dw = alloc(s_weight.shape, dtype=s_weight.dtype, device=dev) if need_dw else None
         div, ent = distill_pass_for(backend)(student, teacher, pick(inv_temp), w,
                                              Divergence(kind, _none_if_nan(beta)), dh, dw, tp=tp)
+        if not check_inputs:
+            div, ent = div.masked_fill(~valid, 0.0), ent.masked_fill(~valid, 0.0)
         loss = (w.double() * div.double()).sum().float()
-        record_backend(backend)
+        record_backend(backend, products_ran(s_hidden.dtype, t_hidden.dtype))
         if dh is not None:
             if tp is not None:
                 dh = tp.reduce_grad_hidden(dh)
@@ -110,7 +129,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
 @_distill_op.register_fake
 def _distill_fake(s_hidden, s_weight, t_hidden, t_weight, labels, inv_temp, token_w, *, kind, beta, s_scale,
                   s_softcap, t_scale, t_softcap, backend, ignore_index, tp_group, reduce_grad_hidden, need_dh,
-                  need_dw):
+                  need_dw, check_inputs=True):
     n = labels.shape[0]
     return (s_hidden.new_empty((), dtype=torch.float32), s_hidden.new_empty(n, dtype=torch.float32),
             s_hidden.new_empty(n, dtype=torch.float32), s_hidden.new_empty(s_hidden.shape if need_dh else (0,)),
@@ -135,7 +154,7 @@ _distill_op.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_distillation_loss_op(student: Head, teacher: Head, labels: Tensor, inv_temp: Tensor, token_w: Tensor,
                                divergence: Divergence, *, backend: str, ignore_index: int, tp_group: Optional[str],
-                               reduce_grad_hidden: bool, need_dh: bool, need_dw: bool):
+                               reduce_grad_hidden: bool, need_dh: bool, need_dw: bool, check_inputs: bool = True):
     """(loss, divergence [N], entropy [N]) of the op; hidden [N, H] of each head, labels / inv_temp / token_w
     [N], as checked by ``losses.distillation``."""
     def number(x: Optional[float]) -> float:
@@ -145,5 +164,6 @@ def fused_distillation_loss_op(student: Head, teacher: Head, labels: Tensor, inv
         kind=divergence.kind, beta=number(divergence.beta), s_scale=float(student.transform.scale),
         s_softcap=number(student.transform.softcap), t_scale=float(teacher.transform.scale),
         t_softcap=number(teacher.transform.softcap), backend=backend, ignore_index=ignore_index,
-        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, need_dh=need_dh, need_dw=need_dw)
+        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, need_dh=need_dh, need_dw=need_dw,
+        check_inputs=check_inputs)
     return out[:3]

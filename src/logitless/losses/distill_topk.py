@@ -6,7 +6,7 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
     topk_divergence(student_hidden [..., H], student_weight [V, H], labels [...], teacher_topk_ids [..., k],
                     teacher_topk_logprobs [..., k], *, divergence="forward_kl_topk", temperature=1.0,
                     ignore_index=-100, tp_group=None, reduce_grad_hidden=True, backend="auto", softcap=None,
-                    log_prob_min_clamp=None, with_overlap=True, clamped_masses=False)
+                    log_prob_min_clamp=None, with_overlap=True, clamped_masses=False, check_inputs=True)
                     -> TopKDivergence(divergence, metrics, token_stats)
 
 - ``labels`` only marks the scored tokens (``labels != ignore_index``); the teacher's ids and log-probs of the
@@ -20,6 +20,8 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
   scored token the means are NaN, the minima +inf and the maxima -inf; overlap_token_advantage is 0.
 - ``token_stats``: the detached per-token tensors behind them ([...]: ``student_mass``, ``teacher_mass``,
   ``overlap_count`` int64, ``overlap_token_advantage``), for callers that aggregate across micro-batches.
+- ``check_inputs=False``: no host synchronisation (nothing below is checked; every row runs, the unscored ones
+  with zero outputs and no gradient), as in ``fused_logprobs``.
 - ``with_overlap=False``: no overlap (the two overlap metrics and token stats are absent). The overlap needs the
   student's own top-k, which the torch vocabulary pass selects; without it ``"forward_kl_topk"``'s forward is the
   backend's statistics pass (Triton's kernels on CUDA) plus a gathered product for the k ids. The tail divergence
@@ -72,9 +74,10 @@ class TopKDivergence(NamedTuple):
     token_stats: dict
 
 
-def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int,
+                   check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(scored [...] bool, ids [..., k] int64 with ignore_index on unscored tokens, teacher log-probs float32
-    with 0 on unscored tokens)."""
+    with 0 on unscored tokens). check_inputs=False: the log-probs' values are not read on the host."""
     ids = checks.index_tensor(ids, "teacher_topk_ids")
     logprobs = checks.tensor(logprobs, "teacher_topk_logprobs")
     if not logprobs.is_floating_point():
@@ -89,7 +92,10 @@ def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int) -> tuple[Te
         if t.device != labels.device:
             raise ValueError(f"{name} is on {t.device}, the student's tokens on {labels.device}")
     scored = labels != ignore_index
-    lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs")
+    if check_inputs:
+        lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs")
+    else:
+        lp = torch.where(scored.unsqueeze(-1), logprobs.detach().float(), 0.0)
     ids = torch.where(scored.unsqueeze(-1), ids.long(), torch.full_like(ids, ignore_index, dtype=torch.int64))
     return scored, ids, lp
 
@@ -109,7 +115,7 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                     temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                     reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
                     log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True,
-                    clamped_masses: bool = False) -> TopKDivergence:
+                    clamped_masses: bool = False, check_inputs: bool = True) -> TopKDivergence:
     """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
     if divergence not in TOPK_DIVERGENCES:
         raise ValueError(f"divergence must be one of {TOPK_DIVERGENCES}, got {divergence!r}")
@@ -118,18 +124,27 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
     softcap = checks.softcap(softcap)
     checks.boolean(with_overlap, "with_overlap")
+    checks.boolean(check_inputs, "check_inputs")
     clamp = None if log_prob_min_clamp is None else checks.finite_float(log_prob_min_clamp, "log_prob_min_clamp")
     checks.boolean(clamped_masses, "clamped_masses")
     if clamped_masses and clamp is None:
         raise ValueError("clamped_masses=True has no effect without log_prob_min_clamp (the masses are the same "
                          "sums then): leave it False")
-    scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index)
+    scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index, check_inputs)
     k = ids.shape[-1]
     inv_temp = inv_temperature(temperature, labels, check_values=False)
+    if not check_inputs:
+        # every row runs (no host read): an unscored one at inverse temperature 1, so that NaN padding of a
+        # per-token temperature reaches no gradient
+        inv_temp = inv_temp.masked_fill(~scored.reshape(-1), 1.0)
     flat_ids = ids.reshape(-1, k)
     mod, _ = choose_backend(hidden, weight, backend)
+    # float32 students multiply in IEEE float32 (the full-vocabulary pass's products; no precision setting here),
+    # named so that the op runs and records it
+    precision = ("ieee", "ieee") if hidden.dtype == torch.float32 else ("native", "native")
     options = function.OpOptions(backend=mod.name, with_entropy=False, ignore_index=ignore_index, softcap=softcap,
-                                 tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden)
+                                 tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
+                                 check_inputs=check_inputs, precision=precision[0], grad_precision=precision[1])
     with_tail = divergence == "forward_kl_topk_tail"
     s_lp, _, s_tail, s_top = label_set_function.fused_logprobs_k(
         hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,

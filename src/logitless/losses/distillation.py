@@ -99,8 +99,9 @@ def _softcap(value, name: str) -> Optional[float]:
 
 
 def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens, num_items_in_batch,
-                   token_weight) -> Tensor:
-    """float32 [N]: each token's weight in the loss (0 where ignored)."""
+                   token_weight, check_inputs: bool = True) -> Tensor:
+    """float32 [N]: each token's weight in the loss (0 where ignored). check_inputs=False: cu_seqlens' values
+    are not read on the host (not checked)."""
     valid = labels != ignore_index
     loss_agg = check_loss_agg(loss_agg)
     cu = None
@@ -109,7 +110,7 @@ def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens,
             raise ValueError(f"cu_seqlens delimits sequences for the sequence aggregations; loss_agg={loss_agg!r} "
                              "does not use them")
         cu, ok = check_cu_seqlens(cu_seqlens, labels)
-        if not bool(ok):
+        if check_inputs and not bool(ok):
             raise cu_seqlens_error(cu, labels.numel())
     check_agg_layout(labels, loss_agg, cu)
     if num_items_in_batch is not None:
@@ -162,7 +163,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
                             token_weight: Optional[Tensor] = None, student_logit_scale: float = 1.0,
                             teacher_logit_scale: float = 1.0, student_softcap: Optional[float] = None,
                             teacher_softcap: Optional[float] = None, ignore_index: int = -100, tp_group=None,
-                            reduce_grad_hidden: bool = True, backend: str = "auto",
+                            reduce_grad_hidden: bool = True, backend: str = "auto", check_inputs: bool = True,
                             **topk_settings) -> DistillationOutput:
     """The distillation loss straight from the LM heads, without the [tokens x vocab] logits.
 
@@ -190,6 +191,13 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             three Triton kernels), "chunked" (the same pass in torch) or "reference" (every token's float32 logits at
             once, for tests). The top-k divergences take fused_logprobs' backends. ``logitless.last_backend()`` says
             which ran.
+        check_inputs: True (default): labels, temperatures, per-token weights, cu_seqlens, the scored rows' hidden
+            states (and the teacher's top-k ids and log-probs) are checked (ValueError) and only the scored tokens
+            are computed: one host synchronisation (two on the top-k route), inside the ops. False: none at all
+            (a whole step can be captured in a CUDA graph): nothing is checked, every row is computed, and the
+            rows that are not scored get inverse temperature 1, weight 0 and outputs 0 (NaN padding in the
+            per-token inputs there is harmless; a non-finite hidden state there reaches d_weight), as in
+            ``fused_logprobs``.
         topk_settings: the top-k divergences' settings (verl's clamps); refused for the full-vocabulary ones.
 
     Returns:
@@ -199,6 +207,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
     div = _divergence(divergence, beta)
     ignore_index = checks.ignore_index(ignore_index)
     checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    checks.boolean(check_inputs, "check_inputs")
     if div is None:
         for name, value in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
             if value is not None:
@@ -210,7 +219,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
                      student_logit_scale=student_logit_scale, student_softcap=student_softcap,
                      teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
                      ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
-                     backend=backend, settings=topk_settings)
+                     backend=backend, check_inputs=check_inputs, settings=topk_settings)
     if topk_settings:
         raise TypeError(f"unknown argument(s) {', '.join(sorted(topk_settings))} for divergence={divergence!r}")
     for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
@@ -239,14 +248,15 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
     teacher = HeadTransform(_logit_scale(teacher_logit_scale, "teacher_logit_scale"),
                             _softcap(teacher_softcap, "teacher_softcap"))
     backend = _backend(backend, s_hidden)
-    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight)
+    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight,
+                             check_inputs)
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     grad = torch.is_grad_enabled()
     loss, per_token, entropy = fused_distillation_loss_op(
         Head(s_hidden.reshape(-1, s_hidden.shape[-1]), s_weight, student),
         Head(t_hidden.detach().reshape(-1, t_hidden.shape[-1]), t_weight.detach(), teacher),
         labels.reshape(-1).long(), inv_temp, token_w, div, backend=backend, ignore_index=ignore_index,
-        tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
+        tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs,
         need_dh=grad and s_hidden.requires_grad, need_dw=grad and s_weight.requires_grad)
     valid = labels != ignore_index
     # TRL's logged entropy: the scored tokens' sum over their count (0 with none, as TRL logs it)
@@ -261,7 +271,7 @@ TOPK_SETTINGS = ("log_prob_min_clamp", "loss_max_clamp", "with_overlap")
 
 def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs, *,
           temperature, loss_agg, cu_seqlens, num_items_in_batch, token_weight, student_logit_scale, student_softcap,
-          teacher_logit_scale, teacher_softcap, ignore_index, tp_group, reduce_grad_hidden, backend,
+          teacher_logit_scale, teacher_softcap, ignore_index, tp_group, reduce_grad_hidden, backend, check_inputs,
           settings) -> DistillationOutput:
     """The top-k divergences: the per-token term of ``distill_topk.topk_divergence`` (verl's forward_kl_topk,
     its clamps and metrics; differentiable through the k-label log-probs), aggregated here."""
@@ -282,12 +292,13 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
     if loss_max_clamp is not None:
         loss_max_clamp = checks.finite_float(loss_max_clamp, "loss_max_clamp", minimum=0.0)
     labels = checks.index_tensor(labels, "labels")
-    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight)
+    token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight,
+                             check_inputs)
     out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
                           divergence=divergence, temperature=temperature, ignore_index=ignore_index,
                           tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
                           softcap=student_softcap, log_prob_min_clamp=settings.get("log_prob_min_clamp"),
-                          with_overlap=settings.get("with_overlap", True))
+                          with_overlap=settings.get("with_overlap", True), check_inputs=check_inputs)
     d = out.divergence
     if loss_max_clamp is not None:
         # verl's distillation_loss: the terms clamped to [-c, c] before the aggregation (its loss_min / loss_max

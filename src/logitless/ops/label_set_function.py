@@ -60,14 +60,20 @@ def fused_logprobs_k(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: T
 
 def fused_topk(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, k: int, backend: str,
                softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
-               precision: str = "native", grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor]:
+               precision: str = "native", grad_precision: str = "native",
+               check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(ids [N, k] int64, logprobs [N, k], tail [N]) of the rows where mask [N] is True (ids -1, logprobs 0,
     tail 0 elsewhere); logprobs and tail differentiable w.r.t. hidden and weight. precision / grad_precision as
-    ``precision.resolve`` returns them."""
+    ``precision.resolve`` returns them. check_inputs=False: no host read (every row computed, the masked ones at
+    inverse temperature 1 and zeroed; the temperatures are not checked)."""
+    if not check_inputs:
+        # every row runs: a masked one at inverse temperature 1, here so that the backward (which reads the op's
+        # inputs) sees it too: NaN padding reaches nothing
+        inv_temp = inv_temp.masked_fill(~mask, 1.0)
     ids, lp, tail, _ = torch.ops.logitless.fused_topk(hidden, weight, inv_temp, mask, k=k, backend=backend,
                                                        softcap=softcap, tp_group=tp_group,
                                                        reduce_grad_hidden=reduce_grad_hidden, precision=precision,
-                                                       grad_precision=grad_precision)
+                                                       grad_precision=grad_precision, check_inputs=check_inputs)
     return ids, lp, tail
 
 
@@ -159,15 +165,16 @@ def _pass_name(backend: str) -> str:
 
 
 def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, given=None, given_local=None,
-              select=0):
-    """label_sets.vocab_pass over the kept rows in token blocks -> (one SetPartial [n], the selection or None)."""
+              select=0, host_read=True):
+    """label_sets.vocab_pass over the kept rows in token blocks -> (one SetPartial [n], the selection or None).
+    host_read=False: no value read on the host (check_inputs=False)."""
     step, columns = _pass_columns(backend, hidden, weight, n)
     parts, sels = [], []
     for start, stop in _blocks(n, step):
         part, sel = label_sets.vocab_pass(
             _rows(hidden, rows, start, stop), weight, inv_temp[start:stop], softcap, columns, offset, k,
             None if given is None else given[start:stop], None if given_local is None else given_local[start:stop],
-            select)
+            select, host_read)
         parts.append(part)
         sels.append(sel)
     if len(parts) == 1:
@@ -246,6 +253,17 @@ def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
                           softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name, precision, grad_precision)
 
 
+def backward_precision(grad_precision: str, with_tail: bool) -> str:
+    """The gradient products the backward runs for an op asked for ``grad_precision``: "bf16x6" for "bf16" or
+    "bf16x3" when the op has a tail output. A gradient through the tail is, at the k ids, the difference of the
+    dense part's G p_j and the one-hot part's, each ~ g_tail / P_tail: dlogits of 8 or 16 bits cannot resolve it
+    when the tail is small (P_tail 1e-4: errors of 0.1 relative), so such an op's gradients run float32-exact,
+    the six products of "bf16x6" (docs/precision.md, "k ids per token"). Decided from the op's outputs, not from
+    whether the tail gets a gradient, so that the forward's record (``last_precision()``, which a backward on
+    another thread could not update) says what the backward runs."""
+    return "bf16x6" if with_tail and grad_precision in ("bf16", "bf16x3") else grad_precision
+
+
 def _stats_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, n: int):
     """(hidden, weight, tf32) the forward multiplies: a precision's statistics operands (``precision.py``; made
     here, dropped with the pass, never saved), or the operands themselves (none needed for no kept row)."""
@@ -275,7 +293,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         with tf32_products(tf32):
             part, sel = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name,
                                   tp.vocab_offset if tp is not None else 0, given=ids, given_local=local,
-                                  select=select)
+                                  select=select, host_read=check_inputs)
         part = _global(part, tp, k, select=False)
         lse, tail = part.lse_and_tail()
         lp = part.vals - lse.unsqueeze(1)
@@ -313,7 +331,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         tail = torch.where(valid, tail, torch.zeros_like(tail)) if tail is not None else None
         top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
     del h_s, w_s
-    record_backend(_pass_name(mod.name) if with_tail or select else mod.name, (precision, grad_precision))
+    record_backend(_pass_name(mod.name) if with_tail or select else mod.name,
+                   (precision, backward_precision(grad_precision, with_tail)))
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -333,20 +352,23 @@ def _forward_k_fake(hidden, weight, labels, inv_temp, *, backend, with_entropy, 
 @torch.library.custom_op("logitless::fused_topk", mutates_args=())
 def _topk_op(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, *, k: int, backend: str,
              softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool, precision: str = "native",
-             grad_precision: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             grad_precision: str = "native", check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(hidden):
         return _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden, precision,
-                     grad_precision)
+                     grad_precision, check_inputs)
 
 
 def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_grad_hidden, precision="native",
-          grad_precision="native"):
+          grad_precision="native", check_inputs=True):
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     N = hidden.shape[0]
-    if N and not bool(checks.inverse_temperature_ok(inv_temp)):
-        raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
-    every = bool(mask.all()) if N else True
+    if check_inputs:
+        if N and not bool(checks.inverse_temperature_ok(inv_temp)):
+            raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
+        every = bool(mask.all()) if N else True
+    else:
+        every = True        # no host read: every row runs (``fused_topk`` set the masked ones' temperature)
     rows = None if every else mask.nonzero().squeeze(1)
     if rows is not None:
         inv_temp = inv_temp[rows]
@@ -355,21 +377,26 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     # the selection and the sums are over the precision's logits (its statistics operands)
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
     with tf32_products(tf32):
-        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, offset)
+        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, offset, host_read=check_inputs)
     del h_s, w_s
     part = _global(part, tp, k, select=True)
     lse, tail = part.lse_and_tail()
     lp, ids = part.vals - lse.unsqueeze(1), part.ids
+    if not check_inputs:
+        # the masked rows' outputs as the checked call leaves them (their lse stays: the backward's p of the row)
+        ids = torch.where(mask.unsqueeze(1), ids, -1)
+        lp = torch.where(mask.unsqueeze(1), lp, 0.0)
+        tail = torch.where(mask, tail, 0.0)
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend(_pass_name(mod.name), (precision, grad_precision))
+    record_backend(_pass_name(mod.name), (precision, backward_precision(grad_precision, True)))
     return ids, lp, tail, lse
 
 
 @_topk_op.register_fake
 def _topk_fake(hidden, weight, inv_temp, mask, *, k, backend, softcap, tp_group, reduce_grad_hidden,
-               precision="native", grad_precision="native"):
+               precision="native", grad_precision="native", check_inputs=True):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return (hidden.new_empty((n, k), dtype=torch.int64), hidden.new_empty((n, k), **f), hidden.new_empty(n, **f),
@@ -410,12 +437,8 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
         g_ent = torch.where(valid, g_ent, torch.zeros_like(g_ent)) if g_ent is not None else None
         g_t = torch.where(valid, g_t, torch.zeros_like(g_t)) if g_t is not None else None
     G, coef = label_sets.tail_coefficients(g_lp, g_t, lp, tl)
-    if g_t is not None and grad_precision in ("bf16", "bf16x3"):
-        # a gradient through the tail is, at the k ids, the difference of the dense part's G p_j and the one-hot
-        # part's, each ~ g_tail / P_tail: dlogits of 8 or 16 bits cannot resolve it when the tail is small
-        # (P_tail 1e-4: errors of 0.1 relative), so these run float32-exact, the six products of "bf16x6"
-        # (docs/precision.md, "k ids per token")
-        grad_precision = "bf16x6"
+    # an op with a tail output (tail [N], empty without) runs the gradient products its forward recorded
+    grad_precision = backward_precision(grad_precision, tail.numel() > 0)
     n = local.shape[0]
     # the precision's operands again (the forward's were dropped): the dense part recomputes the statistics'
     # logits from them and forms its products with their gradient parts
@@ -442,7 +465,7 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
                                     need_dw, softcap, finish, operands=ops, add_dh=add_dh)
     del ops, h_s, w_s
     if need_dw and n:
-        label_sets.add_onehot_dw(dw, hidden, local, c, rows)
+        label_sets.add_onehot_dw(dw, hidden, local, c, rows, host_read=check_inputs)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
 
 
@@ -505,7 +528,8 @@ def _setup_topk(ctx, inputs, keyword_only_inputs, output):
 
 def _backward_topk_autograd(ctx, _g_ids, g_lp, g_tail, _g_lse):
     # masked rows hold ids -1 on all k: ignored rows of the k-label backward with ignore_index -1
-    dh, dw = _backward_call(ctx, g_lp, None, g_tail, ctx.saved_tensors[7], -1, True)
+    dh, dw = _backward_call(ctx, g_lp, None, g_tail, ctx.saved_tensors[7], -1,
+                            ctx.options.get("check_inputs", True))
     return dh, dw, None, None
 
 

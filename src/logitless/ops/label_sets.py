@@ -84,11 +84,16 @@ def add_onehot_dh(dh: Tensor, weight: Tensor, ids: Tensor, c: Tensor) -> None:
         dh[start:stop] += _bmm(w.transpose(1, 2), c[start:stop].unsqueeze(2))
 
 
-def add_onehot_dw(dw: Tensor, hidden: Tensor, ids: Tensor, c: Tensor, rows: Optional[Tensor] = None) -> None:
+def add_onehot_dw(dw: Tensor, hidden: Tensor, ids: Tensor, c: Tensor, rows: Optional[Tensor] = None,
+                  host_read: bool = True) -> None:
     """dw [V_local, H] += c[i, k] * hidden[rows[i]] at row ids[i, k], for ids >= 0 (``rows`` None: hidden[i]).
     The pairs are sorted by id and
     taken in blocks; each block's rows are summed in float32 and added to dw once (one rounding per block
-    for a half-precision dw)."""
+    for a half-precision dw). host_read=False: the same sums without reading a value on the host
+    (``_add_onehot_dw_static``)."""
+    if not host_read:
+        _add_onehot_dw_static(dw, hidden, ids, c, rows)
+        return
     keep = (ids >= 0) & (c != 0)
     pair_rows, pair_cols = keep.nonzero(as_tuple=True)
     if pair_rows.numel() == 0:
@@ -108,6 +113,37 @@ def add_onehot_dw(dw: Tensor, hidden: Tensor, ids: Tensor, c: Tensor, rows: Opti
         contrib = hidden.index_select(0, rows_b).float() * pair_c[start:stop].unsqueeze(1)
         acc = torch.zeros((uniq.numel(), h), dtype=torch.float32, device=dw.device).index_add_(0, inverse, contrib)
         dw.index_copy_(0, uniq, (dw.index_select(0, uniq).float() + acc).to(dw.dtype))
+
+
+def _add_onehot_dw_static(dw: Tensor, hidden: Tensor, ids: Tensor, c: Tensor, rows: Optional[Tensor]) -> None:
+    """``add_onehot_dw`` with every size fixed by the shapes (CUDA-graph capture: no nonzero, no unique): all
+    n * k pairs, sorted by id (the dropped ones, id < 0 or c == 0, last with a zero coefficient), in blocks; a
+    block's pairs of one id are one segment (a running count of the id changes), summed in float32 into the
+    block's [pairs, H] accumulator and added to dw at the segment's id with an accumulating index_put (its
+    unused slots add 0 at row 0). A half-precision dw is rounded twice per block and id (the sum, then dw plus
+    it) instead of once."""
+    n, k = ids.shape
+    vocab, h = dw.shape
+    keep = (ids >= 0) & (c != 0)
+    flat_ids = torch.where(keep, ids, vocab).reshape(-1)           # dropped pairs: past the last row
+    order = torch.argsort(flat_ids, stable=True)
+    pair_ids = flat_ids[order]
+    pair_c = torch.where(keep, c, 0.0).reshape(-1)[order].float()
+    pair_rows = torch.div(order, k, rounding_mode="floor")
+    if rows is not None:
+        pair_rows = rows[pair_rows]
+    step = max(1, GATHER_ELEMENTS // h)
+    for start in range(0, pair_ids.numel(), step):
+        stop = min(start + step, pair_ids.numel())
+        ids_b = pair_ids[start:stop]
+        seg = torch.zeros(stop - start, dtype=torch.int64, device=dw.device)
+        seg[1:] = torch.cumsum(ids_b[1:] != ids_b[:-1], dim=0)
+        contrib = hidden.index_select(0, pair_rows[start:stop]).float() * pair_c[start:stop].unsqueeze(1)
+        acc = torch.zeros((stop - start, h), dtype=torch.float32, device=dw.device).index_add_(0, seg, contrib)
+        seg_ids = torch.full((stop - start,), vocab, dtype=torch.int64, device=dw.device).scatter_(0, seg, ids_b)
+        used = seg_ids < vocab
+        acc = torch.where(used.unsqueeze(1), acc, 0.0)
+        dw.index_put_((torch.where(used, seg_ids, 0),), acc.to(dw.dtype), accumulate=True)
 
 
 def tail_coefficients(g_lp: Tensor, g_tail: Optional[Tensor], lp: Tensor,
@@ -166,13 +202,23 @@ def merge_candidates(vals: Tensor, ids: Tensor, k: int, m: Tensor, rest: Tensor)
     return vals[:, :k].contiguous(), ids[:, :k].contiguous(), rest + evicted
 
 
-def _chunk_topk(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _chunk_topk(z: Tensor, k: int, host_read: bool = True) -> tuple[Tensor, Tensor]:
     """The top min(k, C) of a tile z [n, C], ties to the lower column: torch.topk may take any of equal values,
     so rows where the k-th value has an equal left out are re-taken with a stable sort (rare: equal float32
-    logits, e.g. a saturated softcap)."""
+    logits, e.g. a saturated softcap). host_read=False: without reading on the host which rows those are, every
+    row's columns are re-taken by the rule (those above its k-th value, then the lowest columns equal to it;
+    a few more passes over the tile), in column order (the callers order candidates by value, then id)."""
     kk = min(k, z.shape[1])
     vals, cols = z.topk(kk, dim=1)
     kth = vals[:, -1:]
+    if not host_read:
+        equal = z == kth
+        # (vals > kth).sum() columns lie above the k-th value; the first equal ones fill the rest
+        take = (z > kth) | (equal & (equal.cumsum(dim=1, dtype=torch.int32) <= kk - (vals > kth).sum(1, True)))
+        # exactly kk columns per row are taken: the kk largest of (C - column) where taken, 0 elsewhere
+        span = torch.arange(z.shape[1], 0, -1, dtype=torch.int32, device=z.device)
+        cols = torch.where(take, span, 0).topk(kk, dim=1).indices
+        return z.gather(1, cols), cols
     crossing = (z == kth).sum(dim=1) > (vals == kth).sum(dim=1)
     if bool(crossing.any()):
         rows = crossing.nonzero().squeeze(1)
@@ -183,7 +229,7 @@ def _chunk_topk(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Optional[float], columns: int,
                offset: int, k: int, given: Optional[Tensor] = None, given_local: Optional[Tensor] = None,
-               select: int = 0) -> tuple[SetPartial, Optional[tuple[Tensor, Tensor]]]:
+               select: int = 0, host_read: bool = True) -> tuple[SetPartial, Optional[tuple[Tensor, Tensor]]]:
     """One pass over this weight's rows in chunks of ``columns``, for hidden [n, H].
 
     ``given`` [n, k] (global ids) with ``given_local`` (their rows here, -1 elsewhere): the set is those ids;
@@ -191,7 +237,7 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
     are left out of ``rest``; ``select`` > 0 also selects the top ``select`` logits (returned as (values, global
     ids) [n, select], the second item; None without). ``given`` None: the set is the top-k (global ids =
     offset + row), each chunk's own top-k are left out of its sum and the candidates a merge evicts are added
-    back."""
+    back. host_read=False: no value read on the host (``_chunk_topk``)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
@@ -206,7 +252,7 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
     if given is not None and select:
         sel = (torch.full((n, select), float("-inf"), dtype=torch.float32, device=dev),
                torch.full((n, select), -1, dtype=torch.int64, device=dev))
-    neg_inf = torch.tensor(float("-inf"), device=dev)
+    neg_inf = torch.full((), float("-inf"), device=dev)          # a fill, not a copy from the host
     for start in range(0, vocab, columns):
         stop = min(start + columns, vocab)
         z, _ = logits_from_products(mm_fp32(hidden, weight[start:stop].t()), inv_temp, softcap)
@@ -214,7 +260,7 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
         rest = rest * torch.exp(m - m_new)       # exp(-inf) = 0 before the first chunk
         if given is not None:
             if sel is not None:
-                cv, cc = _chunk_topk(z, select)
+                cv, cc = _chunk_topk(z, select, host_read)
                 sv, si, _ = merge_candidates(torch.cat([sel[0], cv], 1), torch.cat([sel[1], cc + (offset + start)], 1),
                                              select, m_new, rest)
                 sel = (sv, si)
@@ -227,7 +273,7 @@ def vocab_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, softcap: Option
             z.scatter_add_(1, cols, torch.where(inside, neg_inf, torch.zeros((), device=dev)).expand_as(cols))
             rest = rest + z.sub_(m_new.unsqueeze(1)).exp_().sum(dim=1)     # in place: the tile is done
         else:
-            cv, cc = _chunk_topk(z, k)
+            cv, cc = _chunk_topk(z, k, host_read)
             z.scatter_(1, cc, neg_inf.expand_as(cc))
             rest = rest + z.sub_(m_new.unsqueeze(1)).exp_().sum(dim=1)     # in place: the tile is done
             vals, ids, rest = merge_candidates(torch.cat([vals, cv], 1), torch.cat([ids, cc + (offset + start)], 1),
