@@ -61,6 +61,7 @@ def inputs():
     ("temperature_tensor_tiny", ValueError, "temperature must be finite and >= 1e-30 everywhere"),
     ("temperature_tensor_inf", ValueError, "temperature must be finite and >= 1e-30 everywhere"),
     ("mixed_dtypes", TypeError, "differs from hidden dtype .* under torch.autocast only"),
+    ("reduce_grad_hidden_without_group", ValueError, "reduce_grad_hidden=False has no effect without tp_group"),
 ])
 def test_bad_input_is_named(case, exc, match):
     h, w, y = inputs()
@@ -109,6 +110,8 @@ def test_bad_input_is_named(case, exc, match):
             "temperature_tensor_tiny": torch.tensor([1.0] * (N - 1) + [1e-50], dtype=torch.float64),
             "temperature_tensor_inf": torch.tensor([1.0] * (N - 1) + [float("inf")]),
         }[case]
+    elif case == "reduce_grad_hidden_without_group":
+        kw["reduce_grad_hidden"] = False
     elif case == "with_entropy_str":
         kw["with_entropy"] = "yes"
     elif case == "ignore_index_float":

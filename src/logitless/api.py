@@ -207,7 +207,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     hidden, weight, labels = check_head(hidden, weight, labels, label_sets=True)
     checks.boolean(with_entropy, "with_entropy")
     ignore_index = checks.ignore_index(ignore_index)
-    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     softcap = checks.softcap(softcap)
     checks.boolean(check_inputs, "check_inputs")
     precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)

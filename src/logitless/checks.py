@@ -47,6 +47,16 @@ def boolean(value, name: str) -> bool:
     return value
 
 
+def reduce_grad_hidden(value, tp_group) -> bool:
+    """``reduce_grad_hidden`` if it is a bool with an effect: False (leave d_hidden as this rank's partial sum)
+    means something only under ``tp_group``; without one d_hidden is whole, so False is a ValueError."""
+    boolean(value, "reduce_grad_hidden")
+    if not value and tp_group is None:
+        raise ValueError("reduce_grad_hidden=False has no effect without tp_group (d_hidden is already whole on one "
+                         "process): leave it True, or pass the tensor-parallel group")
+    return value
+
+
 def integer(value, name: str, minimum: Optional[int] = None) -> int:
     """``value`` if it is an int (not a bool) >= ``minimum`` (when given); TypeError / ValueError
     naming ``name`` otherwise."""

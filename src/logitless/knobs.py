@@ -29,8 +29,8 @@ def strict() -> bool:
     return os.environ.get("LOGITLESS_STRICT", "").strip().lower() in _TRUE
 
 
-def chunk_elements(default: int) -> int:
-    """LOGITLESS_CHUNK_ELEMENTS: float32 logits per chunk of the chunked backend."""
+def chunk_elements(default: Optional[int]) -> Optional[int]:
+    """LOGITLESS_CHUNK_ELEMENTS: float32 logits per chunk of the chunked backend (``default`` when unset)."""
     return _int("LOGITLESS_CHUNK_ELEMENTS", default)
 
 

@@ -81,6 +81,8 @@ CASES = [
     ("ignore_index float", dict(ignore_index=-100.0), TypeError, "ignore_index"),
     ("backend unknown", dict(backend="cuda"), ValueError, "backend"),
     ("reduce_grad_hidden int", dict(reduce_grad_hidden=1), TypeError, "reduce_grad_hidden"),
+    ("reduce_grad_hidden False without tp_group", dict(reduce_grad_hidden=False), ValueError,
+     "reduce_grad_hidden=False has no effect without tp_group"),
     ("clip_low 1.5", dict(clip_low=1.5), ValueError, r"clip_low must lie in \[0, 1\]"),
     ("no features", dict(hidden=torch.randn(B, S, 0), weight=torch.randn(V, 0)), ValueError, r"H == 0"),
     ("temperature 1e-50", dict(temperature=1e-50), ValueError, "temperature must be finite and >= 1e-30"),

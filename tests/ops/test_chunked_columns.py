@@ -28,8 +28,10 @@ def test_fixed_columns_are_the_same_for_every_batch(device, budget, monkeypatch)
     if budget is not None:
         monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(budget))
     widths = set(_widths(device))
-    # the budget over the most tokens of a call: 2^24 / 16384 (CUDA) = 2^21 / 2048 (CPU) = 1024; 5137 // 5
-    assert widths == {1024 if budget is None else budget // (budget // 1024)}
+    # the budget over the most tokens of a call: 2^24 / 16384 (CUDA) = 1024, 2^23 / 1024 (CPU) = 8192; an explicit
+    # budget keeps 1024 columns on both: 5137 // 5
+    default = {"cpu": 8192, "cuda": 1024}[device.type]
+    assert widths == {default if budget is None else budget // (budget // 1024)}
     assert chunked.stats_columns(7, 1000, device) == min(1000, widths.pop())    # never wider than the vocabulary
 
 
@@ -39,7 +41,7 @@ def test_the_default_rule_is_fixed_on_cpu_and_batch_on_cuda(monkeypatch):
     cuda = _widths(CUDA)
     assert cuda == [min(151936, (1 << 24) // n) for n in TOKENS]      # 2^24 / N columns: changes with N
     monkeypatch.setenv("LOGITLESS_CHUNKED_COLUMNS", "batch")
-    assert _widths(CUDA) == cuda and _widths(CPU) == [min(151936, (1 << 21) // n) for n in TOKENS]
+    assert _widths(CUDA) == cuda and _widths(CPU) == [min(151936, (1 << 23) // n) for n in TOKENS]
     monkeypatch.setenv("LOGITLESS_CHUNKED_COLUMNS", " Auto ")
     assert _widths(CUDA) == cuda
 

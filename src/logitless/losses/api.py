@@ -38,7 +38,8 @@ class PolicyLossOutput(NamedTuple):
     kl: Optional[Tensor]
 
 
-def _prepare(hidden, weight, labels, policy, temperature, ignore_index, reduce_grad_hidden, backend, seq_first):
+def _prepare(hidden, weight, labels, policy, temperature, ignore_index, tp_group, reduce_grad_hidden, backend,
+             seq_first):
     """The checks that need no tensor's values (the op makes those), and the inverse temperature in the
     labels' layout (NaN where out of range: the op refuses it)."""
     labels = checks.index_tensor(labels, "labels")
@@ -49,7 +50,7 @@ def _prepare(hidden, weight, labels, policy, temperature, ignore_index, reduce_g
     if not isinstance(policy, PolicyLoss):
         raise TypeError(f"loss must be a logitless.losses.PolicyLoss, got {type(policy).__name__}")
     ignore_index = checks.ignore_index(ignore_index)
-    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     check_layout(labels, policy, seq_first)
     mod, _ = choose_backend(hidden, weight, backend)
     inv_temp = inv_temperature(temperature, labels, check_values=False).view(labels.shape)
@@ -86,7 +87,7 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
     checks.boolean(check_inputs, "check_inputs")
     softcap = checks.softcap(softcap)
     hidden, weight, labels, inv_temp, mod = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
-                                                     reduce_grad_hidden, backend, seq_first)
+                                                     tp_group, reduce_grad_hidden, backend, seq_first)
     resolved = resolve(precision, grad_precision, hidden.dtype, hidden.device)   # checked before any kernel
     spec = policy.term_spec()
     if fused and not check_inputs and (spec.coupled or softcap is not None or policy.rollout_is is not None):

@@ -160,6 +160,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.need = (keyword_only_inputs["need_dh"], keyword_only_inputs["need_dw"])
     ctx.save_for_backward(output[3], output[4])
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)    # no zero-filled gradients of the outputs after the loss (function.py)
     ctx.handed_out = False
 
 

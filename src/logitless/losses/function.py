@@ -261,6 +261,9 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.no_grad_of_list = None if any(t is None for t in listed) else [None] * len(listed)
     ctx.save_for_backward(output[5], output[6])
     ctx.mark_non_differentiable(*output[1:])
+    # the outputs after the loss get no gradient: left None, not materialised (zeros the size of d_weight and
+    # d_hidden, which the saved gradients are outputs too, a fill of each in every backward)
+    ctx.set_materialize_grads(False)
     ctx.handed_out = False
 
 
@@ -272,6 +275,8 @@ def hand_out_gradients(ctx, g_loss, op_name: str) -> list:
         raise RuntimeError(f"{op_name}: a second backward through the same loss. Its gradients are "
                            f"formed in the forward and handed out once; call {op_name} again")
     ctx.handed_out = True
+    if g_loss is None:      # no gradient reached the loss (``set_materialize_grads(False)``): none for the inputs
+        return [None, None]
     grads = []
     for g, needed in zip(ctx.saved_tensors, ctx.need, strict=True):
         if needed:     # in place: no second gradient-sized buffer

@@ -178,9 +178,12 @@ def block_scratch(rows: int, cols: int, device: torch.device) -> Tensor:
 
 
 def dlogits_in_blocks(x: Tensor, labels: Tensor, inv_temp: Tensor, log_s: Tensor, ent: Optional[Tensor],
-                      g_lp: Tensor, g_ent: Optional[Tensor], scratch: Tensor, blocks) -> Tensor:
+                      g_lp: Tensor, g_ent: Optional[Tensor], scratch: Tensor, blocks,
+                      prescale: Optional[Tensor] = None) -> Tensor:
     """The dlogits of ``contract.py`` in place of x = z - m [c, V] (float32 logits less any per-row shift m),
-    block by block (``row_blocks``; scratch: float32, at least a block), with log_s = lse - m (the global lse:
+    block by block (``row_blocks``; scratch: float32, at least a block); with ``prescale`` [c], x holds the
+    products and each block is first multiplied by it (the logits z = raw * inv_temp, m = 0, in the same
+    operation order as ``logits_from_products`` then this). log_s = lse - m (the global lse:
     under tensor parallelism the other shards' mass is in it). ``labels`` index columns of this tile (-1 or out
     of range: no label here). With x' = x - log_s = log p and p = exp(x'),
 
@@ -194,7 +197,10 @@ def dlogits_in_blocks(x: Tensor, labels: Tensor, inv_temp: Tensor, log_s: Tensor
     a = a.unsqueeze(1)
     with one_thread_on_cpu(x.device):
         for r0, r1 in blocks:
-            xb = x[r0:r1].sub_(log_s[r0:r1].unsqueeze(1))
+            xb = x[r0:r1]
+            if prescale is not None:
+                xb.mul_(prescale[r0:r1].unsqueeze(1))
+            xb.sub_(log_s[r0:r1].unsqueeze(1))
             p = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
             if b is None:
                 torch.mul(p, a[r0:r1], out=xb)

@@ -22,6 +22,7 @@ from .chunked import DEFAULT_CHUNK_ELEMENTS
 from .maths import (
     block_scratch,
     dlogits_in_blocks,
+    ieee_fp32,
     label_logits,
     mm_fp32,
     one_thread_on_cpu,
@@ -74,8 +75,8 @@ def _statistics(z: Tensor, labels: Tensor, inv_temp: Tensor, scratch: Tensor, bl
             e = torch.exp(xb, out=scratch[:(r1 - r0) * vocab].view(r1 - r0, vocab))
             torch.sum(e, dim=1, out=s[r0:r1])
             torch.sum(e.mul_(xb), dim=1, out=t[r0:r1])
-    log_s = s.log()
-    return zy, m, m + log_s, log_s - t / s
+        log_s = s.log()
+        return zy, m, m + log_s, log_s - t / s
 
 
 def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.device, longest: int = 1) -> int:
@@ -108,17 +109,30 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     # backward does; elsewhere float32 dlogits
     go = grad_operands or GradOperands.plain(
         hidden, weight, hidden.dtype if hidden.is_cuda and hidden.dtype != torch.float32 else torch.float32)
+    # float32 operands: every chunk's products in one buffer (a fresh tile a chunk is, on CPU, a fresh mapping when
+    # it reaches glibc's 32 MiB mmap threshold, its pages faulting in)
+    tile = torch.empty(most * vocab, dtype=torch.float32, device=hidden.device) \
+        if hidden.dtype == weight.dtype == torch.float32 else None
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         h = hidden[start:stop]
         it = inv_temp[start:stop]
         lab = labels[start:stop]
         blocks = row_blocks(stop - start, vocab, hidden.device)
-        z = mm_fp32(h, weight.t())
-        zy, m, lse, ent = _statistics(z, lab, it, scratch, blocks)        # z now holds z * it - m
-        lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
-        if dh is None and dw is None:
-            continue
-        dz = dlogits_in_blocks(z, lab, it, lse - m, ent, g_lp, g_ent, scratch, blocks)
+        if tile is None:
+            z = mm_fp32(h, weight.t())
+        else:
+            z = tile[:(stop - start) * vocab].view(stop - start, vocab)
+            with ieee_fp32(h):
+                torch.mm(h, weight.t(), out=z)
+        # on CPU everything between the products on one thread (``one_thread_on_cpu``): the terms' small
+        # exponentials and logarithms too, which MKL's vector maths would otherwise hand to torch's threads (on a
+        # busy machine, each such call waited milliseconds for the second thread)
+        with one_thread_on_cpu(hidden.device):
+            zy, m, lse, ent = _statistics(z, lab, it, scratch, blocks)        # z now holds z * it - m
+            lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
+            if dh is None and dw is None:
+                continue
+            dz = dlogits_in_blocks(z, lab, it, lse - m, ent, g_lp, g_ent, scratch, blocks)
         if dh is not None:
             for i, (a, b) in enumerate(go.products(dz, go.weight_parts)):
                 accumulate_product(dh[start:stop], a, b, first=i == 0)
