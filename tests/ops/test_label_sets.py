@@ -134,7 +134,9 @@ def test_k_labels_one_id_equals_the_single_label_op(seed):
     one = fused_logprobs(hidden, weight, labels, backend="chunked", temperature=0.9)
     k1 = fused_logprobs(hidden, weight, labels.unsqueeze(-1), backend="chunked", temperature=0.9)
     torch.testing.assert_close(k1.logprobs[..., 0], one.logprobs, atol=2e-6, rtol=0)
-    torch.testing.assert_close(k1.entropy, one.entropy, atol=0, rtol=0)
+    # the same pass over the same products: equal bits when MKL splits both products alike (300 of 300 seeds
+    # alone), within float32's rounding when a loaded machine makes MKL pick other threads for one of them (seen once)
+    torch.testing.assert_close(k1.entropy, one.entropy, atol=2e-6, rtol=0)
 
 
 def test_k_labels_bad_input(seed):
