@@ -65,7 +65,7 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
     _, vocab = vocab_layout(weight, tp_group)
     if not 1 <= k <= vocab:
         raise ValueError(f"k must lie in [1, V={vocab}], got k={k}")
-    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     checks.boolean(check_inputs, "check_inputs")
     softcap = checks.softcap(softcap)
     precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)

@@ -69,6 +69,7 @@ def call(**changes):
     ({"temperature": -1.0}, ValueError, "temperature"),
     ({"backend": "fast"}, ValueError, "backend must be one of"),
     ({"ignore_index": 1.5}, TypeError, "ignore_index"),
+    ({"reduce_grad_hidden": False}, ValueError, "reduce_grad_hidden=False has no effect without tp_group"),
 ])
 def test_refused_before_any_kernel(no_kernel, changes, error, match):
     with pytest.raises(error, match=match):

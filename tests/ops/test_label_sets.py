@@ -255,6 +255,8 @@ def test_topk_bad_input(seed):
         fused_topk(hidden, weight, 3, mask=torch.ones(LEAD))
     with pytest.raises(ValueError, match="mask shape"):
         fused_topk(hidden, weight, 3, mask=torch.ones(7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="reduce_grad_hidden=False has no effect without tp_group"):
+        fused_topk(hidden, weight, 3, reduce_grad_hidden=False)
     out = fused_topk(hidden, weight, V, backend="reference")          # k == V: every id, no tail
     assert torch.isneginf(out.tail_logprob).all()
     torch.testing.assert_close(out.logprobs.exp().sum(-1), torch.ones(LEAD), atol=1e-5, rtol=0)

@@ -220,7 +220,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
     """
     div = _divergence(divergence, beta)
     ignore_index = checks.ignore_index(ignore_index)
-    checks.boolean(reduce_grad_hidden, "reduce_grad_hidden")
+    checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     checks.boolean(check_inputs, "check_inputs")
     if div is None:
         for name, value in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):

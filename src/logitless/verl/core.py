@@ -63,8 +63,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     h, w = head_operands(h, weight)
     group = group_or_none(dist_process_group)
     with torch.autocast(h.device.type, enabled=False):
+        # without a group of several ranks d_hidden is whole: the setting has no effect (and is refused) there
         out = fused_logprobs(h, w, flat, temperature=t, tp_group=group,
-                             reduce_grad_hidden=reduce_grad_hidden)
+                             reduce_grad_hidden=reduce_grad_hidden or group is None)
     logprobs = out.logprobs
     r = reduction.lower()
     if r == "sum":
