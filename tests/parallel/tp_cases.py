@@ -30,6 +30,10 @@ from reference64 import logprobs_entropy64, rel_err
 
 TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.bfloat16: (1e-3, 2e-3, 1e-2)}  # logprob, entropy, grads
 CPU_BACKENDS = ("chunked", "reference")
+# the bf16x3 split's log-prob / entropy error at logits of std 8 (tempered 0.9), 14 tokens of V 1031: over 300
+# seeds median 1.1e-4, largest 2.5e-4, 3.7% above 2e-4 (the split drops lo*lo, of relative size 2^-16 of each
+# product, so it grows with the logits); tf32 operands miss this bound 5x (2e-3), bfloat16 ones by far
+BF16X3_STATS = 4e-4
 V = 1031          # prime: no two ranks get the same number of rows
 H = 48
 LEAD = (2, 7)     # 14 tokens as [batch, seq]
@@ -304,9 +308,10 @@ def case_float32_split_precision(ctx):
     ck = Checks()
     for backend in CPU_BACKENDS:
         check_sharded(ctx, ck, backend=backend, precision="bf16x3", logit_std=8.0, temperature=0.9,
-                      tol=(2e-4, 2e-4, 3e-2), tag="bf16x3")
+                      tol=(BF16X3_STATS, BF16X3_STATS, 3e-2), tag="bf16x3")
         check_sharded(ctx, ck, backend=backend, precision="bf16x3", grad_precision="bf16x3", logit_std=8.0,
-                      reduce_grad_hidden=False, sizes=uneven_sizes(V, ctx.world), tol=(2e-4, 2e-4, 1e-4),
+                      reduce_grad_hidden=False, sizes=uneven_sizes(V, ctx.world),
+                      tol=(BF16X3_STATS, BF16X3_STATS, 1e-4),
                       tag="bf16x3 split grads, partial d_hidden")
     ck.done()
 
