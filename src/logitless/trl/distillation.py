@@ -28,14 +28,13 @@ ZeRO-3 gather it and reduce its gradient); the teacher's is gathered whole for t
 """
 from __future__ import annotations
 
-import types
 from numbers import Real
 
 import torch
 
-from .. import checks
 from ..sharded_head import call_head, check_layout, head_shape, inner_head, is_dtensor, whole_weight
-from .names import STATE, VISION_ARGS
+from .names import VISION_ARGS
+from .swap import check_fused_loss, disable_loss_method, enable_loss_method
 
 METHOD = "_compute_loss"
 # the loss's scored tokens carry their completion id; the rest this
@@ -211,26 +210,11 @@ def compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
 def enable(trainer, *, fused_loss=None):
     """``logitless.trl.enable`` on a DistillationTrainer (see ``logitless.trl.enable``): the loss is always
     fused; ``fused_loss`` may be left out or True (False, log-probs only, has no meaning for this trainer)."""
-    if fused_loss is not None:
-        checks.boolean(fused_loss, "fused_loss")
-        if not fused_loss:
-            raise ValueError("fused_loss=False: a DistillationTrainer computes no per-token log-probs apart from its "
-                             "loss, so logitless computes the loss; leave fused_loss out (or True)")
+    check_fused_loss(fused_loss, "DistillationTrainer")
     check_mappable(trainer)
-    state = trainer.__dict__.get(STATE)
-    if state is None:
-        state = {"previous": {METHOD: trainer.__dict__[METHOD]} if METHOD in trainer.__dict__ else {}}
-        trainer.__dict__[STATE] = state
-    state["fused_loss"] = True
-    trainer.__dict__[METHOD] = types.MethodType(compute_loss, trainer)
-    return trainer
+    return enable_loss_method(trainer, METHOD, compute_loss)
 
 
 def disable(trainer):
     """Undo ``enable``: TRL's own ``_compute_loss`` again (a no-op on a trainer that is not enabled)."""
-    from .grpo import restore_method
-
-    state = trainer.__dict__.pop(STATE, None)
-    if state is not None:
-        restore_method(trainer, state, METHOD)
-    return trainer
+    return disable_loss_method(trainer, METHOD)

@@ -31,14 +31,12 @@ positive. A batch with multimodal fields reaching the loss is refused by their n
 """
 from __future__ import annotations
 
-import types
 from numbers import Real
 
 import torch
 
-from .. import checks
 from ..sharded_head import call_head, check_layout, head_shape, is_dtensor, whole_weight
-from .names import STATE
+from .swap import check_fused_loss, disable_loss_method, enable_loss_method
 
 METHOD = "compute_loss"
 IGNORE = -100
@@ -234,26 +232,11 @@ def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=N
 def enable(trainer, *, fused_loss=None):
     """``logitless.trl.enable`` on a GKDTrainer / GOLDTrainer: the loss is always fused; ``fused_loss`` may be left
     out or True."""
-    if fused_loss is not None:
-        checks.boolean(fused_loss, "fused_loss")
-        if not fused_loss:
-            raise ValueError(f"fused_loss=False: a {base_class(trainer).__name__} computes no per-token log-probs "
-                             "apart from its loss, so logitless computes the loss; leave fused_loss out (or True)")
+    check_fused_loss(fused_loss, base_class(trainer).__name__)
     check_mappable(trainer)
-    state = trainer.__dict__.get(STATE)
-    if state is None:
-        state = {"previous": {METHOD: trainer.__dict__[METHOD]} if METHOD in trainer.__dict__ else {}}
-        trainer.__dict__[STATE] = state
-    state["fused_loss"] = True
-    trainer.__dict__[METHOD] = types.MethodType(compute_loss, trainer)
-    return trainer
+    return enable_loss_method(trainer, METHOD, compute_loss)
 
 
 def disable(trainer):
     """Undo ``enable``: the class's own ``compute_loss`` again (a no-op on a trainer that is not enabled)."""
-    from .grpo import restore_method
-
-    state = trainer.__dict__.pop(STATE, None)
-    if state is not None:
-        restore_method(trainer, state, METHOD)
-    return trainer
+    return disable_loss_method(trainer, METHOD)

@@ -17,6 +17,7 @@ import torch
 
 from .. import checks
 from .names import METHOD, STATE, VISION_ARGS
+from .swap import restore_method
 
 
 def grpo_trainer_class():
@@ -143,15 +144,6 @@ def enable(trainer, *, fused_loss: bool = False):
     else:
         restore_method(trainer, state, "_compute_loss")
     return trainer
-
-
-def restore_method(trainer, state, name):
-    """Put back on ``trainer`` what enable() replaced of ``name`` (the class's method when it was not an instance
-    attribute before)."""
-    if name in state["previous"]:
-        trainer.__dict__[name] = state["previous"][name]
-    else:
-        trainer.__dict__.pop(name, None)
 
 
 def disable(trainer):
