@@ -20,6 +20,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from logitless.tools.common import env_set
 from ranks import finish
 
 CASES = ["DistillationTrainer beta=0.5, num_items_in_batch", "DistillationTrainer beta=1.0, temperature=1.3",
@@ -34,16 +35,8 @@ def _deepspeed_env():
     """RANK and WORLD_SIZE, which DeepSpeed's set-up reads, for its calls only: set while a trainer is built, they
     would make accelerate's state multi-process (asking for MASTER_ADDR) where the trainers here are each rank's own.
     LOCAL_RANK, which the engines read in every forward too, stays set (``run``)."""
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
-    try:
+    with env_set(RANK=dist.get_rank(), WORLD_SIZE=dist.get_world_size()):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _engines(trainer):
