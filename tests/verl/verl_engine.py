@@ -431,6 +431,21 @@ def distillation_enabled(model_dir, mode, *settings):
             *settings]
 
 
+def clamp_binds(model_dir, seed: int, clamp: float) -> tuple:
+    """Whether a log-prob clamp at ``clamp`` binds on teacher_batch(seed)'s top-k batch: (some student log-prob at
+    the teacher's ids below it, some teacher log-prob below it), at valid positions, the student being the saved
+    model at temperature 0.9 in float64."""
+    tensors, _ = teacher_batch(torch.Generator().manual_seed(seed), model_dir, topk=True)
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
+                       position_ids=tensors["position_ids"]).logits
+    s_lp = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, tensors["teacher_ids"])
+    valid = tensors["attention_mask"].bool()[..., None]
+    return bool(((s_lp < clamp) & valid).any()), bool(((tensors["teacher_logprobs"] < clamp) & valid).any())
+
+
 def teacher_batch(gen, model_dir, *, topk: bool, noise: float = 1.5, **batch):
     """verl_engine.rollout_batch plus the teacher's tensors: top-k ``teacher_ids`` / ``teacher_logprobs``
     [b, seq, K] (topk) or the sampled token's id and log-prob [b, seq, 1] (estimator modes), per position the
