@@ -212,16 +212,7 @@ def test_enable_disable_and_refusals(folder, teacher, tmp_path):
         lt.enable(object())
 
     def refused(match, **attrs):
-        saved = {k: getattr(trainer, k) for k in attrs}
-        for k, v in attrs.items():
-            setattr(trainer, k, v)
-        try:
-            with pytest.raises(ValueError, match=match):
-                lt.enable(trainer)
-            assert not lt.is_enabled(trainer)
-        finally:
-            for k, v in saved.items():
-                setattr(trainer, k, v)
+        trl_tiny.assert_enable_refuses(trainer, match, **attrs)
 
     refused(r"beta=1\.5", beta=1.5)
     refused(r"temperature=0\.0", temperature=0.0)

@@ -205,16 +205,7 @@ def test_return_outputs_and_refusals(folder, teacher, tmp_path, kind):
         lt.enable(trainer, fused_loss=False)
 
     def refused(match, **attrs):
-        saved = {k: getattr(trainer, k) for k in attrs}
-        for k, v in attrs.items():
-            setattr(trainer, k, v)
-        try:
-            with pytest.raises(ValueError, match=match):
-                lt.enable(trainer)
-            assert not lt.is_enabled(trainer)
-        finally:
-            for k, v in saved.items():
-                setattr(trainer, k, v)
+        trl_tiny.assert_enable_refuses(trainer, match, **attrs)
 
     refused(r"beta=1\.5", beta=1.5)
     refused("teacher_model=None", teacher_model=None)

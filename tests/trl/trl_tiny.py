@@ -152,3 +152,21 @@ def save_tiny(folder: str, model_type: str, seed: int, hidden_size: int = 32, **
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def assert_enable_refuses(trainer, match: str, **attrs) -> None:
+    """logitless.trl.enable(trainer) with ``attrs`` set on it is a ValueError matching ``match`` and leaves it
+    not enabled; the attributes are put back after."""
+    import pytest
+
+    import logitless.trl as lt
+    saved = {k: getattr(trainer, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(trainer, k, v)
+    try:
+        with pytest.raises(ValueError, match=match):
+            lt.enable(trainer)
+        assert not lt.is_enabled(trainer)
+    finally:
+        for k, v in saved.items():
+            setattr(trainer, k, v)
