@@ -41,7 +41,6 @@ gradient of its own rows only: verl's own scheme, reproduced by running verl's c
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from typing import Optional
@@ -52,7 +51,7 @@ from ..api import head_operands
 from ..losses.distill_topk import topk_divergence
 from ..record import FusedPathUnavailable, last_backend, write_record
 from . import distill, megatron_cp
-from .megatron_legacy import forward_mode, legacy_route, unroutable
+from .megatron_legacy import forward_mode, planned_forward, unroutable
 from .tokens import IGNORE, thd_destinations
 
 ENTRY = distill.ENTRY
@@ -209,11 +208,6 @@ def forward_step(original, engine, batch, model, logits_processor_func, postproc
     bad = refusals(engine, model)
     if bad:
         raise _refused("; ".join(bad))
-    outer, _pending.plan = _pending.plan, plan
-    try:
-        with legacy_route(model) if path == "legacy" else contextlib.nullcontext():
-            output, loss_func = original(engine, iter([batch]), model, logits_processor_func,
-                                         postprocess_micro_batch_func)
-    finally:
-        _pending.plan = outer
+    with planned_forward(_pending, plan, model, path):
+        output, loss_func = original(engine, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
     return output, functools.partial(loss_func, loss_function=loss_function(plan, logits_processor_func, path))

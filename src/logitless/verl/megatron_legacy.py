@@ -59,6 +59,19 @@ def unroutable(model) -> Optional[str]:
 
 
 @contextlib.contextmanager
+def planned_forward(pending, plan, model, path: str):
+    """While open, ``pending.plan`` (a thread-local the processor reads) is ``plan`` and, on the "legacy" path, the
+    model runs through ``legacy_route``: what one of verl's forward steps needs to run a fused loss; both put back
+    on exit (the outer plan too, for a nested step)."""
+    outer, pending.plan = pending.plan, plan
+    try:
+        with legacy_route(model) if path == "legacy" else contextlib.nullcontext():
+            yield
+    finally:
+        pending.plan = outer
+
+
+@contextlib.contextmanager
 def legacy_route(model):
     """While open, the GPTModel inside ``model`` runs logitless' legacy patch with verl's output processor
     (see the module docstring) in place of verl's legacy fused forward; on exit its instance ``forward`` is

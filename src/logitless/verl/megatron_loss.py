@@ -43,7 +43,6 @@ schedule's gradient sends, as verl's own loss does.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from typing import Optional
@@ -55,7 +54,7 @@ from ..record import write_record
 from . import megatron_cp, megatron_distill
 from .distill import is_distillation
 from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
-from .megatron_legacy import forward_mode, legacy_route, unroutable
+from .megatron_legacy import forward_mode, planned_forward, unroutable
 from .policy import loss_mode
 from .sites import Site, SiteState
 from .tokens import IGNORE, ResponseTokens, Rows, thd_destinations
@@ -210,13 +209,9 @@ def _make_forward_step(original):
                 write_record("unfused", None, ENTRY, why)
             return out
         path = forward_mode(model)
-        outer, _pending.plan = _pending.plan, plan
-        try:
-            with legacy_route(model) if path == "legacy" else contextlib.nullcontext():
-                output, loss_func = original(self, iter([batch]), model, logits_processor_func,
-                                             postprocess_micro_batch_func)
-        finally:
-            _pending.plan = outer
+        with planned_forward(_pending, plan, model, path):
+            output, loss_func = original(self, iter([batch]), model, logits_processor_func,
+                                         postprocess_micro_batch_func)
         # verl's post-processing (its loss scaling for Megatron's schedule, metrics, model output) with the
         # fused loss function in place of verl's; under CP this rank's share, summed over the group in value
         through = None if cp is None else (lambda model_output, loss: megatron_cp.carry(loss, cp[0]))
