@@ -94,15 +94,15 @@ class _Pending(threading.local):
 _pending = _Pending()
 
 
-def fallback(reason: str) -> None:
-    """verl computes this micro-batch's policy loss itself: record, then raise (strict) or log once."""
-    write_record("unfused", None, ENTRY, reason)
+def fallback(reason: str, entry: str = ENTRY, loss: str = "policy loss") -> None:
+    """verl computes this micro-batch's ``loss`` itself: record under ``entry``, then raise (strict) or log once."""
+    write_record("unfused", None, entry, reason)
     if strict_mode():
-        raise FusedPathUnavailable(f"verl's policy loss cannot run fused: {reason} (logitless.verl strict mode: "
+        raise FusedPathUnavailable(f"verl's {loss} cannot run fused: {reason} (logitless.verl strict mode: "
                                    "install(strict=True) or LOGITLESS_STRICT=1)")
     if reason not in _logged:
         _logged.add(reason)
-        logger.warning("logitless.verl: verl computes the policy loss itself (unfused): %s", reason)
+        logger.warning("logitless.verl: verl computes the %s itself (unfused): %s", loss, reason)
 
 
 def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature, flat: bool = False):
@@ -252,13 +252,7 @@ def _fused_loss_function(plan: Plan, verl_loss, path: str = "fsdp", through=None
 
 def _distill_fallback(reason: str) -> None:
     """verl computes this distillation micro-batch's loss itself (from the logits)."""
-    write_record("unfused", None, distill.ENTRY, reason)
-    if strict_mode():
-        raise FusedPathUnavailable(f"verl's distillation loss cannot run fused: {reason} (logitless.verl strict "
-                                   "mode: install(strict=True) or LOGITLESS_STRICT=1)")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("logitless.verl: verl computes the distillation loss itself (unfused): %s", reason)
+    fallback(reason, distill.ENTRY, "distillation loss")
 
 
 def _distillation_step(original, engine, micro_batch, loss_function, forward_only):
