@@ -147,8 +147,10 @@ def case_policy_coupled(ctx):
             (loss, dh, dw_local), (loss_full, dh_full, dw_full) = outs
             valid = labels != -100
             ck.abs_le(f"[{tag}] loss", loss, loss_full, 2e-6)
-            ck.rel_le(f"[{tag}] d_hidden", dh[valid], dh_full[valid].double(), 1e-5)
-            ck.rel_le(f"[{tag}] d_weight (local shard)", dw_local, dw_full[off: off + sizes[ctx.rank]].double(), 1e-5)
+            # two float32 evaluations whose vocabulary sums run in other orders; the entropy term's gradient,
+            # p (log p + H), cancels within each row (seen once: 1.6e-5 over 3 ranks), so 5e-5 of float32 order
+            ck.rel_le(f"[{tag}] d_hidden", dh[valid], dh_full[valid].double(), 5e-5)
+            ck.rel_le(f"[{tag}] d_weight (local shard)", dw_local, dw_full[off: off + sizes[ctx.rank]].double(), 5e-5)
     finally:
         os.environ["LOGITLESS_CHUNK_ELEMENTS"] = str(3 * 600)
     ck.done()
