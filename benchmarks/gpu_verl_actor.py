@@ -66,8 +66,10 @@ LOSS = [f"{P}use_kl_loss=True", f"{P}kl_loss_type=low_var_kl", f"{P}kl_loss_coef
         f"{P}clip_ratio_c=3.0", f"{P}loss_agg_mode=token-mean"]
 FUSED = "actor_rollout_ref.model.use_fused_kernels=True"
 TRITON = "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"
-VARIANTS = {"verl-unfused": [], "verl-fused-torch": [FUSED], "verl-fused-triton": [FUSED, TRITON],
-            "logitless": [FUSED, TRITON]}
+# logitless before verl's fused variants: with the untied head both of those failed on the H100 (torch: mixed Tensor
+# and DTensor; verl's Triton kernel: an illegal memory access, which leaves the CUDA context unusable)
+VARIANTS = {"verl-unfused": [], "logitless": [FUSED, TRITON], "verl-fused-torch": [FUSED],
+            "verl-fused-triton": [FUSED, TRITON]}
 GIB = 1 << 30
 
 
@@ -230,7 +232,8 @@ def _variant(name, overrides, device, tmp, tensors, meta, results):
         "median_ms": med, "min_ms": lo, "max_ms": hi, "peak_extra_gib": None if peak is None else peak / GIB,
         "path": [rec.path, rec.entry, rec.backend] if name == "logitless" else None,
         "pg_loss": _first(metrics.get("actor/pg_loss")), "build_s": time.perf_counter() - t0}
-    return after      # the actor (its model, optimizer and gradients) is freed with this frame
+    # on the CPU: a later variant that breaks the CUDA context leaves these comparable
+    return {k: v.cpu() for k, v in after.items()}      # the actor is freed with this frame
 
 
 def _first(v):
