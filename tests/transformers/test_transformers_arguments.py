@@ -158,3 +158,67 @@ def test_patched_model_returns_transformers_loss(model):
     finally:
         unpatch_model(model)
         model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("call", ["fused_forward", "fused_policy_loss"])
+@pytest.mark.parametrize("name, value", [
+    ("use_cache", True),                   # no cache is returned
+    ("output_hidden_states", True),        # nor hidden states
+    ("output_attentions", True),           # nor attentions
+    ("num_items_in_batch", 3),             # no LM loss to divide
+])
+def test_model_keywords_without_effect_are_refused(model, call, name, value):
+    """Keywords the model declares whose only effect is on what these functions do not return: refused."""
+    ids, mask = padded_batch(2, 7, "right")
+    kwargs = {"advantages": adv_for(ids)} if call == "fused_policy_loss" else {}
+    fn = fused_forward if call == "fused_forward" else fused_policy_loss
+    with pytest.raises(ValueError, match=f"{name}={value!r}, which has no effect") as err:
+        fn(model, ids, mask, **{name: value}, **kwargs)
+    assert call in str(err.value)
+    with torch.no_grad():
+        fn(model, ids, mask, **{name: False if value is True else None}, **kwargs)   # a value that asks nothing
+
+
+def packed_row():
+    """One padding-free row of three sequences (positions restart), and the spans of the sequences."""
+    ids = torch.randint(0, V, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    return ids, pos, [(0, 5), (5, 8), (8, 12)]
+
+
+@pytest.mark.parametrize("call", ["fused_forward", "fused_policy_loss", "patched"])
+@pytest.mark.parametrize("given", ["attention_mask", "use_cache"])
+def test_packed_rows_with_a_mask_or_cache_are_refused(model, call, given):
+    """transformers reads packing from position_ids only without an attention mask or cache: with either it
+    attends across the packed sequences (the later sequences' log-probs change by ~1 nat here), while logitless
+    scores them apart. Refused; without them the packed row's log-probs are each sequence's own."""
+    ids, pos, spans = packed_row()
+    with torch.no_grad():
+        packed = fused_forward(model, ids, None, pos).logprobs
+        for a, b in spans:
+            alone = fused_forward(model, ids[:, a:b]).logprobs
+            assert (alone - packed[:, a:b]).abs().max() <= 1e-5
+    kwargs = {"attention_mask": torch.ones_like(ids)} if given == "attention_mask" else {"use_cache": True}
+    if call == "patched":
+        patch_model(model)
+        try:
+            with pytest.raises(ValueError, match="position_ids restart inside a row"):
+                model(input_ids=ids, position_ids=pos, **kwargs)
+        finally:
+            unpatch_model(model)
+        return
+    fn = fused_forward if call == "fused_forward" else fused_policy_loss
+    extra = {"advantages": torch.randn(1, 1)} if call == "fused_policy_loss" else {}
+    with pytest.raises(ValueError, match="position_ids restart inside a row|use_cache=True"):
+        fn(model, ids, position_ids=pos, **kwargs, **extra)
+
+
+def test_left_padding_positions_are_not_packing(model):
+    """Left-padded rows' position_ids (the mask's cumsum, 0 over the pads) restart only inside the padding:
+    not packing, so an attention mask with them runs, and gives the log-probs without them."""
+    ids, mask = padded_batch(3, 8, "left")
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        with_pos = fused_forward(model, ids, mask, pos).logprobs
+        plain = fused_forward(model, ids, mask).logprobs
+    assert (with_pos - plain).abs().max() <= 1e-5
