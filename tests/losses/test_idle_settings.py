@@ -45,6 +45,10 @@ IDLE = [
     ("rollout_nan_is_missing", True, {}, "rollout_logprobs"),
     ("current_is_max", 2.0, {}, "current_is"),
     ("off_policy_threshold", 0.1, {"no_old": True}, "old_logprobs or rollout_logprobs"),
+    # an input that nothing under the chosen loss reads: the rollout's log-probs without a term that compares
+    ("rollout_logprobs", -torch.rand(2, N) - 1.0, {}, "without rollout_is, off_policy_threshold, current_is"),
+    ("rollout_logprobs", -torch.rand(2, N) - 1.0, {"surrogate": "sapo", "ref_logprobs": -torch.rand(2, N) - 1.0,
+                                                   "kl_coef": 0.1}, "rejection_* bound"),
 ]
 
 
@@ -70,6 +74,8 @@ READ = [
     ("ratio_log_clamp", 0.01, {}),
     ("entropy_agg", "token-sum", {"entropy_coef": 0.1}),
     ("rollout_is_max", 1.05, {"rollout_is": "token_mask", "rollout": True}),
+    ("rollout_logprobs", "rollout", {"rejection_ratio_min": 0.5, "rejection_ratio_max": 2.0}),
+    ("rollout_logprobs", "rollout", {"current_is": "token_mask", "current_is_min": 0.5, "current_is_max": 2.0}),
 ]
 
 
@@ -82,6 +88,8 @@ def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
     with torch.no_grad():
         lp = fused_policy_loss(hidden, weight, labels, adv).logprobs
     old = (lp + 0.5 * torch.randn_like(lp)).clamp(max=0.0)     # ratios away from 1, so clips and caps bind
+    if isinstance(value, str) and value == "rollout":     # the rollout's log-probs, 1.5 nats below old's: the
+        value = old - 1.5                                   # rejection / weights of this pass against them differ
     base = fused_policy_loss(hidden, weight, labels, adv, old, **rest)
     given = fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
     assert abs(float(base.loss) - float(given.loss)) > 1e-6, (name, float(base.loss))

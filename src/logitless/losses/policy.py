@@ -299,6 +299,13 @@ class PolicyLoss:
         self._check_rejection()
         self._check_current_is()
         self._check_no_idle_setting()
+        if self.rollout_logprobs is not None and not self._reads_rollout_logprobs():
+            raise ValueError("rollout_logprobs has no effect without rollout_is, off_policy_threshold, current_is or "
+                             "a rejection_* bound (nothing else reads them): a setting without effect is refused, "
+                             "not ignored (docs/policy-loss.md lists what each setting needs)")
+
+    def _reads_rollout_logprobs(self) -> bool:
+        return reads_rollout_logprobs({name: getattr(self, name) for name in self.__dataclass_fields__})
 
     def _idle_under(self, name: str) -> Optional[str]:
         """Under which of this loss's choices the setting ``name`` has no effect (None: it has one). One rule
@@ -431,6 +438,13 @@ class PolicyLoss:
                         rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max,
                         rejection_seq=self._rejection_seq(),
                         current_is=self.current_is, current_is_band=(self.current_is_min, self.current_is_max))
+
+
+def reads_rollout_logprobs(settings: dict) -> bool:
+    """Whether PolicyLoss settings (by name) read rollout_logprobs: rollout_is, the off-policy mask, current_is
+    or a rejection bound. Without one, rollout_logprobs has no effect (and is refused)."""
+    return any(settings.get(name) is not None for name in ("rollout_is", "off_policy_threshold", "current_is")) or any(
+        value is not None for name, value in settings.items() if name.startswith("rejection_"))
 
 
 def _choice(value, name: str, allowed) -> str:
