@@ -55,6 +55,10 @@ IDLE = [
     ("vespo_lambda_pos", 1.0, {"surrogate": "vespo", "no_old": True}, "without old_logprobs (on-policy"),
     ("kl_cov_coef", 2.0, {"surrogate": "kl_cov", "no_old": True}, "without old_logprobs (on-policy"),
     ("cov_ratio", 0.5, {"surrogate": "kl_cov", "no_old": True}, "without old_logprobs (on-policy"),
+    # geo_mean is a mean over sequences: loss_agg weighs only a KL term (or metric) and an entropy bonus
+    ("loss_agg", "seq-mean-token-sum", {"surrogate": "geo_mean"}, "surrogate='geo_mean'"),
+    ("loss_agg", "token-sum", {"surrogate": "geo_mean", "entropy_coef": 0.1, "entropy_agg": "token-mean"},
+     "surrogate='geo_mean'"),
     # an input that nothing under the chosen loss reads: the rollout's log-probs without a term that compares
     ("rollout_logprobs", -torch.rand(2, N) - 1.0, {}, "without rollout_is, off_policy_threshold, current_is"),
     ("rollout_logprobs", -torch.rand(2, N) - 1.0, {"surrogate": "sapo", "ref_logprobs": -torch.rand(2, N) - 1.0,
@@ -85,6 +89,7 @@ READ = [
     ("entropy_agg", "token-sum", {"entropy_coef": 0.1}),
     ("rollout_is_max", 1.05, {"rollout_is": "token_mask", "rollout": True}),
     ("rollout_logprobs", "rollout", {"rejection_ratio_min": 0.5, "rejection_ratio_max": 2.0}),
+    ("loss_agg", "token-sum", {"surrogate": "geo_mean", "entropy_coef": 0.1}),
     ("rollout_logprobs", "rollout", {"current_is": "token_mask", "current_is_min": 0.5, "current_is_max": 2.0}),
 ]
 

@@ -334,6 +334,10 @@ class PolicyLoss:
                 return surrogate
         if name == "cov_ratio" and self.surrogate not in ("clip_cov", "kl_cov"):
             return surrogate
+        if (name == "loss_agg" and self.surrogate == "geo_mean" and (self.ref_logprobs is None or self.kl_agg)
+                and (self.entropy_coef == 0.0 or self.entropy_agg)):
+            return ("under surrogate='geo_mean' (a mean over sequences: loss_agg weighs only the KL term or metric "
+                    "and the entropy bonus, and there is neither)")
         if name == "entropy_quantile_group" and self.entropy_quantile >= 1.0:
             return "under entropy_quantile=1 (no entropy mask)"
         if name == "entropy_agg" and self.entropy_coef == 0.0:
