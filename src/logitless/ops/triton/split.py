@@ -43,11 +43,12 @@ def _split_kernel(x_ptr, out_ptr, rows, cols, stride_r, stride_c, out_stride,
     p1, f1 = _round_bf16(rest)
     p2, _ = _round_bf16(rest - f1)
     dst = out_ptr + r[:, None] * out_stride + c[None, :]
+    # the part of block b is read inline: a name annotated tl.constexpr cannot be bound again in the next unrolled
+    # iteration (the compiler refuses it; the interpreter does not)
     for b in tl.static_range(BLOCKS):
-        which: tl.constexpr = (CODE >> (2 * b)) & 3
-        if which == 0:
+        if ((CODE >> (2 * b)) & 3) == 0:
             tl.store(dst + b * cols, p0, mask=ok)
-        elif which == 1:
+        elif ((CODE >> (2 * b)) & 3) == 1:
             tl.store(dst + b * cols, p1, mask=ok)
         else:
             tl.store(dst + b * cols, p2, mask=ok)
