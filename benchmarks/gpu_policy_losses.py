@@ -33,6 +33,7 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from logitless.losses import PolicyLoss, fused_policy_loss, policy_loss_reference  # noqa: E402
+from logitless.losses.policy import reads_rollout_logprobs  # noqa: E402
 from logitless.tools.common import GemmFloor, markdown_table, peak_extra_bytes, time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -134,7 +135,7 @@ def run_shape(tag, shape, dev, dtype, names, dry, liger=True, reps=7):
     rows = {}
     for name in names:
         settings, liger_type = LOSSES[name]
-        rollout = "rollout_is" in settings or "off_policy_threshold" in settings
+        rollout = reads_rollout_logprobs(settings)
         fused, ref = step(fused_policy_loss, x, settings, rollout), step(policy_loss_reference, x, settings, rollout)
         path = which_pass(fused)
         fused_mem, got = peak_extra_bytes(fused, dev)
@@ -167,7 +168,8 @@ def coupling(settings):
     slower than the reference path)."""
     t = torch.zeros(1, 2)
     kw = dict(BASE, **settings)
-    spec = PolicyLoss(advantages=t, old_logprobs=t, ref_logprobs=t, rollout_logprobs=t, **kw).term_spec()
+    rollout = t if reads_rollout_logprobs(kw) else None     # given where nothing reads it: refused
+    spec = PolicyLoss(advantages=t, old_logprobs=t, ref_logprobs=t, rollout_logprobs=rollout, **kw).term_spec()
     return "batch" if spec.coupled and not spec.sequence_coupled else "sequence" if spec.coupled else "token"
 
 

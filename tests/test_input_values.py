@@ -84,7 +84,7 @@ def test_logprobs_above_zero_are_refused(name, backend):
     hidden, weight, labels = inputs()
     with torch.no_grad():
         lp = fused_logprobs(hidden, weight, labels).logprobs
-    given = {"old_logprobs": lp, "ref_logprobs": lp, "rollout_logprobs": lp}
+    given = {"old_logprobs": lp, name: lp}      # each with what reads it (a setting without effect is refused)
     extra = {"ref_logprobs": {"kl_coef": 0.1}, "rollout_logprobs": {"off_policy_threshold": 0.5}}.get(name, {})
     adv = torch.randn(3, 1)
     call = dict(given, **extra)

@@ -79,7 +79,7 @@ def test_teacher_minus_inf_refused_without_clamp(divergence):
     assert torch.isfinite(topk(divergence, tlp2).loss)
 
 
-def test_tail_refuses_teacher_mass_above_one():
+def test_teacher_mass_above_one_is_refused():
     big = torch.full((1, N, K), -0.01)              # 5 ids at 0.99 each: a mass of 4.95
     with pytest.raises(ValueError, match="teacher_topk_logprobs: a scored token's k probabilities sum to 4.95"):
         topk("forward_kl_topk_tail", big)
@@ -88,8 +88,10 @@ def test_tail_refuses_teacher_mass_above_one():
     whole = torch.log_softmax(tlp, -1)
     assert torch.isfinite(topk("forward_kl_topk_tail", whole).loss)
     assert torch.isfinite(topk("forward_kl_topk_tail", whole.bfloat16()).loss)
-    # verl's forward_kl_topk takes any top-k log-probs <= 0 (its masses are metrics)
-    assert torch.isfinite(topk("forward_kl_topk", big).loss)
+    # without the tail too: such log-probs are no distribution's (a number that cannot be what its name says),
+    # though verl's forward_kl_topk would compute on them
+    with pytest.raises(ValueError, match="teacher_topk_logprobs: a scored token's k probabilities sum to 4.95"):
+        topk("forward_kl_topk", big)
 
 
 @pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])

@@ -175,6 +175,11 @@ def test_bad_input(seed):
         run(ids=t_ids[:, :3])
     with pytest.raises(ValueError, match="log_prob_min_clamp must be finite"):
         run(log_prob_min_clamp=float("-inf"))
+    # k log-probs each <= 0 whose probabilities sum above 1 are not one distribution's (the top-k divergence
+    # without the tail too): e.g. the same value for every id, -0.1 (mass 0.9 each)
+    for divergence in ("forward_kl_topk", "forward_kl_topk_tail"):
+        with pytest.raises(ValueError, match="teacher_topk_logprobs: a scored token's k probabilities sum to"):
+            run(lp=torch.full_like(t_lp, -0.1), divergence=divergence)
     # an unscored token's teacher data is padding: never checked, never read
     labels[1, 2] = -100
     padded_ids, padded_lp = t_ids.clone(), t_lp.clone()

@@ -59,6 +59,8 @@ def call(**changes):
     ({"student_softcap": -1.0}, ValueError, "student_softcap"),
     ({"teacher_softcap": "x"}, TypeError, "teacher_softcap"),
     ({"student_logit_scale": float("inf")}, ValueError, "student_logit_scale"),
+    ({"student_logit_scale": 0.0}, ValueError, "student_logit_scale must be > 0"),      # every logit 0
+    ({"teacher_logit_scale": -1.0}, ValueError, "teacher_logit_scale must be > 0"),
     ({"loss_agg": "mean"}, ValueError, "loss_agg must be one of"),
     ({"num_items_in_batch": 10, "loss_agg": "token-sum"}, ValueError, "num_items_in_batch replaces"),
     ({"num_items_in_batch": 0}, ValueError, "num_items_in_batch must be > 0"),

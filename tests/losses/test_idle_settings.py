@@ -45,6 +45,24 @@ IDLE = [
     ("rollout_nan_is_missing", True, {}, "rollout_logprobs"),
     ("current_is_max", 2.0, {}, "current_is"),
     ("off_policy_threshold", 0.1, {"no_old": True}, "old_logprobs or rollout_logprobs"),
+    # on-policy (old_logprobs=None) the ratio is 1 in value: no clip, cap, log-ratio penalty or weight binds
+    ("clip_high", 0.4, {"no_old": True}, "without old_logprobs (on-policy"),
+    ("clip_low", 0.1, {"surrogate": "dppo_tv", "no_old": True}, "without old_logprobs (on-policy"),
+    ("dual_clip", 3.0, {"no_old": True}, "without old_logprobs (on-policy"),
+    ("delta", 2.0, {"no_old": True}, "without old_logprobs (on-policy"),
+    ("ratio_log_clamp", None, {"no_old": True}, "without old_logprobs (on-policy"),
+    ("dro_beta", 0.1, {"surrogate": "dro", "no_old": True}, "without old_logprobs (on-policy"),
+    ("vespo_lambda_pos", 1.0, {"surrogate": "vespo", "no_old": True}, "without old_logprobs (on-policy"),
+    ("kl_cov_coef", 2.0, {"surrogate": "kl_cov", "no_old": True}, "without old_logprobs (on-policy"),
+    ("cov_ratio", 0.5, {"surrogate": "kl_cov", "no_old": True}, "without old_logprobs (on-policy"),
+    # geo_mean is a mean over sequences: loss_agg weighs only a KL term (or metric) and an entropy bonus
+    ("loss_agg", "seq-mean-token-sum", {"surrogate": "geo_mean"}, "surrogate='geo_mean'"),
+    ("loss_agg", "token-sum", {"surrogate": "geo_mean", "entropy_coef": 0.1, "entropy_agg": "token-mean"},
+     "surrogate='geo_mean'"),
+    # an input that nothing under the chosen loss reads: the rollout's log-probs without a term that compares
+    ("rollout_logprobs", -torch.rand(2, N) - 1.0, {}, "without rollout_is, off_policy_threshold, current_is"),
+    ("rollout_logprobs", -torch.rand(2, N) - 1.0, {"surrogate": "sapo", "ref_logprobs": -torch.rand(2, N) - 1.0,
+                                                   "kl_coef": 0.1}, "rejection_* bound"),
 ]
 
 
@@ -70,6 +88,9 @@ READ = [
     ("ratio_log_clamp", 0.01, {}),
     ("entropy_agg", "token-sum", {"entropy_coef": 0.1}),
     ("rollout_is_max", 1.05, {"rollout_is": "token_mask", "rollout": True}),
+    ("rollout_logprobs", "rollout", {"rejection_ratio_min": 0.5, "rejection_ratio_max": 2.0}),
+    ("loss_agg", "token-sum", {"surrogate": "geo_mean", "entropy_coef": 0.1}),
+    ("rollout_logprobs", "rollout", {"current_is": "token_mask", "current_is_min": 0.5, "current_is_max": 2.0}),
 ]
 
 
@@ -82,6 +103,8 @@ def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
     with torch.no_grad():
         lp = fused_policy_loss(hidden, weight, labels, adv).logprobs
     old = (lp + 0.5 * torch.randn_like(lp)).clamp(max=0.0)     # ratios away from 1, so clips and caps bind
+    if isinstance(value, str) and value == "rollout":     # the rollout's log-probs, 1.5 nats below old's: the
+        value = old - 1.5                                   # rejection / weights of this pass against them differ
     base = fused_policy_loss(hidden, weight, labels, adv, old, **rest)
     given = fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
     assert abs(float(base.loss) - float(given.loss)) > 1e-6, (name, float(base.loss))
@@ -111,3 +134,25 @@ def test_loss_agg_error_points_at_sequence_ratios():
     with pytest.raises(ValueError, match="loss_agg must be one of") as err:
         fused_policy_loss(hidden, weight, labels, adv, old, loss_agg="seq-mean")
     assert "cannot be fused" not in str(err.value) and "ratio_level='sequence'" in str(err.value)
+
+
+@pytest.mark.parametrize("name, value, rest", [
+    # CISPO's bound 1 + clip_high below ratio 1 binds
+    ("clip_high", -0.8, {"surrogate": "cispo", "clip_low": 1.0, "clip_high": -0.5}),
+    ("clip_cov_lb", -5.0, {"surrogate": "clip_cov"}),     # clip_cov's selected tokens carry no term
+    ("sapo_tau_pos", 3.0, {"surrogate": "sapo"}),         # SAPO's value at ratio 1 is 4 / tau times the gate's
+    ("ratio_level", "sequence", {}),                      # the gradient through the sequence's mean ratio
+])
+def test_on_policy_settings_that_still_act_run_and_move_the_loss(name, value, rest):
+    """Without old_logprobs the ratio is 1, yet these settings still act: accepted, and the loss moves."""
+    hidden, weight, labels, adv, _ = inputs()
+    torch.manual_seed(0)
+    h = hidden.clone().requires_grad_(True)
+    base = fused_policy_loss(h, weight, labels, adv, **rest)
+    base.loss.backward()
+    torch.manual_seed(0)
+    h2 = hidden.clone().requires_grad_(True)
+    given = fused_policy_loss(h2, weight, labels, adv, **{**rest, name: value})
+    given.loss.backward()
+    moved = abs(float(base.loss) - float(given.loss)) + float((h.grad - h2.grad).abs().max())
+    assert moved > 1e-6, (name, float(base.loss))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from logitless.losses import PolicyLoss, fused_policy_loss, policy_loss
+from logitless.losses.policy import reads_rollout_logprobs
 from logitless.ops.triton.common import INTERPRETING
 from policy64 import aggregate64
 from reference64 import close_everywhere, logprobs_entropy64
@@ -580,7 +581,9 @@ def test_coupled_losses_in_packed_and_sequence_first_layouts(settings, small_chu
     """The sequences of a coupled loss from cu_seqlens (packed 1-D labels) and from [b, s] labels with
     [s, b] hidden states (seq_first, Megatron's layout): the same loss and gradients as the [b, s] rows."""
     hidden, weight, labels, adv, old, ref, rollout = batch()
-    settings = dict(settings, rollout_logprobs=rollout, ref_logprobs=ref, loss_agg="seq-mean-token-mean")
+    settings = dict(settings, ref_logprobs=ref, loss_agg="seq-mean-token-mean")
+    if reads_rollout_logprobs(settings):      # given where nothing reads them, they are refused
+        settings["rollout_logprobs"] = rollout
     grads = []
     for layout in ("rows", "packed", "seq_first"):
         h = hidden.clone()

@@ -183,6 +183,12 @@ def test_target_refusals(megatron_tp1):
         DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, loss_max_clamp=-1.0)
     with pytest.raises(ValueError, match="num_items_in_batch"):
         DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, num_items_in_batch=-3)
+    # loss_agg and its pairing with num_items_in_batch, at construction too (they were checked only in the loss,
+    # after the student's whole forward)
+    with pytest.raises(ValueError, match="loss_agg must be one of"):
+        DistillationTarget("forward_kl", loss_agg="mean", **full)
+    with pytest.raises(ValueError, match="num_items_in_batch replaces token-mean"):
+        DistillationTarget("forward_kl", loss_agg="token-sum", num_items_in_batch=3, **full)
     DistillationTarget("jsd", beta=0.5, **full)
     DistillationTarget("forward_kl_topk", teacher_topk_ids=ids, teacher_topk_logprobs=lp, log_prob_min_clamp=-10.0)
     with pytest.raises(TypeError, match="DistillationTarget"):

@@ -166,3 +166,10 @@ def test_pack_bad_input():
         pack_padded(torch.zeros(2, 3), torch.ones(2, 3))
     with pytest.raises(TypeError, match="attention_mask"):
         pack_padded(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+    # the padding multiple: an int >= 1 (0 was a ZeroDivisionError, a float passed through the arithmetic)
+    with pytest.raises(ValueError, match="align must be an int >= 1"):
+        pack_sequences([torch.arange(3)], align=0)
+    with pytest.raises(TypeError, match="align must be an int"):
+        pack_padded(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), align=2.0)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        pack_sequences([torch.arange(3)], ignore_index=-100.0)

@@ -175,11 +175,12 @@ def test_model_keywords_without_effect_are_refused(model, call, name, value):
     with pytest.raises(ValueError, match=f"{name}={value!r}, which has no effect") as err:
         fn(model, ids, mask, **{name: value}, **kwargs)
     assert call in str(err.value)
-    fn(model, ids, mask, **{name: False if value is True else None}, **kwargs)   # the value that asks nothing
+    with torch.no_grad():
+        fn(model, ids, mask, **{name: False if value is True else None}, **kwargs)   # a value that asks nothing
 
 
 def packed_row():
-    """One padding-free row of three sequences (positions restart) and the same sequences one a row."""
+    """One padding-free row of three sequences (positions restart), and the spans of the sequences."""
     ids = torch.randint(0, V, (1, 12))
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
     return ids, pos, [(0, 5), (5, 8), (8, 12)]
@@ -189,7 +190,7 @@ def packed_row():
 @pytest.mark.parametrize("given", ["attention_mask", "use_cache"])
 def test_packed_rows_with_a_mask_or_cache_are_refused(model, call, given):
     """transformers reads packing from position_ids only without an attention mask or cache: with either it
-    attends across the packed sequences (the log-probs of the later ones change by ~1 nat here), while logitless
+    attends across the packed sequences (the later sequences' log-probs change by ~1 nat here), while logitless
     scores them apart. Refused; without them the packed row's log-probs are each sequence's own."""
     ids, pos, spans = packed_row()
     with torch.no_grad():
@@ -213,11 +214,11 @@ def test_packed_rows_with_a_mask_or_cache_are_refused(model, call, given):
 
 
 def test_left_padding_positions_are_not_packing(model):
-    """Left-padded rows' position_ids (cumsum of the mask, 0 over the pads) restart only inside the padding:
-    not packing, so an attention mask with them runs."""
+    """Left-padded rows' position_ids (the mask's cumsum, 0 over the pads) restart only inside the padding:
+    not packing, so an attention mask with them runs, and gives the log-probs without them."""
     ids, mask = padded_batch(3, 8, "left")
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         with_pos = fused_forward(model, ids, mask, pos).logprobs
         plain = fused_forward(model, ids, mask).logprobs
-    assert with_pos.shape == plain.shape
+    assert (with_pos - plain).abs().max() <= 1e-5

@@ -315,6 +315,25 @@ def test_policy_far_from_the_old_one_equals_trl(folder, tmp_path, seed, config):
     assert abs(clamped.loss.item() * p.scale - loss64.item()) > 1e-3 * max(1.0, abs(loss64.item()))
 
 
+# TRL's on-policy batch (old_per_token_logps None: TRL takes the current log-probs, detached): the ratio is 1, so
+# the mapped settings that act on it (epsilons, delta, vespo's) are dropped, as PolicyLoss refuses them there; CISPO's
+# bound below 1 (epsilon_high 0.2, TRL's default) still binds
+ON_POLICY_CONFIGS = {
+    "grpo-clip_higher-delta": dict(loss_type="grpo", epsilon_high=0.28, delta=1.5),
+    "dapo-kl": dict(loss_type="dapo", beta=0.02),
+    "cispo-default_bound": dict(loss_type="cispo"),
+    "sapo": dict(loss_type="sapo"),
+    "vespo": dict(loss_type="vespo", vespo_k_pos=1.5),
+}
+
+
+@pytest.mark.parametrize("config", list(ON_POLICY_CONFIGS))
+def test_on_policy_batch_equals_trl(folder, tmp_path, seed, config):
+    trainer, inputs = _setup(folder, tmp_path, seed, ON_POLICY_CONFIGS[config])
+    inputs["old_per_token_logps"] = None
+    _assert_matches_trl(trainer, inputs, config)
+
+
 # CISPO's bound below 1: TRL's epsilon_high defaults to epsilon (0.2), and TRL clamps the ratio at it
 CISPO_LOW_BOUND_CONFIGS = {
     "default_bound-kl": dict(loss_type="cispo", beta=0.02),

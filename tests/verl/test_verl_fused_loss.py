@@ -308,6 +308,20 @@ def test_geo_mean_matches_verl_update(actor, agg):
     rec = lv.last_path()
     assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
     assert_same_update(actor, got, want)
+
+
+def test_geo_mean_without_kl_or_entropy_matches_verl_update(actor):
+    """geo_mean with no KL loss and no entropy bonus: verl's loss ignores loss_agg_mode (seq-mean-token-sum here),
+    and PolicyLoss refuses a loss_agg without effect, so the mapping leaves it out; the same update as verl's."""
+    gen = torch.Generator().manual_seed(47)
+    tensors, meta = ve.rollout_batch(gen, actor.model_dir)
+    overrides = [f"{P}policy_loss.loss_mode=geo_mean", f"{P}loss_agg_mode=seq-mean-token-sum", f"{P}use_kl_loss=False",
+                 f"{P}entropy_coeff=0", f"{P}clip_ratio=0.2"]
+    want = run(actor, tensors, meta, overrides, fused=False, engine={"use_remove_padding": True})
+    got = run(actor, tensors, meta, overrides, fused=True, strict=True, engine={"use_remove_padding": True})
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(actor, got, want)
     assert max(want[0]["actor/pg_clipfrac"]) + max(want[0]["actor/pg_clipfrac_lower"]) > 0, \
         "no clipped log-ratio: the case does not test the clipping"
 

@@ -30,8 +30,8 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
   always takes the torch pass (it sums the mass outside the ids).
 - Bad input is a ValueError / TypeError naming the argument before any kernel runs: ids outside [0, V) or
   repeated within a token, teacher log-probs above 0 or NaN (on scored tokens), -inf without log_prob_min_clamp
-  (its term is 0 * -inf = NaN, verl's too: the clamp makes it finite), for the tail divergence k probabilities
-  summing above 1 (beyond rounding: ``MASS_SLACK``), mismatched shapes, an unknown divergence, a
+  (its term is 0 * -inf = NaN, verl's too: the clamp makes it finite), k probabilities summing above 1 (beyond
+  rounding: ``MASS_SLACK``; not one distribution's log-probs), mismatched shapes, an unknown divergence, a
   log_prob_min_clamp that is not finite and < 0.
 
 The divergences, per scored token, with S the teacher's k ids, q_i = exp(teacher log-prob), s_i = the student's
@@ -95,11 +95,12 @@ def log_prob_clamp(value) -> Optional[float]:
 
 
 def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int, check_inputs: bool = True,
-                   allow_neg_inf: bool = True, with_tail: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                   allow_neg_inf: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(scored [...] bool, ids [..., k] int64 with ignore_index on unscored tokens, teacher log-probs float32
     with 0 on unscored tokens). ValueError for a -inf log-prob on a scored token unless ``allow_neg_inf`` (a
-    clamp makes it finite), and with ``with_tail`` for k probabilities summing above 1 (beyond the rounding of
-    their dtype: ``MASS_SLACK``). check_inputs=False: the log-probs' values are not read on the host."""
+    clamp makes it finite), and for k probabilities summing above 1 (beyond the rounding of their dtype:
+    ``MASS_SLACK``): not one distribution's log-probs. check_inputs=False: the log-probs' values are not read on
+    the host."""
     ids = checks.index_tensor(ids, "teacher_topk_ids")
     logprobs = checks.tensor(logprobs, "teacher_topk_logprobs")
     if not logprobs.is_floating_point():
@@ -115,7 +116,8 @@ def _check_teacher(labels: Tensor, ids, logprobs, ignore_index: int, check_input
             raise ValueError(f"{name} is on {t.device}, the student's tokens on {labels.device}")
     scored = labels != ignore_index
     if check_inputs:
-        slack = (MASS_SLACK[logprobs.dtype in (torch.float32, torch.float64)]) if with_tail else None
+        # probabilities of distinct ids of one distribution sum to at most 1, whether or not the tail is used
+        slack = MASS_SLACK[logprobs.dtype in (torch.float32, torch.float64)]
         lp = label_set_function.checked_logprobs(logprobs.detach(), scored, "teacher_topk_logprobs",
                                                  allow_neg_inf=allow_neg_inf, mass_slack=slack)
     else:
@@ -157,8 +159,7 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                          "sums then): leave it False")
     # a -inf teacher log-prob (probability 0) is a NaN term without a clamp (verl's too): refused then
     scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index, check_inputs,
-                                       allow_neg_inf=clamp is not None,
-                                       with_tail=divergence == "forward_kl_topk_tail")
+                                       allow_neg_inf=clamp is not None)
     k = ids.shape[-1]
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     scale = checks.finite_float(logit_scale, "logit_scale", minimum=0.0, above=True)

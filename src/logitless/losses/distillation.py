@@ -97,7 +97,9 @@ def _head(hidden, weight, labels, who: str) -> tuple[Tensor, Tensor]:
 
 
 def _logit_scale(value, name: str) -> float:
-    return checks.finite_float(value, name)
+    # > 0, as topk_divergence's logit_scale: 0 makes every logit 0 (a uniform distribution, no gradient), a
+    # negative scale turns the head's preferences upside down; no model's head scales that way
+    return checks.finite_float(value, name, minimum=0.0, above=True)
 
 
 def _softcap(value, name: str) -> Optional[float]:

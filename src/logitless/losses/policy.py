@@ -15,6 +15,9 @@ from .. import checks
 from ..ops.policy_terms import CURRENT_IS_MODES, KL_TYPES, RATIO_LEVELS, RATIO_LOG_CLAMP, SURROGATES, TermSpec
 from .aggregate import check_loss_agg
 
+# the settings that act only on the ratio's value (or the log-ratio lp - old), which is 1 (0) without old_logprobs
+ON_POLICY_IDLE = ("clip_low", "clip_high", "dual_clip", "delta", "ratio_log_clamp", "dro_beta", "vespo_k_pos",
+                  "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_cov_coef")
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # the surrogates that read clip_low / clip_high, and those whose term reads the ratio exp(lp - old)
 CLIPPED_SURROGATES = ("ppo", "cispo", "geo_mean", "clip_cov", "dppo_tv", "dppo_kl")
@@ -299,6 +302,13 @@ class PolicyLoss:
         self._check_rejection()
         self._check_current_is()
         self._check_no_idle_setting()
+        if self.rollout_logprobs is not None and not self._reads_rollout_logprobs():
+            raise ValueError("rollout_logprobs has no effect without rollout_is, off_policy_threshold, current_is or "
+                             "a rejection_* bound (nothing else reads them): a setting without effect is refused, "
+                             "not ignored (docs/policy-loss.md lists what each setting needs)")
+
+    def _reads_rollout_logprobs(self) -> bool:
+        return reads_rollout_logprobs({name: getattr(self, name) for name in self.__dataclass_fields__})
 
     def _idle_under(self, name: str) -> Optional[str]:
         """Under which of this loss's choices the setting ``name`` has no effect (None: it has one). One rule
@@ -313,6 +323,10 @@ class PolicyLoss:
                 return "under ratio_level='sequence-token' (its ratio has its own bound)"
         if name in ("kl_type", "kl_ratio") and self.ref_logprobs is None:
             return "without ref_logprobs (no KL term)"
+        if self.old_logprobs is None and on_policy_idle(name, self.surrogate, self.clip_high):
+            # on-policy the ratio is exp(lp - sg(lp)) = 1 in value: no clip or cap binds, no log-ratio
+            # penalty or weight moves (CISPO's bound 1 + clip_high below 1 does bind)
+            return "without old_logprobs (on-policy: the ratio is 1)"
         prefixes = {"sapo_tau_": "sapo", "dro_beta": "dro", "vespo_": "vespo", "clip_cov_": "clip_cov",
                     "kl_cov_coef": "kl_cov"}
         for prefix, owner in prefixes.items():
@@ -320,6 +334,10 @@ class PolicyLoss:
                 return surrogate
         if name == "cov_ratio" and self.surrogate not in ("clip_cov", "kl_cov"):
             return surrogate
+        if (name == "loss_agg" and self.surrogate == "geo_mean" and (self.ref_logprobs is None or self.kl_agg)
+                and (self.entropy_coef == 0.0 or self.entropy_agg)):
+            return ("under surrogate='geo_mean' (a mean over sequences: loss_agg weighs only the KL term or metric "
+                    "and the entropy bonus, and there is neither)")
         if name == "entropy_quantile_group" and self.entropy_quantile >= 1.0:
             return "under entropy_quantile=1 (no entropy mask)"
         if name == "entropy_agg" and self.entropy_coef == 0.0:
@@ -431,6 +449,29 @@ class PolicyLoss:
                         rejection_k2=self.rejection_k2_max, rejection_k3=self.rejection_k3_max,
                         rejection_seq=self._rejection_seq(),
                         current_is=self.current_is, current_is_band=(self.current_is_min, self.current_is_max))
+
+
+def on_policy_idle(name: str, surrogate: str, clip_high: float) -> bool:
+    """Whether the setting ``name`` has no effect without old_logprobs (see ``ON_POLICY_IDLE``): CISPO's
+    clip_high below 0 (a bound below ratio 1) binds (and its band needs clip_low >= -clip_high), and kl_cov's
+    cov_ratio selects where a 0 penalty goes."""
+    if name in ("clip_low", "clip_high") and surrogate == "cispo" and clip_high < 0.0:
+        return False
+    return name in ON_POLICY_IDLE or (name == "cov_ratio" and surrogate == "kl_cov")
+
+
+def on_policy_settings(settings: dict) -> dict:
+    """PolicyLoss settings (by name) without those that have no effect when old_logprobs is None (which the loss
+    refuses there): for an integration that maps a trainer's settings onto a batch that may be on-policy."""
+    surrogate, clip_high = settings.get("surrogate", "ppo"), settings.get("clip_high", 0.0)
+    return {k: v for k, v in settings.items() if not on_policy_idle(k, surrogate, clip_high)}
+
+
+def reads_rollout_logprobs(settings: dict) -> bool:
+    """Whether PolicyLoss settings (by name) read rollout_logprobs: rollout_is, the off-policy mask, current_is
+    or a rejection bound. Without one, rollout_logprobs has no effect (and is refused)."""
+    return any(settings.get(name) is not None for name in ("rollout_is", "off_policy_threshold", "current_is")) or any(
+        value is not None for name, value in settings.items() if name.startswith("rejection_"))
 
 
 def _choice(value, name: str, allowed) -> str:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import checks
 from ..losses import DIVERGENCES, fused_distillation_loss
+from ..losses.aggregate import check_loss_agg
 from ..losses.distillation import check_settings
 
 TOPK = ("forward_kl_topk", "forward_kl_topk_tail")
@@ -63,6 +64,10 @@ class DistillationTarget:
         # the settings' checks that need no tensor, here: inside the processor they would come only after the
         # student's whole forward (on every pipeline rank)
         check_settings(self.divergence, self.beta, self.log_prob_min_clamp, self.loss_max_clamp)
+        check_loss_agg(self.loss_agg)
+        if self.num_items_in_batch is not None and self.loss_agg != "token-mean":
+            raise ValueError(f"num_items_in_batch replaces token-mean's count of scored tokens; "
+                             f"loss_agg={self.loss_agg!r} does not use it")
         if isinstance(self.num_items_in_batch, (int, float)):
             checks.finite_float(self.num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
         if self.teacher_hidden is not None:

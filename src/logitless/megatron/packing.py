@@ -78,6 +78,8 @@ def _cumsum0(x: Tensor) -> Tensor:
 
 
 def _build(tokens_list: Sequence[Tensor], lengths: Tensor, align: int, ignore_index: int) -> PackedBatch:
+    align = checks.integer(align, "align", minimum=1)     # each sequence padded to a multiple of it
+    ignore_index = checks.ignore_index(ignore_index)
     padded = (lengths + align - 1) // align * align
     padded = torch.where(lengths == 0, torch.full_like(padded, align), padded)  # keep every sequence
     dev = lengths.device

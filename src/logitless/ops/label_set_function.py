@@ -251,7 +251,7 @@ def checked_logprobs(logprobs: Tensor, scored: Tensor, name: str, allow_neg_inf:
     if any_over:
         raise ValueError(f"{name}: a scored token's k probabilities sum to {float(mass[over][0]):.6g} > 1 (beyond "
                          f"rounding): not the log-probs of one distribution (another temperature or normalisation, "
-                         f"or logits?); the tail bucket 1 - sum needs a sum <= 1")
+                         f"or logits?)")
     return torch.where(on, lp, torch.zeros_like(lp))
 
 

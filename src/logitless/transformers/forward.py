@@ -41,6 +41,7 @@ from .fsdp import check_head_in_root_unit, fsdp_units
 from .heads import plan_head
 from .labels import (
     check_labels,
+    check_packing_attended,
     packed_cu_seqlens,
     per_token_temperature,
     targets_from_input_ids,
@@ -294,6 +295,33 @@ def _one_convention(labels, shift_labels):
                          "(already shifted: position t is scored against shift_labels[t]), not both")
 
 
+# keywords the model takes whose only effect is on what fused_forward / fused_policy_loss do not return (the cache,
+# the hidden states and attentions, transformers' LM loss): given a value that asks for that effect, refused
+_WITHOUT_EFFECT = {
+    "use_cache": "the KV cache is not returned (and with packed position_ids it would make transformers attend "
+                 "across the packed sequences)",
+    "output_hidden_states": "the hidden states are not returned",
+    "output_attentions": "the attentions are not returned",
+    "output_router_logits": "the router logits are not returned",
+    "num_items_in_batch": "it divides transformers' LM loss, which is not computed here (the policy loss's "
+                          "normalisation is loss_agg; a patched model given labels takes it for its .loss)",
+}
+
+
+def _check_no_idle_kwargs(model_kwargs: dict, caller: str) -> None:
+    for name, why in _WITHOUT_EFFECT.items():
+        value = model_kwargs.get(name)
+        if value is None or value is False:
+            continue
+        raise ValueError(f"{caller} got {name}={value!r}, which has no effect here: {why}; a setting without "
+                         "effect is refused, not ignored")
+
+
+def _cached(kwargs: dict) -> bool:
+    """Whether the backbone runs with a cache (transformers then ignores packing in position_ids)."""
+    return bool(kwargs.get("use_cache")) or any(kwargs.get(n) is not None for n in ("past_key_values", "cache"))
+
+
 def _lm_loss(logprobs: Tensor, targets: Tensor, ignore_index: int, num_items_in_batch) -> Tensor:
     """transformers' ForCausalLMLoss from the log-probs: the sum of -logprob over the scored tokens, divided by
     their count (0 tokens: NaN, as cross_entropy's mean) or by num_items_in_batch."""
@@ -328,6 +356,7 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
 
     # as transformers: shift_labels, if given, are what is scored; labels (unshifted) otherwise
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
+    check_packing_attended(attention_mask, position_ids, targets.shape, _cached(kwargs))
     if policy_loss is not None and not isinstance(policy_loss, PolicyLoss):
         raise TypeError(f"policy_loss must be a logitless.losses.PolicyLoss, got {type(policy_loss).__name__}")
     res, out = _score(self, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
@@ -459,9 +488,11 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     """
     core = unwrap_model(model)
     check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_forward", _FORWARD_NAMES)
+    _check_no_idle_kwargs(model_kwargs, "logitless.transformers.fused_forward")
     _check_settings(temperature, with_entropy, ignore_index)
     _one_convention(labels, shift_labels)
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
+    check_packing_attended(attention_mask, position_ids, targets.shape, _cached(model_kwargs))
     model_kwargs.setdefault("use_cache", False)  # scoring builds no KV cache unless asked to
     if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
@@ -503,6 +534,7 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
         raise TypeError(f"loss_settings must be a dict of PolicyLoss settings, got {type(loss_settings).__name__}")
     core = unwrap_model(model)
     check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_policy_loss", _POLICY_NAMES)
+    _check_no_idle_kwargs(model_kwargs, "logitless.transformers.fused_policy_loss")
     policy = PolicyLoss(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                         kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
@@ -510,6 +542,7 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     _check_settings(temperature, True, ignore_index)
     _one_convention(labels, shift_labels)
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
+    check_packing_attended(attention_mask, position_ids, targets.shape, _cached(model_kwargs))
     model_kwargs.setdefault("use_cache", False)
     if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, True, ignore_index,

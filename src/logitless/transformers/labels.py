@@ -36,6 +36,32 @@ def continues(position_ids: Optional[Tensor], shape) -> Optional[Tensor]:
     return (step == 1).expand(shape[0], shape[1] - 1)
 
 
+def check_packing_attended(attention_mask, position_ids, shape, cached: bool) -> None:
+    """ValueError when ``position_ids`` restart inside a row (padding-free packing, which logitless scores as
+    separate sequences) while the model would attend across the restart: transformers reads packing from
+    position_ids only without an attention mask and without a cache
+    (``masking_utils.find_packed_sequence_indices``); with either, every token attends to the packed sequences
+    before it, and the log-probs would be neither the packed sequences' nor the one sequence's. Restarts
+    inside padding (left-padded rows' position_ids) are not packing. Other layouts of position_ids (a
+    multimodal model's [3, b, s]) say nothing about packing here."""
+    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or (attention_mask is None and not cached):
+        return
+    step_ok = continues(position_ids, shape)
+    if step_ok is None:
+        return
+    restarts = ~step_ok
+    if attention_mask is not None and not cached:
+        mask = _check_2d("attention_mask", attention_mask, shape) != 0
+        restarts = restarts & mask[:, :-1] & mask[:, 1:]
+    if not bool(restarts.any()):
+        return
+    given = "a cache (use_cache=True or past_key_values)" if cached else "attention_mask"
+    raise ValueError(f"position_ids restart inside a row (packed sequences) and {given} is given: transformers "
+                     "then attends across the packed sequences, while logitless scores them apart; for "
+                     "padding-free packing pass attention_mask=None and no cache, or give each sequence its own "
+                     "row with an attention_mask")
+
+
 def targets_from_input_ids(input_ids: Tensor, attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
                       ignore_index: int) -> Tensor:
     """int64 [b, s]: labels[t] = input_ids[t+1], or ``ignore_index`` where t is the last position,

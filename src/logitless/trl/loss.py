@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES
+from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES, on_policy_settings
 from .names import VISION_ARGS
 
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -170,11 +170,11 @@ def _invalid_settings(trainer) -> list:
     """The mapped settings' own checks (PolicyLoss's), run at enable() on a stand-in advantage."""
     from ..losses import PolicyLoss
 
-    settings = scalar_settings(trainer)
+    # checked as an off-policy batch's loss, which reads every mapped setting (an on-policy batch's drops those
+    # that act on the ratio: policy_inputs)
+    settings = dict(scalar_settings(trainer), old_logprobs=torch.zeros(()))
     if trainer.beta != 0.0:
         settings["ref_logprobs"] = torch.zeros(())
-    if trainer.off_policy_mask_threshold is not None:    # the mask reads the rollout's (or old) log-probs
-        settings["old_logprobs"] = torch.zeros(())
     try:
         PolicyLoss(advantages=torch.zeros(()), **settings)
     except (TypeError, ValueError) as exc:
@@ -226,8 +226,11 @@ def policy_inputs(trainer, inputs) -> PolicyInputs:
     advantages = inputs["advantages"]
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     kind = trainer.loss_type
-    settings = dict(scalar_settings(trainer), advantages=at_positions(advantages),
-                    old_logprobs=at_positions(inputs.get("old_per_token_logps")), temperature=trainer.temperature)
+    old = at_positions(inputs.get("old_per_token_logps"))
+    scalars = scalar_settings(trainer)
+    if old is None:     # TRL's on-policy batch: the ratio is 1, and the settings that act on it are refused
+        scalars = on_policy_settings(scalars)
+    settings = dict(scalars, advantages=at_positions(advantages), old_logprobs=old, temperature=trainer.temperature)
     if trainer.beta != 0.0:
         settings["ref_logprobs"] = at_positions(inputs["ref_per_token_logps"])
     if trainer.off_policy_mask_threshold is not None:

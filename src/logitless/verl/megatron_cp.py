@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..losses import PolicyLoss
+from ..losses.policy import reads_rollout_logprobs
 from .tokens import IGNORE, Rows
 
 # fused surrogates whose per-token term reads only that token (with ratio_level "token")
@@ -54,7 +55,8 @@ def _couples_tokens(settings: dict) -> bool:
     """Whether the loss's terms read other tokens, as the loss itself says (``TermSpec.coupled``: sequence-level
     IS weights or rejection of this pass's log-probs, the off-policy mask, ... whatever the mode maps to)."""
     t = torch.zeros(1, 2)
-    return PolicyLoss(advantages=t, old_logprobs=t, ref_logprobs=t, rollout_logprobs=t,
+    rollout = t if reads_rollout_logprobs(settings) else None      # given where nothing reads it: refused
+    return PolicyLoss(advantages=t, old_logprobs=t, ref_logprobs=t, rollout_logprobs=rollout,
                       **settings).term_spec().coupled
 
 

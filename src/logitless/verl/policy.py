@@ -115,6 +115,8 @@ def settings(config, *, calculate_entropy: bool) -> dict:
             out["entropy_agg"] = AGG[config.loss_agg_mode]
         if config.use_kl_loss:
             out["kl_agg"] = AGG[config.loss_agg_mode]
+    if out.get("surrogate") == "geo_mean" and not config.use_kl_loss and out["entropy_coef"] == 0.0:
+        del out["loss_agg"]      # verl's geo_mean ignores loss_agg_mode with no KL loss or entropy bonus to weigh
     if mode in ("vanilla", "dppo_tv", "dppo_kl"):
         out["dual_clip"] = float(config.get("clip_ratio_c", 3.0))
     if mode == "sapo":
