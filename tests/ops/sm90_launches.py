@@ -33,7 +33,7 @@ from triton._C.libtriton import ir  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction, _patch_lang  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction, _LangPatchScope, _patch_lang  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 try:
@@ -49,8 +49,13 @@ RUN_ONLY = {"FAST_LOG2_": False}
 
 BUILDS: dict = {}    # (kernel, key) -> {"fn", "options", "signature", "constexprs", "attrs", "cases"}
 CASE = ["(import)"]
+RECORD_ONLY = [False]     # launches recorded, not run (the model-sized cases: their outputs stay as allocated)
 _BINDERS: dict = {}
 _INTERPRETED: dict = {}
+_PATCHED: set = set()          # modules whose view of triton.language is patched for this launch
+_ORIGINALS: dict = {}          # (object, attribute) -> the value before the launch patched it
+_MISSING = object()
+_REAL_SET_ATTR = _LangPatchScope.set_attr
 
 
 def _interpreted(fn: JITFunction) -> InterpretedFunction:
@@ -72,23 +77,44 @@ def _record_and_run(self, *args, grid, warmup, **kwargs):
                            cases=[])
     if CASE[0] not in BUILDS[key]["cases"]:
         BUILDS[key]["cases"].append(CASE[0])
-    if GluonJITFunction is not None and isinstance(self, GluonJITFunction):
+    if RECORD_ONLY[0] or (GluonJITFunction is not None and isinstance(self, GluonJITFunction)):
         return None     # the interpreter does not run Gluon
     run_kwargs = {k: RUN_ONLY.get(k, v) for k, v in kwargs.items()}
-    _interpreted(self).run(*args, grid=grid, warmup=False, **run_kwargs)
+    try:
+        _interpreted(self).run(*args, grid=grid, warmup=False, **run_kwargs)
+    finally:
+        _restore_language()
     return None
 
 
 def _device_call(self, *args, **kwargs):
     """A @triton.jit function called from a kernel that runs in the interpreter: as the interpreter's own device
-    call, except that its patches of triton.language are undone after it (the interpreter leaves them, and the
-    sm_90 builds need the real language)."""
+    call, which patches triton.language (as seen from the function's module) for the interpreter, but once per
+    module and launch (the patching costs more than most calls)."""
     fn = _interpreted(self)
-    scope = _patch_lang(fn.fn)
-    try:
-        return fn.rewrite()(*args, **kwargs)
-    finally:
-        scope.restore()
+    if fn.fn.__module__ not in _PATCHED:
+        _PATCHED.add(fn.fn.__module__)
+        _patch_lang(fn.fn)
+    return fn.rewrite()(*args, **kwargs)
+
+
+def _set_attr(self, obj, name, value):
+    """_LangPatchScope.set_attr, noting each attribute's value before the launch's first patch of it."""
+    _ORIGINALS.setdefault((id(obj), name), (obj, name, getattr(obj, name, _MISSING)))
+    _REAL_SET_ATTR(self, obj, name, value)
+
+
+def _restore_language() -> None:
+    """Undo every patch of triton.language made during a launch (the interpreter leaves its device calls'
+    patches in place, and the sm_90 builds need the real language)."""
+    for obj, name, value in _ORIGINALS.values():
+        if value is _MISSING:
+            if hasattr(obj, name):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+    _ORIGINALS.clear()
+    _PATCHED.clear()
 
 
 def as_on_hopper():
@@ -96,6 +122,7 @@ def as_on_hopper():
     from logitless.ops.triton import backend, common, forward_stats, policy_stats, policy_stats_gluon
     JITFunction.run = _record_and_run
     JITFunction.__call__ = _device_call
+    _LangPatchScope.set_attr = _set_attr
     torch.Tensor.is_cuda = property(lambda self: True)
     torch.cuda.device = lambda device: contextlib.nullcontext()
     common._hopper_or_newer = lambda device: True
@@ -140,10 +167,10 @@ def build(entry: dict, stage: str) -> None:
     BACKEND.add_stages(stages, options, src.language)
     names = list(stages)
     metadata = {"hash": "0", "target": TARGET, **options.__dict__}
-    for name in names[names.index(src.ext):]:
-        if names.index(name) > names.index(stage):
-            break
+    last = max(names.index(stage), names.index(src.ext))     # Gluon starts at ttgir
+    for name in names[names.index(src.ext):last + 1]:
         module = stages[name](module, metadata)
+    return metadata
 
 
 def _named(fn, constexprs: dict) -> dict:
@@ -158,18 +185,19 @@ def main():
     start = time.perf_counter()
     as_on_hopper()
     import sm90_drive
-    sm90_drive.drive(CASE)
+    sm90_drive.drive(CASE, RECORD_ONLY)
     drive_s = time.perf_counter() - start
     out = []
     for entry in BUILDS.values():
-        error = None
+        error, metadata = None, {}
         try:
-            build(entry, args.stage)
+            metadata = build(entry, args.stage)
         except Exception as exc:      # noqa: BLE001 - reported per build, with its message
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-3000:]
         out.append(dict(kernel=f"{entry['fn'].module}.{entry['fn'].fn.__name__}",
                         constexprs=_named(entry["fn"], entry["constexprs"]),
-                        signature=entry["signature"], options=repr(entry["options"].num_warps),
+                        signature=entry["signature"], num_warps=entry["options"].num_warps,
+                        shared=metadata.get("shared"),
                         cases=entry["cases"], error=error))
     print(json.dumps(dict(builds=out, stage=args.stage, drive_s=drive_s, seconds=time.perf_counter() - start)))
 
