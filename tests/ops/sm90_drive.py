@@ -68,6 +68,7 @@ def logprobs_cases():
             yield f"fp32 {precision} grad {grad}", dict(dtype=torch.float32, precision=precision, grad_precision=grad)
     yield "fp32 bf16x3 softcap", dict(dtype=torch.float32, precision="bf16x3", softcap=30.0)
     yield "fp32 bf16x3 k labels", dict(dtype=torch.float32, precision="bf16x3", k=K)
+    yield "fp32 ieee k labels", dict(dtype=torch.float32, precision="ieee", k=K)
     yield "fp32 ieee column-major hidden", dict(dtype=torch.float32, precision="ieee", layout="columns")
 
 
@@ -112,15 +113,16 @@ def policy_cases():
     yield "unchecked", dict(check_inputs=False)
     yield "upstream gradient 2", dict(upstream=2.0)
     yield "fp16", dict(dtype=torch.float16)
+    yield "column-major hidden", dict(layout="columns", check_inputs=False)   # no gather of the scored rows
     for precision in ("ieee", "tf32", "bf16x3", "bf16x6"):
         yield f"fp32 {precision}", dict(dtype=torch.float32, precision=precision)
     yield "fp32 bf16x3 grad bf16x3", dict(dtype=torch.float32, precision="bf16x3", grad_precision="bf16x3")
 
 
 def run_policy(dtype=torch.bfloat16, on_policy=False, ref=False, rollout=False, rollout_weights=False,
-               no_grad=False, upstream=1.0, softcap=None, **kw):
+               no_grad=False, upstream=1.0, softcap=None, layout="rows", **kw):
     lead = (2, N)
-    hidden, weight = head(dtype, lead=lead)
+    hidden, weight = head(dtype, lead=lead, layout=layout)
     y = labels(lead)
     y[1, -2:] = -100
     adv = torch.randn(lead, generator=G)
@@ -183,6 +185,7 @@ def drive(case, record_only):
                     ("fp16", run_logprobs, dict(dtype=torch.float16)),
                     ("fp32 bf16x3", run_logprobs, dict(dtype=torch.float32, precision="bf16x3")),
                     ("ppo bf16", run_policy, dict()),
+                    ("ppo fp16", run_policy, dict(dtype=torch.float16)),
                     ("ppo no grad", run_policy, dict(no_grad=True)),
                     ("ppo fp32 bf16x6", run_policy, dict(dtype=torch.float32, precision="bf16x6")))
     with env(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
@@ -196,12 +199,13 @@ def drive(case, record_only):
                               ("bf16 softcap", run_logprobs, dict(dtype=torch.bfloat16, softcap=30.0)),
                               ("fp32 bf16x3", run_logprobs, dict(dtype=torch.float32, precision="bf16x3")),
                               ("ppo bf16", run_policy, dict()),
+                    ("ppo fp16", run_policy, dict(dtype=torch.float16)),
                               ("ppo fp32 bf16x3", run_policy, dict(dtype=torch.float32, precision="bf16x3")),
                               ("jsd bf16", run_distill, dict(divergence="jsd", beta=0.5)),
                               ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)
         with env(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
-            for name, run, kw in triton_stats[:1] + triton_stats[4:5]:
+            for name, run, kw in triton_stats[:1] + triton_stats[4:5]:  # bf16 logprobs, ppo
                 run_case(f"{name} (model-sized, recorded only, Triton statistics kernel)", run, kw)
     finally:
         DIMS.update(SMALL)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -28,7 +29,6 @@ if os.environ.get("TRITON_INTERPRET"):
     sys.exit("run without TRITON_INTERPRET: under it triton.jit makes interpreter functions, with nothing to build")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton._C.libtriton import ir  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -181,11 +181,11 @@ def _named(fn, constexprs: dict) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", default="ttgir", help="last compiler stage: ttir, ttgir, llir, ptx or cubin")
+    parser.add_argument("--drive", default="sm90_drive", help="the module whose drive(case, record_only) launches")
     args = parser.parse_args()
     start = time.perf_counter()
     as_on_hopper()
-    import sm90_drive
-    sm90_drive.drive(CASE, RECORD_ONLY)
+    importlib.import_module(args.drive).drive(CASE, RECORD_ONLY)
     drive_s = time.perf_counter() - start
     out = []
     for entry in BUILDS.values():
