@@ -5,7 +5,7 @@ fused kernel and verl unfused, times and peak memory.
 
 Each variant is verl's real actor update (``TrainingWorker.train_mini_batch`` -> ``FSDPEngineWithLMHead`` on FSDP2,
 one rank, NCCL; tests/verl/verl_engine.py builds it as verl's ``ActorRolloutRefWorker.init_model`` does) of a
-2-layer Qwen2 (H=1024, tied head, V=151936, float32 parameters, SGD), one mini-batch of 6 sequences (prompt 64,
+2-layer Qwen2 (H=1024, untied head, V=151936, float32 parameters, SGD), one mini-batch of 6 sequences (prompt 64,
 response 1024 tokens, micro-batches of 2, remove-padding on: verl's "triton" backend returns flat log-probs,
 which its padded path cannot take, with verl's own kernel as with logitless'; eager attention, no flash-attn),
 vanilla PPO (dual clip) with a low_var_kl KL loss
@@ -15,9 +15,9 @@ and an entropy bonus, token-mean:
   verl-fused-triton    use_fused_kernels=True, impl_backend "triton" (verl's own Triton linear_cross_entropy)
   logitless            logitless.verl.install(fused_loss=True) on the "triton" actor: the whole loss fused
 Per variant: the median (min, max) of 5 timed updates after 2 warm-ups (CUDA events), the peak memory allocated
-during one update above what was allocated before it, and the parameters after the step against verl-unfused's
-(largest relative difference over the parameters). Writes DIR/gpu_verl_actor.json and .md; prints a table last.
-Sized to finish within 3 minutes on one H100 (not yet run on a GPU: no number here comes from one).
+during one update above what was allocated before it, and the step against verl-unfused's: per parameter tensor
+|p - p_unfused| / |p_unfused - p_initial| (how far the step lands from unfused's, relative to the step), the
+largest over the tensors. Writes DIR/gpu_verl_actor.json and .md; prints a table last. About a minute on one H100.
 
 The GPU machine has torch, triton and transformers but not verl. verl's actor import chain
 (``verl.workers.engine_workers``, ``verl.workers.engine.fsdp.transformer_impl``, ``verl.workers.utils.losses``;
@@ -103,16 +103,23 @@ def save_model(path: str) -> None:
     cfg = Qwen2Config(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=2 * SHAPE["hidden"],
                       num_hidden_layers=SHAPE["layers"], num_attention_heads=8 if not DRY else 4,
                       num_key_value_heads=4 if not DRY else 2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, attn_implementation="eager")
+                      tie_word_embeddings=False, attn_implementation="eager")
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 4.0 / SHAPE["hidden"] ** 0.5)     # logits of standard deviation ~4
     model.save_pretrained(path)
 
 
-def batch(gen: torch.Generator, b: int = 6):
+def batch(gen: torch.Generator, path: str, device: torch.device, b: int = 6):
     """A rollout batch as verl's trainer hands it to the actor (prompts left-padded, responses right-padded);
-    old / ref log-probs random below 0 (ratios inside and outside the clip range)."""
+    old / ref log-probs the saved model's own plus noise of 0.3 (ratios inside and outside the clip range).
+
+    Why the head is untied and the log-probs are the model's: with a tied head of logit std 4 at H=1024, each
+    position's own input embedding dominates the last hidden state (its logit ~ 4 sqrt(H) = 128), the
+    distribution is one-hot on it (entropy ~1e-8), every response token's log-prob is near -130, and old
+    log-probs drawn near -12 made every ratio ~e^-120: the loss's gradient was ~1e-7 in norm and the
+    parameters after the step compared rounding noise (the first H100 run: every fused variant 0.07-1.8 from
+    unfused, each within float32 rounding of a near-zero update)."""
     prompt, response, vocab = SHAPE["prompt"], SHAPE["response"], SHAPE["vocab"]
     p_len = torch.randint(prompt // 2, prompt + 1, (b,), generator=gen)
     r_len = torch.randint(response // 2, response + 1, (b,), generator=gen)
@@ -125,9 +132,28 @@ def batch(gen: torch.Generator, b: int = 6):
     tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
                "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
                "response_mask": rmask.long(), "advantages": torch.randn(b, response, generator=gen),
-               "old_log_probs": -12.0 - 0.3 * torch.randn(b, response, generator=gen).abs(),
-               "ref_log_prob": -12.0 - 0.3 * torch.randn(b, response, generator=gen).abs()}
+               "old_log_probs": None, "ref_log_prob": None}
+    lp = current_logprobs(path, tensors, device)
+    for key in ("old_log_probs", "ref_log_prob"):
+        tensors[key] = (lp + 0.3 * torch.randn(b, response, generator=gen)).clamp(max=-1e-3)
     return tensors, {"temperature": 1.0}
+
+
+def current_logprobs(path: str, tensors: dict, device: torch.device) -> torch.Tensor:
+    """The saved model's log-probs of the response tokens [b, response] (plain transformers, float64
+    log-softmax), a sequence at a time on ``device``."""
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(path, attn_implementation="eager").to(device)
+    r = tensors["responses"].shape[1]
+    rows = []
+    with torch.no_grad():
+        for i in range(tensors["input_ids"].shape[0]):
+            ids = tensors["input_ids"][i:i + 1].to(device)
+            logits = model(input_ids=ids, attention_mask=tensors["attention_mask"][i:i + 1].to(device),
+                           position_ids=tensors["position_ids"][i:i + 1].to(device)).logits[0, -r - 1:-1]
+            lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, -r:, None]).squeeze(-1)
+            rows.append(lp.float().cpu())
+    return torch.stack(rows)
 
 
 def run(args) -> dict:
@@ -137,7 +163,7 @@ def run(args) -> dict:
     ve.VOCAB = SHAPE["vocab"]
     tmp = tempfile.mkdtemp(prefix="verl_actor_")
     save_model(tmp)
-    tensors, meta = batch(torch.Generator().manual_seed(1))
+    tensors, meta = batch(torch.Generator().manual_seed(1), tmp, device)
     results = {"shape": SHAPE, "tokens": int(tensors["attention_mask"].sum()),
                "scored": int(tensors["response_mask"].sum()), "variants": {}}
     params = {}
@@ -155,12 +181,25 @@ def run(args) -> dict:
             results["variants"][name] = {"error": traceback.format_exc()[-2000:]}
             print(traceback.format_exc(), flush=True)
     ref = params.get("verl-unfused")
+    initial = _initial(tmp)
     for name, p in params.items():
         if ref is not None:
-            results["variants"][name]["param_rel_diff_vs_unfused"] = max(
-                float((p[k].double() - ref[k].double()).norm() / ref[k].double().norm().clamp_min(1e-30))
-                for k in ref)
+            # per parameter tensor: how far this variant's step lands from unfused's, relative to unfused's step
+            results["variants"][name]["update_rel_diff_vs_unfused"] = max(
+                float((p[k].double() - ref[k].double()).norm()
+                      / (ref[k].double() - initial[k]).norm().clamp_min(1e-30)) for k in ref)
+    if ref is not None:
+        # the step's size: |p_unfused - p_initial| / |p_initial| over all parameters together
+        step = sum(float((ref[k].double() - initial[k]).square().sum()) for k in ref)
+        results["update_rel_size"] = (step / sum(float(initial[k].square().sum()) for k in ref)) ** 0.5
     return results
+
+
+def _initial(path: str) -> dict:
+    """The saved model's parameters by name (float64, CPU)."""
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return {k: v.detach().double() for k, v in model.named_parameters()}
 
 
 def _variant(name, overrides, device, tmp, tensors, meta, results):
@@ -210,10 +249,10 @@ def main() -> None:
     results["machine"], results["versions"] = machine(), versions()
     rows = [[name, f"{r['median_ms']:.1f}", f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
              "-" if r["peak_extra_gib"] is None else f"{r['peak_extra_gib']:.2f}",
-             f"{r.get('param_rel_diff_vs_unfused', float('nan')):.1e}"] if "median_ms" in r
+             f"{r.get('update_rel_diff_vs_unfused', float('nan')):.1e}"] if "median_ms" in r
             else [name, r.get("skipped") or "error (see JSON)", "-", "-", "-"]
             for name, r in results["variants"].items()]
-    table = markdown_table(["variant", "update ms (median)", "min-max", "peak extra GiB", "params vs unfused"], rows)
+    table = markdown_table(["variant", "update ms (median)", "min-max", "peak extra GiB", "step vs unfused's"], rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_verl_actor.json"), "w") as f:
@@ -221,6 +260,9 @@ def main() -> None:
         with open(os.path.join(args.out, "gpu_verl_actor.md"), "w") as f:
             f.write(table)
     print(json.dumps({k: v for k, v in results.items() if k != "variants"}, default=str))
+    for name, r in results["variants"].items():
+        print(name, json.dumps({k: v for k, v in r.items() if k != "error"}, default=str),
+              (r.get("error") or "")[-600:])
     print(table)
 
 

@@ -27,6 +27,22 @@ def logprobs_entropy64(hidden, weight, labels, temperature=1.0, ignore_index=-10
     return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
 
 
+def device_for(backend):
+    """Where a backend's call runs in the tests: the triton backend on the GPU when there is one (its compiled
+    kernels: without triton's interpreter it refuses CPU tensors), else in the interpreter on the CPU; the other
+    backends on the CPU. The float64 ground truth stays on the CPU."""
+    from logitless.ops.triton.common import INTERPRETING
+    return "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRETING else "cpu"
+
+
+def moved(dev, *tensors):
+    """Leaf copies on ``dev`` (requiring grad where the original does), or the tensors themselves on the CPU;
+    anything not a tensor as it is."""
+    if dev == "cpu":
+        return tensors
+    return tuple(t.detach().to(dev).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in tensors)
+
+
 def rel_err(a, b):
     """||a - b|| / ||b|| in float64."""
     a, b = a.double(), b.double()
@@ -34,11 +50,29 @@ def rel_err(a, b):
 
 
 # Tolerances of the public op against float64: logprob max abs, entropy max abs, gradient relative norm.
+# float32: of IEEE float32 products (the default on the CPU; on CUDA float32 operands default to the bf16x3
+# split: ``tol_for`` gives the bounds of the precision that ran)
 TOL = {
     torch.float32: (2e-5, 2e-5, 1e-4),
     torch.bfloat16: (1e-3, 2e-3, 1e-2),
     torch.float16: (1e-3, 2e-3, 1e-2),
 }
+
+# Float32 operands by precision (``logitless.last_precision()``): the max |log-prob / entropy error| each
+# statistics precision meets at logits of std up to 8 (H 96), and the gradients' relative error of each
+# gradient precision ("bf16": bfloat16 dlogits times the operands' bfloat16 part, ~2e-3 .. 1e-2).
+# (TF32 keeps 3 more bits than bfloat16: its error is ~8x smaller, not below a fixed bound of bfloat16's)
+BOUND = {"bf16x3": 2e-4, "bf16x6": 2e-5, "tf32": 1.5e-2, "ieee": 2e-5}
+GRAD_BOUND = {"bf16": 3e-2, "bf16x3": 1e-4, "bf16x6": 1e-4, "ieee": 1e-4}
+
+
+def tol_for(dtype, precision):
+    """(log-prob, entropy, gradient) tolerances of operands of ``dtype`` whose products ran as ``precision``
+    (``last_precision()`` of the call): half-precision operands' TOL, float32's by the precision that ran."""
+    if dtype != torch.float32:
+        return TOL[dtype]
+    stats, grads = precision
+    return BOUND[stats], BOUND[stats], GRAD_BOUND[grads]
 
 
 def make_inputs(lead=(7,), h=96, v=4099, dtype=torch.float32, logit_std=4.0, device="cpu"):
@@ -66,21 +100,26 @@ def _close_in_norm(got, want, rel):
 
 def check_op(hidden, weight, labels, backend, *, temperature=1.0, ignore_index=-100, with_entropy=True,
              grad_hidden=True, grad_weight=True, a_scale=1.0, b_scale=1.0, tol=None, softcap=None,
-             grad_features=None, elementwise=False):
+             grad_features=None, elementwise=False, precision=None):
     """Run ``fused_logprobs`` forward and backward on sum(a*logprob) + sum(b*entropy), random a, b,
     and compare everything with float64: values, dtypes, shapes, which inputs got gradients.
+
+    precision: the op's ``precision`` (float32 operands; None: the device's default, "bf16x3" on CUDA, "ieee"
+    elsewhere). tol: default the bounds of the precision that ran (``tol_for`` of ``last_precision()``).
 
     grad_features: compare gradients on the first k features only (the offset feature that the
     shift tests append has an exactly-cancelling gradient, pure float32 rounding times the offset).
     elementwise: also bound every gradient element (``close_everywhere``), not only the norm.
     Returns the op's TokenLogProbs."""
-    from logitless import fused_logprobs, last_backend
-    tol = tol or TOL[hidden.dtype]
+    from logitless import fused_logprobs, last_backend, last_precision
     h = hidden.detach().clone().requires_grad_(grad_hidden)
     w = weight.detach().clone().requires_grad_(grad_weight)
     out = fused_logprobs(h, w, labels, temperature=temperature, ignore_index=ignore_index,
-                         with_entropy=with_entropy, backend=backend, softcap=softcap)
+                         with_entropy=with_entropy, backend=backend, softcap=softcap, precision=precision)
     assert last_backend() == backend
+    if precision not in (None, "auto"):
+        assert last_precision().statistics == precision
+    tol = tol or tol_for(hidden.dtype, last_precision())
     assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == labels.shape
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)

@@ -3,7 +3,8 @@
 The logits are large (std ~8) so that rounding the operands to bfloat16 visibly matters: on the same inputs
 the bfloat16 path's error must exceed the bound each split meets. Every backend, including triton's kernels in
 its interpreter, on odd shapes (N 7 + ignored rows, H 96, V 4099), with temperature and softcap, and with
-token chunks small enough that the split operands are cut into several calls.
+token chunks small enough that the split operands are cut into several calls. The triton backend runs on the
+GPU where there is one (its compiled kernels; reference64.device_for), the float64 truth on the CPU.
 """
 from __future__ import annotations
 
@@ -14,14 +15,12 @@ import logitless
 from logitless import fused_logprobs, last_precision
 from logitless.losses import fused_policy_loss
 from logitless.ops.precision import make_operands, resolve, round_tf32, split_parts
-from reference64 import logprobs_entropy64, make_inputs, rel_err
+from reference64 import BOUND, GRAD_BOUND, device_for, logprobs_entropy64, make_inputs, rel_err
 
 BACKENDS = ["reference", "chunked", "triton"]
-# max |log-prob / entropy error| each precision must meet here (logit std 8, H 96), and its gradients' relative
-# error with its default gradient products ("bf16" for the splits and tf32, "ieee" for ieee)
-# (TF32 keeps 3 more bits than bfloat16: its error is ~8x smaller, not below a fixed bound of bfloat16's)
-BOUND = {"bf16x3": 2e-4, "bf16x6": 2e-5, "tf32": 1.5e-2, "ieee": 2e-5}
-GRAD_BOUND = {"bf16": 3e-2, "bf16x3": 1e-4, "bf16x6": 1e-4, "ieee": 1e-4}
+# BOUND / GRAD_BOUND (reference64.py): the max |log-prob / entropy error| each precision must meet here (logit
+# std 8, H 96), and its gradients' relative error with its default gradient products ("bf16" for the splits and
+# tf32, "ieee" for ieee)
 LOGIT_STD = 8.0
 
 
@@ -39,11 +38,24 @@ def _inputs(n=7, ignored=2, logit_std=LOGIT_STD):
     return hidden, weight, labels
 
 
+def _on(backend, *tensors):
+    """The tensors on the backend's device (differentiable moves: CPU leaves get the gradients)."""
+    dev = device_for(backend)
+    return tuple(t.to(dev) for t in tensors)
+
+
+def _default(backend):
+    """(statistics, gradients) precision of float32 operands by default where the backend runs."""
+    return resolve(None, None, torch.float32, torch.device(device_for(backend)))
+
+
 def _run(hidden, weight, labels, backend, **kw):
+    """fused_logprobs on the backend's device from CPU leaves h, w (which get the gradients); the outputs
+    on the CPU."""
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
-    out = fused_logprobs(h, w, labels, backend=backend, **kw)
-    return out, h, w
+    out = fused_logprobs(*_on(backend, h, w, labels), backend=backend, **kw)
+    return type(out)(out.logprobs.cpu(), None if out.entropy is None else out.entropy.cpu()), h, w
 
 
 def _errors(hidden, weight, labels, backend, a, b, temperature=1.0, softcap=None, truth=None, **kw):
@@ -118,11 +130,12 @@ def test_policy_loss_against_float64(backend, precision, grad_precision):
     old = (lp_now + 0.03 * torch.randn(labels.shape, dtype=torch.float64)).clamp(max=0.0).float()
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    out = fused_policy_loss(h, w, labels, adv, old, backend=backend, entropy_coef=0.01, temperature=0.8,
-                            precision=precision, grad_precision=grad_precision)
+    out = fused_policy_loss(*_on(backend, h, w, labels, adv, old), backend=backend, entropy_coef=0.01,
+                            temperature=0.8, precision=precision, grad_precision=grad_precision)
     grads = grad_precision or "bf16"
     assert last_precision() == (precision, grads)
     out.loss.backward()
+    out = type(out)(*(t.cpu() if torch.is_tensor(t) else t for t in out))
     want, lp64, ent64, _, _, dh64, dw64 = loss64(hidden, weight, labels, adv, old, entropy_coef=0.01,
                                                  temperature=0.8)
     valid = labels != -100
@@ -306,8 +319,8 @@ def test_k_labels_against_float64(backend, precision, grad_precision, head):
     lp_err, ent_err, dh_err, dw_err = _k_errors(hidden, weight, labels, backend, a, b, precision=precision,
                                                 grad_precision=grad_precision, **kw)
     assert logitless.last_backend() == backend
-    # on the CPU the default is IEEE float32 (native there), with IEEE gradient products
-    stats = precision or "ieee"
+    # the default: IEEE float32 on the CPU (native there), with IEEE gradient products; the bf16x3 split on CUDA
+    stats = precision or _default(backend)[0]
     grads = grad_precision or ("ieee" if stats == "ieee" else "bf16")
     assert last_precision() == (stats, grads)
     assert lp_err <= BOUND[stats] and ent_err <= BOUND[stats], (lp_err, ent_err)
@@ -325,7 +338,7 @@ def test_k_labels_against_float64(backend, precision, grad_precision, head):
 def test_k_labels_one_id_is_the_single_label_logit(backend, precision):
     # one id per token gives the single-label op's log-prob under the same precision: the id's logit is the
     # precision's, as the statistics pass's label logit is (an IEEE float32 id logit would sit ~BOUND away)
-    hidden, weight, labels = _inputs()
+    hidden, weight, labels = _on(backend, *_inputs())
     one = fused_logprobs(hidden, weight, labels, backend=backend, precision=precision)
     k = fused_logprobs(hidden, weight, labels.unsqueeze(1), backend=backend, precision=precision)
     assert last_precision() == (precision, "bf16")
@@ -371,9 +384,10 @@ def test_topk_against_float64(backend, precision, grad_precision):
     mask = torch.ones(9, dtype=torch.bool)
     mask[4] = False
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    out = logitless.fused_topk(h, w, K, mask=mask, backend=backend, temperature=0.8, precision=precision,
-                               grad_precision=grad_precision)
-    stats = precision or "ieee"
+    out = logitless.fused_topk(*_on(backend, h, w), K, mask=_on(backend, mask)[0], backend=backend, temperature=0.8,
+                               precision=precision, grad_precision=grad_precision)
+    out = type(out)(*(t.cpu() for t in out))
+    stats = precision or _default(backend)[0]
     # an op with a tail runs its own backward pass (tail_backward.py: IEEE float32 gradient products, whatever
     # grad_precision says), and the record says so
     tail_grads = "ieee"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitless.losses.distill_topk import topk_divergence
-from reference64 import rel_err
+from reference64 import device_for, rel_err
 
 verl_losses = pytest.importorskip("verl.trainer.distillation.losses", reason="verl is not installed")
 from tensordict import TensorDict  # noqa: E402
@@ -36,6 +36,19 @@ def batch(seed, dtype=torch.float32):
     teacher = torch.log_softmax(1.5 * z + 1.5 * torch.randn(z.shape, generator=gen, dtype=torch.float64), -1)
     t_lp, t_ids = teacher.topk(K, dim=-1)
     return hidden, weight, t_ids, t_lp.float(), gen
+
+
+def divergence(hidden, weight, *tensors, backend, **kw):
+    """topk_divergence on the backend's device (the triton backend on the GPU where there is one: its compiled
+    kernels refuse CPU tensors), the outputs back on the CPU. The moves are differentiable: the CPU leaves get
+    the gradients, and the float64 ground truth stays on the CPU."""
+    dev = device_for(backend)
+    to = lambda t: t.to(dev) if torch.is_tensor(t) else t  # noqa: E731
+    back = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731
+    out = topk_divergence(to(hidden), to(weight), *map(to, tensors), backend=backend,
+                          **{k: to(v) for k, v in kw.items()})
+    return type(out)(back(out.divergence), {k: back(v) for k, v in out.metrics.items()},
+                     {k: back(v) for k, v in out.token_stats.items()})
 
 
 def verl_data(response_mask):
@@ -76,7 +89,7 @@ def test_forward_kl_topk_is_verls(clamp, backend, seed):
     labels[:, pos] = torch.where(response_mask, 7, -100)       # scored tokens: the response's, as verl masks them
     t_ids_padded = t_ids.clone()
     t_ids_padded[labels == -100] = -5                           # padding the loss must never read
-    got = topk_divergence(hidden, weight, labels, t_ids_padded, t_lp, log_prob_min_clamp=clamp, backend=backend)
+    got = divergence(hidden, weight, labels, t_ids_padded, t_lp, log_prob_min_clamp=clamp, backend=backend)
     assert got.divergence.shape == labels.shape and got.divergence.dtype == torch.float32
     assert (got.divergence[labels == -100] == 0).all()
     (got.divergence.sum() / mask.sum()).backward()
@@ -104,8 +117,8 @@ def test_forward_kl_topk_tail_matches_float64(backend, clamp, seed):
     temperature = torch.rand(B, 1, generator=gen) + 0.5
     labels = torch.randint(0, V, (B, P + R), generator=gen)
     labels[0, :2] = -100
-    got = topk_divergence(hidden, weight, labels, t_ids, t_lp, divergence="forward_kl_topk_tail",
-                          temperature=temperature, backend=backend, log_prob_min_clamp=clamp)
+    got = divergence(hidden, weight, labels, t_ids, t_lp, divergence="forward_kl_topk_tail",
+                     temperature=temperature, backend=backend, log_prob_min_clamp=clamp)
     g = torch.randn(labels.shape, generator=gen)
     (got.divergence * g).sum().backward()
 
@@ -172,8 +185,8 @@ def test_bad_input(seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
-def test_without_overlap_the_same_divergence(backend, divergence, seed):
+@pytest.mark.parametrize("name", ["forward_kl_topk", "forward_kl_topk_tail"])
+def test_without_overlap_the_same_divergence(backend, name, seed):
     """with_overlap=False (forward_kl_topk then runs the backend's own statistics pass): the same values,
     gradients and masses, no overlap entries."""
     hidden, weight, t_ids, t_lp, gen = batch(seed)
@@ -183,8 +196,8 @@ def test_without_overlap_the_same_divergence(backend, divergence, seed):
     got = []
     for with_overlap in (True, False):
         hidden.grad = weight.grad = None
-        out = topk_divergence(hidden, weight, labels, t_ids, t_lp, divergence=divergence, backend=backend,
-                              temperature=0.8, softcap=4.0, with_overlap=with_overlap)
+        out = divergence(hidden, weight, labels, t_ids, t_lp, divergence=name, backend=backend,
+                         temperature=0.8, softcap=4.0, with_overlap=with_overlap)
         (out.divergence * g).sum().backward()
         got.append((out, hidden.grad.clone(), weight.grad.clone()))
     (a, ah, aw), (b, bh, bw) = got
@@ -229,9 +242,9 @@ def test_clamped_masses_sum_after_the_clamp(backend, seed):
     s = torch.log_softmax(hidden.detach().double() @ weight.detach().double().t(), -1).gather(-1, t_ids)
     c = float(torch.quantile(torch.cat([s.flatten(), t_lp.double().flatten()]), 0.3))      # binds on both sides
     assert bool((s < c).any()) and bool((t_lp < c).any())
-    plain = topk_divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, backend=backend)
-    got = topk_divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, backend=backend,
-                          clamped_masses=True)
+    plain = divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, backend=backend)
+    got = divergence(hidden, weight, labels, t_ids, t_lp, log_prob_min_clamp=c, backend=backend,
+                     clamped_masses=True)
     want_s, want_t = s.clamp_min(c).exp().sum(-1), t_lp.double().clamp_min(c).exp().sum(-1)
     torch.testing.assert_close(got.token_stats["student_mass"].double(), want_s, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got.token_stats["teacher_mass"].double(), want_t, atol=2e-6, rtol=1e-5)

@@ -181,17 +181,23 @@ POLICY_ROUTES = {
 
 @pytest.mark.parametrize("route", list(POLICY_ROUTES))
 def test_every_policy_loss_route_gives_the_same_bits(route, seed, monkeypatch):
-    """Sequences of 7 tokens (some ignored), the policy workspace at its smallest (16-row chunks under the
-    interpreter, so chunks cut at sequence boundaries start off the token tiles): fused_policy_loss's log-probs
-    and entropy equal fused_logprobs' on the same rows, whichever pass the loss takes."""
+    """Sequences of 7 tokens (some ignored), the policy workspace at its smallest (chunks of one token tile:
+    16 rows under the interpreter, 128 on a Hopper GPU in half precision, so chunks cut at sequence boundaries
+    start off the token tiles): fused_policy_loss's log-probs and entropy equal fused_logprobs' on the same rows,
+    whichever pass the loss takes."""
     import logitless.losses.api as api
+    from logitless.ops.triton.common import choose_tiles
     g = torch.Generator().manual_seed(seed)
-    b, s = 6, 7
+    # the smallest chunk: one tile of the policy pass's tokens (its tiles on this device, or the interpreter's)
+    tile = choose_tiles("POLICY", torch.bfloat16, torch.device(DEVICE)).block_m
+    # 5 scored tokens a sequence (below): more scored rows than one tile, so at least two chunks
+    b, s = max(6, tile // 5 + 2), 7
     hidden = torch.randn(b * s, H, generator=g).bfloat16().to(DEVICE)
     weight = (torch.randn(V, H, generator=g) * (3 / H ** 0.5)).bfloat16().to(DEVICE)
     labels = torch.randint(0, V, (b * s,), generator=g).to(DEVICE)
     # 2 ignored tokens at random places in each sequence (never its first): 5 scored tokens a sequence, so the
-    # chunks cut at sequence boundaries (at most 16 scored rows) start at 15, off the 16-row tiles, on every seed
+    # chunks cut at sequence boundaries (at most one tile of scored rows) start at multiples of 5, the first at
+    # the largest below the tile (15 of 16, 125 of 128): off the token tiles, on every seed
     ignored = torch.stack([1 + torch.randperm(s - 1, generator=g)[:2] for _ in range(b)])
     ignored += torch.arange(b).unsqueeze(1) * s
     labels[ignored.reshape(-1).to(DEVICE)] = -100
@@ -217,9 +223,9 @@ def test_every_policy_loss_route_gives_the_same_bits(route, seed, monkeypatch):
     assert h.grad.abs().sum() > 0
     _same((out.logprobs.reshape(-1)[keep], out.entropy.reshape(-1)[keep]), (ref[0][keep], ref[1][keep]), route)
     if "sequence boundaries" in route:
-        # the fused pass ran in several chunks, some starting off a 16-row token tile
+        # the fused pass ran in several chunks, some starting off a token tile
         assert not ran and len(cuts) == 1 and cuts[0] is not None and len(cuts[0]) > 2, cuts
-        assert any(start % 16 for start in cuts[0][1:-1]), cuts
+        assert any(start % tile for start in cuts[0][1:-1]), cuts
     assert bool(ran) == route.endswith("(two passes)")
     if route.endswith("(torch terms)"):
         assert kernels == [None]      # the triton terms kernel does not cover these settings

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logitless import fused_logprobs, fused_topk, last_backend
+from logitless import fused_logprobs, fused_topk, last_backend, last_precision
 from logitless.ops import label_set_function
 from logitless.ops.function import OpOptions
-from logitless.ops.triton.common import INTERPRETING
-from reference64 import rel_err
+from reference64 import device_for, moved, rel_err
 
 V, H, K = 4099, 96, 5
 LEAD = (1, 7)
@@ -23,19 +22,6 @@ TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.bfloat16: (1e-3, 2e-3, 1e-2)}
 def small_chunks(monkeypatch):
     # the chunked backend and the vocabulary pass cut 4099 columns into ragged tiles, and 7 tokens into 2 calls
     monkeypatch.setenv("LOGITLESS_CHUNK_ELEMENTS", str(4 * 700))
-
-
-def device_for(backend):
-    """Where a backend's call runs: the triton backend on the GPU when there is one (compiled kernels), else in
-    the interpreter on the CPU; the others on the CPU. The float64 ground truth stays on the CPU."""
-    return "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRETING else "cpu"
-
-
-def moved(dev, *tensors):
-    """Leaf copies on ``dev`` (requiring grad where the original does), or the tensors themselves on the CPU."""
-    if dev == "cpu":
-        return tensors
-    return tuple(t.detach().to(dev).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in tensors)
 
 
 def logits64(hidden, weight, temperature, softcap):
@@ -78,8 +64,10 @@ def test_k_labels_match_float64(backend, softcap, temp, seed):
     ids[0, 2] = -100                       # an ignored token: all k ids are ignore_index
     dev = device_for(backend)
     h_in, w_in, ids_in, t_in = moved(dev, hidden, weight, ids, temperature)
-    out = fused_logprobs(h_in, w_in, ids_in, temperature=t_in, backend=backend, softcap=softcap)
-    assert last_backend() == backend
+    # IEEE float32 products (the default on the CPU; on CUDA the default is the bf16x3 split, held to its own
+    # bounds in tests/test_precision.py): the ids' gathers and gradients held to float32's error
+    out = fused_logprobs(h_in, w_in, ids_in, temperature=t_in, backend=backend, softcap=softcap, precision="ieee")
+    assert last_backend() == backend and last_precision() == ("ieee", "ieee")
     assert out.logprobs.shape == ids.shape and out.entropy.shape == LEAD
     assert out.logprobs.dtype == out.entropy.dtype == torch.float32
     g_lp, g_ent = torch.randn(ids.shape, generator=gen), torch.randn(LEAD, generator=gen)
@@ -177,8 +165,10 @@ def test_topk_matches_float64(backend, softcap, seed):
     mask[0, 5] = False
     dev = device_for(backend)
     h_in, w_in, t_in, m_in = moved(dev, hidden, weight, temperature, mask)
-    out = fused_topk(h_in, w_in, K, temperature=t_in, mask=m_in, backend=backend, softcap=softcap)
+    # IEEE float32 products, as in test_k_labels_match_float64 (a split's ~1e-4 could swap near-tied ids here)
+    out = fused_topk(h_in, w_in, K, temperature=t_in, mask=m_in, backend=backend, softcap=softcap, precision="ieee")
     assert last_backend() == ("reference" if backend == "reference" else "chunked")   # the torch pass ran
+    assert last_precision().statistics == "ieee"
     assert out.ids.dtype == torch.int64 and out.logprobs.dtype == out.tail_logprob.dtype == torch.float32
     g_lp, g_tail = torch.randn(*LEAD, K, generator=gen), torch.randn(LEAD, generator=gen)
     ((out.logprobs * g_lp.to(dev)).sum() + (out.tail_logprob * g_tail.to(dev)).sum()).backward()
@@ -328,8 +318,19 @@ def test_selection_without_host_read_is_the_same(seed):
     integer products (runs of equal logits across the cut) and of random ones."""
     from logitless.ops.label_sets import _chunk_topk
     gen = torch.Generator().manual_seed(seed)
-    small_ints = torch.randint(-2, 3, (9 + 301, H), generator=gen).float()
-    ties = small_ints[:9] @ small_ints[9:].t()
+
+    def crosses_the_cut(z):
+        """Some row holds a run of equal values across the cut at k (the case the rule is for)."""
+        kth = torch.sort(z, dim=-1, descending=True, stable=True).values[:, K - 1:K]
+        return ((z == kth).sum(-1) > (torch.sort(z, dim=-1, descending=True).values[:, :K] == kth).sum(-1)).any()
+
+    # 9 rows of integer products hold such a run on most draws, not all (seed 4013655215: none): draw again
+    for _ in range(50):
+        small_ints = torch.randint(-2, 3, (9 + 301, H), generator=gen).float()
+        ties = small_ints[:9] @ small_ints[9:].t()
+        if crosses_the_cut(ties):
+            break
+    assert crosses_the_cut(ties)
     plain = torch.randn(9, 301, generator=gen)
     for z in (ties, plain, ties[:, :3]):
         want = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :K]
@@ -337,9 +338,6 @@ def test_selection_without_host_read_is_the_same(seed):
             vals, cols = _chunk_topk(z.clone(), K, host_read)
             assert torch.equal(cols.sort(dim=1).values, want.sort(dim=1).values), host_read
             assert torch.equal(vals, z.gather(1, cols))
-    # a run of equal logits crosses the cut at k in some row of the integer tile (the case the rule is for)
-    kth = torch.sort(ties, dim=-1, descending=True, stable=True).values[:, K - 1:K]
-    assert ((ties == kth).sum(-1) > (torch.sort(ties, dim=-1, descending=True).values[:, :K] == kth).sum(-1)).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

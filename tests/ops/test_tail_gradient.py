@@ -29,6 +29,12 @@ def skip_triton_without_interpreter(backend):
         pytest.skip("the triton backend needs a GPU or TRITON_INTERPRET=1")
 
 
+def device_for(backend):
+    """Where the op's inputs live: CUDA for compiled triton kernels, else the CPU (the float64 reference stays
+    there)."""
+    return "cuda" if backend == "triton" and not INTERPRETING and torch.cuda.is_available() else "cpu"
+
+
 def student(log_tail: float, seed: int):
     """Random hidden [N, H] and weight [V, H] whose logits put the k ids (random, distinct) of token i about
     -log_tail + log V nats above the rest (token i's dimension i carries them), so P_tail ~ exp(log_tail)."""
@@ -62,9 +68,12 @@ def grads_close(got_h, got_w, want_h, want_w):
 def test_topk_tail_gradient_small_tail(backend, log_tail):
     skip_triton_without_interpreter(backend)
     hidden, weight, ids = student(log_tail, seed=11)
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    out = fused_topk(h, w, K, backend=backend)
+    d = device_for(backend)
+    h = hidden.clone().to(d).requires_grad_()
+    w = weight.clone().to(d).requires_grad_()
+    # IEEE float32 products on every device (CUDA's default for float32 is the bf16x3 split, not the subject here)
+    out = fused_topk(h, w, K, backend=backend, precision="ieee")
+    out = type(out)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in out))
     assert torch.equal(out.ids.sort(-1).values, ids.sort(-1).values)
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     _, want = tail64(h64, w64, ids)
@@ -74,10 +83,10 @@ def test_topk_tail_gradient_small_tail(backend, log_tail):
     assert (out.tail_logprob.double() - want.detach()).abs().max() < 2e-4 * abs(log_tail)
     gen = torch.Generator().manual_seed(3)
     g_tail, g_lp = torch.randn(N, generator=gen), torch.randn(N, K, generator=gen)
-    ((out.tail_logprob * g_tail).sum() + (out.logprobs * g_lp).sum()).backward()
+    ((out.tail_logprob * g_tail).sum() + (out.logprobs * g_lp).sum()).backward()      # through the .cpu() copies
     ls, _ = tail64(h64, w64, ids)
     ((want * g_tail.double()).sum() + (ls.gather(-1, out.ids) * g_lp.double()).sum()).backward()
-    grads_close(h.grad, w.grad, h64.grad, w64.grad)
+    grads_close(h.grad.cpu(), w.grad.cpu(), h64.grad, w64.grad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -86,14 +95,16 @@ def test_topk_tail_gradient_k_is_vocabulary(backend):
     skip_triton_without_interpreter(backend)
     v, gen = 37, torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(3, H, generator=gen), torch.randn(v, H, generator=gen)
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_topk(h, w, v, backend=backend)
+    d = device_for(backend)
+    h, w = hidden.clone().to(d).requires_grad_(), weight.clone().to(d).requires_grad_()
+    out = fused_topk(h, w, v, backend=backend, precision="ieee")
+    out = type(out)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in out))
     assert torch.isinf(out.tail_logprob).all() and (out.tail_logprob < 0).all()
     g = torch.randn(3, v, generator=gen)
     ((out.logprobs * g).sum() + out.tail_logprob.clamp(min=-1.0).sum()).backward()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     (torch.log_softmax(h64 @ w64.T, -1).gather(-1, out.ids) * g.double()).sum().backward()
-    grads_close(h.grad, w.grad, h64.grad, w64.grad)
+    grads_close(h.grad.cpu(), w.grad.cpu(), h64.grad, w64.grad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -107,9 +118,10 @@ def test_forward_kl_topk_tail_gradient_small_tail(backend, log_tail, teacher_mas
     t_lp = torch.log_softmax(torch.randn(N, K, generator=gen), -1) + math.log(teacher_mass)
     labels = torch.randint(0, V, (N,), generator=gen)
     labels[2] = -100
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_distillation_loss(h, w, labels, divergence="forward_kl_topk_tail", teacher_topk_ids=ids,
-                                  teacher_topk_logprobs=t_lp, backend=backend)
+    d = device_for(backend)
+    h, w = hidden.clone().to(d).requires_grad_(), weight.clone().to(d).requires_grad_()
+    out = fused_distillation_loss(h, w, labels.to(d), divergence="forward_kl_topk_tail", teacher_topk_ids=ids.to(d),
+                                  teacher_topk_logprobs=t_lp.to(d), backend=backend)
     out.loss.backward()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     ls, lpt = tail64(h64, w64, ids)
@@ -120,4 +132,4 @@ def test_forward_kl_topk_tail_gradient_small_tail(backend, log_tail, teacher_mas
     want = d[scored].mean()
     want.backward()
     assert abs(out.loss.item() - want.item()) < 1e-4 * max(1.0, abs(want.item()))
-    grads_close(h.grad, w.grad, h64.grad, w64.grad)
+    grads_close(h.grad.cpu(), w.grad.cpu(), h64.grad, w64.grad)

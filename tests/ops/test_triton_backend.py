@@ -5,13 +5,18 @@ interpreter's small tiles (16 x 64 x 32): V = 1031 leaves a last vocabulary tile
 57 padded ones, H = 100 a ragged last K tile, and a small dlogits budget makes the backward walk
 several vocabulary chunks with a ragged last one. On a CUDA machine the same tests run the compiled
 kernels on the GPU (with the GPU's tiles, where every shape here is ragged too).
+
+Float32 operands run with precision="ieee" here (the default on the CPU; on CUDA the default is the bf16x3
+split, which runs the half-precision kernels that the bfloat16 cases test): these hold the float32 kernels to
+float32's own error. The default on CUDA is checked at its own bounds in test_compiled_kernels_on_cuda and
+tests/test_precision.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from logitless import fused_logprobs
+from logitless import fused_logprobs, last_precision
 from logitless.ops.triton import backend as triton_backend
 from logitless.ops.triton.common import INTERPRETING
 from reference64 import check_op, logprobs_entropy64
@@ -34,7 +39,10 @@ def make_inputs(lead=(7,), h=96, v=1031, dtype=torch.float32, logit_std=4.0):
 
 def check(hidden, weight, labels, **kw):
     """The shared float64 comparison (tests/reference64.py) through backend="triton", every gradient
-    element bounded too (an unwritten tile would hide in a norm)."""
+    element bounded too (an unwritten tile would hide in a norm); float32 operands with IEEE float32
+    products unless ``precision`` says otherwise."""
+    if hidden.dtype == torch.float32:
+        kw.setdefault("precision", "ieee")
     return check_op(hidden, weight, labels, "triton", elementwise=True, **kw)
 
 
@@ -227,25 +235,41 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled (non-interpreted) kernels need a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_kernels_on_cuda(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, None), (torch.float32, "ieee"), (torch.float32, None)])
+def test_compiled_kernels_on_cuda(dtype, precision, monkeypatch):
+    """Larger shapes with the GPU's own tiles and dlogits chunks; float32 operands both ways: IEEE float32
+    (float32's bounds) and the default (the bf16x3 split with bfloat16 gradient products, at their bounds)."""
     monkeypatch.delenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS")
+    want = {(torch.bfloat16, None): ("native", "native"), (torch.float32, "ieee"): ("ieee", "ieee"),
+            (torch.float32, None): ("bf16x3", "bf16")}[dtype, precision]
     hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype)
     labels[::7] = -100
-    check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5)
+    check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5, precision=precision)
+    assert last_precision() == want
     hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003, dtype=dtype, logit_std=CAPPED_STD)
     labels[::7] = -100
-    check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5, softcap=SOFTCAP)
+    check(hidden, weight, labels, temperature=torch.rand(300, device=DEVICE) + 0.5, softcap=SOFTCAP,
+          precision=precision)
+    assert last_precision() == want
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="TF32 exists on CUDA only")
 @pytest.mark.parametrize("backend", ["triton", "chunked"])
-def test_float32_stays_ieee_under_a_global_tf32_switch(backend, monkeypatch):
-    """A trainer's torch.backends.cuda.matmul.allow_tf32 = True must not turn the op's float32 products
-    (forward, d_hidden, d_weight) into TF32 (~3e-4 relative): the float32 tolerances still hold, and the
-    switch is left as the caller set it."""
+@pytest.mark.parametrize("precision", [None, "ieee"])
+def test_a_global_tf32_switch_changes_nothing(backend, precision, monkeypatch):
+    """A trainer's torch.backends.cuda.matmul.allow_tf32 = True must not change what runs on float32
+    operands: the default stays the bf16x3 split on CUDA, "ieee" stays IEEE float32 (TF32 would cost ~3e-4
+    relative, 1e-3 in log-probs here) in the forward, d_hidden and d_weight. The same precision is recorded,
+    the same log-probs and entropy come out as without the switch, within that precision's bounds of float64,
+    and the switch is left as the caller set it."""
     monkeypatch.delenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS", raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    want = ("bf16x3", "bf16") if precision is None else ("ieee", "ieee")
     hidden, weight, labels = make_inputs(lead=(300,), h=200, v=5003)
-    check_op(hidden, weight, labels, backend, elementwise=backend == "triton", temperature=0.8)
-    assert torch.backends.cuda.matmul.allow_tf32
+    outs = []
+    for switch in (False, True):
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", switch)
+        outs.append(check_op(hidden, weight, labels, backend, elementwise=backend == "triton", temperature=0.8,
+                             precision=precision))
+        assert last_precision() == want, switch
+        assert torch.backends.cuda.matmul.allow_tf32 == switch
+    assert torch.equal(outs[0].logprobs, outs[1].logprobs) and torch.equal(outs[0].entropy, outs[1].entropy)
