@@ -13,6 +13,7 @@ import torch
 from logitless import fused_topk
 from logitless.losses import fused_distillation_loss
 from logitless.ops.triton.common import INTERPRETING
+from reference64 import device_for
 
 V, H, K, N = 4099, 96, 5, 7
 BACKENDS = ("reference", "chunked", "triton")
@@ -27,12 +28,6 @@ def small_chunks(monkeypatch):
 def skip_triton_without_interpreter(backend):
     if backend == "triton" and not (INTERPRETING or torch.cuda.is_available()):
         pytest.skip("the triton backend needs a GPU or TRITON_INTERPRET=1")
-
-
-def device_for(backend):
-    """Where the op's inputs live: CUDA for compiled triton kernels, else the CPU (the float64 reference stays
-    there)."""
-    return "cuda" if backend == "triton" and not INTERPRETING and torch.cuda.is_available() else "cpu"
 
 
 def student(log_tail: float, seed: int):
