@@ -1,0 +1,144 @@
+"""Every Triton / Gluon kernel the library launches builds for sm_90 (H100 / H200), checked on a CPU.
+
+The rest of the suite runs the kernels in triton's interpreter, which accepts code that triton's compiler refuses
+(a name annotated ``tl.constexpr`` bound again in a ``tl.static_range`` loop ran there, while every bf16x3 / bf16x6
+product failed to compile on an H100). Here a child process (``sm90_launches``, without TRITON_INTERPRET) drives the
+public ops with the host code's GPU choices (block sizes, bulk-copy descriptors, the Gluon kernel, compile-time
+switches; ``sm90_drive`` lists the calls: dtypes, precisions, softcap, policy-loss settings, distillation, k labels,
+model-sized heads), records each launch's build as triton's launcher keys it for sm_90, and builds every distinct one
+through the nvidia backend's TTIR and TTGIR passes (the Hopper layouts, wgmma and pipelining). Deeper stages (LLVM IR,
+PTX, cubin with ptxas, and each build's shared memory) take minutes more:
+``cd tests/ops && env -u TRITON_INTERPRET python -m sm90_launches --stage cubin``.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+HERE = pathlib.Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src" / "logitless"
+STAGE = "ttgir"      # llir, ptx, cubin: minutes more (run sm90_launches by hand, see above)
+SHARED_PER_BLOCK = 232448     # bytes, H100 and H200
+
+
+def _child(*args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *sys.path])
+    out = subprocess.run([sys.executable, "-m", "sm90_launches", "--stage", STAGE, *args], cwd=HERE, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict:
+    found = _child()
+    print(f"{len(found['builds'])} builds; drive {found['drive_s']:.0f} s, total {found['seconds']:.0f} s")
+    return found
+
+
+def test_every_launch_builds_for_sm90(launches):
+    failed = [f"{b['kernel']} {b['constexprs']} {b['signature']} (from {b['cases'][0]}):\n{b['error']}"
+              for b in launches["builds"] if b["error"]]
+    assert not failed, f"{len(failed)} of {len(launches['builds'])} builds fail for sm_90:\n" + "\n\n".join(failed)
+    # from LLVM IR on (--stage llir or deeper): each build fits one block's shared memory on an H100 / H200
+    too_big = [(b["kernel"], b["constexprs"], b["shared"]) for b in launches["builds"]
+               if b["shared"] is not None and b["shared"] > SHARED_PER_BLOCK]
+    assert not too_big, too_big
+
+
+def _jit_functions() -> dict:
+    """{module.function: the names its body reads} of every @triton.jit / @gluon.jit function under src/."""
+    found = {}
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        if ".jit" not in text:
+            continue
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).split("(")[0].endswith(".jit") for d in node.decorator_list):
+                found[f"{module}.{node.name}"] = {n.id for stmt in node.body for n in ast.walk(stmt)
+                                                  if isinstance(n, ast.Name)}
+    return found
+
+
+def test_every_kernel_in_src_is_launched(launches):
+    """A kernel (a jit function no other jit function calls or hands to a warp partition) that the drive never
+    launches is not checked: add the call that launches it to ``sm90_drive``."""
+    functions = _jit_functions()
+    used = {name for name in functions for other, reads in functions.items()
+            if other != name and name.rsplit(".", 1)[1] in reads}
+    kernels = set(functions) - used
+    launched = {b["kernel"] for b in launches["builds"]}
+    assert kernels - launched == set(), "kernels the drive never launches"
+    assert launched <= kernels, launched - kernels
+    assert len(kernels) >= 13
+
+
+# compile-time values and argument types each kernel must have been built with: the GPU's choices (Hopper tiles,
+# descriptors), every switch both ways; the drive must not silently lose a case
+REQUIRED = {
+    "forward_stats._tile_stats_kernel": dict(SOFTCAP={"True", "False"}, WITH_ENTROPY={"True", "False"},
+                                             USE_TMA={"True", "False"}, IEEE={"True", "False"}, UPCAST={"False"},
+                                             BLOCK_N={"256", "64"}, EVEN_K={"True", "False"}),
+    "policy_stats._policy_stats_kernel": dict(STORE_E={"True", "False"}, E_DTYPE={"fp16", "fp32"},
+                                              USE_TMA={"True", "False"}, BLOCK_N={"256", "64"}),
+    "policy_stats_gluon._policy_stats_gluon_kernel": dict(STORE_E={"True", "False"}, WITH_T={"True", "False"}),
+    "combine._combine_kernel": dict(WITH_T={"True", "False"}, TILE_ROWS={"512"}, TOKENS={"8"}),
+    "backward._dlogits_kernel": dict(SOFTCAP={"True", "False"}, WITH_ENTROPY={"True", "False"},
+                                     USE_TMA={"True", "False"}, OUT_DTYPE={"bf16", "fp16", "fp32"}),
+    "policy_dlogits._policy_dlogits_kernel": dict(FAST_LOG2_={"True"}, OUT_DTYPE={"bf16", "fp16", "fp32"},
+                                                  WITH_ENTROPY={"True", "False"}),
+    "policy_terms._terms_kernel": dict(HAS_OLD={"True", "False"}, HAS_REF={"True", "False"},
+                                       KL_TYPE={"0", "1", "2", "3", "4"}, STRAIGHT={"True", "False"},
+                                       USE_KL={"True", "False"}, DUAL={"True", "False"}, WITH_ENT={"True", "False"},
+                                       DELTA={"True", "False"}, KL_RATIO={"True", "False"},
+                                       HAS_RHO={"True", "False"}, HAS_U={"True", "False"}, HAS_V={"True", "False"},
+                                       BLOCK={"1024"}),
+    "split._split_kernel": dict(BLOCKS={"3", "6"}, BLOCK_R={"8"}, BLOCK_C={"512"}),
+    "scale._scale_kernel": dict(BLOCK={"4096"}, UNROLL={"16"}),
+    "set_products._set_products_kernel": dict(BLOCK={"128"}),
+    "distill_chunk._stats_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}, STEPS={"8"}),
+    "distill_chunk._sums_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
+    "distill_chunk._dlogits_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
+}
+# operand types: bfloat16, float16 and float32 heads through the tile kernels (pointers or descriptors)
+OPERANDS = {"forward_stats._tile_stats_kernel": ("bf16", "fp16", "fp32"),
+            "policy_stats._policy_stats_kernel": ("bf16", "fp16", "fp32"),
+            "backward._dlogits_kernel": ("bf16", "fp16", "fp32"),
+            "policy_stats_gluon._policy_stats_gluon_kernel": ("bf16", "fp16"),
+            "set_products._set_products_kernel": ("bf16", "fp32")}
+
+
+def test_launches_cover_the_gpu_specialisations(launches):
+    seen: dict = {}
+    operands: dict = {}
+    for b in launches["builds"]:
+        kernel = b["kernel"].split(".", 3)[-1]
+        for name, value in b["constexprs"].items():
+            seen.setdefault(kernel, {}).setdefault(name, set()).add(value)
+        h = b["signature"].get("h_ptr") or b["signature"].get("h_desc")
+        operands.setdefault(kernel, set()).update(t for t in ("bf16", "fp16", "fp32") if h and t in h)
+    missing = {k: {n: want - seen.get(k, {}).get(n, set()) for n, want in names.items()
+                   if want - seen.get(k, {}).get(n, set())} for k, names in REQUIRED.items()}
+    assert not {k: v for k, v in missing.items() if v}, missing
+    for kernel, dtypes in OPERANDS.items():
+        assert set(dtypes) <= operands[kernel], (kernel, operands[kernel])
+
+
+def test_the_check_catches_a_constexpr_rebound_in_a_static_range():
+    """The split kernel as it was (``sm90_old_split``): the interpreter runs it with the right numbers, the sm_90
+    build refuses it. Without this failure the test above could pass however the kernels are written."""
+    found = _child("--drive", "sm90_old_split")
+    [build] = found["builds"]
+    assert build["kernel"] == "sm90_old_split._old_split_kernel"
+    assert build["error"] is not None and "constexpr cannot be reassigned" in build["error"], build["error"]
