@@ -124,9 +124,10 @@ def test_gradient_no_further_from_float64_than_the_trainers_float32(regime, kl_t
     loss64, dh64, dw64, scale = evaluate(*inputs, kl_type, kl_ratio, torch.float64)
     loss32, dh32, dw32, _ = evaluate(*inputs, kl_type, kl_ratio, torch.float32)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, clip_low=0.2, clip_high=0.28, kl_coef=KL_COEF,
-                            kl_type=kl_type, kl_ratio=kl_ratio, ratio_log_clamp=None, loss_agg="token-sum",
-                            backend=backend)
+    # the ratio's settings only with old log-probs: on-policy they have no effect, which is refused
+    ratio = {} if old is None else dict(clip_low=0.2, clip_high=0.28, ratio_log_clamp=None)
+    out = fused_policy_loss(h, w, labels, adv, old, ref_logprobs=ref, kl_coef=KL_COEF, kl_type=kl_type,
+                            kl_ratio=kl_ratio, loss_agg="token-sum", backend=backend, **ratio)
     out.loss.backward()
     valid = labels != -100
     errors = {"fused": (rel_err(h.grad[valid], dh64[valid]), rel_err(w.grad, dw64)),
