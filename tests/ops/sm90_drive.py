@@ -3,7 +3,6 @@ and loss setting that changes which kernel runs or how it is specialised, forwar
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 
@@ -11,6 +10,7 @@ import torch
 
 import logitless
 from logitless.losses import PolicyLoss, fused_distillation_loss, fused_policy_loss, policy_loss
+from logitless.tools.common import env_set
 
 N, K = 7, 3
 SMALL = dict(H=96, V=1031, H_TEACHER=64)
@@ -19,21 +19,6 @@ SMALL = dict(H=96, V=1031, H_TEACHER=64)
 MODEL = dict(H=128, V=151936, H_TEACHER=192)
 DIMS = dict(SMALL)
 G = torch.Generator().manual_seed(0)
-
-
-@contextlib.contextmanager
-def env(**values):
-    """Knobs that pick another kernel on the GPU (read at each call)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def head(dtype, h=None, layout="rows", lead=(N,)):
@@ -188,7 +173,7 @@ def drive(case, record_only):
                     ("ppo fp16", run_policy, dict(dtype=torch.float16)),
                     ("ppo no grad", run_policy, dict(no_grad=True)),
                     ("ppo fp32 bf16x6", run_policy, dict(dtype=torch.float32, precision="bf16x6")))
-    with env(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
+    with env_set(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
         for name, run, kw in triton_stats:
             run_case(f"{name} (Triton statistics kernel)", run, kw)
     # a model's head, recorded only
@@ -204,7 +189,7 @@ def drive(case, record_only):
                               ("jsd bf16", run_distill, dict(divergence="jsd", beta=0.5)),
                               ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)
-        with env(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
+        with env_set(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
             for name, run, kw in triton_stats[:1] + triton_stats[4:5]:  # bf16 logprobs, ppo
                 run_case(f"{name} (model-sized, recorded only, Triton statistics kernel)", run, kw)
     finally:
