@@ -308,6 +308,8 @@ def test_geo_mean_matches_verl_update(actor, agg):
     rec = lv.last_path()
     assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
     assert_same_update(actor, got, want)
+    assert max(want[0]["actor/pg_clipfrac"]) + max(want[0]["actor/pg_clipfrac_lower"]) > 0, \
+        "no clipped log-ratio: the case does not test the clipping"
 
 
 def test_geo_mean_without_kl_or_entropy_matches_verl_update(actor):

@@ -77,6 +77,18 @@ def _divergence(divergence, beta) -> Optional[Divergence]:
     return Divergence.of(divergence, beta) if divergence in FULL_VOCAB_DIVERGENCES else None
 
 
+def check_num_items(num_items_in_batch, loss_agg: str) -> None:
+    """``num_items_in_batch`` only with token-mean, and as a number > 0 (a tensor's value is read with the op's
+    other checks)."""
+    if num_items_in_batch is None:
+        return
+    if loss_agg != "token-mean":
+        raise ValueError(f"num_items_in_batch replaces token-mean's count of scored tokens (TRL's "
+                         f"normalisation: sum / num_items_in_batch); loss_agg={loss_agg!r} does not use it")
+    if not isinstance(num_items_in_batch, Tensor):
+        checks.finite_float(num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
+
+
 def check_settings(divergence, beta, log_prob_min_clamp=None, loss_max_clamp=None) -> None:
     """The checks of ``fused_distillation_loss``'s settings that need no tensor (for callers that hold them
     before the student's forward, e.g. ``logitless.megatron.DistillationTarget``)."""
@@ -125,9 +137,7 @@ def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens,
             raise cu_seqlens_error(cu, labels.numel())
     check_agg_layout(labels, loss_agg, cu)
     if num_items_in_batch is not None:
-        if loss_agg != "token-mean":
-            raise ValueError(f"num_items_in_batch replaces token-mean's count of scored tokens (TRL's "
-                             f"normalisation: sum / num_items_in_batch); loss_agg={loss_agg!r} does not use it")
+        check_num_items(num_items_in_batch, loss_agg)
         if isinstance(num_items_in_batch, Tensor):
             count = checks.real_tensor(num_items_in_batch, "num_items_in_batch", device=labels.device, max_dim=0,
                                        check_values=False).double()

@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import checks
 from ..losses import DIVERGENCES, fused_distillation_loss
 from ..losses.aggregate import check_loss_agg
-from ..losses.distillation import check_settings
+from ..losses.distillation import check_num_items, check_settings
 
 TOPK = ("forward_kl_topk", "forward_kl_topk_tail")
 
@@ -65,11 +65,7 @@ class DistillationTarget:
         # student's whole forward (on every pipeline rank)
         check_settings(self.divergence, self.beta, self.log_prob_min_clamp, self.loss_max_clamp)
         check_loss_agg(self.loss_agg)
-        if self.num_items_in_batch is not None and self.loss_agg != "token-mean":
-            raise ValueError(f"num_items_in_batch replaces token-mean's count of scored tokens; "
-                             f"loss_agg={self.loss_agg!r} does not use it")
-        if isinstance(self.num_items_in_batch, (int, float)):
-            checks.finite_float(self.num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
+        check_num_items(self.num_items_in_batch, self.loss_agg)
         if self.teacher_hidden is not None:
             t = checks.tensor(self.teacher_hidden, "teacher_hidden")
             if t.dim() != 3:
