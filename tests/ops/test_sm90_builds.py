@@ -49,10 +49,13 @@ def test_every_launch_builds_for_sm90(launches):
     failed = [f"{b['kernel']} {b['constexprs']} {b['signature']} (from {b['cases'][0]}):\n{b['error']}"
               for b in launches["builds"] if b["error"]]
     assert not failed, f"{len(failed)} of {len(launches['builds'])} builds fail for sm_90:\n" + "\n\n".join(failed)
-    # from LLVM IR on (--stage llir or deeper): each build fits one block's shared memory on an H100 / H200
-    too_big = [(b["kernel"], b["constexprs"], b["shared"]) for b in launches["builds"]
-               if b["shared"] is not None and b["shared"] > SHARED_PER_BLOCK]
-    assert not too_big, too_big
+    if STAGE in ("llir", "ptx", "cubin"):
+        # by hand only (STAGE above; minutes): from LLVM IR on each build fits one block's shared memory on an
+        # H100 / H200. At CI's ttgir no build has a shared-memory size yet, so CI does not run this check
+        assert all(b["shared"] is not None for b in launches["builds"])
+        too_big = [(b["kernel"], b["constexprs"], b["shared"]) for b in launches["builds"]
+                   if b["shared"] > SHARED_PER_BLOCK]
+        assert not too_big, too_big
 
 
 def _jit_functions() -> dict:
