@@ -35,6 +35,18 @@ def device_for(backend):
     return "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRETING else "cpu"
 
 
+def on_cpu(out):
+    """An op's output with its tensors on the CPU (differentiable copies: gradients flow back to the device's
+    leaves): a tensor, a named tuple of tensors / None, or a dict of them."""
+    if torch.is_tensor(out):
+        return out.cpu()
+    if isinstance(out, dict):
+        return {k: on_cpu(v) for k, v in out.items()}
+    if isinstance(out, tuple):
+        return type(out)(*(on_cpu(v) for v in out))
+    return out
+
+
 def moved(dev, *tensors):
     """Leaf copies on ``dev`` (requiring grad where the original does), or the tensors themselves on the CPU;
     anything not a tensor as it is."""

@@ -15,7 +15,7 @@ import logitless
 from logitless import fused_logprobs, last_precision
 from logitless.losses import fused_policy_loss
 from logitless.ops.precision import make_operands, resolve, round_tf32, split_parts
-from reference64 import BOUND, GRAD_BOUND, device_for, logprobs_entropy64, make_inputs, rel_err
+from reference64 import BOUND, GRAD_BOUND, device_for, logprobs_entropy64, make_inputs, on_cpu, rel_err
 
 BACKENDS = ["reference", "chunked", "triton"]
 # BOUND / GRAD_BOUND (reference64.py): the max |log-prob / entropy error| each precision must meet here (logit
@@ -55,7 +55,7 @@ def _run(hidden, weight, labels, backend, **kw):
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     out = fused_logprobs(*_on(backend, h, w, labels), backend=backend, **kw)
-    return type(out)(out.logprobs.cpu(), None if out.entropy is None else out.entropy.cpu()), h, w
+    return on_cpu(out), h, w
 
 
 def _errors(hidden, weight, labels, backend, a, b, temperature=1.0, softcap=None, truth=None, **kw):
@@ -135,7 +135,7 @@ def test_policy_loss_against_float64(backend, precision, grad_precision):
     grads = grad_precision or "bf16"
     assert last_precision() == (precision, grads)
     out.loss.backward()
-    out = type(out)(*(t.cpu() if torch.is_tensor(t) else t for t in out))
+    out = on_cpu(out)
     want, lp64, ent64, _, _, dh64, dw64 = loss64(hidden, weight, labels, adv, old, entropy_coef=0.01,
                                                  temperature=0.8)
     valid = labels != -100
@@ -390,7 +390,7 @@ def test_topk_against_float64(backend, precision, grad_precision):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     out = logitless.fused_topk(*_on(backend, h, w), K, mask=_on(backend, mask)[0], backend=backend, temperature=0.8,
                                precision=precision, grad_precision=grad_precision)
-    out = type(out)(*(t.cpu() for t in out))
+    out = on_cpu(out)
     stats = precision or _default(backend)[0]
     # an op with a tail runs its own backward pass (tail_backward.py: IEEE float32 gradient products, whatever
     # grad_precision says), and the record says so

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitless.losses.distill_topk import topk_divergence
-from reference64 import device_for, rel_err
+from reference64 import device_for, on_cpu, rel_err
 
 verl_losses = pytest.importorskip("verl.trainer.distillation.losses", reason="verl is not installed")
 from tensordict import TensorDict  # noqa: E402
@@ -44,11 +44,9 @@ def divergence(hidden, weight, *tensors, backend, **kw):
     the gradients, and the float64 ground truth stays on the CPU."""
     dev = device_for(backend)
     to = lambda t: t.to(dev) if torch.is_tensor(t) else t  # noqa: E731
-    back = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731
     out = topk_divergence(to(hidden), to(weight), *map(to, tensors), backend=backend,
                           **{k: to(v) for k, v in kw.items()})
-    return type(out)(back(out.divergence), {k: back(v) for k, v in out.metrics.items()},
-                     {k: back(v) for k, v in out.token_stats.items()})
+    return on_cpu(out)
 
 
 def verl_data(response_mask):

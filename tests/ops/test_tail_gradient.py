@@ -13,7 +13,7 @@ import torch
 from logitless import fused_topk
 from logitless.losses import fused_distillation_loss
 from logitless.ops.triton.common import INTERPRETING
-from reference64 import device_for
+from reference64 import device_for, on_cpu
 
 V, H, K, N = 4099, 96, 5, 7
 BACKENDS = ("reference", "chunked", "triton")
@@ -68,7 +68,7 @@ def test_topk_tail_gradient_small_tail(backend, log_tail):
     w = weight.clone().to(d).requires_grad_()
     # IEEE float32 products on every device (CUDA's default for float32 is the bf16x3 split, not the subject here)
     out = fused_topk(h, w, K, backend=backend, precision="ieee")
-    out = type(out)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in out))
+    out = on_cpu(out)
     assert torch.equal(out.ids.sort(-1).values, ids.sort(-1).values)
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     _, want = tail64(h64, w64, ids)
@@ -93,7 +93,7 @@ def test_topk_tail_gradient_k_is_vocabulary(backend):
     d = device_for(backend)
     h, w = hidden.clone().to(d).requires_grad_(), weight.clone().to(d).requires_grad_()
     out = fused_topk(h, w, v, backend=backend, precision="ieee")
-    out = type(out)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in out))
+    out = on_cpu(out)
     assert torch.isinf(out.tail_logprob).all() and (out.tail_logprob < 0).all()
     g = torch.randn(3, v, generator=gen)
     ((out.logprobs * g).sum() + out.tail_logprob.clamp(min=-1.0).sum()).backward()
@@ -113,10 +113,10 @@ def test_forward_kl_topk_tail_gradient_small_tail(backend, log_tail, teacher_mas
     t_lp = torch.log_softmax(torch.randn(N, K, generator=gen), -1) + math.log(teacher_mass)
     labels = torch.randint(0, V, (N,), generator=gen)
     labels[2] = -100
-    d = device_for(backend)
-    h, w = hidden.clone().to(d).requires_grad_(), weight.clone().to(d).requires_grad_()
-    out = fused_distillation_loss(h, w, labels.to(d), divergence="forward_kl_topk_tail", teacher_topk_ids=ids.to(d),
-                                  teacher_topk_logprobs=t_lp.to(d), backend=backend)
+    dev = device_for(backend)
+    h, w = hidden.clone().to(dev).requires_grad_(), weight.clone().to(dev).requires_grad_()
+    out = fused_distillation_loss(h, w, labels.to(dev), divergence="forward_kl_topk_tail",
+                                  teacher_topk_ids=ids.to(dev), teacher_topk_logprobs=t_lp.to(dev), backend=backend)
     out.loss.backward()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     ls, lpt = tail64(h64, w64, ids)
