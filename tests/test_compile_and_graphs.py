@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from cuda_graph import capture, replay_poisoned
 from logitless import fused_logprobs, last_backend
 from reference64 import TOL, logprobs_entropy64, make_inputs, rel_err
 
@@ -149,17 +150,7 @@ def test_cuda_graph_capture_and_replay(backend):
         loss.backward()
         return out.logprobs, out.entropy
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):      # warm-up: kernel builds and allocator pools, outside capture
-        for _ in range(2):
-            h.grad = w.grad = None
-            captured_step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = w.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lp, ent = captured_step()
+    graph, (lp, ent) = capture(captured_step, (h, w))
 
     for _ in range(2):
         new = inputs("cuda", torch.bfloat16)
@@ -168,10 +159,7 @@ def test_cuda_graph_capture_and_replay(backend):
             w.copy_(new[1])
         for key, value in zip(("labels", "temperature", "a", "b"), new[2:], strict=True):
             static[key].copy_(value)
-        for t in (lp, ent, h.grad, w.grad):   # poison: the replay must write every element
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_poisoned(graph, (lp, ent, h.grad, w.grad))
         want = run(step, *new, backend=backend)
         assert (lp - want[0]).abs().max() <= 1e-4 and (ent - want[1]).abs().max() <= 1e-4
         assert (h.grad[0, :2] == 0).all()

@@ -11,6 +11,7 @@ import torch
 import torch._dynamo
 
 import logitless.ops.policy_chunked as policy_chunked
+from cuda_graph import capture, replay_poisoned
 from logitless import fused_logprobs, last_backend, last_precision
 from logitless.losses import fused_policy_loss
 from policy64 import loss64, policy_inputs
@@ -357,17 +358,7 @@ def test_cuda_graph_capture_of_a_policy_loss_step(backend):
         loss.backward()
         return metrics
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):      # warm-up: kernel builds, allocator pools, cached settings
-        for _ in range(2):
-            h.grad = w.grad = None
-            captured_step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = w.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        metrics = captured_step()
+    graph, metrics = capture(captured_step, (h, w))
 
     for _ in range(2):
         new = policy_inputs(LEAD, H, V, torch.bfloat16, device="cuda")
@@ -377,10 +368,7 @@ def test_cuda_graph_capture_of_a_policy_loss_step(backend):
             w.copy_(new[1])
         for key, value in zip(("labels", "adv", "old", "ref"), new[2:], strict=True):
             static[key].copy_(value)
-        for t in (*metrics, h.grad, w.grad):   # poison: the replay must write every element
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_poisoned(graph, (*metrics, h.grad, w.grad))
         want = run_step(policy_step, new_h, new[1], *new[2:], backend=backend)
         for g, e in zip(metrics, want[1:5], strict=True):
             assert torch.allclose(g, e, rtol=1e-4, atol=1e-4), (g, e)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_graph import capture, replay_poisoned
 from distill64 import FLOAT32_UNITS, distill64, weights64
 from host_reads import host_reads
 from logitless import fused_logprobs
@@ -178,17 +179,7 @@ def test_cuda_graph_capture_and_replay(divergence, beta):
         out.loss.backward()
         return out.loss, out.divergence
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):      # warm-up: kernel builds and allocator pools, outside capture
-        for _ in range(2):
-            h.grad = w.grad = None
-            captured_step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = w.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss, div = captured_step()
+    graph, (loss, div) = capture(captured_step, (h, w))
     for _ in range(2):
         new = [t.to(dev) if torch.is_tensor(t) else t for t in batch()]
         with torch.no_grad():
@@ -196,10 +187,7 @@ def test_cuda_graph_capture_and_replay(divergence, beta):
         for key, value in zip(("ht", "labels", "temperature", "token_weight", "t_ids", "t_lp"),
                               (new[2], new[4], new[5], new[6], new[7], new[8]), strict=True):
             static[key].copy_(value)
-        for t in (loss, div, h.grad, w.grad):   # poison: the replay must write every element
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_poisoned(graph, (loss, div, h.grad, w.grad))
         want, dh, dw = step(new[0], ws, new[4], divergence, beta, new[2], wt, new[7], new[8],
                             temperature=new[5].nan_to_num(1.0), token_weight=new[6])
         assert (loss - want.loss).abs() <= 1e-5 * max(1.0, want.loss.abs().item())
