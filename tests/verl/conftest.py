@@ -30,3 +30,21 @@ def model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("qwen2"))
     verl_engine.save_tiny_qwen2(path, seed=3, tied=True)
     return path
+
+
+@pytest.fixture
+def uninstalled():
+    """logitless.verl uninstalled before and after the test (whatever a test installs does not reach the next)."""
+    import logitless.verl as lv
+    lv.uninstall()
+    yield
+    lv.uninstall()
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    """Megatron's model-parallel state, which the first engine built in the module initialises, destroyed after
+    the module."""
+    yield
+    import verl_megatron_engine
+    verl_megatron_engine.teardown()

@@ -34,11 +34,7 @@ def actors(model_dir):
     return ve.Actor(model_dir), ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True"])
 
 
-@pytest.fixture(autouse=True)
-def uninstalled():
-    lv.uninstall()
-    yield
-    lv.uninstall()
+pytestmark = pytest.mark.usefixtures("uninstalled")      # tests/verl/conftest.py
 
 
 # (name, loss mode, distillation settings, actor settings, engine settings)

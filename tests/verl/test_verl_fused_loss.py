@@ -43,11 +43,7 @@ def actor(model_dir):
     return ve.Actor(model_dir, ["actor_rollout_ref.model.use_fused_kernels=True"])
 
 
-@pytest.fixture(autouse=True)
-def uninstalled():
-    lv.uninstall()
-    yield
-    lv.uninstall()
+pytestmark = pytest.mark.usefixtures("uninstalled")      # tests/verl/conftest.py
 
 
 def assert_same_update(actor, got, want):

@@ -41,17 +41,7 @@ def actors(model_dir):
     return plain, fused
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_state():
-    yield
-    vme.teardown()
-
-
-@pytest.fixture(autouse=True)
-def uninstalled():
-    lv.uninstall()
-    yield
-    lv.uninstall()
+pytestmark = pytest.mark.usefixtures("megatron_state", "uninstalled")      # tests/verl/conftest.py
 
 
 # (name, loss mode, distillation settings, actor settings, engine settings)

@@ -44,19 +44,7 @@ def actors(model_dir):
     return plain, fused
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_state():
-    """Megatron's model-parallel state, which the first engine built here initialises, destroyed after the
-    module."""
-    yield
-    vme.teardown()
-
-
-@pytest.fixture(autouse=True)
-def uninstalled():
-    lv.uninstall()
-    yield
-    lv.uninstall()
+pytestmark = pytest.mark.usefixtures("megatron_state", "uninstalled")      # tests/verl/conftest.py
 
 
 def fused_matches(actors, tensors, meta, overrides, *, calculate_entropy=True, engine=None):
