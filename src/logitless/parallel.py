@@ -71,13 +71,18 @@ def _exchange_sizes(group, world: int, weight: Tensor) -> tuple:
     every = torch.empty(world * 3, dtype=torch.int64, device=weight.device)
     _gather_into(every, mine, group)
     sizes, hs, codes = (tuple(int(x) for x in col) for col in every.view(world, 3).t().cpu())
+    _same_matrix(hs, codes, "weight shards")
+    return sizes
+
+
+def _same_matrix(hs: tuple, codes: tuple, shards: str) -> None:
+    """ValueError, on every rank alike, when the ranks' shards (``shards`` names them) differ in H or dtype code."""
     if len(set(hs)) != 1:
-        raise ValueError(f"weight shards differ in hidden size across tp_group: H per rank = {list(hs)}; "
+        raise ValueError(f"{shards} differ in hidden size across tp_group: H per rank = {list(hs)}; "
                          "every rank must hold rows of the same [V, H] matrix")
     if len(set(codes)) != 1:
         names = [str(_DTYPES[c]) if c >= 0 else "other" for c in codes]
-        raise ValueError(f"weight shards differ in dtype across tp_group: dtype per rank = {names}")
-    return sizes
+        raise ValueError(f"{shards} differ in dtype across tp_group: dtype per rank = {names}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +141,7 @@ class VocabParallel:
         if rows != ref:
             raise ValueError(f"{name}'s vocabulary shards {rows} differ from {ref_name}'s {ref} over tp_group: "
                              "both heads must be sharded the same way")
-        if len(set(hs)) != 1:
-            raise ValueError(f"{name}'s shards differ in hidden size across tp_group: H per rank = {list(hs)}; "
-                             "every rank must hold rows of the same [V, H] matrix")
-        if len(set(codes)) != 1:
-            names = [str(_DTYPES[c]) if c >= 0 else "other" for c in codes]
-            raise ValueError(f"{name}'s shards differ in dtype across tp_group: dtype per rank = {names}")
+        _same_matrix(hs, codes, f"{name}'s shards")
 
     def with_reduce(self, reduce: bool) -> "VocabParallel":
         """This layout with :meth:`reduce_grad_hidden` all-reducing (True) or passing through (False)."""
