@@ -52,16 +52,8 @@ def _loss_call(trainer, inputs):
 
 
 def _both(trainer, call):
-    """call(trainer) with TRL's loss, then with logitless', on the same trainer (the class's method restored
-    between them)."""
-    lt.disable(trainer)
-    assert not lt.is_enabled(trainer)
-    theirs = call(trainer)
-    lt.enable(trainer)
-    assert lt.is_enabled(trainer) and "_compute_loss" in trainer.__dict__
-    ours = call(trainer)
-    lt.disable(trainer)
-    return theirs, ours
+    """call(trainer) with the class's loss, then with logitless' (_compute_loss replaced on the instance)."""
+    return trl_tiny.theirs_and_ours(trainer, call, "_compute_loss")
 
 
 def _assert_close(theirs, ours, tol=TOL, grad_tol=GRAD_TOL, noise_floor=0.0):

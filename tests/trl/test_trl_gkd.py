@@ -58,15 +58,8 @@ def _loss_call(trainer, inputs, num_items):
 
 
 def _both(trainer, call):
-    """call(trainer) with the class's loss, then with logitless', on the same trainer."""
-    lt.disable(trainer)
-    assert not lt.is_enabled(trainer)
-    theirs = call(trainer)
-    lt.enable(trainer)
-    assert lt.is_enabled(trainer) and "compute_loss" in trainer.__dict__
-    ours = call(trainer)
-    lt.disable(trainer)
-    return theirs, ours
+    """call(trainer) with the class's loss, then with logitless' (compute_loss replaced on the instance)."""
+    return trl_tiny.theirs_and_ours(trainer, call, "compute_loss")
 
 
 def _assert_close(theirs, ours, tol=TOL, grad_tol=GRAD_TOL):

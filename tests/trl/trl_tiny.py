@@ -170,3 +170,17 @@ def assert_enable_refuses(trainer, match: str, **attrs) -> None:
     finally:
         for k, v in saved.items():
             setattr(trainer, k, v)
+
+
+def theirs_and_ours(trainer, call, method: str):
+    """(call(trainer) with the trainer class's own loss, call(trainer) with logitless' on the same trainer):
+    logitless.trl.disable / enable around each, ``method`` the loss method enable() replaces on the instance."""
+    import logitless.trl as lt
+    lt.disable(trainer)
+    assert not lt.is_enabled(trainer)
+    theirs = call(trainer)
+    lt.enable(trainer)
+    assert lt.is_enabled(trainer) and method in trainer.__dict__
+    ours = call(trainer)
+    lt.disable(trainer)
+    return theirs, ours
