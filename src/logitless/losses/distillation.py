@@ -145,7 +145,7 @@ def _token_weights(labels: Tensor, ignore_index: int, loss_agg: str, cu_seqlens,
                 # the tensor TRL passes is checked as the number is (one host read; none without check_inputs)
                 count = checked_count(count)
         else:
-            count = checks.finite_float(num_items_in_batch, "num_items_in_batch", minimum=0.0, above=True)
+            count = float(num_items_in_batch)      # checked by check_num_items above
         w = valid.double() / count
     else:
         w = token_weights(valid, loss_agg, cu)
