@@ -21,7 +21,7 @@ CACHE := .cache
 MAMBA_SSM ?= 2.3.2.post1
 MAMBA_SRC := $(CACHE)/mamba_ssm-$(MAMBA_SSM)
 
-.PHONY: setup test bench doctor clean
+.PHONY: setup test bench doctor clean gpu-check gpu-learning gpu-wheels
 setup: $(VENV)/.ready $(LEGACY)/.ready $(MAMBA_SRC)/.ready
 
 $(VENV)/.ready: pyproject.toml Makefile
@@ -71,6 +71,37 @@ bench: setup
 
 doctor: setup
 	$(VENV)/bin/logitless doctor
+
+# On a machine with one CUDA GPU whose python has torch and triton (no .venv, no package index needed):
+# `make gpu-check` runs the GPU-only tests and times every headline figure against its floor, target and the
+# committed baseline (benchmarks/gpu_check.py; GPU_OUT gets gpu-check.md / .json); `make gpu-learning` runs the
+# two TRL learning runs at their GPU size. What they need beyond torch and triton (pytest, the peers, TRL and its
+# dependencies) comes from wheels: `make gpu-wheels` downloads them (for GPU_PYVER) into .whl/ on a machine with
+# a package index; copy .whl/ along; the targets install them into GPU_SITE first.
+GPU_PY ?= python3
+GPU_OUT ?= gpu-out
+GPU_SITE ?= .cache/gpu-site
+GPU_PYVER ?= 3.12
+GPU_WHEELS := pytest pluggy iniconfig pytest-timeout trl==1.16.0 transformers==5.24.0 datasets liger-kernel \
+	cut-cross-entropy pyarrow pandas dill xxhash "multiprocess<0.70.20" "fsspec<=2026.9.0" psutil jinja2 regex typer
+GPU_ENV = PYTHONPATH=src:$(GPU_SITE):$$PYTHONPATH PYTHONUNBUFFERED=1
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYVER) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+
+$(GPU_SITE)/.ready:
+	mkdir -p $(GPU_SITE)
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	touch $@
+
+gpu-check: $(GPU_SITE)/.ready
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+
+gpu-learning: $(GPU_SITE)/.ready
+	$(GPU_ENV) $(GPU_PY) examples/trl_grpo_learning.py --size gpu --out $(GPU_OUT)/grpo --plot
+	$(GPU_ENV) $(GPU_PY) examples/trl_distillation_learning.py --size gpu --noise-seeds 1 --out $(GPU_OUT)/distill --plot
 
 clean:
 	rm -rf $(VENV) $(LEGACY) $(CACHE)
