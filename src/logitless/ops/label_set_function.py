@@ -189,12 +189,16 @@ def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, gi
     return part, (None if sels[0] is None else (torch.cat([s[0] for s in sels]), torch.cat([s[1] for s in sels])))
 
 
-def _kernel_usable(backend: str, check_inputs: bool, k: int, w_s: Tensor, h_s: Tensor) -> bool:
+def _kernel_usable(backend: str, check_inputs: bool, k: int, w_s: Tensor, h_s: Tensor, tp) -> bool:
     """Whether the triton backend's selection kernels take this top k (``topk_select.fast_path_ok``): they read
-    on the host which rows need their exact second pass, so not under check_inputs=False (the torch pass then)."""
+    on the host which rows need their exact second pass, so not under check_inputs=False (the torch pass then).
+    Under tensor parallelism a decision of the global k and V, the same on every rank (their collectives follow
+    it); a shard too small for the kernels runs the torch pass into the same partial (``_selection``)."""
     if backend != "triton" or not check_inputs:
         return False
     from .triton import topk_select
+    if tp is not None:
+        return 1 <= k <= topk_select.MAX_K and k < tp.vocab_size
     return topk_select.fast_path_ok(k, w_s.shape[0], h_s.dtype, h_s.device)
 
 
@@ -220,8 +224,13 @@ def _selection(h_s, w_s, inv_temp, softcap, rows, n, k, backend, tp, check_input
     ``_kernel_usable``, else the torch vocabulary pass; lse from the kernels' finish on one rank (a fixed order:
     batch invariant), from the merged partials across ranks."""
     offset = tp.vocab_offset if tp is not None else 0
-    fast = _kernel_usable(backend, check_inputs, k, w_s, h_s)
-    if fast:
+    fast = _kernel_usable(backend, check_inputs, k, w_s, h_s, tp)
+    if fast and tp is not None:
+        from .triton import topk_select
+        local = topk_select.fast_path_ok(k, w_s.shape[0], h_s.dtype, h_s.device)
+    else:
+        local = fast
+    if local:
         part, lse = _kernel_pass(h_s, w_s, inv_temp, softcap, rows, n, k, offset)
     else:
         part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, backend, offset, host_read=check_inputs)
@@ -363,7 +372,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     # the logits of every pass below, the ids' included, are products of the precision's operands: each id's
     # logit is the number the statistics summed for its column (docs/precision.md, "k ids per token")
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
-    fast = bool(select) and not with_tail and _kernel_usable(mod.name, check_inputs, select, w_s, h_s)
+    fast = bool(select) and not with_tail and _kernel_usable(mod.name, check_inputs, select, w_s, h_s, tp)
     if fast:
         # the student's own top k by the selection kernels, lse from the same pass; the ids' logits gathered
         with tf32_products(tf32):

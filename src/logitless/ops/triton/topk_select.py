@@ -96,7 +96,7 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
     rest_key = tl.max(keys, axis=1)
     rest_max = _values(rest_key)
     ref = tl.where(rest_key == NO_KEY_, 0.0, rest_max)
-    e = tl.where(keys == NO_KEY_, 0.0, tl.exp2((z - ref[:, None]) * LOG2E))
+    e = tl.exp2(tl.where(keys == NO_KEY_, float("-inf"), (z - ref[:, None]) * LOG2E))   # taken columns: 0
     rest_sum = tl.sum(e, axis=1)
     r64 = rows.to(tl.int64)
     out = r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :]
@@ -138,7 +138,7 @@ def _finish_kernel(cand_ptr, sel_ptr, rest_key_ptr, rest_sum_ptr, lse_ptr, m_ptr
         idx = step * CB + cb
         key = tl.load(cand_ptr + row * n_cand + idx, mask=idx < n_cand, other=NO_KEY_)
         left = (key < kth) & (key != NO_KEY_)
-        s += tl.sum(tl.where(left, tl.exp2((_values(key) - ref) * LOG2E), 0.0), axis=0)
+        s += tl.sum(tl.exp2(tl.where(left, (_values(key) - ref) * LOG2E, float("-inf"))), axis=0)
     for step in range(T_STEPS):
         idx = step * TB + tb
         rk = tl.load(rest_key_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=NO_KEY_)
