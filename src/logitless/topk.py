@@ -40,10 +40,10 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
         tp_group: vocabulary-parallel group: the top-k is global (every rank's candidates merged, ties to the
             lower global id), identical on every rank.
         reduce_grad_hidden, softcap: as in ``fused_logprobs``.
-        backend: "auto", "reference" or "chunked" run the selection in torch (the reference on one
-            [tokens x V] tile, the chunked backend in its tiles; no Triton kernel selects a top-k, so
-            ``last_backend()`` reports "chunked" for "auto" on CUDA too); "triton" runs the backward's kernels
-            (the selection stays the torch pass). The backward runs the chosen backend's kernels.
+        backend: "triton" ("auto" on CUDA) selects in the statistics pass's kernels (``ops/triton/topk_select``:
+            k <= 128 with k < V and check_inputs; otherwise the torch pass, ``last_backend()`` says which ran);
+            "reference" or "chunked" run the selection in torch (the reference on one [tokens x V] tile, the
+            chunked backend in its tiles). The backward runs the chosen backend's kernels.
         precision, grad_precision: how float32 operands are multiplied, as in ``fused_logprobs``
             (docs/precision.md; default: the three-product bfloat16 split on CUDA, IEEE float32 elsewhere): the
             selection, the log-probs and the tail are those of the precision's logits. Half-precision operands

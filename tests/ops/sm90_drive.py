@@ -65,13 +65,19 @@ def run_logprobs(dtype, layout="rows", k=None, **kw):
 
 
 def topk_cases():
+    """fused_topk through the selection kernels (candidates, finish; one candidate a tile forces the exact second
+    pass with C >= k), softcap, float32 operands; k 32 and 128 (the fast path's limit) on the model-sized head."""
     yield "topk bf16", dict(dtype=torch.bfloat16)
+    yield "topk bf16 softcap", dict(dtype=torch.bfloat16, softcap=30.0)
+    yield "topk bf16 one candidate a tile", dict(dtype=torch.bfloat16, candidates=1)
     yield "topk fp32 bf16x3", dict(dtype=torch.float32, precision="bf16x3")
+    yield "topk fp32 ieee", dict(dtype=torch.float32, precision="ieee")
 
 
-def run_topk(dtype, **kw):
+def run_topk(dtype, k=K, candidates=None, **kw):
     hidden, weight = head(dtype)
-    out = logitless.fused_topk(hidden, weight, K, backend="triton", **kw)
+    with contextlib.nullcontext() if candidates is None else env_set(LOGITLESS_TOPK_CANDIDATES=str(candidates)):
+        out = logitless.fused_topk(hidden, weight, k, backend="triton", **kw)
     (out.logprobs.sum() + out.tail_logprob.sum()).backward()
 
 
@@ -187,7 +193,9 @@ def drive(case, record_only):
                     ("ppo fp16", run_policy, dict(dtype=torch.float16)),
                               ("ppo fp32 bf16x3", run_policy, dict(dtype=torch.float32, precision="bf16x3")),
                               ("jsd bf16", run_distill, dict(divergence="jsd", beta=0.5)),
-                              ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True))):
+                              ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True)),
+                              ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),
+                              ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)
         with env_set(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
             for name, run, kw in triton_stats[:1] + triton_stats[4:5]:  # bf16 logprobs, ppo

@@ -110,6 +110,9 @@ REQUIRED = {
     "split._split_kernel": dict(BLOCKS={"3", "6"}, BLOCK_R={"8"}, BLOCK_C={"512"}),
     "scale._scale_kernel": dict(BLOCK={"4096"}, UNROLL={"16"}),
     "set_products._set_products_kernel": dict(BLOCK={"128"}),
+    "topk_select._candidates_kernel": dict(C={"1", "4", "8"}, SOFTCAP={"True", "False"},
+                                           BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
+    "topk_select._finish_kernel": dict(K={"3", "32", "128"}),
     "distill_chunk._stats_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}, STEPS={"8"}),
     "distill_chunk._sums_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
     "distill_chunk._dlogits_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
@@ -119,7 +122,8 @@ OPERANDS = {"forward_stats._tile_stats_kernel": ("bf16", "fp16", "fp32"),
             "policy_stats._policy_stats_kernel": ("bf16", "fp16", "fp32"),
             "backward._dlogits_kernel": ("bf16", "fp16", "fp32"),
             "policy_stats_gluon._policy_stats_gluon_kernel": ("bf16", "fp16"),
-            "set_products._set_products_kernel": ("bf16", "fp32")}
+            "set_products._set_products_kernel": ("bf16", "fp32"),
+            "topk_select._candidates_kernel": ("bf16", "fp32")}
 
 
 def test_launches_cover_the_gpu_specialisations(launches):

@@ -74,7 +74,9 @@ def case_k_labels_triton_interpreted(ctx):
 
 def case_topk(ctx):
     ck = Checks()
-    for backend, sizes in (("chunked", uneven_sizes(V, ctx.world)), ("reference", even_sizes(V, ctx.world))):
+    # triton: the selection kernels on each shard, k candidates a rank merged
+    for backend, sizes in (("chunked", uneven_sizes(V, ctx.world)), ("reference", even_sizes(V, ctx.world)),
+                           ("triton", uneven_sizes(V, ctx.world))):
         tag = f"[{backend} topk {sizes}]"
         hidden, weight, g = _inputs(ctx, salt=1)
         mask = torch.ones(LEAD, dtype=torch.bool)
@@ -107,11 +109,12 @@ def case_topk_ties_across_ranks(ctx):
     weight = torch.randint(-2, 3, (V, H), generator=g).float()
     sizes = even_sizes(V, ctx.world)
     _, w_local = shard(ctx, weight, sizes)
-    out = fused_topk(hidden, w_local, K, tp_group=ctx.group, backend="chunked")
     z = hidden @ weight.t()
     want = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :K]
     ck.true("[ties] the cut falls in a run of equal logits", bool((z.gather(1, want[:, -1:]) == z).sum(-1).max() > 1))
-    ck.true("[ties] ids", torch.equal(out.ids, want), f"{out.ids} vs {want}")
+    for backend in ("chunked", "triton"):
+        out = fused_topk(hidden, w_local, K, tp_group=ctx.group, backend=backend)
+        ck.true(f"[ties {backend}] ids", torch.equal(out.ids, want), f"{out.ids} vs {want}")
     ck.done()
 
 
@@ -125,14 +128,15 @@ def case_topk_divergences(ctx):
     labels[0, :3] = -100
     sizes = uneven_sizes(V, ctx.world)
     off, w_local = shard(ctx, weight, sizes)
-    for divergence in ("forward_kl_topk", "forward_kl_topk_tail"):
-        tag = f"[{divergence}]"
+    for divergence, backend in (("forward_kl_topk", "chunked"), ("forward_kl_topk_tail", "chunked"),
+                                ("forward_kl_topk", "triton")):
+        tag = f"[{divergence} {backend}]"
         h_in, w_in = hidden.clone().requires_grad_(), w_local.requires_grad_()
         got = topk_divergence(h_in, w_in, labels, t_ids, t_lp.float(), divergence=divergence, tp_group=ctx.group,
-                              backend="chunked", log_prob_min_clamp=-6.0)
+                              backend=backend, log_prob_min_clamp=-6.0)
         got.divergence.sum().backward()
         h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        want = topk_divergence(h1, w1, labels, t_ids, t_lp.float(), divergence=divergence, backend="chunked",
+        want = topk_divergence(h1, w1, labels, t_ids, t_lp.float(), divergence=divergence, backend=backend,
                                log_prob_min_clamp=-6.0)
         want.divergence.sum().backward()
         ck.abs_le(f"{tag} divergence", got.divergence, want.divergence.detach(), 2e-5)

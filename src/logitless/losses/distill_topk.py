@@ -241,9 +241,14 @@ def topk_terms(s_lp: Tensor, t_lp: Tensor, clamp: Optional[float], *, clamped_ma
 
 def tail_term(s_tail: Tensor, t_lp: Tensor) -> Tensor:
     """q_tail (log q_tail - log p_tail) [...], q_tail = 1 - sum exp(t_lp) in float64 (0 when the teacher's k
-    probabilities sum to 1 or more: no term), s_tail = log p_tail (differentiable)."""
+    probabilities sum to 1 or more: no term), s_tail = log p_tail (differentiable).
+
+    p_tail is summed over the ids outside the k in log space from its own max, so it is never 0 by underflow:
+    s_tail = -inf only where no id lies outside the k (k = V). The teacher's leftover q_tail is then rounding of
+    k probabilities that cover the whole vocabulary (its true tail is 0 too): a bucket with no mass on either
+    side adds nothing (not q_tail * (log q_tail + inf) = inf)."""
     q = (1.0 - t_lp.double().exp().sum(dim=-1)).clamp_min(0.0)
-    has = q > 0
+    has = (q > 0) & (s_tail > float("-inf"))
     log_q = torch.log(torch.where(has, q, torch.ones_like(q)))
     q, log_q = q.float(), log_q.float()
     s = torch.where(has, s_tail, torch.zeros_like(s_tail))

@@ -189,6 +189,57 @@ def _set_pass(hidden, weight, inv_temp, softcap, rows, n, k, backend, offset, gi
     return part, (None if sels[0] is None else (torch.cat([s[0] for s in sels]), torch.cat([s[1] for s in sels])))
 
 
+def _kernel_usable(backend: str, check_inputs: bool, k: int, w_s: Tensor, h_s: Tensor, tp) -> bool:
+    """Whether the triton backend's selection kernels take this top k (``topk_select.fast_path_ok``): they read
+    on the host which rows need their exact second pass, so not under check_inputs=False (the torch pass then).
+    Under tensor parallelism a decision of the global k and V, the same on every rank (their collectives follow
+    it); a shard too small for the kernels runs the torch pass into the same partial (``_selection``)."""
+    if backend != "triton" or not check_inputs:
+        return False
+    from .triton import topk_select
+    if tp is not None:
+        return 1 <= k <= topk_select.MAX_K and k < tp.vocab_size
+    return topk_select.fast_path_ok(k, w_s.shape[0], h_s.dtype, h_s.device)
+
+
+def _kernel_pass(h_s: Tensor, w_s: Tensor, inv_temp: Tensor, softcap, rows, n: int, k: int, offset: int):
+    """The top k of this weight's rows by the selection kernels (``triton/topk_select.py``), in token chunks of
+    bounded workspace -> (SetPartial [n] with global ids: the rest is the tail, lse [n] over this weight's rows)."""
+    from .triton import topk_select
+    step = topk_select.chunk_rows(w_s.shape[0], k, h_s.dtype, h_s.device)
+    parts = [topk_select.select(_rows(h_s, rows, start, stop), w_s, inv_temp[start:stop].contiguous(), k, softcap)
+             for start, stop in _blocks(n, step)]
+    if not parts:
+        f32 = dict(dtype=torch.float32, device=h_s.device)
+        empty = torch.empty(0, **f32)
+        return label_sets.SetPartial(empty, empty, torch.empty((0, k), **f32),
+                                     torch.empty((0, k), dtype=torch.int64, device=h_s.device)), empty
+    cat = (lambda f: getattr(parts[0], f)) if len(parts) == 1 else (lambda f: torch.cat([getattr(p, f) for p in parts]))
+    part = label_sets.SetPartial(cat("m"), cat("s"), cat("vals"), cat("ids") + offset)
+    return part, cat("lse")
+
+
+def _selection(h_s, w_s, inv_temp, softcap, rows, n, k, backend, tp, check_inputs):
+    """(global SetPartial of the top k, lse [n], whether the kernels ran): the selection kernels where
+    ``_kernel_usable``, else the torch vocabulary pass; lse from the kernels' finish on one rank (a fixed order:
+    batch invariant), from the merged partials across ranks."""
+    offset = tp.vocab_offset if tp is not None else 0
+    fast = _kernel_usable(backend, check_inputs, k, w_s, h_s, tp)
+    if fast and tp is not None:
+        from .triton import topk_select
+        local = topk_select.fast_path_ok(k, w_s.shape[0], h_s.dtype, h_s.device)
+    else:
+        local = fast
+    if local:
+        part, lse = _kernel_pass(h_s, w_s, inv_temp, softcap, rows, n, k, offset)
+    else:
+        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, backend, offset, host_read=check_inputs)
+    part = _global(part, tp, k, select=True)
+    if not fast or tp is not None:
+        lse, _ = part.lse_and_tail()
+    return part, lse, fast
+
+
 def _gather_partials(tp: "VocabParallel", part: label_sets.SetPartial, select: bool) -> list[label_sets.SetPartial]:
     """Every rank's partial, in rank order (one all-gather of the float statistics, one of the ids)."""
     from ..parallel import _gather_into
@@ -216,6 +267,20 @@ def _global_selection(sel: tuple[Tensor, Tensor], tp: Optional["VocabParallel"],
     vals, ids = label_sets.order_by_value_then_id(torch.cat([p.vals for p in parts], 1),
                                                   torch.cat([p.ids for p in parts], 1))
     return ids[:, :k].contiguous()
+
+
+def _set_logits(h_s, w_s, local, inv_temp, softcap, rows, n, tp, backend) -> Tensor:
+    """The ids' logits zy [n, k] (local: their rows here, -1 elsewhere), gathered products of the statistics
+    operands, summed across ranks (each id's logit comes from the one rank holding it)."""
+    zy = torch.zeros((n, local.shape[1]), dtype=torch.float32, device=h_s.device)
+    for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, h_s.shape[1])):
+        # float32 products of the precision's parts (exact: bfloat16 parts, TF32-rounded values), IEEE
+        zy[start:stop], _ = label_sets.set_logits(_rows(h_s, rows, start, stop), w_s, local[start:stop],
+                                                  inv_temp[start:stop], softcap, _products(backend))
+    if tp is not None and tp.world_size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(zy, group=tp.group)
+    return zy
 
 
 def _global(part, tp, k, select):
@@ -307,7 +372,14 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     # the logits of every pass below, the ids' included, are products of the precision's operands: each id's
     # logit is the number the statistics summed for its column (docs/precision.md, "k ids per token")
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
-    if with_tail or select:
+    fast = bool(select) and not with_tail and _kernel_usable(mod.name, check_inputs, select, w_s, h_s, tp)
+    if fast:
+        # the student's own top k by the selection kernels, lse from the same pass; the ids' logits gathered
+        with tf32_products(tf32):
+            part, lse, _ = _selection(h_s, w_s, inv_temp, softcap, rows, n, select, mod.name, tp, check_inputs)
+        top = part.ids
+        lp = _set_logits(h_s, w_s, local, inv_temp, softcap, rows, n, tp, mod.name) - lse.unsqueeze(1)
+    elif with_tail or select:
         with tf32_products(tf32):
             part, sel = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name,
                                   tp.vocab_offset if tp is not None else 0, given=ids, given_local=local,
@@ -328,15 +400,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
                                                  with_entropy, softcap)
         if tp is not None:
             lse, ent, _ = tp.combine_stats(lse, ent, torch.zeros_like(lse))
-        zy = torch.zeros((n, k), **f32)
-        for start, stop in _blocks(n, label_sets.GATHER_ELEMENTS // max(1, h_s.shape[1])):
-            # float32 products of the precision's parts (exact: bfloat16 parts, TF32-rounded values), IEEE
-            zy[start:stop], _ = label_sets.set_logits(_rows(h_s, rows, start, stop), w_s, local[start:stop],
-                                                      inv_temp[start:stop], softcap, _products(mod.name))
-        if tp is not None and tp.world_size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(zy, group=tp.group)    # each id's logit comes from the one rank holding it
-        lp = zy - lse.unsqueeze(1)
+        lp = _set_logits(h_s, w_s, local, inv_temp, softcap, rows, n, tp, mod.name) - lse.unsqueeze(1)
     if rows is not None:
         lp, lse = _scatter(lp, rows, N), _scatter(lse, rows, N)
         ent = _scatter(ent, rows, N) if ent is not None else None
@@ -349,7 +413,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         tail = torch.where(valid, tail, torch.zeros_like(tail)) if tail is not None else None
         top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
     del h_s, w_s
-    record_backend(_pass_name(mod.name) if with_tail or select else mod.name,
+    record_backend(_pass_name(mod.name) if with_tail or (select and not fast) else mod.name,
                    (precision, backward_precision(grad_precision, with_tail)))
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
@@ -398,14 +462,13 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     if rows is not None:
         inv_temp = inv_temp[rows]
     n = inv_temp.shape[0]
-    offset = tp.vocab_offset if tp is not None else 0
     # the selection and the sums are over the precision's logits (its statistics operands)
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
     with tf32_products(tf32):
-        part, _ = _set_pass(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, offset, host_read=check_inputs)
+        part, lse, fast = _selection(h_s, w_s, inv_temp, softcap, rows, n, k, mod.name, tp, check_inputs)
     del h_s, w_s
-    part = _global(part, tp, k, select=True)
-    lse, tail = part.lse_and_tail()
+    # the tail: every column outside the k, in log space from its own max and sum (-inf when k == V)
+    tail = part.m + torch.log(part.rest) - lse
     lp, ids = part.vals - lse.unsqueeze(1), part.ids
     if not check_inputs:
         # the masked rows' outputs as the checked call leaves them (their lse stays: the backward's p of the row)
@@ -415,7 +478,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend(_pass_name(mod.name), (precision, backward_precision(grad_precision, True)))
+    record_backend("triton" if fast else _pass_name(mod.name), (precision, backward_precision(grad_precision, True)))
     return ids, lp, tail, lse
 
 

@@ -1,0 +1,268 @@
+"""Top-k selection in the statistics pass: the k largest logits per token, their ids, lse and the mass outside them,
+from one GEMM over the vocabulary, without the logits in memory.
+
+Stage 1 (``_candidates_kernel``), one program per [BLOCK_M tokens x BLOCK_N vocabulary rows] tile, as the forward
+statistics kernel: the float32 logits tile on the tensor cores, tempered (softcapped first), then per row
+
+- the tile's C largest logits ("candidates", C a small compile-time constant), written as int64 *keys*: the
+  logit's float32 bits mapped to an order-preserving signed integer in the high word, 2^31 - 1 - id in the low
+  word. Keys are distinct and their order is the selection's order: larger value first, equal values to the lower
+  id. C iterations of (row max of the keys, mask the max): two passes over the tile each;
+- the rest of the tile (its columns that are not candidates): the largest key (the "residual bound") and
+  sum exp(z - that max), relative to its own max (>= 1 once a column is there, no underflow).
+
+Stage 2: ``torch.topk`` of the keys of the row's T x C candidates (a selection: no arithmetic, and keys are
+distinct, so the result is unique whatever the batch) gives the row's top k. Stage 3 (``_finish_kernel``, one
+program per token, tiles read in a fixed order): lse, and the tail = the rest of every tile plus the candidates
+left out, summed as positive terms relative to their own max (never 1 - sum: a tail of e^-40 stays exact).
+
+Exactness: the union of the candidates holds the row's true top k iff no tile's rest holds a key above the k-th
+selected key: the finish kernel checks k-th key > every residual bound (exact, ties included, since keys carry the
+id). A row that fails (a tile holding more than C of its top k: rare on real distributions) is recomputed by the
+same kernels with C >= k (exact by construction: a tile's rest then lies below k of its own keys); no row is ever
+answered from an incomplete candidate set.
+
+Batch invariance (docs/determinism.md): tiles of a fixed shape, token counts not specialised, the selection exact,
+the finish's order fixed by the vocabulary size: a token's ids, log-probs and tail are the same bits in any batch
+and chunking. Memory: candidates 8 C T + residuals 8 T bytes per token of a chunk (``chunk_rows``), outputs
+O(tokens x k).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import knobs
+from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands
+from .tile import logits_tile, softcap_tanh, tile_coords
+
+# k of the fast path: candidates per tile C = CANDIDATES for k <= MAX_K; larger k takes the torch pass
+MAX_K = 128
+CANDIDATES = 8
+# the key of no column (padding, a column already taken): the key of -inf with the largest id; every real logit's
+# key lies above it. ord(-inf) = 0xFF800000 ^ 0x7FFFFFFF = -2139095041 as int32, in the high word.
+NO_KEY = -2139095041 * (1 << 32)
+# bytes of one chunk's candidates and residuals (tokens per chunk follow from it)
+DEFAULT_BYTES = 128 << 20
+
+
+@triton.jit
+def _keys(z, gcols):
+    """int64 keys of float32 z [M, N] at global ids gcols [N]: order(z) in the high word, 2^31 - 1 - id in the
+    low one. -0.0 is taken as +0.0 (they compare equal as floats: the lower id must win)."""
+    bits = z.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (order.to(tl.int64) << 32) | (2147483647 - gcols.to(tl.int64))[None, :]
+
+
+@triton.jit
+def _values(keys):
+    """float32 values of int64 keys (the inverse of the high word of ``_keys``)."""
+    hi = (keys >> 32).to(tl.int32)
+    return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+
+
+# n_rows not specialised: one build for every token count (docs/determinism.md)
+@triton.jit(do_not_specialize=["n_rows"])
+def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_sum_ptr,
+                       n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles,
+                       C: tl.constexpr, NO_KEY_: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                       USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
+    row_ok = rows < n_rows
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    if SOFTCAP:
+        acc, _ = softcap_tanh(acc, CAP)
+        inv_t = inv_t * CAP
+    z = acc * inv_t[:, None]            # the tempered logit: one rounding, as the label's logit elsewhere
+    col_ok = cols < n_cols
+    keys = tl.where(col_ok[None, :], _keys(z, cols), NO_KEY_)
+    slot = tl.arange(0, C)
+    cand = tl.full((BLOCK_M, C), NO_KEY_, tl.int64)
+    for i in tl.static_range(C):
+        top = tl.max(keys, axis=1)
+        cand = tl.where(slot[None, :] == i, top[:, None], cand)
+        keys = tl.where(keys == top[:, None], NO_KEY_, keys)     # keys are distinct: one column per row
+    # the rest: its largest key (the residual bound) and its sum relative to its own max
+    rest_key = tl.max(keys, axis=1)
+    rest_max = _values(rest_key)
+    ref = tl.where(rest_key == NO_KEY_, 0.0, rest_max)
+    e = tl.exp2(tl.where(keys == NO_KEY_, float("-inf"), (z - ref[:, None]) * LOG2E))   # taken columns: 0
+    rest_sum = tl.sum(e, axis=1)
+    r64 = rows.to(tl.int64)
+    out = r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :]
+    tl.store(cand_ptr + out, cand, mask=row_ok[:, None])
+    tl.store(rest_key_ptr + r64 * n_tiles + pid_n, rest_key, mask=row_ok)
+    tl.store(rest_sum_ptr + r64 * n_tiles + pid_n, rest_sum, mask=row_ok)
+
+
+# token count, tiles and candidates per row not specialised; the trip counts are compile-time (one build per
+# vocabulary size and k), so a token's sums run in one order in every batch
+@triton.jit(do_not_specialize=["n", "n_tiles", "n_cand"])
+def _finish_kernel(cand_ptr, sel_ptr, rest_key_ptr, rest_sum_ptr, lse_ptr, m_ptr, s_ptr, ok_ptr,
+                   n, n_tiles, n_cand, K: tl.constexpr, KP: tl.constexpr, NO_KEY_: tl.constexpr,
+                   CB: tl.constexpr, C_STEPS: tl.constexpr, TB: tl.constexpr, T_STEPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, KP)
+    sel = tl.load(sel_ptr + row * K + kk, mask=kk < K, other=NO_KEY_)
+    kth = tl.load(sel_ptr + row * K + (K - 1))
+    sel_v = _values(sel)
+    top_v = tl.max(sel_v, axis=0)          # the row's largest logit (finite: k <= the real columns)
+    cb = tl.arange(0, CB)
+    tb = tl.arange(0, TB)
+    # pass 1: the largest logit of the tail (left-out candidates, every tile's rest) and the largest residual
+    m = tl.full((), float("-inf"), tl.float32)
+    worst = tl.full((), NO_KEY_, tl.int64)
+    for step in range(C_STEPS):
+        idx = step * CB + cb
+        key = tl.load(cand_ptr + row * n_cand + idx, mask=idx < n_cand, other=NO_KEY_)
+        m = tl.maximum(m, tl.max(tl.where(key < kth, _values(key), float("-inf")), axis=0))
+    for step in range(T_STEPS):
+        idx = step * TB + tb
+        rk = tl.load(rest_key_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=NO_KEY_)
+        worst = tl.maximum(worst, tl.max(rk, axis=0))
+        m = tl.maximum(m, tl.max(_values(rk), axis=0))
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    # pass 2: the tail's sum relative to m (every term <= 1, >= 1 in all when m is finite)
+    s = tl.zeros((), tl.float32)
+    for step in range(C_STEPS):
+        idx = step * CB + cb
+        key = tl.load(cand_ptr + row * n_cand + idx, mask=idx < n_cand, other=NO_KEY_)
+        left = (key < kth) & (key != NO_KEY_)
+        s += tl.sum(tl.exp2(tl.where(left, (_values(key) - ref) * LOG2E, float("-inf"))), axis=0)
+    for step in range(T_STEPS):
+        idx = step * TB + tb
+        rk = tl.load(rest_key_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=NO_KEY_)
+        rs = tl.load(rest_sum_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=0.0)
+        w = tl.where(rk == NO_KEY_, 0.0, tl.exp2((_values(rk) - ref) * LOG2E))
+        s += tl.sum(rs * w, axis=0)
+    # lse = top + log(sum over the k of e^(v - top) + e^(lse_tail - top)), from positive terms only
+    head = tl.sum(tl.where(kk < K, tl.exp2((sel_v - top_v) * LOG2E), 0.0), axis=0)
+    tail_w = tl.where(s > 0, s * tl.exp2((ref - top_v) * LOG2E), 0.0)
+    lse = top_v + tl.log(head + tail_w)
+    tl.store(lse_ptr + row, lse)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(ok_ptr + row, (kth > worst).to(tl.int8))
+
+
+class Selection(NamedTuple):
+    """The top k of one token chunk over this weight's rows: vals float32 [n, k] (descending, ties to the lower id),
+    ids int64 [n, k] (rows of this weight), lse [n], and the tail (the columns outside the k) as m [n] (its largest
+    logit, -inf for none) and s [n] (sum exp(z - m) over it, 0 for none); ``fallback`` rows recomputed with C >= k."""
+    vals: Tensor
+    ids: Tensor
+    lse: Tensor
+    m: Tensor
+    s: Tensor
+    fallback: int
+
+
+def tiles_for(dtype: torch.dtype, device) -> Tiles:
+    """The candidate kernel's tiles: LOGITLESS_TRITON_TOPK (six integers, benchmarking), else the forward's."""
+    env = knobs.triton_tiles("TOPK")
+    return Tiles(*env) if env is not None else choose_tiles("FWD", dtype, torch.device(device))
+
+
+def candidates(k: int) -> int:
+    """C of the first pass for a top k (LOGITLESS_TOPK_CANDIDATES: a power of two, benchmarking)."""
+    c = knobs._int("LOGITLESS_TOPK_CANDIDATES", CANDIDATES)
+    if c & (c - 1):
+        raise ValueError(f"LOGITLESS_TOPK_CANDIDATES={c} must be a power of two")
+    return c
+
+
+def fast_path_ok(k: int, vocab: int, dtype: torch.dtype, device) -> bool:
+    """Whether the kernels select this k over ``vocab`` columns: 1 <= k <= MAX_K, some column left outside the k
+    (k < vocab), and the first pass's candidates, the ragged last tile's aside, at least k."""
+    tiles = tiles_for(dtype, device)
+    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    c = min(candidates(k), tiles.block_n)
+    return 1 <= k <= MAX_K and k < vocab and (n_tiles - 1) * c >= k
+
+
+def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device) -> int:
+    """Tokens of one chunk so that its candidates and residuals fit LOGITLESS_TOPK_BYTES (a multiple of the
+    token tile)."""
+    tiles = tiles_for(dtype, device)
+    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    per_token = 8 * n_tiles * min(candidates(k), tiles.block_n) + 12 * n_tiles
+    rows = knobs._int("LOGITLESS_TOPK_BYTES", DEFAULT_BYTES) // per_token
+    return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
+
+
+def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softcap: Optional[float], tiles: Tiles):
+    n, h = hidden.shape
+    vocab = weight.shape[0]
+    hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
+    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    dev = hidden.device
+    cand = torch.empty((n, n_tiles * c), dtype=torch.int64, device=dev)
+    rest_key = torch.empty((n, n_tiles), dtype=torch.int64, device=dev)
+    rest_sum = torch.empty((n, n_tiles), dtype=torch.float32, device=dev)
+    h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
+    grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
+    _candidates_kernel[grid](h_op, w_op, inv_temp, cand, rest_key, rest_sum, n, vocab, h,
+                             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
+                             C=c, NO_KEY_=NO_KEY, USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
+    return cand, rest_key, rest_sum
+
+
+def _finish(cand: Tensor, rest_key: Tensor, rest_sum: Tensor, k: int):
+    """(vals, ids, lse, m, s, ok) of the rows of one first pass."""
+    n, n_cand = cand.shape
+    n_tiles = rest_key.shape[1]
+    dev = cand.device
+    sel = cand.topk(k, dim=1).values.contiguous()        # distinct keys: the one top k, sorted descending
+    f32 = dict(dtype=torch.float32, device=dev)
+    lse, m, s = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    ok = torch.empty(n, dtype=torch.int8, device=dev)
+    if n:
+        cb = min(1024, triton.next_power_of_2(n_cand))
+        tb = min(1024, triton.next_power_of_2(n_tiles))
+        _finish_kernel[(n,)](cand, sel, rest_key, rest_sum, lse, m, s, ok, n, n_tiles, n_cand, K=k,
+                             KP=triton.next_power_of_2(k), NO_KEY_=NO_KEY, CB=cb, C_STEPS=triton.cdiv(n_cand, cb),
+                             TB=tb, T_STEPS=triton.cdiv(n_tiles, tb), num_warps=4)
+    vals, ids = decode(sel)
+    return vals, ids, lse, m, s, ok
+
+
+def decode(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """(float32 values, int64 ids) of int64 keys (torch; the inverse of the kernel's ``_keys``)."""
+    hi = (keys >> 32).to(torch.int32)
+    vals = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).view(torch.float32)
+    ids = 2147483647 - (keys & 0xFFFFFFFF)
+    return vals, ids
+
+
+def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, softcap: Optional[float] = None
+           ) -> Selection:
+    """The top k of softmax(z) per row of hidden [n, H] over weight [V, H]'s rows (``fast_path_ok`` holds; the
+    caller keeps n <= ``chunk_rows``). One host read: which rows need the exact second pass."""
+    tiles = tiles_for(hidden.dtype, hidden.device)
+    c = min(candidates(k), tiles.block_n)
+    cand, rest_key, rest_sum = _first_pass(hidden, weight, inv_temp, c, softcap, tiles)
+    vals, ids, lse, m, s, ok = _finish(cand, rest_key, rest_sum, k)
+    del cand, rest_key, rest_sum
+    redo = (ok == 0).nonzero().squeeze(1)
+    fallback = int(redo.numel())
+    if fallback:
+        # C >= k (every column of a tile when k >= its width): exact, whatever the row
+        c_all = min(triton.next_power_of_2(k), tiles.block_n)
+        part = _first_pass(hidden.index_select(0, redo), weight, inv_temp.index_select(0, redo), c_all, softcap,
+                           tiles)
+        r_vals, r_ids, r_lse, r_m, r_s, _ = _finish(*part, k)
+        vals.index_copy_(0, redo, r_vals)
+        ids.index_copy_(0, redo, r_ids)
+        for out, new in ((lse, r_lse), (m, r_m), (s, r_s)):
+            out.index_copy_(0, redo, new)
+    return Selection(vals, ids, lse, m, s, fallback)

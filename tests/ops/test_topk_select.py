@@ -1,0 +1,207 @@
+"""The triton backend's top-k selection kernels (``ops/triton/topk_select.py``) through ``fused_topk``, against
+float64 from the definitions, V not a power of two: k 1 to the fast path's limit, k = V and k above the limit (the
+torch pass), exact ties, rows a tile's candidates cannot hold (the exact second pass), tails of 1e-10 to 1e-50,
+huge and tiny logits, masked rows, per-token temperatures, softcap, float32 operands with a precision, and bitwise
+batch invariance of the ids, log-probs and tails (one token a call, permutations, token chunks, redone rows)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from logitless import fused_topk, last_backend, last_precision
+from logitless.ops.triton import topk_select
+from reference64 import rel_err
+
+V, H, N = 1031, 48, 13
+
+
+def head(seed, scale=1.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * (scale * 3.0 / H ** 0.5)).to(dtype)
+    return hidden, weight, g
+
+
+def want64(hidden, weight, k, temperature=1.0, softcap=None):
+    z = hidden.double() @ weight.double().t()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    t = temperature.double().unsqueeze(-1) if torch.is_tensor(temperature) else temperature
+    logp = torch.log_softmax(z / t, -1)
+    ids = torch.sort(logp.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    lp = logp.gather(-1, ids)
+    tail = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), -1)
+    return ids, lp, tail
+
+
+@pytest.mark.parametrize("k", [1, 5, 37, 128])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_selection_matches_float64(k, softcap, seed):
+    hidden, weight, g = head(seed)
+    temperature = torch.rand(N, generator=g) + 0.5
+    mask = torch.ones(N, dtype=torch.bool)
+    mask[[2, 9]] = False
+    h_in, w_in = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_topk(h_in, w_in, k, temperature=temperature, mask=mask, backend="triton", softcap=softcap,
+                     precision="ieee")
+    assert last_backend() == "triton" and last_precision().statistics == "ieee"
+    a, b = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
+    ((out.logprobs * a).sum() + (out.tail_logprob * b).sum()).backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ids, lp, tail = want64(h64, w64, k, temperature, softcap)
+    m = mask.unsqueeze(-1)
+    ((lp * a.double() * m).sum() + (tail * b.double() * mask).sum()).backward()
+    assert torch.equal(out.ids[mask], ids[mask])
+    assert (out.ids[~mask] == -1).all() and (out.logprobs[~mask] == 0).all() and (out.tail_logprob[~mask] == 0).all()
+    assert (out.logprobs.double() - lp * m).abs().max() < 2e-5
+    assert (out.tail_logprob.double() - tail * mask).abs().max() < 2e-5
+    assert rel_err(h_in.grad, h64.grad) < 1e-4 and rel_err(w_in.grad, w64.grad) < 1e-4
+
+
+@pytest.mark.parametrize("k", [topk_select.MAX_K + 1, V])
+def test_k_beyond_the_fast_path(k, seed):
+    """k above the kernels' limit, and k = V (no tail: -inf), take the torch pass: still exact."""
+    hidden, weight, _ = head(seed)
+    assert not topk_select.fast_path_ok(k, V, hidden.dtype, hidden.device)
+    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    assert last_backend() == "chunked"
+    ids, lp, tail = want64(hidden, weight, k)
+    assert torch.equal(out.ids, ids)
+    assert (out.logprobs.double() - lp).abs().max() < 2e-5
+    if k == V:
+        assert torch.isneginf(out.tail_logprob).all()
+    else:
+        assert (out.tail_logprob.double() - tail).abs().max() < 2e-5
+
+
+def test_exact_ties_go_to_the_lower_id():
+    """Small integers: exact, equal logits across the tiles' borders; a softcap so small that tanh saturates."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randint(-2, 3, (V, H), generator=g).float()
+    hidden = torch.randint(-2, 3, (6, H), generator=g).float()
+    z = hidden @ weight.t()
+    for k in (1, 5, 40):
+        want = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert (z.gather(1, want[:, -1:]) == z).sum(-1).max() > 1      # the cut falls in a run of ties
+        out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+        assert last_backend() == "triton"
+        assert torch.equal(out.ids, want), k
+        capped = fused_topk(hidden, weight, k, backend="triton", softcap=1e-3, precision="ieee")
+        zc = (torch.tanh(z / 1e-3) * 1e-3).float()
+        assert torch.equal(capped.ids, torch.sort(zc, dim=-1, descending=True, stable=True).indices[:, :k])
+
+
+def clustered(seed):
+    """A head whose top ids crowd into one vocabulary tile (rows 3..60 near one direction): the first pass's
+    candidates cannot hold them, the exact second pass must take those rows."""
+    hidden, weight, g = head(seed)
+    weight[3:60] = 2.0 * hidden[:1].mean(0) / hidden[:1].norm() + 0.05 * torch.randn(57, H, generator=g)
+    hidden[: N // 2] = hidden[0] + 0.3 * torch.randn(N // 2, H, generator=g)
+    return hidden, weight
+
+
+def test_rows_the_candidates_cannot_hold_are_redone_exactly(seed):
+    hidden, weight = clustered(seed)
+    k = 20
+    sel = topk_select.select(hidden, weight, torch.ones(N), k)
+    assert sel.fallback > 0
+    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    ids, lp, tail = want64(hidden, weight, k)
+    assert torch.equal(out.ids, ids)
+    assert (out.logprobs.double() - lp).abs().max() < 2e-5
+    assert (out.tail_logprob.double() - tail).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("power", [10, 20, 30, 40, 50])
+def test_tiny_tails(power):
+    """The k hold 1 - 10^-p of the mass: the tail is summed over the other ids (1 - sum p would be 0)."""
+    k = 7
+    gen = torch.Generator().manual_seed(power)
+    z = torch.empty(V, dtype=torch.float64)
+    top = torch.randperm(V, generator=gen)[:k]
+    rest_ids = torch.ones(V, dtype=torch.bool)
+    rest_ids[top] = False
+    z[top] = torch.rand(k, generator=gen, dtype=torch.float64)
+    rest = -30.0 + torch.rand(V - k, generator=gen, dtype=torch.float64)
+    share = torch.logsumexp(rest, 0) - torch.logsumexp(torch.cat([z[top], rest]), 0)
+    z[rest_ids] = rest - share + power * math.log(0.1)
+    weight = torch.zeros(V, H)
+    weight[:, 0] = z.float()
+    hidden = torch.zeros(2, H)
+    hidden[:, 0] = 1.0
+    z32 = weight[:, 0].double()
+    want = torch.logsumexp(z32[rest_ids], 0) - torch.logsumexp(z32, 0)
+    assert abs(float(want) - power * math.log(0.1)) < 1e-3
+    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    assert last_backend() == "triton"
+    assert torch.equal(out.ids[0].sort().values, top.sort().values)
+    assert (out.tail_logprob.double() - want).abs().max() < 2e-5 * abs(float(want))
+
+
+@pytest.mark.parametrize("scale", [1e4, 1e-6])
+def test_huge_and_tiny_logits(scale, seed):
+    hidden, weight, _ = head(seed, scale=scale)
+    k = 9
+    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    ids, lp, tail = want64(hidden, weight, k)
+    assert torch.equal(out.ids, ids)
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.tail_logprob).all()
+    tol = 2e-5 * max(1.0, float((hidden.double() @ weight.double().t()).abs().max()) * 1e-2)
+    assert (out.logprobs.double() - lp).abs().max() < tol
+    assert (out.tail_logprob.double() - tail).abs().max() < tol
+
+
+@pytest.mark.parametrize("precision", ["bf16x3", "tf32"])
+def test_float32_operands_with_a_precision(precision, seed):
+    """float32 operands: the selection and sums are those of the precision's logits (within its error of
+    float64), and the record says what ran."""
+    hidden, weight, _ = head(seed)
+    k = 6
+    out = fused_topk(hidden, weight, k, backend="triton", precision=precision)
+    assert last_backend() == "triton" and last_precision().statistics == precision
+    ids, lp, tail = want64(hidden, weight, k)
+    tol = 1e-2 if precision == "tf32" else 1e-4      # TF32-rounded operands: ~1e-3 relative per logit
+    assert (out.logprobs.double() - lp).abs().max() < tol
+    assert (out.tail_logprob.double() - tail).abs().max() < tol
+    ref = fused_topk(hidden, weight, k, backend="chunked", precision=precision)
+    assert (out.ids == ref.ids).float().mean() > 0.9
+
+
+def test_bfloat16_operands(seed):
+    hidden, weight, _ = head(seed, dtype=torch.bfloat16)
+    k = 11
+    out = fused_topk(hidden, weight, k, backend="triton")
+    ids, lp, tail = want64(hidden, weight, k)
+    close = (out.logprobs.double() - lp).abs().max()
+    assert close < 1e-4 and (out.tail_logprob.double() - tail).abs().max() < 1e-4
+    assert (out.ids == ids).float().mean() > 0.9
+
+
+def test_batch_invariance(seed, monkeypatch):
+    """ids, log-probs and tails: the same bits for a token alone, in the batch, permuted, with masked rows, and in
+    token chunks of a small workspace; rows the second pass redoes included."""
+    hidden, weight = clustered(seed)
+    k = 20
+    temperature = torch.full((N,), 0.75)
+    whole = fused_topk(hidden, weight, k, temperature=temperature, backend="triton", softcap=6.0, precision="ieee")
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+    shuffled = fused_topk(hidden[perm], weight, k, temperature=temperature[perm], backend="triton", softcap=6.0,
+                          precision="ieee")
+    mask = torch.ones(N, dtype=torch.bool)
+    mask[1::3] = False
+    masked = fused_topk(hidden, weight, k, temperature=0.75, mask=mask, backend="triton", softcap=6.0,
+                        precision="ieee")
+    for f in range(3):
+        assert torch.equal(shuffled[f], whole[f][perm]), f
+        assert torch.equal(masked[f][mask], whole[f][mask]), f
+    for i in (0, 5, N - 1):
+        one = fused_topk(hidden[i:i + 1], weight, k, temperature=0.75, backend="triton", softcap=6.0,
+                         precision="ieee")
+        for f in range(3):
+            assert torch.equal(one[f][0], whole[f][i]), (i, f)
+    monkeypatch.setenv("LOGITLESS_TOPK_BYTES", "1")          # one token tile a chunk
+    chunked = fused_topk(hidden, weight, k, temperature=0.75, backend="triton", softcap=6.0, precision="ieee")
+    for f in range(3):
+        assert torch.equal(chunked[f], whole[f]), f
