@@ -61,6 +61,7 @@ GPU_TESTS = ("tests/ops/test_triton_backend.py", "tests/test_compile_and_graphs.
              "tests/losses/test_distillation_unchecked.py", "tests/ops/test_label_sets.py",
              "tests/losses/test_distill_topk.py", "tests/ops/test_triton_policy_kernels.py",
              "tests/ops/test_stages.py", "tests/ops/test_chunked_columns.py", "tests/ops/test_token_chunks.py",
+             "tests/ops/test_topk_select.py", "tests/losses/test_distill_topk_degenerate.py",
              "tests/losses/test_policy_loss.py", "tests/losses/test_policy_losses.py")
 # GPU tests this check leaves out, and why (tests/tools/test_gpu_check.py holds every GPU-conditional file to one
 # of the two lists)
