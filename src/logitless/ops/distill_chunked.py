@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .divergence_terms import Divergence, HeadTransform
+from .divergence_terms import M_S, M_T, Divergence, HeadTransform
 from .maths import mm_fp32
-from .policy_chunked import max_chunk_rows, shifted_statistics
+from .policy_chunked import max_chunk_rows
 from .policy_parts import accumulate_product, product_into
 
 if TYPE_CHECKING:
@@ -41,12 +41,12 @@ class Head(NamedTuple):
     transform: HeadTransform
 
 
-def _global(tp: Optional["VocabParallel"], lse: Tensor, ent: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """The whole vocabulary's log-normaliser (and entropy) from this shard's."""
-    if tp is None:
-        return lse, ent
-    lse, ent, _ = tp.combine_stats(lse, ent, torch.zeros_like(lse))
-    return lse, ent
+def _whole(tp: Optional["VocabParallel"], divergence: Divergence, parts: Tensor) -> Tensor:
+    """The whole vocabulary's statistics [STAT_ROWS, c] from this shard's (one all-gather of the ranks' float64
+    [STAT_ROWS, c], combined in the same order on every rank)."""
+    if tp is None or tp.world_size == 1:
+        return parts
+    return divergence.combine_parts(tp.gather_rows(parts).permute(1, 2, 0))
 
 
 def _summed(tp: Optional["VocabParallel"], d: Tensor, a: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
@@ -112,15 +112,19 @@ def _torch_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTran
     products."""
     zs, tanh_s = student.logits(raw_s, it, keep_tanh=with_grad)
     zt, _ = teacher.logits(raw_t, it)
-    m, lse_s, ent = shifted_statistics(zs)            # zs now holds zs - m
-    lse_s, ent = _global(tp, lse_s, ent)
-    ls = zs.sub_((lse_s - m).unsqueeze(1))             # the student's log-probs, in place
-    lse_t, _ = _global(tp, torch.logsumexp(zt, dim=1), None)
-    lt = zt.sub_(lse_t.unsqueeze(1))
-    d, a, lm = divergence.partial_sums(ls, lt)
-    d, a = _summed(tp, d, a)
+    parts = divergence.part_statistics(zs, zt)       # zs, zt now hold x = z - (this shard's max)
+    rows = divergence.finish(_whole(tp, divergence, parts))
+    if tp is not None and tp.world_size > 1:          # x relative to the whole vocabulary's max
+        zs.add_((parts[M_S] - rows.m_s).float().unsqueeze(1))
+        zt.add_((parts[M_T] - rows.m_t).float().unsqueeze(1))
+    ls = zs.sub_(rows.g_s.unsqueeze(1))               # the log-probs (z - m) - g, in place
+    lt = zt.sub_(rows.g_t.unsqueeze(1))
+    d, a, lm = rows.d, None, None
+    if not divergence.one_pass:
+        d, a, lm = divergence.partial_sums(ls, lt)
+        d, a = _summed(tp, d, a)
     div_out.copy_(d)
-    ent_out.copy_(ent)
+    ent_out.copy_(rows.entropy)
     if not with_grad:
         return None
     dz = divergence.student_dlogits(ls, lt, d, a, lm)
@@ -130,19 +134,20 @@ def _torch_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTran
 
 def _kernel_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTransform, divergence: Divergence, tp,
                    div_out, ent_out, with_grad, dz_dtype, kernels) -> Optional[Tensor]:
-    """The same with the three kernels: each reads the two products once."""
-    lse_s, ent, lse_t = kernels.statistics(raw_s, raw_t, it, student, teacher)
-    lse_s, ent = _global(tp, lse_s, ent)
-    lse_t, _ = _global(tp, lse_t, None)
-    d, a = kernels.sums(raw_s, raw_t, it, lse_s, lse_t, divergence, student, teacher)
-    d, a = _summed(tp, d, a if divergence.kind == "jsd" else None)
+    """The same with the kernels: the statistics pass (the KL kinds' divergence with it), jsd's sums, the
+    dlogits; each reads the two products once."""
+    parts = kernels.statistics(raw_s, raw_t, it, divergence, student, teacher)
+    rows = divergence.finish(_whole(tp, divergence, parts))
+    d, a = rows.d, None
+    if not divergence.one_pass:
+        d, a = kernels.sums(raw_s, raw_t, it, rows, divergence, student, teacher)
+        d, a = _summed(tp, d, a)
     div_out.copy_(d)
-    ent_out.copy_(ent)
+    ent_out.copy_(rows.entropy)
     if not with_grad:
         return None
     dz = torch.empty(raw_s.shape, dtype=dz_dtype, device=raw_s.device)
-    return kernels.dlogits(raw_s, raw_t, it, lse_s, lse_t, d, d if a is None else a, w, divergence, student,
-                           teacher, dz)
+    return kernels.dlogits(raw_s, raw_t, it, rows, d, a, w, divergence, student, teacher, dz)
 
 
 def distill_pass_whole(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,
