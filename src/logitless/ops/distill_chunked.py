@@ -27,9 +27,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .divergence_terms import M_S, M_T, Divergence, HeadTransform
-from .maths import mm_fp32
+from .maths import accumulate_product, mm_fp32, tf32_products
 from .policy_chunked import max_chunk_rows
-from .policy_parts import accumulate_product, product_into
+from .policy_parts import product_into
+from .precision import GradOperands, Operands
 
 if TYPE_CHECKING:
     from ..parallel import VocabParallel
@@ -39,6 +40,30 @@ class Head(NamedTuple):
     hidden: Tensor
     weight: Tensor
     transform: HeadTransform
+    # a float32 head's precision operands (``precision.make_operands``; None: the operands themselves)
+    operands: Optional[Operands] = None
+
+
+def _products(head: Head, start: int, stop: int) -> Tensor:
+    """The float32 products [stop - start, V] of the head's rows start:stop: hidden @ weight.T, or its
+    precision's statistics operands (the split's bfloat16 [., kH] parts; TF32-rounded operands in TF32 dots)."""
+    ops = head.operands
+    if ops is None:
+        return mm_fp32(head.hidden[start:stop], head.weight.t())
+    with tf32_products(ops.tf32):
+        return mm_fp32(ops.hidden[start:stop], ops.weight.t())
+
+
+def _gradient_products(go: GradOperands, dz: Tensor, h_rows, dh: Optional[Tensor], acc: Optional[Tensor],
+                       first: bool) -> None:
+    """A chunk's d_hidden rows (into dh) and d_weight (onto acc) as the sums of a precision's products."""
+    if dh is not None:
+        for i, (a, b) in enumerate(go.products(dz, go.weight_parts)):
+            accumulate_product(dh, a, b, first=i == 0)
+    if acc is not None:
+        parts = tuple(t[h_rows] for t in go.hidden_parts)
+        for i, (a, b) in enumerate(go.products(dz.t(), parts)):
+            accumulate_product(acc, a, b, first=first and i == 0)
 
 
 def _whole(tp: Optional["VocabParallel"], divergence: Divergence, parts: Tensor) -> Tensor:
@@ -80,17 +105,22 @@ def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor
         # CPU chunks are small: a float32 accumulator, rounded once (as the policy pass does)
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dev)
     half_gemms = hs.is_cuda and hs.dtype != torch.float32
+    # a float32 student's gradient products under a precision other than plain IEEE (the split's parts)
+    go = student.operands.grad if student.operands is not None and with_grad else None
     for start in range(0, n, step):
         stop = min(n, start + step)
         it = inv_temp[start:stop]
         h = hs[start:stop]
-        raw_s = mm_fp32(h, ws.t())
-        raw_t = mm_fp32(teacher.hidden[start:stop], teacher.weight.t())
+        raw_s = _products(student, start, stop)
+        raw_t = _products(teacher, start, stop)
         stage = _kernel_stages if kernels is not None else _torch_stages
+        dz_dtype = go.dl_dtype if go is not None else hs.dtype if half_gemms else torch.float32
         dz = stage(raw_s, raw_t, it, token_w[start:stop], student.transform, teacher.transform, divergence, tp,
-                   div_out[start:stop], ent_out[start:stop], with_grad, hs.dtype if half_gemms else torch.float32,
-                   kernels)
+                   div_out[start:stop], ent_out[start:stop], with_grad, dz_dtype, kernels)
         if dz is None:
+            continue
+        if go is not None:
+            _gradient_products(go, dz, slice(start, stop), None if dh is None else dh[start:stop], acc, start == 0)
             continue
         if dh is not None:
             product_into(dh[start:stop], dz, ws)
