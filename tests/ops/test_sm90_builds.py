@@ -110,8 +110,9 @@ REQUIRED = {
     "split._split_kernel": dict(BLOCKS={"3", "6"}, BLOCK_R={"8"}, BLOCK_C={"512"}),
     "scale._scale_kernel": dict(BLOCK={"4096"}, UNROLL={"16"}),
     "set_products._set_products_kernel": dict(BLOCK={"128"}),
-    "distill_chunk._stats_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}, STEPS={"8"}),
-    "distill_chunk._sums_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
+    "distill_chunk._stats_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"},
+                                        STEPS={"8"}),
+    "distill_chunk._sums_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}),   # jsd's only
     "distill_chunk._dlogits_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
 }
 # operand types: bfloat16, float16 and float32 heads through the tile kernels (pointers or descriptors)
