@@ -214,7 +214,8 @@ def test_record_says_how_the_products_ran(s_dtype, t_dtype, want, backend):
     test_distillation_precision.py): a float32 head's products are IEEE float32 (the statistics whenever either
     head is float32, the gradient products when the student is) and half-precision ones exact ("native"), as
     fused_logprobs and fused_policy_loss record theirs. The numbers are IEEE float32's: within float32's
-    resolution of float64 (test_against_float64's bounds), which a float32 head multiplied in bfloat16 or TF32 would miss (a tenth of a nat, docs/precision.md)."""
+    resolution of float64 (test_against_float64's bounds), which a float32 head multiplied in bfloat16 or TF32
+    would miss (a tenth of a nat, docs/precision.md)."""
     hs, ws, ht, wt, labels = heads(s_dtype=s_dtype, t_dtype=t_dtype)
     fused_logprobs_record = last_precision()
     out, dh, dw = run(backend, hs, ws, ht, wt, labels, "jsd", 0.5)
