@@ -193,6 +193,13 @@ class VocabParallel:
                 ent_all += torch.exp(-shift) * (every[r, 2] + shift)
         return lse_all, ent_all, zy_all
 
+    def gather_rows(self, mine: Tensor) -> Tensor:
+        """[world_size, *mine.shape]: every rank's ``mine`` (same shape and dtype on every rank), in rank order;
+        one all-gather."""
+        every = mine.new_empty(self.world_size * mine.numel())
+        _gather_into(every, mine.contiguous().view(-1), self.group)
+        return every.view((self.world_size,) + tuple(mine.shape))
+
     def reduce_grad_hidden(self, dh: Tensor) -> Tensor:
         """float32 [N, H] partial d_hidden of this shard -> the full d_hidden (sum over the group) when
         ``reduce`` is True, else unchanged (the caller's own region op will reduce it)."""

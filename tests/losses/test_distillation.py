@@ -210,11 +210,12 @@ def test_compiled_fullgraph_matches_eager():
     (torch.bfloat16, torch.float32, ("ieee", "native")), (torch.float32, torch.float16, ("ieee", "ieee"))])
 @pytest.mark.parametrize("backend", ["chunked", "triton"])
 def test_record_says_how_the_products_ran(s_dtype, t_dtype, want, backend):
-    """last_precision() after the loss: the pass takes no precision setting; a float32 head's products are IEEE
-    float32 (the statistics whenever either head is float32, the gradient products when the student is) and
-    half-precision ones exact ("native"), as fused_logprobs and fused_policy_loss record theirs. The numbers
-    are IEEE float32's: within float32's resolution of float64 (test_against_float64's bounds), which a float32
-    head multiplied in bfloat16 or TF32 would miss (a tenth of a nat, docs/precision.md)."""
+    """last_precision() after the loss with the default precision (CPU: "ieee"; precision settings:
+    test_distillation_precision.py): a float32 head's products are IEEE float32 (the statistics whenever either
+    head is float32, the gradient products when the student is) and half-precision ones exact ("native"), as
+    fused_logprobs and fused_policy_loss record theirs. The numbers are IEEE float32's: within float32's
+    resolution of float64 (test_against_float64's bounds), which a float32 head multiplied in bfloat16 or TF32
+    would miss (a tenth of a nat, docs/precision.md)."""
     hs, ws, ht, wt, labels = heads(s_dtype=s_dtype, t_dtype=t_dtype)
     fused_logprobs_record = last_precision()
     out, dh, dw = run(backend, hs, ws, ht, wt, labels, "jsd", 0.5)

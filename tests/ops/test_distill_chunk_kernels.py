@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from logitless.ops.divergence_terms import Divergence, HeadTransform
-from logitless.ops.policy_chunked import shifted_statistics
 from logitless.ops.triton.common import INTERPRETING
 
 pytestmark = pytest.mark.skipif(not INTERPRETING and not torch.cuda.is_available(),
@@ -29,22 +28,28 @@ def test_kernels_follow_the_definitions(div, heads):
 
     zs, tanh_s = student.logits(raw_s.clone(), it, keep_tanh=True)
     zt, _ = teacher.logits(raw_t.clone(), it)
-    m, lse_s, ent = shifted_statistics(zs.clone())
-    lse_t = torch.logsumexp(zt, dim=1)
-    ls, lt = zs - lse_s.unsqueeze(1), zt - lse_t.unsqueeze(1)
+    # the definitions in float64 from the same float32 logits
+    ls, lt = zs.double().log_softmax(dim=1), zt.double().log_softmax(dim=1)
+    ent = -(ls.exp() * ls).sum(dim=1)
     d, a, lm = div.partial_sums(ls, lt)
-    dz = student.chain(div.student_dlogits(ls, lt, d, a, lm).mul_(w.unsqueeze(1)), it, tanh_s)
+    dz = student.chain(div.student_dlogits(ls, lt, d, a, lm).mul_(w.double().unsqueeze(1)), it.double(),
+                       None if tanh_s is None else tanh_s.double())
 
-    got_lse_s, got_ent, got_lse_t = k.statistics(raw_s, raw_t, it, student, teacher)
-    for got, want in ((got_lse_s, lse_s), (got_ent, ent), (got_lse_t, lse_t)):
-        assert torch.allclose(got, want, rtol=1e-6, atol=1e-5), (got - want).abs().max()
-    got_d, got_a = k.sums(raw_s, raw_t, it, lse_s, lse_t, div, student, teacher)
-    assert torch.allclose(got_d, d, rtol=1e-5, atol=1e-6), (got_d - d).abs().max()
-    if a is not None:
+    rows = div.finish(k.statistics(raw_s, raw_t, it, div, student, teacher))
+    # the row maxima (the kernel's tanh is one exp2 away from torch's: an ulp)
+    assert torch.allclose(rows.m_s, zs.amax(dim=1), rtol=1e-6) and torch.allclose(rows.m_t, zt.amax(dim=1), rtol=1e-6)
+    for got, want in ((rows.m_s + rows.g_s, torch.logsumexp(zs.double(), 1)), (rows.entropy, ent),
+                      (rows.m_t + rows.g_t, torch.logsumexp(zt.double(), 1))):
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-5), (got - want).abs().max()
+    if div.one_pass:
+        got_d, got_a = rows.d, None
+    else:
+        got_d, got_a = k.sums(raw_s, raw_t, it, rows, div, student, teacher)
         assert torch.allclose(got_a, a, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got_d, d, rtol=1e-5, atol=1e-6), (got_d - d).abs().max()
     out = torch.empty(c, v, device=DEV)
-    k.dlogits(raw_s, raw_t, it, lse_s, lse_t, d, d if a is None else a, w, div, student, teacher, out)
+    k.dlogits(raw_s, raw_t, it, rows, got_d, got_a, w, div, student, teacher, out)
     assert (out - dz).abs().max() <= 1e-5 * dz.abs().max(), (out - dz).abs().max()
     half = torch.empty(c, v, device=DEV, dtype=torch.bfloat16)
-    k.dlogits(raw_s, raw_t, it, lse_s, lse_t, d, d if a is None else a, w, div, student, teacher, half)
+    k.dlogits(raw_s, raw_t, it, rows, got_d, got_a, w, div, student, teacher, half)
     assert torch.equal(half, out.bfloat16()) or (half.float() - dz).abs().max() <= 1e-2 * dz.abs().max()

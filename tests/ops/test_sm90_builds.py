@@ -113,8 +113,9 @@ REQUIRED = {
     "topk_select._candidates_kernel": dict(C={"1", "4", "8"}, SOFTCAP={"True", "False"},
                                            BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
     "topk_select._finish_kernel": dict(K={"3", "32", "128"}),
-    "distill_chunk._stats_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}, STEPS={"8"}),
-    "distill_chunk._sums_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
+    "distill_chunk._stats_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"},
+                                        STEPS={"8"}),
+    "distill_chunk._sums_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}),   # jsd's only
     "distill_chunk._dlogits_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"}),
 }
 # operand types: bfloat16, float16 and float32 heads through the tile kernels (pointers or descriptors)

@@ -24,6 +24,7 @@ from ..ops.distill_chunked import Head, distill_pass_for
 from ..ops.divergence_terms import Divergence, HeadTransform
 from ..ops.function import _layout
 from ..ops.maths import no_autocast
+from ..ops.precision import make_operands, resolve
 from ..record import record_backend
 from .function import hand_out_gradients  # (its module registers logitless::scale_by_upstream_)
 
@@ -61,13 +62,25 @@ def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int, 
     return None if count == labels.numel() else torch.nonzero_static(valid, size=count).squeeze(1)
 
 
-def products_ran(student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> tuple[str, str]:
-    """(statistics, gradients) for ``last_precision()``: how the pass multiplied. It takes no precision setting:
-    float32 operands are IEEE float32 products (``maths.mm_fp32``, a float32 dlogits for a float32 student),
-    half-precision ones exact ("native"). The statistics are "ieee" when either head is float32 (the other
-    head's half-precision products are exact anyway); the gradient products are the student's alone."""
-    stats = "ieee" if torch.float32 in (student_dtype, teacher_dtype) else "native"
-    return stats, "ieee" if student_dtype == torch.float32 else "native"
+def precisions(precision, grad_precision, s_hidden: Tensor, t_hidden: Tensor) -> tuple[str, str, str]:
+    """(student statistics, student gradients, teacher statistics) as ``ops.precision.resolve`` gives them:
+    ``precision`` multiplies every float32 head's logits, ``grad_precision`` the student's gradient products.
+    TypeError / ValueError (naming the argument) for a setting with no effect: ``precision`` when neither head
+    is float32, ``grad_precision`` for a half-precision student."""
+    dev = s_hidden.device
+    if s_hidden.dtype == torch.float32:
+        s_stats, s_grad = resolve(precision, grad_precision, torch.float32, dev)
+        t_stats = s_stats if t_hidden.dtype == torch.float32 else "native"
+        return s_stats, s_grad, t_stats
+    resolve(None, grad_precision, s_hidden.dtype, dev)
+    t_stats, _ = resolve(precision, None, t_hidden.dtype, dev)
+    return "native", "native", t_stats
+
+
+def products_ran(s_stats: str, s_grad: str, t_stats: str) -> tuple[str, str]:
+    """(statistics, gradients) for ``last_precision()``: the float32 head's precision (the student's when both
+    are float32: they share it), "native" for half-precision heads; the gradient products are the student's."""
+    return (s_stats if s_stats != "native" else t_stats), s_grad
 
 
 @torch.library.custom_op("logitless::checked_count", mutates_args=())
@@ -88,7 +101,8 @@ def _checked_count_fake(count):
 def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: Tensor, labels: Tensor,
                 inv_temp: Tensor, token_w: Tensor, *, kind: str, beta: float, s_scale: float, s_softcap: float,
                 t_scale: float, t_softcap: float, backend: str, ignore_index: int, tp_group: Optional[str],
-                reduce_grad_hidden: bool, need_dh: bool, need_dw: bool, check_inputs: bool = True
+                reduce_grad_hidden: bool, need_dh: bool, need_dw: bool, check_inputs: bool = True,
+                precision: str = "native", grad_precision: str = "native", t_precision: str = "native"
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     with no_autocast(s_hidden):
         tp = _layout(tp_group, s_weight, reduce_grad_hidden)
@@ -115,8 +129,13 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
 
         def pick(t: Tensor) -> Tensor:
             return t if rows is None else t.index_select(0, rows)
-        student = Head(pick(s_hidden), s_weight, HeadTransform(s_scale, _none_if_nan(s_softcap)))
-        teacher = Head(pick(t_hidden), t_weight, HeadTransform(t_scale, _none_if_nan(t_softcap)))
+        hs, ht = pick(s_hidden), pick(t_hidden)
+        # a float32 head's precision operands (the split's parts), made here and dropped with the pass
+        s_ops = make_operands(hs, s_weight, precision, grad_precision, with_grad=need_dh or need_dw) \
+            if precision != "native" else None
+        t_ops = make_operands(ht, t_weight, t_precision, "ieee", with_grad=False) if t_precision != "native" else None
+        student = Head(hs, s_weight, HeadTransform(s_scale, _none_if_nan(s_softcap)), s_ops)
+        teacher = Head(ht, t_weight, HeadTransform(t_scale, _none_if_nan(t_softcap)), t_ops)
         w = pick(token_w)
         n, dev = student.hidden.shape[0], s_hidden.device
         dh = None
@@ -132,7 +151,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
         if not check_inputs:
             div, ent = div.masked_fill(~valid, 0.0), ent.masked_fill(~valid, 0.0)
         loss = (w.double() * div.double()).sum().float()
-        record_backend(backend, products_ran(s_hidden.dtype, t_hidden.dtype))
+        record_backend(backend, products_ran(precision, grad_precision, t_precision))
         if dh is not None:
             if tp is not None:
                 dh = tp.reduce_grad_hidden(dh)
@@ -149,7 +168,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
 @_distill_op.register_fake
 def _distill_fake(s_hidden, s_weight, t_hidden, t_weight, labels, inv_temp, token_w, *, kind, beta, s_scale,
                   s_softcap, t_scale, t_softcap, backend, ignore_index, tp_group, reduce_grad_hidden, need_dh,
-                  need_dw, check_inputs=True):
+                  need_dw, check_inputs=True, precision="native", grad_precision="native", t_precision="native"):
     n = labels.shape[0]
     return (s_hidden.new_empty((), dtype=torch.float32), s_hidden.new_empty(n, dtype=torch.float32),
             s_hidden.new_empty(n, dtype=torch.float32), s_hidden.new_empty(s_hidden.shape if need_dh else (0,)),
@@ -174,9 +193,10 @@ _distill_op.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_distillation_loss_op(student: Head, teacher: Head, labels: Tensor, inv_temp: Tensor, token_w: Tensor,
                                divergence: Divergence, *, backend: str, ignore_index: int, tp_group: Optional[str],
-                               reduce_grad_hidden: bool, need_dh: bool, need_dw: bool, check_inputs: bool = True):
+                               reduce_grad_hidden: bool, need_dh: bool, need_dw: bool, check_inputs: bool = True,
+                               precisions: tuple = ("native", "native", "native")):
     """(loss, divergence [N], entropy [N]) of the op; hidden [N, H] of each head, labels / inv_temp / token_w
-    [N], as checked by ``losses.distillation``."""
+    [N], as checked by ``losses.distillation``; precisions: ``precisions()``'s."""
     def number(x: Optional[float]) -> float:
         return math.nan if x is None else float(x)
     out = torch.ops.logitless.fused_distillation_loss(
@@ -185,5 +205,5 @@ def fused_distillation_loss_op(student: Head, teacher: Head, labels: Tensor, inv
         s_softcap=number(student.transform.softcap), t_scale=float(teacher.transform.scale),
         t_softcap=number(teacher.transform.softcap), backend=backend, ignore_index=ignore_index,
         tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, need_dh=need_dh, need_dw=need_dw,
-        check_inputs=check_inputs)
+        check_inputs=check_inputs, precision=precisions[0], grad_precision=precisions[1], t_precision=precisions[2])
     return out[:3]

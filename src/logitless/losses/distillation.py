@@ -25,7 +25,7 @@ from ..api import check_head, inv_temperature, tp_group_name
 from ..ops.distill_chunked import Head
 from ..ops.divergence_terms import FULL_VOCAB_DIVERGENCES, TAKES_BETA, Divergence, HeadTransform
 from .aggregate import check_agg_layout, check_cu_seqlens, check_loss_agg, cu_seqlens_error, token_weights
-from .distill_function import checked_count, fused_distillation_loss_op
+from .distill_function import checked_count, fused_distillation_loss_op, precisions
 from .distill_topk import TOPK_DIVERGENCES, log_prob_clamp, topk_divergence
 
 DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
@@ -188,6 +188,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
                             teacher_logit_scale: float = 1.0, student_softcap: Optional[float] = None,
                             teacher_softcap: Optional[float] = None, ignore_index: int = -100, tp_group=None,
                             reduce_grad_hidden: bool = True, backend: str = "auto", check_inputs: bool = True,
+                            precision: Optional[str] = None, grad_precision: Optional[str] = None,
                             **topk_settings) -> DistillationOutput:
     """The distillation loss straight from the LM heads, without the [tokens x vocab] logits.
 
@@ -224,6 +225,11 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             rows that are not scored get inverse temperature 1, weight 0 and outputs 0 (NaN padding in the
             per-token inputs there is harmless; a non-finite hidden state there reaches d_weight), as in
             ``fused_logprobs``.
+        precision, grad_precision: how float32 operands are multiplied, as in ``logitless.fused_logprobs``
+            (default: the three-product bfloat16 split on CUDA, IEEE float32 elsewhere): ``precision`` for the
+            logits of every float32 head, ``grad_precision`` for the student's gradient products; an error for a
+            setting with no effect (no float32 head, a half-precision student). ``logitless.last_precision()``
+            says what ran. Full-vocabulary divergences only.
         topk_settings: the top-k divergences' settings (verl's clamps); refused for the full-vocabulary ones.
 
     Returns:
@@ -235,6 +241,10 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
     checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     checks.boolean(check_inputs, "check_inputs")
     if div is None:
+        for name, value in (("precision", precision), ("grad_precision", grad_precision)):
+            if value is not None:
+                raise ValueError(f"{name} is taken by the full-vocabulary divergences; divergence={divergence!r} "
+                                 "multiplies a float32 student in IEEE float32: leave it None")
         for name, value in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
             if value is not None:
                 raise ValueError(f"{name} is for the full-vocabulary divergences; divergence={divergence!r} "
@@ -274,6 +284,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
     teacher = HeadTransform(_logit_scale(teacher_logit_scale, "teacher_logit_scale"),
                             _softcap(teacher_softcap, "teacher_softcap"))
     backend = _backend(backend, s_hidden)
+    precision = precisions(precision, grad_precision, s_hidden, t_hidden)
     token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight,
                              check_inputs)
     inv_temp = inv_temperature(temperature, labels, check_values=False)
@@ -283,7 +294,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
         Head(t_hidden.detach().reshape(-1, t_hidden.shape[-1]), t_weight.detach(), teacher),
         labels.reshape(-1).long(), inv_temp, token_w, div, backend=backend, ignore_index=ignore_index,
         tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs,
-        need_dh=grad and s_hidden.requires_grad, need_dw=grad and s_weight.requires_grad)
+        need_dh=grad and s_hidden.requires_grad, need_dw=grad and s_weight.requires_grad, precisions=precision)
     valid = labels != ignore_index
     # TRL's logged entropy: the scored tokens' sum over their count (0 with none, as TRL logs it)
     mean_entropy = entropy.sum() / valid.sum().clamp_min(1)

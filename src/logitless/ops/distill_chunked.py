@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .divergence_terms import Divergence, HeadTransform
-from .maths import mm_fp32
-from .policy_chunked import max_chunk_rows, shifted_statistics
-from .policy_parts import accumulate_product, product_into
+from .divergence_terms import M_S, M_T, Divergence, HeadTransform
+from .maths import accumulate_product, mm_fp32, tf32_products
+from .policy_chunked import max_chunk_rows
+from .policy_parts import product_into
+from .precision import GradOperands, Operands
 
 if TYPE_CHECKING:
     from ..parallel import VocabParallel
@@ -39,14 +40,38 @@ class Head(NamedTuple):
     hidden: Tensor
     weight: Tensor
     transform: HeadTransform
+    # a float32 head's precision operands (``precision.make_operands``; None: the operands themselves)
+    operands: Optional[Operands] = None
 
 
-def _global(tp: Optional["VocabParallel"], lse: Tensor, ent: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """The whole vocabulary's log-normaliser (and entropy) from this shard's."""
-    if tp is None:
-        return lse, ent
-    lse, ent, _ = tp.combine_stats(lse, ent, torch.zeros_like(lse))
-    return lse, ent
+def _products(head: Head, start: int, stop: int) -> Tensor:
+    """The float32 products [stop - start, V] of the head's rows start:stop: hidden @ weight.T, or its
+    precision's statistics operands (the split's bfloat16 [., kH] parts; TF32-rounded operands in TF32 dots)."""
+    ops = head.operands
+    if ops is None:
+        return mm_fp32(head.hidden[start:stop], head.weight.t())
+    with tf32_products(ops.tf32):
+        return mm_fp32(ops.hidden[start:stop], ops.weight.t())
+
+
+def _gradient_products(go: GradOperands, dz: Tensor, h_rows, dh: Optional[Tensor], acc: Optional[Tensor],
+                       first: bool) -> None:
+    """A chunk's d_hidden rows (into dh) and d_weight (onto acc) as the sums of a precision's products."""
+    if dh is not None:
+        for i, (a, b) in enumerate(go.products(dz, go.weight_parts)):
+            accumulate_product(dh, a, b, first=i == 0)
+    if acc is not None:
+        parts = tuple(t[h_rows] for t in go.hidden_parts)
+        for i, (a, b) in enumerate(go.products(dz.t(), parts)):
+            accumulate_product(acc, a, b, first=first and i == 0)
+
+
+def _whole(tp: Optional["VocabParallel"], divergence: Divergence, parts: Tensor) -> Tensor:
+    """The whole vocabulary's statistics [STAT_ROWS, c] from this shard's (one all-gather of the ranks' float64
+    [STAT_ROWS, c], combined in the same order on every rank)."""
+    if tp is None or tp.world_size == 1:
+        return parts
+    return divergence.combine_parts(tp.gather_rows(parts).permute(1, 2, 0))
 
 
 def _summed(tp: Optional["VocabParallel"], d: Tensor, a: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
@@ -80,17 +105,22 @@ def distill_pass(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor
         # CPU chunks are small: a float32 accumulator, rounded once (as the policy pass does)
         acc = torch.empty(dw.shape, dtype=torch.float32, device=dev)
     half_gemms = hs.is_cuda and hs.dtype != torch.float32
+    # a float32 student's gradient products under a precision other than plain IEEE (the split's parts)
+    go = student.operands.grad if student.operands is not None and with_grad else None
     for start in range(0, n, step):
         stop = min(n, start + step)
         it = inv_temp[start:stop]
         h = hs[start:stop]
-        raw_s = mm_fp32(h, ws.t())
-        raw_t = mm_fp32(teacher.hidden[start:stop], teacher.weight.t())
+        raw_s = _products(student, start, stop)
+        raw_t = _products(teacher, start, stop)
         stage = _kernel_stages if kernels is not None else _torch_stages
+        dz_dtype = go.dl_dtype if go is not None else hs.dtype if half_gemms else torch.float32
         dz = stage(raw_s, raw_t, it, token_w[start:stop], student.transform, teacher.transform, divergence, tp,
-                   div_out[start:stop], ent_out[start:stop], with_grad, hs.dtype if half_gemms else torch.float32,
-                   kernels)
+                   div_out[start:stop], ent_out[start:stop], with_grad, dz_dtype, kernels)
         if dz is None:
+            continue
+        if go is not None:
+            _gradient_products(go, dz, slice(start, stop), None if dh is None else dh[start:stop], acc, start == 0)
             continue
         if dh is not None:
             product_into(dh[start:stop], dz, ws)
@@ -112,15 +142,19 @@ def _torch_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTran
     products."""
     zs, tanh_s = student.logits(raw_s, it, keep_tanh=with_grad)
     zt, _ = teacher.logits(raw_t, it)
-    m, lse_s, ent = shifted_statistics(zs)            # zs now holds zs - m
-    lse_s, ent = _global(tp, lse_s, ent)
-    ls = zs.sub_((lse_s - m).unsqueeze(1))             # the student's log-probs, in place
-    lse_t, _ = _global(tp, torch.logsumexp(zt, dim=1), None)
-    lt = zt.sub_(lse_t.unsqueeze(1))
-    d, a, lm = divergence.partial_sums(ls, lt)
-    d, a = _summed(tp, d, a)
+    parts = divergence.part_statistics(zs, zt)       # zs, zt now hold x = z - (this shard's max)
+    rows = divergence.finish(_whole(tp, divergence, parts))
+    if tp is not None and tp.world_size > 1:          # x relative to the whole vocabulary's max
+        zs.add_((parts[M_S] - rows.m_s).float().unsqueeze(1))
+        zt.add_((parts[M_T] - rows.m_t).float().unsqueeze(1))
+    ls = zs.sub_(rows.g_s.unsqueeze(1))               # the log-probs (z - m) - g, in place
+    lt = zt.sub_(rows.g_t.unsqueeze(1))
+    d, a, lm = rows.d, None, None
+    if not divergence.one_pass:
+        d, a, lm = divergence.partial_sums(ls, lt)
+        d, a = _summed(tp, d, a)
     div_out.copy_(d)
-    ent_out.copy_(ent)
+    ent_out.copy_(rows.entropy)
     if not with_grad:
         return None
     dz = divergence.student_dlogits(ls, lt, d, a, lm)
@@ -130,19 +164,20 @@ def _torch_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTran
 
 def _kernel_stages(raw_s, raw_t, it, w, student: HeadTransform, teacher: HeadTransform, divergence: Divergence, tp,
                    div_out, ent_out, with_grad, dz_dtype, kernels) -> Optional[Tensor]:
-    """The same with the three kernels: each reads the two products once."""
-    lse_s, ent, lse_t = kernels.statistics(raw_s, raw_t, it, student, teacher)
-    lse_s, ent = _global(tp, lse_s, ent)
-    lse_t, _ = _global(tp, lse_t, None)
-    d, a = kernels.sums(raw_s, raw_t, it, lse_s, lse_t, divergence, student, teacher)
-    d, a = _summed(tp, d, a if divergence.kind == "jsd" else None)
+    """The same with the kernels: the statistics pass (the KL kinds' divergence with it), jsd's sums, the
+    dlogits; each reads the two products once."""
+    parts = kernels.statistics(raw_s, raw_t, it, divergence, student, teacher)
+    rows = divergence.finish(_whole(tp, divergence, parts))
+    d, a = rows.d, None
+    if not divergence.one_pass:
+        d, a = kernels.sums(raw_s, raw_t, it, rows, divergence, student, teacher)
+        d, a = _summed(tp, d, a)
     div_out.copy_(d)
-    ent_out.copy_(ent)
+    ent_out.copy_(rows.entropy)
     if not with_grad:
         return None
     dz = torch.empty(raw_s.shape, dtype=dz_dtype, device=raw_s.device)
-    return kernels.dlogits(raw_s, raw_t, it, lse_s, lse_t, d, d if a is None else a, w, divergence, student,
-                           teacher, dz)
+    return kernels.dlogits(raw_s, raw_t, it, rows, d, a, w, divergence, student, teacher, dz)
 
 
 def distill_pass_whole(student: Head, teacher: Head, inv_temp: Tensor, token_w: Tensor, divergence: Divergence,

@@ -1,0 +1,85 @@
+"""fused_distillation_loss takes ``precision`` / ``grad_precision`` for float32 operands as fused_logprobs does
+(ops/precision.py): the split products for every float32 head's logits, the student's gradient products, named by
+last_precision(); a setting with no effect is an error. Against float64 (V = 4099, H 96 and 80, N 7)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from logitless import last_precision
+from logitless.losses import fused_distillation_loss
+from logitless.ops.triton.common import INTERPRETING
+
+V, N = 4099, 7
+BACKENDS = ["chunked"] + (["triton"] if INTERPRETING or torch.cuda.is_available() else [])
+# (precision, grad_precision) -> (recorded, divergence bound, gradient bound relative to the largest element)
+CASES = {("bf16x6", "bf16x6"): (("bf16x6", "bf16x6"), 2e-5, 1e-4),
+         ("bf16x3", None): (("bf16x3", "bf16"), 5e-4, 3e-2),
+         ("bf16x3", "bf16x3"): (("bf16x3", "bf16x3"), 5e-4, 5e-4),
+         ("tf32", None): (("tf32", "bf16"), 2e-2, 3e-2)}
+
+
+def heads(s_dtype=torch.float32, t_dtype=torch.float32):
+    g = torch.Generator().manual_seed(41)
+    return (torch.randn(N, 96, generator=g).to(s_dtype), (torch.randn(V, 96, generator=g) / 4).to(s_dtype),
+            torch.randn(N, 80, generator=g).to(t_dtype), (torch.randn(V, 80, generator=g) / 3).to(t_dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("setting", list(CASES))
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.3)])
+def test_precisions_against_float64(backend, setting, divergence, beta):
+    recorded, div_tol, grad_tol = CASES[setting]
+    hs, ws, ht, wt = heads()
+    h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = fused_distillation_loss(h, w, torch.zeros(N, dtype=torch.long), teacher_hidden=ht, teacher_weight=wt,
+                                  divergence=divergence, beta=beta, temperature=0.7, backend=backend,
+                                  precision=setting[0], grad_precision=setting[1])
+    out.loss.backward()
+    assert last_precision() == recorded
+    h64, w64 = hs.double().requires_grad_(), ws.double().requires_grad_()
+    ls = (h64 @ w64.T / 0.7).log_softmax(-1)
+    lt = (ht.double() @ wt.double().T / 0.7).log_softmax(-1)
+    if divergence == "forward_kl":
+        want = (lt.exp() * (lt - ls)).sum(-1)
+    elif divergence == "reverse_kl":
+        want = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+        want = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    want.mean().backward()
+    assert (out.divergence.double() - want).abs().max() <= div_tol
+    for got, ref in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert (got.double() - ref).abs().max() <= grad_tol * ref.abs().max()
+
+
+def test_teacher_alone_float32():
+    """A bfloat16 student and a float32 teacher: precision is the teacher's; grad_precision has no effect."""
+    hs, ws, ht, wt = heads(s_dtype=torch.bfloat16)
+    fused_distillation_loss(hs, ws, torch.zeros(N, dtype=torch.long), teacher_hidden=ht, teacher_weight=wt,
+                            divergence="forward_kl", precision="bf16x6")
+    assert last_precision() == ("bf16x6", "native")
+    with pytest.raises(ValueError, match="grad_precision"):
+        fused_distillation_loss(hs, ws, torch.zeros(N, dtype=torch.long), teacher_hidden=ht, teacher_weight=wt,
+                                divergence="forward_kl", grad_precision="bf16x3")
+
+
+def test_settings_without_effect_refused():
+    hs, ws, ht, wt = heads(torch.bfloat16, torch.bfloat16)
+    labels = torch.zeros(N, dtype=torch.long)
+    with pytest.raises(ValueError, match="precision"):
+        fused_distillation_loss(hs, ws, labels, teacher_hidden=ht, teacher_weight=wt, divergence="jsd", beta=0.5,
+                                precision="bf16x3")
+    with pytest.raises(ValueError, match="precision"):
+        fused_distillation_loss(hs.float(), ws.float(), labels, teacher_hidden=ht, teacher_weight=wt,
+                                divergence="jsd", beta=0.5, precision="fp64")
+    with pytest.raises(TypeError, match="precision"):
+        fused_distillation_loss(hs.float(), ws.float(), labels, teacher_hidden=ht, teacher_weight=wt,
+                                divergence="jsd", beta=0.5, precision=3)
+    ids = torch.zeros(N, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="precision"):
+        fused_distillation_loss(hs.float(), ws.float(), labels, teacher_topk_ids=ids,
+                                teacher_topk_logprobs=torch.zeros(N, 2), divergence="forward_kl_topk",
+                                precision="bf16x3")
