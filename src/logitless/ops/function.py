@@ -34,7 +34,7 @@ from .. import checks
 from ..record import record_backend
 from . import token_chunks
 from .maths import no_autocast, tf32_products
-from .precision import make_operands
+from .precision import choose, make_operands, public_name
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -152,6 +152,8 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
     n = hidden.shape[0]
     valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True,
                                     hidden=hidden)
+    # the adaptive split's products (the operands tested inside the checks' synchronisation, or the caller's claim)
+    precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
     if rows is not None:
         local, inv_temp = local[rows], inv_temp[rows]
     if local.shape[0] == 0:   # no scored tokens: no kernel launch
@@ -164,6 +166,9 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         with tf32_products(ops is not None and ops.tf32):
             lse, ent, zy = token_chunks.stats(mod, h_stats, w_stats, local, inv_temp, rows, with_entropy, softcap)
         del ops, h_stats, w_stats
+    if poison is not None:   # NaN where an unchecked call's bf16_exact claim is false (every rank's, under TP)
+        lse = lse + poison
+        ent = ent + poison if ent is not None else None
     if tp is not None:
         lse, ent, zy = tp.combine_stats(lse, ent, zy)
     lp = zy - lse
@@ -176,7 +181,7 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = torch.where(valid, ent, zero) if with_entropy else None
     elif lse is ent:   # the outputs must not alias each other
         ent = ent.clone()
-    record_backend(mod.name, (precision, grad_precision))
+    record_backend(mod.name, (public_name(precision), grad_precision))
     return lp, ent if with_entropy else lp.new_empty(0), lse
 
 
@@ -221,6 +226,11 @@ def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse,
         # every row is computed: an ignored row's coefficients are 0, so its dlogits are 0 (for finite hidden)
         g_lp = torch.where(valid, g_lp, 0.0)
         g_ent = torch.where(valid, g_ent, 0.0) if g_ent is not None else None
+    # the forward's products again (the same operands: the same choice)
+    precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
+    if poison is not None:
+        g_lp = g_lp + poison
+        g_ent = g_ent + poison if g_ent is not None else None
     finish = tp.reduce_grad_hidden if tp is not None else (lambda dh: dh)
     # the split again (forward and backward each make their own: nothing but hidden and weight is saved)
     ops = make_operands(hidden, weight, precision, grad_precision)
