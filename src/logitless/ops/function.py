@@ -33,8 +33,8 @@ from torch import Tensor
 from .. import checks
 from ..record import record_backend
 from . import token_chunks
-from .maths import no_autocast, tf32_products
-from .precision import choose, make_operands, public_name
+from .maths import no_autocast, split_in_kernel, tf32_products
+from .precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -129,6 +129,14 @@ def _kept_rows(labels: Tensor, inv_temp: Tensor, weight: Tensor, tp: Optional["V
     return valid, rows, torch.where(here, local, torch.full_like(local, -1))
 
 
+def _operands(mod, hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, with_grad: bool = True):
+    """A precision's operands (``precision.make_operands``); for the triton backend's split precisions the float32
+    operands themselves, split in its kernels' registers (``precision.kernel_operands``: no split copy)."""
+    if mod.name == "triton" and precision in IN_KERNEL:
+        return kernel_operands(hidden, weight, precision, grad_precision)
+    return make_operands(hidden, weight, precision, grad_precision, with_grad=with_grad)
+
+
 def _scatter(values: Tensor, rows: Tensor, n: int) -> Tensor:
     return values.new_zeros(n).index_copy_(0, rows, values)
 
@@ -161,9 +169,9 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = lse if with_entropy else None
     else:
         # a precision's statistics operands (the split, made here and dropped after: never saved for backward)
-        ops = make_operands(hidden, weight, precision, grad_precision, with_grad=False)
+        ops = _operands(mod, hidden, weight, precision, grad_precision, with_grad=False)
         h_stats, w_stats = (hidden, weight) if ops is None else (ops.hidden, ops.weight)
-        with tf32_products(ops is not None and ops.tf32):
+        with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
             lse, ent, zy = token_chunks.stats(mod, h_stats, w_stats, local, inv_temp, rows, with_entropy, softcap)
         del ops, h_stats, w_stats
     if poison is not None:   # NaN where an unchecked call's bf16_exact claim is false (every rank's, under TP)
@@ -233,8 +241,8 @@ def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse,
         g_ent = g_ent + poison if g_ent is not None else None
     finish = tp.reduce_grad_hidden if tp is not None else (lambda dh: dh)
     # the split again (forward and backward each make their own: nothing but hidden and weight is saved)
-    ops = make_operands(hidden, weight, precision, grad_precision)
-    with tf32_products(ops is not None and ops.tf32):
+    ops = _operands(mod, hidden, weight, precision, grad_precision)
+    with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
         dh, dw = token_chunks.grads(mod, hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, rows, need_dh,
                                     need_dw, softcap, finish, operands=ops)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))

@@ -228,6 +228,9 @@ class GradOperands:
     dl_parts: int
     dl_dtype: torch.dtype
     out_dtype: torch.dtype
+    # > 0: weight_parts is (the float32 weight,), split into this many parts per block of rows when used
+    # (``weight_rows``): no [V, H] copy of its parts (the in-kernel split's backward)
+    split_weight_rows: int = 0
 
     @staticmethod
     def plain(hidden: Tensor, weight: Tensor, dl_dtype: Optional[torch.dtype] = None) -> "GradOperands":
@@ -238,7 +241,13 @@ class GradOperands:
         """The same products for hidden's rows ``index`` (a slice, or an int64 tensor of rows)."""
         pick = (lambda t: t[index]) if isinstance(index, slice) else (lambda t: t.index_select(0, index))
         return GradOperands(tuple(pick(t) for t in self.hidden_parts), self.weight_parts, self.pairs, self.dl_parts,
-                            self.dl_dtype, self.out_dtype)
+                            self.dl_dtype, self.out_dtype, self.split_weight_rows)
+
+    def weight_rows(self, start: int, stop: int) -> list:
+        """The weight's parts, rows start..stop (views, or that block split now)."""
+        if self.split_weight_rows:
+            return split_parts(self.weight_parts[0][start:stop], self.split_weight_rows)
+        return [w[start:stop] for w in self.weight_parts]
 
     @property
     def hidden_size(self) -> int:
@@ -264,6 +273,7 @@ class Operands:
     weight: Tensor
     grad: GradOperands
     tf32: bool = False
+    split: Optional[str] = None   # the products the kernels split in registers (``maths.split_in_kernel``)
 
 
 def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str,
@@ -299,6 +309,24 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
     grad = _grad_operands(hidden, weight, grad_precision, h_views, w_views) if with_grad else \
         GradOperands.plain(hidden, weight)
     return Operands(h_stats, w_stats, grad, tf32)
+
+
+# the products a backend's kernels can split in registers from the float32 operands (``kernel_operands``); bf16x1
+# keeps its bfloat16 copies, the bfloat16 path's own kernels and tiles (its statistics bit for bit)
+IN_KERNEL = ("bf16x2", "bf16x2w", "bf16x3")
+
+
+def kernel_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str) -> Operands:
+    """The operands of ``precision`` (one of ``IN_KERNEL``) for a backend whose kernels split float32 tiles in
+    registers: the statistics operands are hidden and weight themselves (``Operands.split`` names the products),
+    and the "bf16" gradient products take the weight's bfloat16 part block by block (``weight_rows``) and
+    hidden's once ([N, H] bfloat16): no split copy of the weight. Other gradient precisions: their parts."""
+    if grad_precision == "bf16":
+        grad = GradOperands((hidden.to(torch.bfloat16),), (weight,), ((0, 0),), 1, torch.bfloat16, weight.dtype,
+                            split_weight_rows=1)
+    else:
+        grad = _grad_operands(hidden, weight, grad_precision, None, None)
+    return Operands(hidden, weight, grad, split=precision)
 
 
 def _leading(views: dict, parts: int) -> tuple:
