@@ -149,8 +149,10 @@ def test_policy_loss_against_float64(backend, precision, grad_precision):
 
 def test_defaults_by_device_and_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    # float32 on CUDA: the three-product split, bfloat16 gradient products; elsewhere native IEEE float32
-    assert resolve(None, None, torch.float32, cuda) == ("bf16x3", "bf16")
+    # float32 on CUDA: the adaptive split (decided per call), bfloat16 gradient products; elsewhere IEEE float32
+    assert resolve(None, None, torch.float32, cuda) == ("split", "bf16")
+    assert resolve(None, None, torch.float32, cuda, "hidden") == ("split:hidden", "bf16")
+    assert resolve(None, None, torch.float32, cpu, "both") == ("ieee:both", "ieee")
     assert resolve("auto", "auto", torch.float32, cpu) == ("ieee", "ieee")
     assert resolve("tf32", None, torch.float32, cpu) == ("tf32", "bf16")
     assert resolve(None, None, torch.bfloat16, cuda) == ("native", "native")

@@ -145,7 +145,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    ignore_index: int = -100, tp_group=None, reduce_grad_hidden: bool = True,
                    backend: str = "auto", softcap: Optional[float] = None,
                    check_inputs: bool = True, precision: Optional[str] = None,
-                   grad_precision: Optional[str] = None) -> TokenLogProbs:
+                   grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None) -> TokenLogProbs:
     """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
     (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
@@ -183,15 +183,26 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             on an ignored row then reaches d_weight). Under ``tp_group`` the first call per group and
             shard shape exchanges the shard sizes (a host synchronisation): make it outside capture.
         precision: how float32 operands are multiplied (``PRECISIONS``; docs/precision.md): None / "auto"
-            (default): "bf16x3" on CUDA (each operand split into two bfloat16 parts, three products on the
-            tensor cores: ~1e-5 from float64, ~3x a bfloat16 GEMM), "ieee" elsewhere; "bf16x6" (six
-            products, float32-exact), "tf32", "ieee" (IEEE float32 products). Half-precision operands take
-            only None / "auto" (any other value is a ValueError: it would have no effect).
+            (default): "split" on CUDA, "ieee" elsewhere. "split": each operand as two bfloat16 parts on the
+            tensor cores, with as few products as the operands allow: one ("bf16x1", exact) when both hold
+            bfloat16 values only (a head just cast up from bfloat16), two ("bf16x2") when one does (hidden
+            states of a bfloat16 backbone cast to float32: TRL's cast_lm_head_to_fp32), three ("bf16x3",
+            ~1e-5 from float64, ~3x a bfloat16 GEMM) otherwise, decided per call (``bf16_exact``).
+            "bf16x3" forces the three products, "bf16x6" (six products, float32-exact), "tf32", "ieee"
+            (IEEE float32 products). Half-precision operands take only None / "auto" (any other value is a
+            ValueError: it would have no effect).
         grad_precision: the gradient products' precision (``GRAD_PRECISIONS``): None / "auto" (default):
             "bf16" for the split and TF32 precisions (bfloat16 dlogits and operand parts: a bfloat16 head's
             gradient error, ~2e-3 relative), "ieee" for "ieee"; "bf16x3" / "bf16x6" split the float32
             dlogits too (float32-exact gradients, three or six products each); "ieee". ``last_precision()``
             says what ran.
+        bf16_exact: None (default), "hidden", "weight" or "both": which float32 operands the caller knows to
+            hold bfloat16 values only, for the adaptive split (precision None / "auto" / "split"). With
+            check_inputs the op tests both operands anyway (one pass over each, read with the checks'
+            host synchronisation) and a claim the test refutes is a ValueError. With check_inputs=False
+            (no host read) the claim alone chooses the products (None: the general three), and a false
+            claim turns the outputs and gradients into NaN (tested on the device), never a wrong number.
+            Half-precision operands, or another precision, refuse it (it would have no effect).
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape`` (with k ids per token:
@@ -210,7 +221,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     softcap = checks.softcap(softcap)
     checks.boolean(check_inputs, "check_inputs")
-    precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
+    precision, grad_precision = resolve(precision, grad_precision, hidden.dtype, hidden.device, bf16_exact)
 
     mod, _ = choose_backend(hidden, weight, backend)
     sets = labels.dim() == hidden.dim()

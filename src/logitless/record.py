@@ -33,8 +33,8 @@ def last_backend() -> Optional[str]:
 
 class Precision(NamedTuple):
     """How a fused op's products ran (``logitless.ops.precision``): ``statistics`` for the logits ("native":
-    half-precision operands; for float32 operands "bf16x3", "bf16x6", "tf32" or "ieee") and ``gradients`` for
-    d_hidden / d_weight ("native", "bf16", "bf16x3", "bf16x6", "ieee")."""
+    half-precision operands; for float32 operands "bf16x1", "bf16x2", "bf16x3" (the split that ran), "bf16x6",
+    "tf32" or "ieee") and ``gradients`` for d_hidden / d_weight ("native", "bf16", "bf16x3", "bf16x6", "ieee")."""
     statistics: str
     gradients: str
 

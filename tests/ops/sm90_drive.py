@@ -55,10 +55,21 @@ def logprobs_cases():
     yield "fp32 bf16x3 k labels", dict(dtype=torch.float32, precision="bf16x3", k=K)
     yield "fp32 ieee k labels", dict(dtype=torch.float32, precision="ieee", k=K)
     yield "fp32 ieee column-major hidden", dict(dtype=torch.float32, precision="ieee", layout="columns")
+    # the adaptive split: the detection kernel, and the products split in registers (bf16x2 / bf16x2w / bf16x3)
+    for exact in (None, "hidden", "weight", "both"):
+        yield f"fp32 split exact {exact}", dict(dtype=torch.float32, precision="split", exact=exact)
+    yield "fp32 split exact hidden softcap", dict(dtype=torch.float32, precision="split", exact="hidden",
+                                                  softcap=30.0)
+    yield "fp32 split column-major hidden", dict(dtype=torch.float32, precision="split", layout="columns")
 
 
-def run_logprobs(dtype, layout="rows", k=None, **kw):
+def run_logprobs(dtype, layout="rows", k=None, exact=None, **kw):
     hidden, weight = head(dtype, layout=layout)
+    with torch.no_grad():   # operands that hold bfloat16 values only (the split's fewer products)
+        if exact in ("hidden", "both"):
+            hidden.copy_(hidden.bfloat16())
+        if exact in ("weight", "both"):
+            weight.copy_(weight.bfloat16())
     out = logitless.fused_logprobs(hidden, weight, labels(k=k), backend="triton", **kw)
     loss = out.logprobs.sum() + (out.entropy.sum() if out.entropy is not None else 0)
     loss.backward()

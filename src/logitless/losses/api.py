@@ -62,7 +62,7 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
                 reduce_grad_hidden: bool = True, backend: str = "auto", fused: bool = True,
                 seq_first: bool = False, softcap: Optional[float] = None,
                 check_inputs: bool = True, precision: Optional[str] = None,
-                grad_precision: Optional[str] = None) -> PolicyLossOutput:
+                grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None) -> PolicyLossOutput:
     """``fused_policy_loss`` (fused=True) or ``policy_loss_reference`` (False) of a ``PolicyLoss``.
 
     seq_first: hidden is [s, b, H] while labels and the policy's per-token inputs are [b, s] (Megatron's
@@ -71,7 +71,7 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
     final_logit_softcapping), as in ``fused_logprobs``.
     check_inputs: as in ``fused_policy_loss`` (the fused pass of a token-local loss only; the other paths
     always check).
-    precision, grad_precision: as in ``fused_logprobs`` (how float32 operands are multiplied).
+    precision, grad_precision, bf16_exact: as in ``fused_logprobs`` (how float32 operands are multiplied).
 
     Which pass runs: a token-local loss with no softcap takes the one fused pass (three GEMMs, gradients
     formed in the forward), the custom op ``logitless::fused_policy_loss``. So does a loss coupled within
@@ -88,7 +88,8 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
     softcap = checks.softcap(softcap)
     hidden, weight, labels, inv_temp, mod = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
                                                      tp_group, reduce_grad_hidden, backend, seq_first)
-    resolved = resolve(precision, grad_precision, hidden.dtype, hidden.device)   # checked before any kernel
+    # checked before any kernel
+    resolved = resolve(precision, grad_precision, hidden.dtype, hidden.device, bf16_exact)
     spec = policy.term_spec()
     if fused and not check_inputs and (spec.coupled or softcap is not None or policy.rollout_is is not None):
         what = ("a softcap" if softcap is not None else "rollout_is" if policy.rollout_is is not None
@@ -101,7 +102,7 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
         bounds = _sequence_bounds(tokens, mod.name, weight, tp_group, hidden, seq_first)
     if not fused or softcap is not None or (spec.coupled and bounds is None):
         return _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group,
-                          reduce_grad_hidden, mod.name, seq_first, softcap, precision, grad_precision)
+                          reduce_grad_hidden, mod.name, seq_first, softcap, precision, grad_precision, bf16_exact)
     grad = torch.is_grad_enabled()
     loss, lp, ent, clip_fraction, kl = fused_policy_loss_op(
         hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels, inv_temp, policy, backend=mod.name,
@@ -146,7 +147,7 @@ def _sequence_bounds(tokens, backend_name: str, weight: Tensor, tp_group, hidden
 
 
 def _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group, reduce_grad_hidden,
-               backend, seq_first, softcap=None, precision=None, grad_precision=None):
+               backend, seq_first, softcap=None, precision=None, grad_precision=None, bf16_exact=None):
     """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd: the
     statistics pass, the whole batch's float64 terms and their per-token coefficients, the gradient pass."""
     tokens = _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
@@ -156,7 +157,8 @@ def _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_ind
         temp = temperature.t()     # [b, s] or [b, 1] -> the rows' [s, b] layout
     out = fused_logprobs(hidden, weight, labels_rows, temperature=temp, with_entropy=True,
                          ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
-                         backend=backend, softcap=softcap, precision=precision, grad_precision=grad_precision)
+                         backend=backend, softcap=softcap, precision=precision, grad_precision=grad_precision,
+                         bf16_exact=bf16_exact)
     lp, ent = out.logprobs.reshape(-1), out.entropy.reshape(-1)
     if tokens.rows is not None:
         lp, ent = lp.index_select(0, tokens.rows), ent.index_select(0, tokens.rows)
@@ -178,7 +180,7 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                       reduce_grad_hidden: bool = True, backend: str = "auto", check_inputs: bool = True,
                       precision: Optional[str] = None, grad_precision: Optional[str] = None,
-                      **loss_settings) -> PolicyLossOutput:
+                      bf16_exact: Optional[str] = None, **loss_settings) -> PolicyLossOutput:
     """The PPO / GRPO policy loss straight from the LM head, in three GEMMs, without the logits.
 
     Args:
@@ -196,8 +198,9 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
             per-token inputs there is harmless; a non-finite hidden state there reaches d_weight). Token-local
             losses only (no softcap, no rollout_is): others raise ValueError.
         precision, grad_precision: how float32 operands are multiplied, as in ``logitless.fused_logprobs``
-            (default: the three-product bfloat16 split on CUDA, IEEE float32 elsewhere); half-precision
+            (default: the adaptive bfloat16 split on CUDA, IEEE float32 elsewhere); half-precision
             operands take only None.
+        bf16_exact: which float32 operands hold bfloat16 values only, as in ``logitless.fused_logprobs``.
         loss_settings: the other ``PolicyLoss`` settings, by name: surrogate (``SURROGATES``: "ppo", "cispo",
             "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov"), ratio_level,
             ratio_log_clamp, delta, kl_ratio, the masks (entropy_quantile, entropy_quantile_group,
@@ -227,7 +230,8 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                      entropy_coef, loss_agg, cu_seqlens, loss_settings)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-                       check_inputs=check_inputs, precision=precision, grad_precision=grad_precision)
+                       check_inputs=check_inputs, precision=precision, grad_precision=grad_precision,
+                       bf16_exact=bf16_exact)
 
 
 # read once here: torch.compile does not trace dataclasses.fields

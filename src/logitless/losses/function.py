@@ -40,7 +40,7 @@ from ..ops.maths import autograd_inside_custom_op, no_autocast, tf32_products
 from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.policy_parts import scale_by_upstream
 from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients, weighted_terms
-from ..ops.precision import make_operands
+from ..ops.precision import choose, make_operands, public_name
 from ..ops.registry import load_backend
 from ..record import record_backend
 from .policy import PolicyLoss
@@ -219,11 +219,17 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
                               vocab=tp.vocab_size if tp is not None else weight.shape[0], seq_first=seq_first,
                               check_inputs=check_inputs, hidden=hidden)
         spec = policy.term_spec()
+        # the adaptive split's products (``precision.choose``); poison: NaN for an unchecked call's false claim
+        precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
         options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
                               need_dh=need_dh, need_dw=need_dw, bounds=bounds,
                               precision=(precision, grad_precision))
         (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, spec, options)
-        record_backend(mod.name, options.precision)
+        if poison is not None:
+            loss, lp, ent = loss + poison, lp + poison, ent + poison
+            dh = dh + poison if dh is not None else None
+            dw = dw + poison if dw is not None else None
+        record_backend(mod.name, (public_name(precision), grad_precision))
 
         def shaped(x: Tensor) -> Tensor:     # a fresh tensor in the labels' layout (outputs may not alias)
             x = x.view(tokens.row_shape)

@@ -33,8 +33,8 @@ from torch import Tensor
 from .. import checks
 from ..record import record_backend
 from . import token_chunks
-from .maths import no_autocast, tf32_products
-from .precision import make_operands
+from .maths import no_autocast, split_in_kernel, tf32_products
+from .precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -129,6 +129,14 @@ def _kept_rows(labels: Tensor, inv_temp: Tensor, weight: Tensor, tp: Optional["V
     return valid, rows, torch.where(here, local, torch.full_like(local, -1))
 
 
+def _operands(mod, hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, with_grad: bool = True):
+    """A precision's operands (``precision.make_operands``); for the triton backend's split precisions the float32
+    operands themselves, split in its kernels' registers (``precision.kernel_operands``: no split copy)."""
+    if mod.name == "triton" and precision in IN_KERNEL:
+        return kernel_operands(hidden, weight, precision, grad_precision)
+    return make_operands(hidden, weight, precision, grad_precision, with_grad=with_grad)
+
+
 def _scatter(values: Tensor, rows: Tensor, n: int) -> Tensor:
     return values.new_zeros(n).index_copy_(0, rows, values)
 
@@ -152,6 +160,8 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
     n = hidden.shape[0]
     valid, rows, local = _kept_rows(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True,
                                     hidden=hidden)
+    # the adaptive split's products (the operands tested inside the checks' synchronisation, or the caller's claim)
+    precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
     if rows is not None:
         local, inv_temp = local[rows], inv_temp[rows]
     if local.shape[0] == 0:   # no scored tokens: no kernel launch
@@ -159,11 +169,14 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = lse if with_entropy else None
     else:
         # a precision's statistics operands (the split, made here and dropped after: never saved for backward)
-        ops = make_operands(hidden, weight, precision, grad_precision, with_grad=False)
+        ops = _operands(mod, hidden, weight, precision, grad_precision, with_grad=False)
         h_stats, w_stats = (hidden, weight) if ops is None else (ops.hidden, ops.weight)
-        with tf32_products(ops is not None and ops.tf32):
+        with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
             lse, ent, zy = token_chunks.stats(mod, h_stats, w_stats, local, inv_temp, rows, with_entropy, softcap)
         del ops, h_stats, w_stats
+    if poison is not None:   # NaN where an unchecked call's bf16_exact claim is false (every rank's, under TP)
+        lse = lse + poison
+        ent = ent + poison if ent is not None else None
     if tp is not None:
         lse, ent, zy = tp.combine_stats(lse, ent, zy)
     lp = zy - lse
@@ -176,7 +189,7 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = torch.where(valid, ent, zero) if with_entropy else None
     elif lse is ent:   # the outputs must not alias each other
         ent = ent.clone()
-    record_backend(mod.name, (precision, grad_precision))
+    record_backend(mod.name, (public_name(precision), grad_precision))
     return lp, ent if with_entropy else lp.new_empty(0), lse
 
 
@@ -221,10 +234,15 @@ def _backward_impl(g_logprobs, g_entropy, hidden, weight, labels, inv_temp, lse,
         # every row is computed: an ignored row's coefficients are 0, so its dlogits are 0 (for finite hidden)
         g_lp = torch.where(valid, g_lp, 0.0)
         g_ent = torch.where(valid, g_ent, 0.0) if g_ent is not None else None
+    # the forward's products again (the same operands: the same choice)
+    precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
+    if poison is not None:
+        g_lp = g_lp + poison
+        g_ent = g_ent + poison if g_ent is not None else None
     finish = tp.reduce_grad_hidden if tp is not None else (lambda dh: dh)
     # the split again (forward and backward each make their own: nothing but hidden and weight is saved)
-    ops = make_operands(hidden, weight, precision, grad_precision)
-    with tf32_products(ops is not None and ops.tf32):
+    ops = _operands(mod, hidden, weight, precision, grad_precision)
+    with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
         dh, dw = token_chunks.grads(mod, hidden, weight, local, inv_temp, lse, ent, g_lp, g_ent, rows, need_dh,
                                     need_dw, softcap, finish, operands=ops)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))

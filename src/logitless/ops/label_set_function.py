@@ -33,7 +33,7 @@ from ..record import record_backend
 from . import chunked, label_sets, tail_backward, token_chunks
 from .function import OpOptions, _layout
 from .maths import no_autocast, tf32_products
-from .precision import make_operands
+from .precision import choose, make_operands, public_name
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -363,6 +363,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     N, k = labels.shape
     valid, rows, local = _kept(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=True,
                                labels_name=labels_name)
+    # the adaptive split's products (``precision.choose``); poison: NaN for an unchecked call's false claim
+    precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
     ids = labels
     if rows is not None:
         local, inv_temp, ids = local[rows], inv_temp[rows], labels[rows]
@@ -413,8 +415,11 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         tail = torch.where(valid, tail, torch.zeros_like(tail)) if tail is not None else None
         top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
     del h_s, w_s
+    if poison is not None:
+        lp = lp + poison
+        ent = ent + poison if ent is not None else None
     record_backend(_pass_name(mod.name) if with_tail or (select and not fast) else mod.name,
-                   (precision, backward_precision(grad_precision, with_tail)))
+                   (public_name(precision), backward_precision(grad_precision, with_tail)))
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -459,6 +464,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     else:
         every = True        # no host read: every row runs (``fused_topk`` set the masked ones' temperature)
     rows = None if every else mask.nonzero().squeeze(1)
+    precision, _ = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
     if rows is not None:
         inv_temp = inv_temp[rows]
     n = inv_temp.shape[0]
@@ -478,7 +484,8 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend("triton" if fast else _pass_name(mod.name), (precision, backward_precision(grad_precision, True)))
+    record_backend("triton" if fast else _pass_name(mod.name),
+                   (public_name(precision), backward_precision(grad_precision, True)))
     return ids, lp, tail, lse
 
 
@@ -511,8 +518,10 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
     mod = load_backend(backend)
     tp = _layout(tp_group, weight, reduce_grad_hidden)
     valid, rows, local = _kept(labels, inv_temp, weight, tp, ignore_index, check_inputs, validate=False)
+    precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
     g_lp = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device) if g_logprobs is None \
         else g_logprobs.float()
+    g_lp = g_lp + poison if poison is not None else g_lp
     g_ent = g_entropy.float() if g_entropy is not None and entropy.numel() else None
     g_t = g_tail.float() if g_tail is not None and tail.numel() else None
     ent, lp, tl = (entropy if g_ent is not None else None), logprobs, (tail if tail.numel() else None)

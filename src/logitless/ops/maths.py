@@ -30,6 +30,28 @@ def tf32_enabled() -> bool:
     return _TF32.get()
 
 
+# Set inside ``split_in_kernel``: the Triton kernels' float32 operands are split into bfloat16 parts in registers
+# (``triton/tile.logits_tile``), the products of the mode below; 0 outside (the operands' own dots).
+SPLIT_CODES = {"bf16x1": 1, "bf16x2": 2, "bf16x2w": 3, "bf16x3": 4}
+_SPLIT = contextvars.ContextVar("logitless_split_in_kernel", default=0)
+
+
+@contextlib.contextmanager
+def split_in_kernel(mode: Optional[str]) -> Iterator[None]:
+    """Inside the block (mode one of ``SPLIT_CODES``; None: no change), the Triton kernels that recompute logits
+    from float32 operands split each loaded tile into bfloat16 parts and run ``mode``'s products on the tensor
+    cores: no split copy of the operands in memory (``ops/precision.py``)."""
+    token = _SPLIT.set(SPLIT_CODES[mode] if mode is not None else _SPLIT.get())
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def split_code() -> int:
+    return _SPLIT.get()
+
+
 @contextlib.contextmanager
 def ieee_fp32(t: Tensor) -> Iterator[None]:
     """Float32 products on ``t``'s device in IEEE float32 inside the block: a trainer's global TF32 switch

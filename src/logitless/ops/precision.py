@@ -44,22 +44,46 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-PRECISIONS = ("auto", "bf16x3", "bf16x6", "tf32", "ieee")
+PRECISIONS = ("auto", "split", "bf16x3", "bf16x6", "tf32", "ieee")
 GRAD_PRECISIONS = ("auto", "bf16", "bf16x3", "bf16x6", "ieee")
+# what a caller may claim of its float32 operands (``bf16_exact``): which of them hold bfloat16 values only
+BF16_EXACT = ("hidden", "weight", "both")
 
 # parts of each operand, and the products (part of the left operand, part of the right) of each split, in
-# their order along K: smallest first, (hi, hi) last (see the module's docstring: the accumulation's rounding)
-_SPLITS = {"bf16x3": (2, ((0, 1), (1, 0), (0, 0))),
+# their order along K: smallest first, (hi, hi) last (see the module's docstring: the accumulation's rounding).
+# "bf16x2" / "bf16x2w": the two products left when hidden / weight is bfloat16-exact (its low part is 0);
+# "bf16x1": both are, one bfloat16 product (exact). All three give bf16x3's numbers for such operands.
+_SPLITS = {"bf16x1": (1, ((0, 0),)),
+           "bf16x2": (2, ((0, 1), (0, 0))),
+           "bf16x2w": (2, ((1, 0), (0, 0))),
+           "bf16x3": (2, ((0, 1), (1, 0), (0, 0))),
            "bf16x6": (3, ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)))}
+# the adaptive split ("split") by (hidden bfloat16-exact, weight bfloat16-exact)
+_ADAPTIVE = {(True, True): "bf16x1", (True, False): "bf16x2", (False, True): "bf16x2w", (False, False): "bf16x3"}
+SPLIT = "split"
 
 
 def resolve(precision: Optional[str], grad_precision: Optional[str], dtype: torch.dtype,
-            device: torch.device) -> tuple[str, str]:
-    """(statistics precision, gradient precision) for operands of ``dtype`` on ``device``: what runs.
-    Half-precision operands give ("native", "native"). TypeError for a non-string, ValueError for an unknown
-    name, or a precision asked for half-precision operands (it would have no effect)."""
+            device: torch.device, bf16_exact: Optional[str] = None) -> tuple[str, str]:
+    """(statistics precision, gradient precision) for operands of ``dtype`` on ``device``: what the op is
+    asked to run. Half-precision operands give ("native", "native"). The adaptive split is "split", or
+    "split:<bf16_exact>" with the caller's claim: the op decides its products (``choose``). TypeError for a
+    non-string, ValueError for an unknown name, a precision asked for half-precision operands (it would
+    have no effect), or ``bf16_exact`` with half-precision operands or a precision other than the split's
+    ("auto" / "split"; under "auto" on the CPU, IEEE float32, the claim is only verified)."""
     precision = _name(precision, "precision", PRECISIONS)
     grad_precision = _name(grad_precision, "grad_precision", GRAD_PRECISIONS)
+    if bf16_exact is not None:
+        if not isinstance(bf16_exact, str):
+            raise TypeError(f"bf16_exact must be a str or None, got {type(bf16_exact).__name__}")
+        if bf16_exact not in BF16_EXACT:
+            raise ValueError(f"bf16_exact must be one of {BF16_EXACT} or None, got {bf16_exact!r}")
+        if dtype != torch.float32:
+            raise ValueError(f"bf16_exact={bf16_exact!r} has no effect on {dtype} operands: it tells which float32 "
+                             f"operands hold bfloat16 values; leave it None")
+        if precision not in ("auto", SPLIT):
+            raise ValueError(f"bf16_exact={bf16_exact!r} has no effect with precision={precision!r}, which fixes "
+                             f"the products; it applies to the adaptive split (precision None, 'auto' or 'split')")
     if dtype != torch.float32:
         for value, arg in ((precision, "precision"), (grad_precision, "grad_precision")):
             if value != "auto":
@@ -68,10 +92,74 @@ def resolve(precision: Optional[str], grad_precision: Optional[str], dtype: torc
                                  f"None or 'auto'")
         return "native", "native"
     if precision == "auto":
-        precision = "bf16x3" if device.type == "cuda" else "ieee"
+        precision = SPLIT if device.type == "cuda" else "ieee"
     if grad_precision == "auto":
         grad_precision = "ieee" if precision == "ieee" else "bf16"
+    if bf16_exact is not None:
+        # the claim travels in the precision's name (every op takes that string): verified by ``choose``
+        precision = f"{precision}:{bf16_exact}"
     return precision, grad_precision
+
+
+def choose(precision: str, hidden: Tensor, weight: Tensor, check_inputs: bool, group=None
+           ) -> tuple[str, Optional[Tensor]]:
+    """(the precision that runs, poison) for an op asked for ``precision`` (as ``resolve`` returns it).
+
+    The adaptive split ("split[:claim]") runs as few bfloat16 products as the operands allow: "bf16x1" when
+    hidden and weight both hold bfloat16 values only, "bf16x2" ("bf16x2w") when hidden (the weight) does,
+    "bf16x3" otherwise. With ``check_inputs`` the operands are tested on the device (``bf16_exact_all``) and
+    read on the host once (under tensor parallelism the flags are all-reduced first, so every rank of
+    ``group`` runs the same products); a claim the test refutes is a ValueError. Without (no host read: CUDA
+    graphs) the claim decides (no claim: "bf16x3") and is tested on the device: ``poison`` is then a float32
+    0-d tensor, 0 where the claim holds and NaN where it does not, which the op adds to its outputs (and to
+    its upstream gradients), so a false claim never gives a wrong number silently. "ieee:claim" (the CPU's
+    default with a claim) runs "ieee", the claim verified alike. Anything else: (precision, None)."""
+    base, _, claim = precision.partition(":")
+    if base not in (SPLIT, "ieee") or (base == "ieee" and not claim):
+        return precision, None
+    claim_h, claim_w = claim in ("hidden", "both"), claim in ("weight", "both")
+    flags = torch.stack([bf16_exact_all(hidden), bf16_exact_all(weight)]) if check_inputs or claim else None
+    if check_inputs:
+        if group is not None:
+            import torch.distributed as dist
+            flags = flags.to(torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        h_ok, w_ok = (bool(v) for v in flags.tolist())
+        if (claim_h and not h_ok) or (claim_w and not w_ok):
+            which = " and ".join(name for name, c, ok in (("hidden", claim_h, h_ok), ("weight", claim_w, w_ok))
+                                 if c and not ok)
+            raise ValueError(f"bf16_exact={claim!r}: {which} holds float32 values that bfloat16 cannot represent "
+                             f"(a low 16-bit mantissa part is set); pass bf16_exact=None to let the op decide")
+        return (_ADAPTIVE[(h_ok, w_ok)] if base == SPLIT else base), None
+    mode = _ADAPTIVE[(claim_h, claim_w)] if base == SPLIT else base
+    if not claim:
+        return mode, None
+    ok = flags[0] if claim == "hidden" else flags[1] if claim == "weight" else flags.all()
+    poison = torch.where(ok, 0.0, float("nan")).to(torch.float32)
+    return mode, poison
+
+
+def public_name(precision: str) -> str:
+    """The name ``last_precision()`` gives a precision that ran ("bf16x2w": "bf16x2")."""
+    return "bf16x2" if precision == "bf16x2w" else precision
+
+
+def bf16_exact_all(x: Tensor) -> Tensor:
+    """0-d bool tensor on x's device (no host read): every element of the float32 x [R, C] is a bfloat16 value
+    (the low 16 bits of its pattern are 0). One read of x; no temporary of x's size (a triton kernel on CUDA,
+    row blocks elsewhere)."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    if x.is_cuda:
+        from .triton.exact import bf16_exact_all as kernel  # lazy: no triton on the CPU path
+        return kernel(x)
+    bits = x.view(torch.int32)
+    rows = max(1, (1 << 22) // max(1, x.shape[1]))
+    low = torch.zeros((), dtype=torch.int32, device=x.device)
+    if x.numel():
+        for start in range(0, x.shape[0], rows):
+            low = low | (bits[start:start + rows] & 0xFFFF).amax()
+    return low == 0
 
 
 def _name(value, arg: str, names: tuple) -> str:
@@ -140,6 +228,9 @@ class GradOperands:
     dl_parts: int
     dl_dtype: torch.dtype
     out_dtype: torch.dtype
+    # > 0: weight_parts is (the float32 weight,), split into this many parts per block of rows when used
+    # (``weight_rows``): no [V, H] copy of its parts (the in-kernel split's backward)
+    split_weight_rows: int = 0
 
     @staticmethod
     def plain(hidden: Tensor, weight: Tensor, dl_dtype: Optional[torch.dtype] = None) -> "GradOperands":
@@ -150,7 +241,13 @@ class GradOperands:
         """The same products for hidden's rows ``index`` (a slice, or an int64 tensor of rows)."""
         pick = (lambda t: t[index]) if isinstance(index, slice) else (lambda t: t.index_select(0, index))
         return GradOperands(tuple(pick(t) for t in self.hidden_parts), self.weight_parts, self.pairs, self.dl_parts,
-                            self.dl_dtype, self.out_dtype)
+                            self.dl_dtype, self.out_dtype, self.split_weight_rows)
+
+    def weight_rows(self, start: int, stop: int) -> list:
+        """The weight's parts, rows start..stop (views, or that block split now)."""
+        if self.split_weight_rows:
+            return split_parts(self.weight_parts[0][start:stop], self.split_weight_rows)
+        return [w[start:stop] for w in self.weight_parts]
 
     @property
     def hidden_size(self) -> int:
@@ -176,6 +273,7 @@ class Operands:
     weight: Tensor
     grad: GradOperands
     tf32: bool = False
+    split: Optional[str] = None   # the products the kernels split in registers (``maths.split_in_kernel``)
 
 
 def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str,
@@ -183,6 +281,8 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
     """The operands of ``precision`` / ``grad_precision`` (as ``resolve`` returns them) for hidden [N, H] and
     weight [V, H]; None for the operands themselves ("native", or "ieee" with "ieee" gradients): the backends'
     own path. with_grad=False: only the statistics operands are used (the gradient parts are views anyway)."""
+    if precision.startswith(SPLIT):
+        raise ValueError(f"make_operands: {precision!r} is decided per call first (``choose``)")
     if precision in ("native", "ieee") and grad_precision in ("native", "ieee"):
         return None
     if precision in _SPLITS:
@@ -191,11 +291,12 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
         w_stats = split_concat(weight, tuple(j for _, j in pairs))
         h = hidden.shape[1]
         # views of the concatenation: block b of K holds parts pairs[b]; part i's view is the first block that
-        # holds it (the dict keeps the last assignment, hence reversed)
+        # holds it (the dict keeps the last assignment, hence reversed). A part no block holds (the zero low
+        # part of a bfloat16-exact operand in "bf16x2"): the views stop before it
         h_views = {i: h_stats[:, b * h:(b + 1) * h] for b, (i, _) in reversed(list(enumerate(pairs)))}
         w_views = {j: w_stats[:, b * h:(b + 1) * h] for b, (_, j) in reversed(list(enumerate(pairs)))}
-        h_views = tuple(h_views[i] for i in range(parts))
-        w_views = tuple(w_views[j] for j in range(parts))
+        h_views = _leading(h_views, parts)
+        w_views = _leading(w_views, parts)
         tf32 = False
     elif precision == "tf32":
         h_stats, w_stats = round_tf32(hidden), round_tf32(weight)
@@ -210,12 +311,40 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
     return Operands(h_stats, w_stats, grad, tf32)
 
 
+# the products a backend's kernels can split in registers from the float32 operands (``kernel_operands``); bf16x1
+# keeps its bfloat16 copies, the bfloat16 path's own kernels and tiles (its statistics bit for bit)
+IN_KERNEL = ("bf16x2", "bf16x2w", "bf16x3")
+
+
+def kernel_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str) -> Operands:
+    """The operands of ``precision`` (one of ``IN_KERNEL``) for a backend whose kernels split float32 tiles in
+    registers: the statistics operands are hidden and weight themselves (``Operands.split`` names the products),
+    and the "bf16" gradient products take the weight's bfloat16 part block by block (``weight_rows``) and
+    hidden's once ([N, H] bfloat16): no split copy of the weight. Other gradient precisions: their parts."""
+    if grad_precision == "bf16":
+        grad = GradOperands((hidden.to(torch.bfloat16),), (weight,), ((0, 0),), 1, torch.bfloat16, weight.dtype,
+                            split_weight_rows=1)
+    else:
+        grad = _grad_operands(hidden, weight, grad_precision, None, None)
+    return Operands(hidden, weight, grad, split=precision)
+
+
+def _leading(views: dict, parts: int) -> tuple:
+    """views[0], views[1], ... up to the first part missing (at most ``parts``)."""
+    out = []
+    for i in range(parts):
+        if i not in views:
+            break
+        out.append(views[i])
+    return tuple(out)
+
+
 def _grad_operands(hidden: Tensor, weight: Tensor, grad_precision: str, h_views, w_views) -> GradOperands:
     if grad_precision == "ieee":
         return GradOperands.plain(hidden, weight, torch.float32)
     parts, pairs = (1, ((0, 0),)) if grad_precision == "bf16" else _SPLITS[grad_precision]
     # the statistics' split already holds the parts (views, no copy) when it has at least as many
-    if h_views is not None and len(h_views) >= parts:
+    if h_views is not None and len(h_views) >= parts and len(w_views) >= parts:
         h_parts, w_parts = h_views[:parts], w_views[:parts]
     else:
         h_parts, w_parts = tuple(split_parts(hidden, parts)), tuple(split_parts(weight, parts))

@@ -10,7 +10,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import knobs
-from ..maths import tf32_enabled
+from ..maths import split_code, tf32_enabled
 
 # triton decides at decoration time whether @triton.jit builds GPU code or interpreter functions,
 # from TRITON_INTERPRET as it was when triton was imported.
@@ -35,8 +35,10 @@ def dot_flags(dtype: torch.dtype) -> dict:
     except inside ``maths.tf32_products`` (precision "tf32": operands already rounded to TF32, exact either way;
     the interpreter keeps IEEE, the same numbers).
     """
+    split = split_code() if dtype == torch.float32 else 0
     return {"UPCAST": INTERPRETING and dtype != torch.float32,
-            "IEEE": (dtype == torch.float32 and not tf32_enabled()) or INTERPRETING}
+            "IEEE": (dtype == torch.float32 and not tf32_enabled() and not split) or INTERPRETING,
+            "SPLIT": split, "INTERP": INTERPRETING}
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,10 @@ def _sm_count(index: int) -> int:
 PRE_HOPPER_TILES = Tiles(128, 128, 32, 8, 4, 3)
 # float32 operands go through IEEE fp32 FMA (no tf32), whose tiles need more registers than bf16 wgmma
 FLOAT32_TILES = Tiles(64, 64, 32, 8, 4, 3)
+# float32 operands split in registers (``maths.split_in_kernel``): bfloat16 tensor-core dots on float32 tiles (a
+# float32 [128 + 128, 32] stage is a bfloat16 [256, 64] one's bytes) and two float32 accumulators. Not tuned
+# on a GPU yet: LOGITLESS_TRITON_FWD / _BWD / _POLICY override it for the sweep.
+SPLIT_TILES = Tiles(128, 128, 32, 8, 8, 3)
 
 
 # H200 sweep (benchmarks/DESIGN.md): 128 x 256 x 64, 8 warps, 16 token blocks per group; 3 stages forward,
@@ -110,7 +116,8 @@ def choose_tiles(stage: str, dtype: torch.dtype, device: torch.device) -> Tiles:
     if env is not None:
         return Tiles(*env)
     if dtype == torch.float32:
-        return FLOAT32_TILES
+        return SPLIT_TILES if split_code() and _hopper_or_newer(device) else \
+            PRE_HOPPER_TILES if split_code() else FLOAT32_TILES
     if not _hopper_or_newer(device):
         return PRE_HOPPER_TILES
     return HOPPER_TILES[stage]

@@ -34,9 +34,51 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _round_bf16(x):
+    """x rounded to nearest-even bfloat16, as a float32 value, on the bits: the interpreter's float32 -> bfloat16
+    cast truncates (``split._round_bf16``'s rounding; nan is no concern here: the op checks hidden is finite)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hi(x, INTERP: tl.constexpr):
+    """x (float32) rounded to bfloat16: a bfloat16 tile for the tensor cores, or under the interpreter (whose
+    bfloat16 dot is wrong) the same values in float32 (their products are exact in float32 either way)."""
+    if INTERP:
+        return _round_bf16(x)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _lo(x, hi, INTERP: tl.constexpr):
+    """What x leaves after its part ``hi`` (``_hi``'s), rounded to bfloat16 (as ``_hi``)."""
+    return _hi(x - hi.to(tl.float32), INTERP)
+
+
+@triton.jit
+def _split_dots(a, b, acc, acc_lo, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """(acc, acc_lo) + the products of SPLIT (``maths.SPLIT_CODES``) of float32 tiles a [M, K] and b [N, K] split
+    in registers into bfloat16 parts, x = x_hi + x_lo: 1 a_hi b_hi (both operands bfloat16 values); 2 also
+    a_hi b_lo (a is); 3 also a_lo b_hi (b is); 4 both corrections. The corrections go to their own float32
+    accumulator ``acc_lo``, added once at the end: on the tensor cores each dot's sum is truncated relative to
+    the accumulator it lands on, so the small products must not be added onto the logit-sized one (the
+    concatenated split orders them first along K for the same reason, ``ops/precision.py``)."""
+    a_hi = _hi(a, INTERP)
+    b_hi = _hi(b, INTERP)
+    if SPLIT == 2 or SPLIT == 4:
+        acc_lo = _dot(a_hi, _lo(b, b_hi, INTERP), acc_lo, False, INTERP)
+    if SPLIT == 3 or SPLIT == 4:
+        acc_lo = _dot(_lo(a, a_hi, INTERP), b_hi, acc_lo, False, INTERP)
+    acc = _dot(a_hi, b_hi, acc, False, INTERP)
+    return acc, acc_lo
+
+
+@triton.jit
 def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
+                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+                SPLIT: tl.constexpr = 0, INTERP: tl.constexpr = False):
     """acc[i, j] = sum_k h[rows[i], k] * w[cols[j], k] in float32, for the tile (pid_m, pid_n).
 
     USE_TMA: h_ptr / w_ptr are tensor descriptors ([BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks):
@@ -45,16 +87,22 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
     main loop needs no masks, and a ragged last K tile is masked unless EVEN_K.
     Either way the caller masks rows/cols out of range from whatever it reduces or stores.
     K_TILES = cdiv(n_k, BLOCK_K) is a compile-time trip count (one build per hidden size; the
-    interpreter cannot loop to a run-time bound under numpy >= 2.4). Returns (acc, rows, cols).
+    interpreter cannot loop to a run-time bound under numpy >= 2.4). SPLIT (``maths.SPLIT_CODES``; 0: none):
+    float32 operands split into bfloat16 parts in registers (``_split_dots``); INTERP: under the interpreter.
+    Returns (acc, rows, cols).
     """
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         for k in range(0, K_TILES):
             a = h_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])
-            acc = _dot(a, b, acc, UPCAST, IEEE)
+            if SPLIT == 0:
+                acc = _dot(a, b, acc, UPCAST, IEEE)
+            else:
+                acc, acc_lo = _split_dots(a, b, acc, acc_lo, SPLIT, INTERP)
     else:
         rows_in = (rows % n_rows).to(tl.int64)
         cols_in = (cols % n_cols).to(tl.int64)
@@ -69,9 +117,14 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
                 k_ok = ks < n_k - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-            acc = _dot(a, b, acc, UPCAST, IEEE)
+            if SPLIT == 0:
+                acc = _dot(a, b, acc, UPCAST, IEEE)
+            else:
+                acc, acc_lo = _split_dots(a, b, acc, acc_lo, SPLIT, INTERP)
             a_ptrs += BLOCK_K * s_hk
             b_ptrs += BLOCK_K * s_wk
+    if SPLIT > 1:
+        acc = acc + acc_lo
     return acc, rows, cols
 
 

@@ -1,0 +1,170 @@
+"""The adaptive split (precision "split", the CUDA default for float32 operands): one, two or three bfloat16
+products as the operands allow, against float64 of the float32 operands, on odd shapes (N 7 + ignored rows,
+H 96, V 4099), with temperature and softcap; the detection (one low bit set in one element selects three
+products), the caller's claim (``bf16_exact``: verified with checks, NaN without), no host read under
+check_inputs=False, and bitwise the bfloat16 path's statistics when both operands are bfloat16 values."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host_reads import host_reads
+from logitless import fused_logprobs, last_precision
+from logitless.losses import fused_policy_loss
+from logitless.ops.precision import bf16_exact_all, choose
+from reference64 import device_for, logprobs_entropy64, make_inputs, on_cpu
+
+BACKENDS = ["reference", "chunked", "triton"]
+BOUND = 1.2e-4     # log-prob and entropy error of every mode here (logit std 8, H 96; CPU: ~5e-5)
+
+
+def _inputs(kind: str, n=7, ignored=2, seed=0):
+    torch.manual_seed(seed)
+    hidden, weight, labels = make_inputs(lead=(n + ignored,), logit_std=8.0)
+    labels[torch.randperm(n + ignored)[:ignored]] = -100
+    if kind in ("hidden", "both"):
+        hidden = hidden.bfloat16().float()
+    if kind in ("weight", "both"):
+        weight = weight.bfloat16().float()
+    return hidden, weight, labels
+
+
+MODES = {"neither": "bf16x3", "hidden": "bf16x2", "weight": "bf16x2", "both": "bf16x1"}
+
+
+def _one_low_bit(x: torch.Tensor) -> torch.Tensor:
+    """x with the lowest mantissa bit of one element set: no longer a bfloat16 value there."""
+    bits = x.clone().view(torch.int32)
+    bits.view(-1)[x.numel() // 3] |= 1
+    return bits.view(torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(MODES))
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (20.0, 0.7)])
+def test_modes_against_float64(backend, kind, softcap, temperature):
+    hidden, weight, labels = _inputs(kind)
+    dev = device_for(backend)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    out = fused_logprobs(h.to(dev), w.to(dev), labels.to(dev), backend=backend, precision="split",
+                         softcap=softcap, temperature=temperature)
+    assert last_precision() == (MODES[kind], "bf16")
+    lp64, ent64 = logprobs_entropy64(hidden, weight, labels, temperature=temperature, softcap=softcap)
+    lp, ent = on_cpu(out)
+    assert (lp.double() - lp64).abs().max() < BOUND
+    assert (ent.double() - ent64).abs().max() < BOUND
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("operand", ["hidden", "weight"])
+def test_one_low_bit_selects_three_products(operand):
+    hidden, weight, labels = _inputs("both")
+    if operand == "hidden":
+        hidden = _one_low_bit(hidden)
+    else:
+        weight = _one_low_bit(weight)
+    assert not bool(bf16_exact_all(hidden if operand == "hidden" else weight))
+    fused_logprobs(hidden, weight, labels, backend="chunked", precision="split")
+    assert last_precision().statistics == "bf16x2"
+    hidden, weight, labels = _inputs(operand)      # that operand bfloat16-exact, the other not
+    if operand == "hidden":
+        hidden = _one_low_bit(hidden)
+    else:
+        weight = _one_low_bit(weight)
+    fused_logprobs(hidden, weight, labels, backend="chunked", precision="split")
+    assert last_precision().statistics == "bf16x3"
+
+
+def test_detection_kernel_under_the_interpreter():
+    from logitless.ops.triton.exact import bf16_exact_all as kernel
+    x = torch.randn(13, 67).bfloat16().float()
+    assert bool(kernel(x)) and bool(kernel(x.t())) and bool(kernel(x[:, 5:]))
+    for i in (0, 13 * 67 - 1, 400):
+        y = x.clone()
+        y.view(-1)[i] = torch.nextafter(y.view(-1)[i], torch.tensor(float("inf")))
+        assert not bool(kernel(y)) and not bool(kernel(y.t()))
+    assert bool(kernel(torch.empty(0, 5)))
+
+
+def test_both_exact_is_the_bf16_path_bit_for_bit():
+    hidden, weight, labels = _inputs("both")
+    a = fused_logprobs(hidden, weight, labels, backend="triton", precision="split")
+    b = fused_logprobs(hidden.bfloat16(), weight.bfloat16(), labels, backend="triton")
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy)
+
+
+def test_an_explicit_precision_is_forced():
+    hidden, weight, labels = _inputs("both")
+    fused_logprobs(hidden, weight, labels, backend="chunked", precision="bf16x3")
+    assert last_precision().statistics == "bf16x3"
+    with pytest.raises(ValueError, match="bf16_exact='both' has no effect with precision='bf16x3'"):
+        fused_logprobs(hidden, weight, labels, precision="bf16x3", bf16_exact="both")
+    with pytest.raises(ValueError, match="has no effect on torch.bfloat16"):
+        fused_logprobs(hidden.bfloat16(), weight.bfloat16(), labels, bf16_exact="hidden")
+    with pytest.raises(ValueError, match="bf16_exact must be one of"):
+        fused_logprobs(hidden, weight, labels, bf16_exact="yes")
+
+
+@pytest.mark.parametrize("precision", ["split", None])
+def test_a_false_claim_is_a_value_error_with_checks(precision):
+    hidden, weight, labels = _inputs("hidden")
+    with pytest.raises(ValueError, match="bf16_exact='both': weight holds float32 values"):
+        fused_logprobs(hidden, weight, labels, backend="chunked", precision=precision, bf16_exact="both")
+    with pytest.raises(ValueError, match="bf16_exact='weight'"):
+        fused_policy_loss(hidden, weight, labels, torch.randn(labels.shape), backend="chunked",
+                          precision=precision, bf16_exact="weight")
+    fused_logprobs(hidden, weight, labels, backend="chunked", precision="split", bf16_exact="hidden")
+    assert last_precision().statistics == "bf16x2"
+
+
+def test_unchecked_calls_read_nothing_and_trust_only_true_claims():
+    backend = "chunked"     # host_reads cannot watch triton's interpreter (it reads tensors through numpy)
+    hidden, weight, labels = _inputs("hidden")
+    labels[labels < 0] = 0
+    # no claim: the general three products, no detection
+    with host_reads() as seen:
+        h = hidden.clone().requires_grad_(True)
+        out = fused_logprobs(h, weight, labels, backend=backend, precision="split", check_inputs=False)
+        out.logprobs.sum().backward()
+    assert seen == [] and last_precision().statistics == "bf16x3"
+    # a true claim: two products, the same numbers as the checked call's
+    with host_reads() as seen:
+        claimed = fused_logprobs(hidden, weight, labels, backend=backend, precision="split", check_inputs=False,
+                                 bf16_exact="hidden")
+    assert seen == [] and last_precision().statistics == "bf16x2"
+    checked = fused_logprobs(hidden, weight, labels, backend=backend, precision="split")
+    assert torch.equal(claimed.logprobs, checked.logprobs)
+    # a false claim: NaN outputs and gradients, never a wrong number
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    out = fused_logprobs(h, w, labels, backend=backend, precision="split", check_inputs=False, bf16_exact="both")
+    assert torch.isnan(out.logprobs).all() and torch.isnan(out.entropy).all()
+    (out.logprobs.nan_to_num().sum() + out.entropy.nan_to_num().sum()).backward()
+    assert torch.isnan(h.grad).all() and torch.isnan(w.grad).all()
+
+
+def test_policy_loss_modes_and_false_unchecked_claim():
+    hidden, weight, labels = _inputs("hidden")
+    adv = torch.randn(labels.shape)
+    ref = fused_policy_loss(hidden, weight, labels, adv, backend="chunked", precision="ieee")
+    out = fused_policy_loss(hidden, weight, labels, adv, backend="triton", precision="split")
+    assert last_precision().statistics == "bf16x2"
+    assert (out.loss - ref.loss).abs() < 1e-4
+    labels[labels < 0] = 0
+    w = weight.clone().requires_grad_(True)
+    bad = fused_policy_loss(hidden, w, labels, adv, backend="chunked", precision="split", check_inputs=False,
+                            bf16_exact="both")
+    assert torch.isnan(bad.loss)
+    bad.loss.backward()
+    assert torch.isnan(w.grad).all()
+
+
+def test_choose_leaves_fixed_precisions_alone():
+    hidden, weight, _ = _inputs("both")
+    for p in ("bf16x3", "bf16x6", "tf32", "ieee", "native"):
+        assert choose(p, hidden, weight, True) == (p, None)
+    assert choose("ieee:both", hidden, weight, True) == ("ieee", None)
+    with pytest.raises(ValueError, match="hidden holds"):
+        choose("ieee:hidden", _inputs("weight")[0], weight, True)
