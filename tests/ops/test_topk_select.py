@@ -68,7 +68,12 @@ def test_k_beyond_the_fast_path(k, seed):
     out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
     assert last_backend() == "chunked"
     ids, lp, tail = want64(hidden, weight, k)
-    assert torch.equal(out.ids, ids)
+    # the order is the float32 logits': where it differs from float64's (k = V sorts all 1031 ids, and some pairs
+    # lie within float32 rounding of each other) the two ids' float64 log-probs must be that close
+    swapped = out.ids != ids
+    assert swapped.float().mean() < 0.05
+    z64 = torch.log_softmax(hidden.double() @ weight.double().t(), -1)
+    assert ((z64.gather(-1, out.ids) - lp).abs() * swapped).max() < 2e-5
     assert (out.logprobs.double() - lp).abs().max() < 2e-5
     if k == V:
         assert torch.isneginf(out.tail_logprob).all()
