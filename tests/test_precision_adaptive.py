@@ -12,7 +12,7 @@ from host_reads import host_reads
 from logitless import fused_logprobs, last_precision
 from logitless.losses import fused_policy_loss
 from logitless.ops.precision import bf16_exact_all, choose
-from reference64 import device_for, logprobs_entropy64, make_inputs, on_cpu
+from reference64 import device_for, logprobs_entropy64, make_inputs, on_cpu, rel_err
 
 BACKENDS = ["reference", "chunked", "triton"]
 BOUND = 1.2e-4     # log-prob and entropy error of every mode here (logit std 8, H 96; CPU: ~5e-5)
@@ -159,6 +159,51 @@ def test_policy_loss_modes_and_false_unchecked_claim():
     assert torch.isnan(bad.loss)
     bad.loss.backward()
     assert torch.isnan(w.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["neither", "hidden", "weight"])
+def test_policy_loss_splits_in_the_kernel(kind, monkeypatch):
+    """The fused policy loss on the triton backend: the statistics kernel splits float32 tiles in registers and
+    the gradient products take the weight's bfloat16 part block by block: no concatenated split is made (its
+    maker raises here). Against float64 (loss, log-probs, entropies, both gradients), and the weight cut into
+    several row blocks gives the one-block gradients to float32 rounding (every row block summed once)."""
+    import logitless.ops.precision as precision_module
+    from policy64 import loss64
+    hidden, weight, labels = _inputs(kind, n=20, ignored=3)
+    adv = torch.randn(labels.shape)
+    lp_now, _ = logprobs_entropy64(hidden, weight, labels.clamp(min=0))
+    # old log-probs near the current ones: no token sits where a 1e-5 change flips its clipping
+    old = (lp_now + 0.03 * torch.randn(labels.shape, dtype=torch.float64)).clamp(max=0.0).float()
+
+    def refused(*args, **kw):
+        raise AssertionError("the concatenated split was made")
+    monkeypatch.setattr(precision_module, "split_concat", refused)
+    dev = device_for("triton")
+
+    def run():
+        h = hidden.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        out = fused_policy_loss(h.to(dev), w.to(dev), labels.to(dev), adv.to(dev), old.to(dev), backend="triton",
+                                entropy_coef=0.01, precision="split")
+        assert last_precision() == (MODES[kind], "bf16")
+        out.loss.backward()
+        return on_cpu(out), h.grad, w.grad
+
+    out, dh, dw = run()
+    monkeypatch.setattr(precision_module, "WEIGHT_BLOCK_BYTES", 2 * 96 * 1000)    # five row blocks of V 4099
+    blocked, dh_b, dw_b = run()
+    want, lp64, ent64, _, _, dh64, dw64 = loss64(hidden, weight, labels, adv, old, entropy_coef=0.01)
+    valid = labels != -100
+    # the products fused_logprobs' kernels split alike: its log-probs to float32 rounding
+    same = fused_logprobs(hidden.to(dev), weight.to(dev), labels.to(dev), backend="triton", precision="split")
+    assert (out.logprobs - on_cpu(same.logprobs)).abs().max().item() <= 1e-6
+    assert (out.logprobs - lp64)[valid].abs().max().item() <= BOUND
+    assert (out.entropy - ent64)[valid].abs().max().item() <= BOUND
+    assert abs(out.loss.item() - want.item()) <= BOUND
+    # "bf16" gradient products: a bfloat16 head's gradient error (GRAD_BOUND["bf16"] of reference64: 3e-2)
+    assert rel_err(dh, dh64) <= 3e-2 and rel_err(dw, dw64) <= 3e-2
+    assert torch.equal(blocked.loss, out.loss) and torch.equal(dw_b, dw)
+    assert rel_err(dh_b, dh) <= 1e-6, rel_err(dh_b, dh)
 
 
 def test_choose_leaves_fixed_precisions_alone():

@@ -119,12 +119,22 @@ def policy_cases():
     for precision in ("ieee", "tf32", "bf16x3", "bf16x6"):
         yield f"fp32 {precision}", dict(dtype=torch.float32, precision=precision)
     yield "fp32 bf16x3 grad bf16x3", dict(dtype=torch.float32, precision="bf16x3", grad_precision="bf16x3")
+    # the adaptive split: the statistics kernel splits float32 tiles in registers (bf16x2 / bf16x2w / bf16x3;
+    # bf16x1 runs the bfloat16 path's kernels on bfloat16 copies)
+    for exact in (None, "hidden", "weight", "both"):
+        yield f"fp32 split exact {exact}", dict(dtype=torch.float32, precision="split", exact=exact)
+    yield "fp32 split no grad", dict(dtype=torch.float32, precision="split", no_grad=True)
 
 
 def run_policy(dtype=torch.bfloat16, on_policy=False, ref=False, rollout=False, rollout_weights=False,
-               no_grad=False, upstream=1.0, softcap=None, layout="rows", **kw):
+               no_grad=False, upstream=1.0, softcap=None, layout="rows", exact=None, **kw):
     lead = (2, N)
     hidden, weight = head(dtype, lead=lead, layout=layout)
+    with torch.no_grad():   # operands that hold bfloat16 values only (the split's fewer products)
+        if exact in ("hidden", "both"):
+            hidden.copy_(hidden.bfloat16())
+        if exact in ("weight", "both"):
+            weight.copy_(weight.bfloat16())
     y = labels(lead)
     y[1, -2:] = -100
     adv = torch.randn(lead, generator=G)
@@ -203,6 +213,8 @@ def drive(case, record_only):
                               ("ppo bf16", run_policy, dict()),
                     ("ppo fp16", run_policy, dict(dtype=torch.float16)),
                               ("ppo fp32 bf16x3", run_policy, dict(dtype=torch.float32, precision="bf16x3")),
+                              ("ppo fp32 split exact hidden", run_policy,
+                               dict(dtype=torch.float32, precision="split", exact="hidden")),
                               ("jsd bf16", run_distill, dict(divergence="jsd", beta=0.5)),
                               ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True)),
                               ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),

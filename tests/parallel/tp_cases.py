@@ -167,13 +167,19 @@ def same_on_every_rank(ctx: Ctx, ck: Checks, what: str, t: torch.Tensor) -> None
 def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, h=H, dtype=torch.float32,
                   temperature=1.0, ignore_index=-100, n_ignored=3, with_entropy=True,
                   reduce_grad_hidden=True, grad_hidden=True, grad_weight=True, tag="", salt=0,
-                  softcap=None, logit_std=4.0, precision=None, grad_precision=None, tol=None):
-    """One forward + backward across the group against the float64 unsharded ground truth."""
+                  softcap=None, logit_std=4.0, precision=None, grad_precision=None, tol=None, exact=None,
+                  ran_mode=None):
+    """One forward + backward across the group against the float64 unsharded ground truth. exact: None, or
+    (hidden, weight, sizes) -> (hidden, weight), the full inputs changed alike on every rank (values that
+    bfloat16 represents); ran_mode: the statistics' products ``last_precision()`` must name (default
+    ``precision``)."""
     sizes = sizes or even_sizes(V, ctx.world)
     tag = f"[{backend}{' ' + tag if tag else ''}]"
     tol = tol or TOL[dtype]
     hidden, weight, labels = make_inputs(ctx, sizes, lead=lead, h=h, dtype=dtype, n_ignored=n_ignored,
                                          ignore_index=ignore_index, salt=salt, logit_std=logit_std)
+    if exact is not None:
+        hidden, weight = exact(hidden, weight, sizes)
     g = ctx.gen(salt + 1)
     a = torch.randn(labels.shape, generator=g, dtype=torch.float64)
     b = torch.randn(labels.shape, generator=g, dtype=torch.float64)
@@ -188,7 +194,8 @@ def check_sharded(ctx: Ctx, ck: Checks, *, backend: str, sizes=None, lead=LEAD, 
     ck.true(f"{tag} last_backend", last_backend() == backend, f"is {last_backend()}")
     if precision is not None:
         ran = tuple(last_precision())
-        ck.true(f"{tag} last_precision", ran[0] == precision and ran[1] == (grad_precision or "bf16"), f"is {ran}")
+        ck.true(f"{tag} last_precision", ran[0] == (ran_mode or precision) and ran[1] == (grad_precision or "bf16"),
+                f"is {ran}")
     loss = (out.logprobs * a.float()).sum()
     if with_entropy:
         loss = loss + (out.entropy * b.float()).sum()
@@ -313,6 +320,35 @@ def case_float32_split_precision(ctx):
                       reduce_grad_hidden=False, sizes=uneven_sizes(V, ctx.world),
                       tol=(BF16X3_STATS, BF16X3_STATS, 1e-4),
                       tag="bf16x3 split grads, partial d_hidden")
+    ck.done()
+
+
+def first_shard_exact(hidden_too: bool):
+    """(hidden, weight, sizes) -> the first rank's weight shard rounded to bfloat16 values (the others' not), and
+    hidden too with ``hidden_too``: the ground truth is of these values."""
+    def change(hidden, weight, sizes):
+        weight = weight.clone()
+        weight[:sizes[0]] = weight[:sizes[0]].bfloat16().float()
+        return (hidden.bfloat16().float() if hidden_too else hidden), weight
+    return change
+
+
+def case_float32_split_flags_all_reduced(ctx):
+    """The adaptive split under tensor parallelism: the first rank's shard holds bfloat16 values only (alone it
+    would run one product with bfloat16-exact hidden states, two without), the others' not. The ranks' flags
+    are all-reduced, so every rank runs the products the whole head needs: "bf16x2" with bfloat16-exact hidden
+    states, "bf16x3" without; results against float64 of the operands."""
+    from logitless.ops.precision import bf16_exact_all
+    ck = Checks()
+    sizes = even_sizes(V, ctx.world)
+    _, w_check = shard(ctx, first_shard_exact(False)(None, make_inputs(ctx, sizes)[1], sizes)[1], sizes)
+    ck.true("the first shard alone is bfloat16-exact, the others not",
+            bool(bf16_exact_all(w_check)) == (ctx.rank == 0))
+    for backend in CPU_BACKENDS:
+        for hidden_too, mode in ((True, "bf16x2"), (False, "bf16x3")):
+            check_sharded(ctx, ck, backend=backend, precision="split", ran_mode=mode, logit_std=8.0,
+                          temperature=0.9, exact=first_shard_exact(hidden_too), tol=(BF16X3_STATS, BF16X3_STATS, 3e-2),
+                          tag=f"split, first shard exact, hidden exact {hidden_too}")
     ck.done()
 
 
@@ -639,7 +675,7 @@ def case_next_token_labels_sharded(ctx):
 VOCAB_CASES = [case_scalar_temperature, case_per_token_temperature, case_without_entropy, case_unequal_shards,
                case_partial_grad_hidden, case_ignore_index, case_grad_subsets, case_bfloat16,
                case_three_dims_odd_hidden, case_softcap, case_empty_tokens, case_layout, case_layout_releases_group,
-               case_float32_split_precision,
+               case_float32_split_precision, case_float32_split_flags_all_reduced,
                case_single_rank_subgroup]
 ERROR_CASES = [case_error_hidden_size_differs, case_error_dtype_differs, case_error_labels_outside_global_vocab,
                case_error_group_type]

@@ -171,11 +171,67 @@ def test_cast_lm_head_to_fp32_under_bf16_autocast(folder, tmp_path, seed):
                                                                        compute_entropy=True)
         lt.enable(trainer)
         lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5, compute_entropy=True)
-    # the float32 head reached the op as float32 operands: its default precision ran (IEEE float32 on the CPU,
-    # the three-product bfloat16 split on CUDA), with no setting passed
+    # the float32 head reached the op as float32 operands: its default precision ran (IEEE float32 on the CPU; on
+    # CUDA the adaptive split, three products: this float32 model's residual stream stays float32 under autocast,
+    # so its hidden states are not bfloat16 values; a bfloat16 model's are, test_cast_lm_head_to_fp32_runs_two_products)
     expected = ("bf16x3", "bf16") if lp.is_cuda else ("ieee", "ieee")
     assert logitless.last_precision() == expected
     assert float((lp - lp_trl).abs().max()) <= TOL and float((ent - ent_trl).abs().max()) <= TOL
+
+
+# (grad_precision, the float32 head's gradient bound, the bfloat16 backbone's, relative norms): bfloat16 gradient
+# products give the head a bfloat16 head's gradient error (1.2-1.6e-3 measured over batches) and the backbone a
+# d_hidden of that error, which its bfloat16 backward carries (4.9-5.6e-3); float32-exact products (2.5-3.7e-6 on
+# the head) leave the backbone's bfloat16 roundings (0 .. 1e-3)
+GRADS = [(None, 1e-2, 2e-2), ("bf16x3", GRAD_TOL, 4e-3)]
+
+
+@pytest.mark.parametrize("grad_precision,head_tol,backbone_tol", GRADS)
+def test_cast_lm_head_to_fp32_runs_two_products(folder, tmp_path, monkeypatch, grad_precision, head_tol,
+                                                backbone_tol):
+    """TRL GRPO with cast_lm_head_to_fp32 under bf16 autocast and logitless on (its log-probs and its fused
+    policy loss): the float32 head's operands are float32 copies of the bf16 backbone's hidden states and a
+    float32 weight, so the adaptive split (CUDA's default, asked for by name here on the CPU) runs two bfloat16
+    products ("bf16x2"). Its loss and gradients against TRL's own float32 head on the same batch: the loss to
+    TOL; the gradients as ``GRADS`` says, by their dtype."""
+    import logitless.transformers.forward as forward
+    # a bfloat16 model (TRL loads it so with model_init_kwargs), its head cast to float32 by TRL
+    trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), bf16=True, cast_lm_head_to_fp32=True, beta=0.04,
+                                    entropy_coef=0.01, num_iterations=2, model_init_kwargs={"dtype": "bfloat16"})
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    assert trainer.model.model.norm.weight.dtype == torch.bfloat16
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    _perturb(trainer.model, torch.Generator().manual_seed(3))
+    loss_trl, grads_trl = _loss_and_grads(trainer, inputs)
+    split = dict(precision="split", grad_precision=grad_precision)
+    ran = []
+
+    def forced(fn):
+        def call(*args, **kw):
+            out = fn(*args, **kw, **split)
+            ran.append(tuple(logitless.last_precision()))
+            return out
+        return call
+    monkeypatch.setattr(forward, "fused_logprobs", forced(forward.fused_logprobs))
+    monkeypatch.setattr(forward, "policy_loss", forced(forward.policy_loss))
+    lt.enable(trainer, fused_loss=True)
+    loss, grads = _loss_and_grads(trainer, inputs)
+    lt.disable(trainer)
+    assert ran and set(ran) == {("bf16x2", grad_precision or "bf16")}, ran
+    print(f"loss logitless {loss.item():.8f} TRL {loss_trl.item():.8f}")
+    assert loss_trl.abs() > 0 and abs(loss.item() - loss_trl.item()) <= TOL
+    assert grads.keys() == grads_trl.keys() and grads_trl
+    head = float((grads["lm_head.weight"] - grads_trl["lm_head.weight"]).norm() / grads_trl["lm_head.weight"].norm())
+    assert grads_trl["lm_head.weight"].dtype == torch.float32 and head <= head_tol, head
+    # the backbone's gradients (bfloat16) as one vector: a small, cancelling gradient (an attention bias) has a
+    # relative error of its own far above its share of the whole
+    names = [n for n, g in grads_trl.items() if g.dtype == torch.bfloat16]
+    assert len(names) == len(grads_trl) - 1
+    diff = torch.cat([(grads[n].float() - grads_trl[n].float()).reshape(-1) for n in names])
+    backbone = float(diff.norm() / torch.cat([grads_trl[n].float().reshape(-1) for n in names]).norm())
+    print(f"relative gradient errors: head {head:.2e}, backbone {backbone:.2e}")
+    assert backbone <= backbone_tol, backbone
 
 
 def _peak(mode: str) -> int:

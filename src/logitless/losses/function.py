@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from ..ops.function import _layout
-from ..ops.maths import autograd_inside_custom_op, no_autocast, tf32_products
+from ..ops.maths import autograd_inside_custom_op, no_autocast, split_in_kernel, tf32_products
 from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.policy_parts import scale_by_upstream
 from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients, weighted_terms
-from ..ops.precision import choose, make_operands, public_name
+from ..ops.precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name
 from ..ops.registry import load_backend
 from ..record import record_backend
 from .policy import PolicyLoss
@@ -97,6 +97,8 @@ class PassOptions:
     need_dw: bool
     bounds: Optional[list] = None     # the chunks' boundaries when groups of tokens must stay whole
     precision: tuple = ("native", "native")   # (statistics, gradients): ``ops/precision.py``
+    # the backend's kernels split float32 tiles in registers (triton): the split precisions make no split copy
+    in_kernel: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,6 +153,17 @@ class _Chunks:
         return lse, ent, g_lp, g_ent
 
 
+def _operands(h: Tensor, weight: Tensor, options: PassOptions, with_grad: bool):
+    """A precision's operands of the scored rows, made here and dropped with the pass: on the triton backend the
+    split precisions' float32 operands themselves, split in the kernels' registers, and the gradient products'
+    bfloat16 parts (hidden's [n, H] once, the weight's per block of rows: ``precision.kernel_operands``); else the
+    concatenated split (``precision.make_operands``: [V, kH] bfloat16)."""
+    precision, grad_precision = options.precision
+    if options.in_kernel and precision in IN_KERNEL:
+        return kernel_operands(h, weight, precision, grad_precision, with_grad=with_grad)
+    return make_operands(h, weight, precision, grad_precision, with_grad=with_grad)
+
+
 def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpec, options: PassOptions):
     """hidden [N, H] (every row; only ``tokens.rows`` are scored), weight [V_local, H].
     Returns (loss 0-d, logprobs [N], entropy [N], clipped count 0-d, weighted kl 0-d or 0) float32, and
@@ -174,12 +187,11 @@ def run_pass(hidden: Tensor, weight: Tensor, tokens: ScoredTokens, spec: TermSpe
     if n:
         plan_vocab = max(tp.sizes) if tp is not None else weight.shape[0]
         cut = {} if options.bounds is None else {"bounds": options.bounds}
-        # a precision's split operands of the scored rows, made here and dropped with the pass
-        ops = make_operands(h, weight, *options.precision, with_grad=dh is not None or dw is not None)
+        ops = _operands(h, weight, options, with_grad=dh is not None or dw is not None)
         if ops is not None:
             cut["grad_operands"] = ops.grad
         h_stats, w_stats = (h, weight) if ops is None else (ops.hidden, ops.weight)
-        with tf32_products(ops is not None and ops.tf32):
+        with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
             options.policy_pass(h_stats, w_stats, local, tokens.inv_temp, chunks, dh, dw, plan_vocab=plan_vocab,
                                 **cut)
         del ops, h_stats, w_stats
@@ -223,7 +235,7 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
         precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
         options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
                               need_dh=need_dh, need_dw=need_dw, bounds=bounds,
-                              precision=(precision, grad_precision))
+                              precision=(precision, grad_precision), in_kernel=mod.name == "triton")
         (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, spec, options)
         if poison is not None:
             loss, lp, ent = loss + poison, lp + poison, ent + poison

@@ -133,7 +133,7 @@ def _operands(mod, hidden: Tensor, weight: Tensor, precision: str, grad_precisio
     """A precision's operands (``precision.make_operands``); for the triton backend's split precisions the float32
     operands themselves, split in its kernels' registers (``precision.kernel_operands``: no split copy)."""
     if mod.name == "triton" and precision in IN_KERNEL:
-        return kernel_operands(hidden, weight, precision, grad_precision)
+        return kernel_operands(hidden, weight, precision, grad_precision, with_grad=with_grad)
     return make_operands(hidden, weight, precision, grad_precision, with_grad=with_grad)
 
 

@@ -214,6 +214,11 @@ def round_tf32(x: Tensor) -> Tensor:
     return torch.where(finite, rounded.view(torch.float32), x.float())
 
 
+# the most bytes of a weight block's bfloat16 parts that a product over the whole vocabulary makes at once
+# (``GradOperands.weight_blocks``): 128 MiB, 16384 rows at H 4096, a product deep enough for the tensor cores
+WEIGHT_BLOCK_BYTES = 128 << 20
+
+
 @dataclass(frozen=True)
 class GradOperands:
     """The two gradient products of a backend: d_hidden = sum over ``pairs`` (i, j) of dl_i @ weight_parts[j],
@@ -248,6 +253,15 @@ class GradOperands:
         if self.split_weight_rows:
             return split_parts(self.weight_parts[0][start:stop], self.split_weight_rows)
         return [w[start:stop] for w in self.weight_parts]
+
+    def weight_blocks(self, vocab: int) -> list:
+        """(start, stop) row blocks of the weight for a product over its whole vocabulary (the policy pass's
+        d_hidden = dlogits @ weight): one block when the parts exist, else blocks whose split parts are at most
+        ``WEIGHT_BLOCK_BYTES`` (made one block at a time by ``weight_rows``: no [V, H] copy)."""
+        if not self.split_weight_rows:
+            return [(0, vocab)]
+        rows = max(1, WEIGHT_BLOCK_BYTES // (2 * self.split_weight_rows * max(1, self.hidden_size)))
+        return [(start, min(start + rows, vocab)) for start in range(0, vocab, rows)]
 
     @property
     def hidden_size(self) -> int:
@@ -316,12 +330,16 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
 IN_KERNEL = ("bf16x2", "bf16x2w", "bf16x3")
 
 
-def kernel_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str) -> Operands:
+def kernel_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str,
+                    with_grad: bool = True) -> Operands:
     """The operands of ``precision`` (one of ``IN_KERNEL``) for a backend whose kernels split float32 tiles in
     registers: the statistics operands are hidden and weight themselves (``Operands.split`` names the products),
     and the "bf16" gradient products take the weight's bfloat16 part block by block (``weight_rows``) and
-    hidden's once ([N, H] bfloat16): no split copy of the weight. Other gradient precisions: their parts."""
-    if grad_precision == "bf16":
+    hidden's once ([N, H] bfloat16): no split copy of the weight. Other gradient precisions: their parts.
+    with_grad=False: only the statistics operands are used (no gradient parts are made)."""
+    if not with_grad:
+        grad = GradOperands.plain(hidden, weight)
+    elif grad_precision == "bf16":
         grad = GradOperands((hidden.to(torch.bfloat16),), (weight,), ((0, 0),), 1, torch.bfloat16, weight.dtype,
                             split_weight_rows=1)
     else:

@@ -129,14 +129,26 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, 
         dl = ws_dl[:c * stride].view(c, stride)[:, :vocab]
         dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, it, lab, tiles.block_n)
         if dh is not None:
-            for i, (a, b) in enumerate(go.products(dl, go.weight_parts)):
-                if i == 0:
-                    product_into(dh[start:stop], a, b)
-                else:
-                    accumulate_product(dh[start:stop], a, b, first=False)
+            _hidden_gradient(dh[start:stop], dl, go, vocab)
         if acc is not None:
             h_parts = go.rows(slice(start, stop)).hidden_parts
             for i, (a, b) in enumerate(go.products(dl.t(), h_parts)):
                 accumulate_product(acc, a, b, first=start == 0 and i == 0)
     if acc is not None and acc is not dw:
         dw.copy_(acc)
+
+
+def _hidden_gradient(dh: Tensor, dl: Tensor, go: GradOperands, vocab: int) -> None:
+    """dh = dl @ weight for one chunk's dlogits dl [c, V], summed over the precision's products and over the
+    weight's row blocks (``GradOperands.weight_blocks``: one block, or, for float32 operands split in the kernels,
+    blocks whose bfloat16 part is made one at a time and dropped before the next: no [V, H] copy of the weight)."""
+    first = True
+    for b0, b1 in go.weight_blocks(vocab):
+        parts = go.weight_rows(b0, b1)
+        for a, b in go.products(dl[:, b0:b1], parts):
+            if first:
+                product_into(dh, a, b)
+            else:
+                accumulate_product(dh, a, b, first=False)
+            first = False
+        del parts, a, b     # this block's parts go before the next block's are made
