@@ -1,27 +1,30 @@
-"""Time and check the fused distillation loss on one CUDA GPU, in one process (about 4 minutes on an H100).
+"""Time and check the fused full-vocabulary distillation losses on one CUDA GPU, in one process (about 3 minutes
+on an H100 at --reps 3).
 
-    PYTHONPATH=src python3 benchmarks/gpu_distillation.py [--beta 0.5] [--reps 5] [--out DIR] [--dry-run]
+    PYTHONPATH=src python3 benchmarks/gpu_distillation.py [--reps 3] [--shapes A,B] [--divergences jsd,forward_kl,
+        reverse_kl] [--extra] [--topk] [--out DIR] [--dry-run]
 
-Shape: bf16, H = 4096 (student and teacher), V = 151936, 16 sequences x 1024 tokens, the first 123 tokens of
-each sequence unscored (a prompt: 12%); the teacher is the student's head and hidden states plus noise (logit
-std about 4 each, a divergence of order 0.1-1 a token).
+Shapes (bf16, V = 151936, the first 123 tokens of each 1024-token sequence unscored: a prompt, 12%):
+  A: 16 x 1024 tokens, student H 4096, teacher H 4096 (the issue's shape);
+  B: 8 x 1024 tokens, student H 2048, teacher H 4096.
+The teacher is the student's head and hidden states plus noise, its extra hidden columns noise (logit std about
+4 each, a divergence of order 0.1-1 a token).
 
+Per shape:
 1. The dense floor: four cuBLAS GEMMs of every token in bf16 (teacher forward, student forward, student
    d_hidden, student d_weight), over token chunks of 4096 (d_weight accumulated), timed before and after.
-2. fused_distillation_loss ("jsd" with --beta, forward+backward) on its "triton" backend (the default on CUDA:
-   cuBLAS float32 products, three Triton kernels a chunk) and its "chunked" one (the same pass in torch), the
-   ratio to the floor, the peak memory beyond the two gradient buffers it returns.
-3. Peers in the same process where importable, each forward+backward on the scored tokens: TRL's
-   ChunkedDivergenceFunction (TRL's trainer's call: scored rows compacted, sum / count), Liger's
-   LigerFusedLinearJSD, the naive loss (F.linear in bf16, float32 log_softmax of both, the divergence) and
-   torch.compile(naive). A peer that fails (out of memory, missing) is a row with its error.
-4. Each one's error against float64 on the first sequence (1024 tokens): the loss, the per-token divergence
-   (where the peer gives it) and the student's d_hidden (relative norm).
-5. The top-k loss ("forward_kl_topk", k = 32) against the student's 4-GEMM floor, when logitless has it, and
-   verl's forward_kl_topk from the student's full bf16 logits (its FSDP logits processor's function) beside it.
+2. Per divergence (jsd with beta 0.5, forward_kl, reverse_kl): fused_distillation_loss forward+backward on its
+   "triton" backend (the default on CUDA), TRL's ChunkedDivergenceFunction with beta 0.5 / 0 / 1 (TRL's
+   trainer's call: scored rows compacted, sum / count), Liger's LigerFusedLinearJSD (jsd only); --extra adds
+   logitless "chunked", the naive loss and torch.compile(naive). The ratio to the floor, the peak memory beyond
+   the two gradient buffers. A peer that fails (out of memory, missing) is a row with its error.
+3. Each one's error against float64 on the first --check-tokens tokens: the loss, the per-token divergence (where
+   the peer gives it) and the student's d_hidden (relative norm).
+--topk (shape A only): the top-k loss ("forward_kl_topk", k = 32) against the student's 4-GEMM floor and verl's
+forward_kl_topk from the student's full bf16 logits beside it (benchmarks/gpu_topk.py measures the top-k path).
 
-Writes DIR/gpu_distillation.json and .md and prints a short table last. --dry-run runs every step on tiny
-shapes on the CPU (wall-clock timing, no memory figures): a check of the script, not a measurement.
+Writes DIR/gpu_distillation.json and .md and prints one table last. --dry-run runs every step on tiny shapes on
+the CPU (wall-clock timing, no memory figures): a check of the script, not a measurement.
 """
 from __future__ import annotations
 
@@ -44,8 +47,12 @@ from logitless.losses import fused_distillation_loss  # noqa: E402
 from logitless.tools.common import markdown_table, peak_extra_bytes, random_head, time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
-FULL = dict(b=16, s=1024, h=4096, v=151936, prompt=123)
-TINY = dict(b=2, s=24, h=96, v=4099, prompt=3)
+FULL = {"A": dict(b=16, s=1024, h=4096, ht=4096, v=151936, prompt=123),
+        "B": dict(b=8, s=1024, h=2048, ht=4096, v=151936, prompt=123)}
+TINY = {"A": dict(b=2, s=24, h=96, ht=96, v=4099, prompt=3),
+        "B": dict(b=2, s=16, h=64, ht=96, v=4099, prompt=3)}
+# logitless's divergence -> TRL's beta (the generalized JSD: 0 the forward KL, 1 the reverse KL)
+BETAS = {"jsd": 0.5, "forward_kl": 0.0, "reverse_kl": 1.0}
 GIB = 1 << 30
 RESULTS: dict = {"rows": {}, "checks": {}}
 
@@ -59,9 +66,15 @@ def inputs(shape, device, dtype):
     n = shape["b"] * shape["s"]
     hs, ws = random_head(n, shape["h"], shape["v"], dtype, device, g)
     noise_h, noise_w = random_head(n, shape["h"], shape["v"], torch.float32, device, g)
-    # a teacher near the student: its distribution differs by a divergence of order 0.1-1 a token
-    ht = (hs.float() * 0.8 + noise_h * 0.6).to(dtype)
-    wt = (ws.float() * 0.8 + noise_w * 0.6).to(dtype)
+    # a teacher near the student: its distribution differs by a divergence of order 0.1-1 a token; a wider
+    # teacher's extra columns are noise of a small share of the logit
+    ht = hs.float() * 0.8 + noise_h * 0.6
+    wt = ws.float() * 0.8 + noise_w * 0.6
+    extra = shape["ht"] - shape["h"]
+    if extra:
+        more_h, more_w = random_head(n, extra, shape["v"], torch.float32, device, g)
+        ht, wt = torch.cat([ht, more_h], 1), torch.cat([wt, more_w * 0.2], 1)
+    ht, wt = ht.to(dtype), wt.to(dtype)
     labels = torch.randint(0, shape["v"], (shape["b"], shape["s"]), device=device, generator=g)
     labels[:, :shape["prompt"]] = -100
     return hs, ws, ht, wt, labels
@@ -113,30 +126,34 @@ def naive(hs, ws, ht, wt, valid, beta):
     return d.sum() / valid.sum().clamp_min(1), d
 
 
-def methods(beta):
+def methods(divergence, extra):
     """name -> fn(hs, ws, ht, wt, labels) returning (loss, per-token divergence of the scored rows or None)."""
     out = {}
+    beta = BETAS[divergence]
 
     def ours_with(backend):
         def ours(hs, ws, ht, wt, labels):
             flat = labels.view(-1)
-            r = fused_distillation_loss(hs, ws, flat, teacher_hidden=ht, teacher_weight=wt, divergence="jsd",
-                                        beta=beta, backend=backend)
+            r = fused_distillation_loss(hs, ws, flat, teacher_hidden=ht, teacher_weight=wt, divergence=divergence,
+                                        beta=beta if divergence == "jsd" else None, backend=backend)
             return r.loss, r.divergence[flat != -100]
         return ours
     out["logitless (triton)"] = ours_with("triton")
-    out["logitless (chunked)"] = ours_with("chunked")
+    if extra:
+        out["logitless (chunked)"] = ours_with("chunked")
     try:
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
     except Exception as exc:  # noqa: BLE001 - a missing peer is a row too
-        out["TRL ChunkedDivergenceFunction"] = f"not importable: {type(exc).__name__}: {exc}"
+        out[f"TRL ChunkedDivergenceFunction (beta {beta})"] = f"not importable: {type(exc).__name__}: {exc}"
     else:
         def trl(hs, ws, ht, wt, labels):
             valid = (labels != -100).view(-1)
             d, _ = ChunkedDivergenceFunction.apply(hs[valid], ws, None, ht[valid], wt, None, beta, 1.0, 1.0, None,
                                                    1.0, None)
             return d.sum() / valid.sum().clamp_min(1), d
-        out["TRL ChunkedDivergenceFunction"] = trl
+        out[f"TRL ChunkedDivergenceFunction (beta {beta})"] = trl
+    if divergence != "jsd":
+        return out
     try:
         from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
     except Exception as exc:  # noqa: BLE001
@@ -147,6 +164,8 @@ def methods(beta):
         def liger(hs, ws, ht, wt, labels):
             return liger_loss(hs, ws, ht, wt, labels.view(-1)), None
         out["Liger LigerFusedLinearJSD"] = liger
+    if not extra:
+        return out
 
     def plain(hs, ws, ht, wt, labels):
         return naive(hs, ws, ht, wt, (labels != -100).view(-1), beta)
@@ -200,8 +219,8 @@ def step_of(fn, data):
     return step, (h, w)
 
 
-def run_method(name, fn, data, beta, reps, device, truth, small):
-    row = RESULTS["rows"].setdefault(name, {})
+def run_method(key, name, fn, data, beta, reps, device, truth, small):
+    row = RESULTS["rows"].setdefault(key, {})
     if isinstance(fn, str):
         row["error"] = fn
         return
@@ -224,7 +243,7 @@ def run_method(name, fn, data, beta, reps, device, truth, small):
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    log(name, row)
+    log(key, row)
 
 
 def topk_section(data, reps, device):
@@ -293,56 +312,82 @@ def verl_topk_row(data, top, floor_ms, reps, device):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--beta", type=float, default=0.5)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--shapes", default="A,B", help="A: the issue's shape; B: student H 2048, teacher H 4096, 8192 "
+                   "tokens")
+    p.add_argument("--divergences", default="jsd,forward_kl,reverse_kl")
+    p.add_argument("--check-tokens", type=int, default=512, help="tokens of the float64 checks")
+    p.add_argument("--extra", action="store_true", help="also logitless 'chunked', the naive loss, torch.compile")
+    p.add_argument("--topk", action="store_true", help="also the top-k rows (shape A)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
-    shape = TINY if dry else FULL
+    shapes = TINY if dry else FULL
+    names = [x for x in args.shapes.split(",") if x]
+    divergences = [x for x in args.divergences.split(",") if x]
+    for bad in [x for x in names if x not in shapes] + [x for x in divergences if x not in BETAS]:
+        raise SystemExit(f"unknown shape or divergence {bad!r}: shapes {list(shapes)}, divergences {list(BETAS)}")
     reps = 2 if dry else args.reps
-    RESULTS["env"] = {"versions": versions(), "machine": machine(), "argv": sys.argv, "shape": shape,
-                      "beta": args.beta}
+    RESULTS["env"] = {"versions": versions(), "machine": machine(), "argv": sys.argv,
+                      "shapes": {x: shapes[x] for x in names}, "divergences": divergences}
+    RESULTS["floor_ms"] = {}
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    data = inputs(shape, device, torch.bfloat16)
-    s = shape["s"]
-    small = (data[0][:s], data[1], data[2][:s], data[3], data[4][:1])
-    truth = truth64(*small, args.beta)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    floor = Floor(*data[:4])
-    floor_ms = [time_cuda(floor, warmup=1, reps=reps, device=device)[0]]
-    del floor
-    for name, fn in methods(args.beta).items():
-        run_method(name, fn, data, args.beta, reps, device, truth, small)
-        if name.startswith("logitless"):
-            RESULTS["checks"][f"last_backend {name}"] = last_backend()
-    floor = Floor(*data[:4])
-    floor_ms.append(time_cuda(floor, warmup=1, reps=reps, device=device)[0])
-    del floor
-    RESULTS["floor_ms"] = floor_ms
-    topk_section(data, reps, device)
-
-    floor = min(floor_ms)
-    rows = []
-    for name, row in RESULTS["rows"].items():
-        ms = row.get("fwd_bwd_ms")
-        # the top-k rows against the student's own 4-GEMM floor, the others against the two heads' floor
-        ratio = f"{row['x_student_floor']:.2f}x (student)" if "x_student_floor" in row else (
-            f"{ms / floor:.2f}x" if ms else "-")
-        rows.append([name, f"{ms:.1f}" if ms else "-", ratio,
-                     f"{row['extra_memory_gib']:.2f}" if "extra_memory_gib" in row else "-",
-                     f"{row['loss_rel_err']:.1e}" if "loss_rel_err" in row else "-",
-                     f"{row['divergence_max_abs_err']:.1e}" if "divergence_max_abs_err" in row else "-",
-                     f"{row['d_hidden_rel_err']:.1e}" if "d_hidden_rel_err" in row else "-",
-                     (row.get("error") or row.get("accuracy_error") or "")[:80]])
-    table = markdown_table(["method", "fwd+bwd ms", "x 4-GEMM floor", "GiB over grads", "loss rel err",
-                            "div max abs err", "d_hidden rel err", "error"], rows)
-    head = (f"distillation, jsd beta={args.beta}, {shape}, bf16; dense 4-GEMM floor {floor_ms} ms (before, after)"
-            f"{'; DRY RUN on CPU: not a measurement' if dry else ''}\n\n")
+    table_rows = []
+    for shape_name in names:
+        shape = shapes[shape_name]
+        data = inputs(shape, device, torch.bfloat16)
+        c = min(args.check_tokens, data[0].shape[0])
+        small = (data[0][:c], data[1], data[2][:c], data[3], data[4].reshape(-1)[:c].reshape(1, c))
+        floor = Floor(*data[:4])
+        floor_ms = [time_cuda(floor, warmup=1, reps=reps, device=device)[0]]
+        del floor
+        keys = []
+        for divergence in divergences:
+            beta = BETAS[divergence]
+            truth = truth64(*small, beta)
+            for name, fn in methods(divergence, args.extra).items():
+                key = f"{shape_name} {divergence}: {name}"
+                keys.append(key)
+                run_method(key, name, fn, data, beta, reps, device, truth, small)
+                RESULTS["rows"][key].update(shape=shape_name, divergence=divergence, method=name)
+                if name.startswith("logitless"):
+                    RESULTS["checks"][f"last_backend {key}"] = last_backend()
+            del truth
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        floor = Floor(*data[:4])
+        floor_ms.append(time_cuda(floor, warmup=1, reps=reps, device=device)[0])
+        del floor
+        RESULTS["floor_ms"][shape_name] = floor_ms
+        if args.topk and shape_name == "A":
+            before = set(RESULTS["rows"])
+            topk_section(data, reps, device)
+            for key in [k for k in RESULTS["rows"] if k not in before]:
+                RESULTS["rows"][key].update(shape=shape_name, divergence="forward_kl_topk", method=key)
+                keys.append(key)
+        del data, small
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        base = min(floor_ms)
+        for key in keys:
+            row = RESULTS["rows"][key]
+            ms = row.get("fwd_bwd_ms")
+            # the top-k rows against the student's own 4-GEMM floor, the others against the two heads' floor
+            ratio = f"{row['x_student_floor']:.2f}x (student)" if "x_student_floor" in row else (
+                f"{ms / base:.2f}x" if ms else "-")
+            table_rows.append([shape_name, row["method"], row["divergence"], f"{ms:.1f}" if ms else "-", ratio,
+                               f"{row['extra_memory_gib']:.2f}" if "extra_memory_gib" in row else "-",
+                               f"{row['loss_rel_err']:.1e}" if "loss_rel_err" in row else "-",
+                               f"{row['divergence_max_abs_err']:.1e}" if "divergence_max_abs_err" in row else "-",
+                               f"{row['d_hidden_rel_err']:.1e}" if "d_hidden_rel_err" in row else "-",
+                               (row.get("error") or row.get("accuracy_error") or "")[:80]])
+    table = markdown_table(["shape", "method", "divergence", "fwd+bwd ms", "x 4-GEMM floor", "GiB over grads",
+                            "loss rel err", "div max abs err", "d_hidden rel err", "error"], table_rows)
+    shapes_text = "; ".join(f"{x}: {shapes[x]}, floor {RESULTS['floor_ms'][x]} ms (before, after)" for x in names)
+    head = (f"distillation, bf16, {shapes_text}{'; DRY RUN on CPU: not a measurement' if dry else ''}\n\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_distillation.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)

@@ -1,6 +1,7 @@
 """Time fused_topk and the top-k distillation divergence on one GPU, in one process, against the GEMM floor.
 
     PYTHONPATH=src python3 benchmarks/gpu_topk.py [--out DIR] [--dry-run]
+    PYTHONPATH=src python3 benchmarks/gpu_topk.py --sweep [--configs "BM,BN,BK,G,W,S:C;..."] [--dry-run]
 
 Shape: bf16, 16 x 1024 tokens (about 12% not scored / masked), H=4096, V=151936, k=32 (and k=128 for fused_topk).
 1. Checks against float64 on the first 64 tokens: fused_topk's ids, log-probs and tail; the divergences' values.
@@ -15,7 +16,13 @@ Shape: bf16, 16 x 1024 tokens (about 12% not scored / masked), H=4096, V=151936,
      and <= 0.85x); and
      "forward_kl_topk" with_overlap=False (the backend's own statistics pass forward: Triton on CUDA);
    - peak memory above the inputs (MiB).
-Writes DIR/gpu_topk.json and DIR/gpu_topk.md, and prints the table last. --dry-run: tiny shapes on the CPU
+Writes DIR/gpu_topk.json and DIR/gpu_topk.md, and prints the table last.
+
+--sweep: only fused_topk, one row per configuration of the selection kernels (tiles BM,BN,BK,GROUP_M,warps,stages
+as LOGITLESS_TRITON_TOPK takes them, and the first pass's candidates a tile C, LOGITLESS_TOPK_CANDIDATES; "-"
+keeps the forward's tiles) at k 32 and 128: ms (median of 3 after 1 warm-up), x the 1-GEMM floor, the first pass
+alone on one chunk x the GEMM of that chunk (the kernel's own cost, without the finish, torch.topk and redo), and
+the fraction of scored rows redone. Writes DIR/gpu_topk_sweep.json. --dry-run: tiny shapes on the CPU
 (triton's interpreter, wall clock, no memory figures): a check of the script, not a measurement.
 """
 from __future__ import annotations
@@ -33,7 +40,7 @@ if "--dry-run" in sys.argv:
 from logitless import fused_topk, last_backend  # noqa: E402
 from logitless.losses.distill_topk import topk_divergence  # noqa: E402
 from logitless.ops.triton import topk_select  # noqa: E402
-from logitless.tools.common import GemmFloor, markdown_table, peak_extra_bytes, random_head  # noqa: E402
+from logitless.tools.common import GemmFloor, env_set, markdown_table, peak_extra_bytes, random_head  # noqa: E402
 from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -113,15 +120,103 @@ def naive_topk(hidden, weight, k):
     return ids, lp, torch.log1p(-lp.exp().sum(-1))
 
 
+# the sweep's default configurations: (tiles or "-" for the forward's, C)
+SWEEP = ("-:2", "-:4", "-:8", "128,256,64,16,8,4:4", "64,256,64,16,4,3:4", "128,128,64,16,8,4:4",
+         "128,128,64,16,4,3:4", "64,256,64,16,4,4:2")
+TINY_SWEEP = ("-:2", "16,64,32,4,4,1:4")
+
+
+def parse_configs(text: str) -> list[tuple[str, int]]:
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        tiles, _, c = item.partition(":")
+        if tiles != "-" and len(tiles.split(",")) != 6:
+            raise ValueError(f"--configs: {item!r}: tiles are six integers BM,BN,BK,GROUP_M,warps,stages or '-'")
+        out.append((tiles, int(c or topk_select.CANDIDATES)))
+    return out
+
+
+def first_pass_ratio(hidden, weight, k, dev):
+    """The first pass alone (candidates kernel) on one chunk of tokens, over the GEMM of that chunk."""
+    tiles = topk_select.tiles_for(hidden.dtype, hidden.device)
+    c = topk_select.first_candidates(k, weight.shape[0], tiles)
+    rows = min(hidden.shape[0], topk_select.chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device))
+    h = hidden[:rows]
+    inv = torch.ones(rows, device=dev)
+    z = torch.empty((rows, weight.shape[0]), device=dev, dtype=hidden.dtype)
+    gemm = _time_cuda(lambda: torch.mm(h, weight.t(), out=z), 1, 3, device=dev)[0]
+    first = _time_cuda(lambda: topk_select._first_pass(h, weight, inv, c, None, tiles), 1, 3, device=dev)[0]
+    return first / gemm
+
+
+def sweep(args, dev, shape, dtype):
+    """One row per configuration (``SWEEP`` or --configs) of fused_topk through the selection kernels."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden, weight = random_head(shape["n"], shape["h"], shape["v"], dtype, dev, g)
+    scored = torch.rand(shape["n"], device=dev, generator=g) > 0.12
+    floor = GemmFloor(hidden, weight)
+    f = _time_cuda(floor.forward, 1, 3, device=dev)[0]
+    floor.close()
+    del floor
+    configs = parse_configs(args.configs or ";".join(TINY_SWEEP if args.dry_run else SWEEP))
+    backend = "triton" if args.dry_run else "auto"
+    redone = []
+    select = topk_select.select
+
+    def counting(*a, **kw):
+        out = select(*a, **kw)
+        redone.append(out.fallback)
+        return out
+
+    rows, res = [], {"shape": shape, "machine": machine(), "versions": versions(), "floor_fwd_ms": f, "rows": []}
+    topk_select.select = counting
+    try:
+        for tiles, c in configs:
+            env = {"LOGITLESS_TOPK_CANDIDATES": str(c)}
+            if tiles != "-":
+                env["LOGITLESS_TRITON_TOPK"] = tiles
+            with env_set(**env):
+                for k in (shape["k"], shape["k_large"]):
+                    redone.clear()
+                    try:
+                        ms = _time_cuda(lambda k=k: fused_topk(hidden, weight, k, mask=scored, backend=backend),
+                                        1, 3, device=dev)[0]
+                        first = first_pass_ratio(hidden[scored], weight, k, dev)
+                        frac = sum(redone) / len(redone) / max(1, int(scored.sum()))
+                        row = dict(tiles=tiles, C=c, k=k, ms=ms, ratio=ms / f, first_pass_ratio=first,
+                                   redone=frac, backend=last_backend())
+                    except Exception as e:        # a configuration the compiler refuses (shared memory...)
+                        row = dict(tiles=tiles, C=c, k=k, error=f"{type(e).__name__}: {str(e)[:120]}")
+                    res["rows"].append(row)
+                    log(row)
+                    rows.append([tiles, str(c), str(k)] + (
+                        [row["error"], "-", "-", "-"] if "error" in row else
+                        [f"{row['ms']:.2f}", f"{row['ratio']:.3f}", f"{row['first_pass_ratio']:.3f}",
+                         f"{row['redone']:.2e}"]))
+    finally:
+        topk_select.select = select
+    table = markdown_table(["tiles", "C", "k", "ms", "x GEMM", "first pass x chunk GEMM", "rows redone"], rows)
+    with open(os.path.join(args.out, "gpu_topk_sweep.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    log(f"\nshape {shape}, bf16, {dev}; 1-GEMM floor {f:.2f} ms")
+    log(table)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    p.add_argument("--sweep", action="store_true", help="only fused_topk, one row per kernel configuration")
+    p.add_argument("--configs", default="", help='with --sweep: "BM,BN,BK,GROUP_M,warps,stages:C;..." ("-": the '
+                   "forward's tiles)")
     args = p.parse_args()
     dev = "cpu" if args.dry_run else "cuda"
     shape = TINY if args.dry_run else FULL
     dtype = torch.bfloat16
     os.makedirs(args.out, exist_ok=True)
+    if args.sweep:
+        sweep(args, dev, shape, dtype)
+        return
     res = {"shape": shape, "machine": machine(), "versions": versions(), "checks": {}, "ms": {}, "mib": {}}
     hidden, weight, scored, labels, t_ids, t_lp = inputs(shape, dev, dtype)
     res["checks"] = checks(hidden, weight, scored, labels, t_ids, t_lp, shape["k"])

@@ -81,6 +81,7 @@ def topk_cases():
     yield "topk bf16", dict(dtype=torch.bfloat16)
     yield "topk bf16 softcap", dict(dtype=torch.bfloat16, softcap=30.0)
     yield "topk bf16 one candidate a tile", dict(dtype=torch.bfloat16, candidates=1)
+    yield "topk bf16 eight candidates a tile", dict(dtype=torch.bfloat16, candidates=8)
     yield "topk fp32 bf16x3", dict(dtype=torch.float32, precision="bf16x3")
     yield "topk fp32 ieee", dict(dtype=torch.float32, precision="ieee")
 

@@ -206,17 +206,8 @@ def _kernel_pass(h_s: Tensor, w_s: Tensor, inv_temp: Tensor, softcap, rows, n: i
     """The top k of this weight's rows by the selection kernels (``triton/topk_select.py``), in token chunks of
     bounded workspace -> (SetPartial [n] with global ids: the rest is the tail, lse [n] over this weight's rows)."""
     from .triton import topk_select
-    step = topk_select.chunk_rows(w_s.shape[0], k, h_s.dtype, h_s.device)
-    parts = [topk_select.select(_rows(h_s, rows, start, stop), w_s, inv_temp[start:stop].contiguous(), k, softcap)
-             for start, stop in _blocks(n, step)]
-    if not parts:
-        f32 = dict(dtype=torch.float32, device=h_s.device)
-        empty = torch.empty(0, **f32)
-        return label_sets.SetPartial(empty, empty, torch.empty((0, k), **f32),
-                                     torch.empty((0, k), dtype=torch.int64, device=h_s.device)), empty
-    cat = (lambda f: getattr(parts[0], f)) if len(parts) == 1 else (lambda f: torch.cat([getattr(p, f) for p in parts]))
-    part = label_sets.SetPartial(cat("m"), cat("s"), cat("vals"), cat("ids") + offset)
-    return part, cat("lse")
+    sel = topk_select.select(h_s, w_s, inv_temp.contiguous(), k, softcap, rows)
+    return label_sets.SetPartial(sel.m, sel.s, sel.vals, sel.ids + offset), sel.lse
 
 
 def _selection(h_s, w_s, inv_temp, softcap, rows, n, k, backend, tp, check_inputs):

@@ -7,7 +7,9 @@ statistics kernel: the float32 logits tile on the tensor cores, tempered (softca
 - the tile's C largest logits ("candidates", C a small compile-time constant), written as int64 *keys*: the
   logit's float32 bits mapped to an order-preserving signed integer in the high word, 2^31 - 1 - id in the low
   word. Keys are distinct and their order is the selection's order: larger value first, equal values to the lower
-  id. C iterations of (row max of the keys, mask the max): two passes over the tile each;
+  id. C float32 rounds of (row max, the lowest column holding it, that column taken out): three passes over the
+  float32 tile each, the keys formed for the [BLOCK_M, C] winners only (an int64 tile of keys doubled the
+  registers of the logits and spilled; 64-bit compares are two 32-bit ones);
 - the rest of the tile (its columns that are not candidates): the largest key (the "residual bound") and
   sum exp(z - that max), relative to its own max (>= 1 once a column is there, no underflow).
 
@@ -42,7 +44,7 @@ from .tile import logits_tile, softcap_tanh, tile_coords
 
 # k of the fast path: candidates per tile C = CANDIDATES for k <= MAX_K; larger k takes the torch pass
 MAX_K = 128
-CANDIDATES = 8
+CANDIDATES = 4
 # the key of no column (padding, a column already taken): the key of -inf with the largest id; every real logit's
 # key lies above it. ord(-inf) = 0xFF800000 ^ 0x7FFFFFFF = -2139095041 as int32, in the high word.
 NO_KEY = -2139095041 * (1 << 32)
@@ -51,18 +53,28 @@ DEFAULT_BYTES = 128 << 20
 
 
 @triton.jit
-def _keys(z, gcols):
-    """int64 keys of float32 z [M, N] at global ids gcols [N]: order(z) in the high word, 2^31 - 1 - id in the
-    low one. -0.0 is taken as +0.0 (they compare equal as floats: the lower id must win)."""
-    bits = z.to(tl.int32, bitcast=True)
+def _round(zf, cols, BIG: tl.constexpr):
+    """(row max [M], the lowest of its columns [M] int32, BIG where the row is all -inf) of float32 zf [M, N]."""
+    top = tl.max(zf, axis=1)
+    at = tl.min(tl.where(zf == top[:, None], cols[None, :], BIG), axis=1)
+    return top, at
+
+
+@triton.jit
+def _row_key(top, at, NO_KEY_: tl.constexpr):
+    """The int64 key of float32 value top [M] at column at [M]: order(top) in the high word (the float32 bits
+    mapped to an order-preserving signed integer), 2^31 - 1 - id in the low one; -0.0 is taken as +0.0 (they
+    compare equal as floats: the lower id must win); NO_KEY where top is -inf (no column left)."""
+    bits = top.to(tl.int32, bitcast=True)
     bits = tl.where(bits == -2147483648, 0, bits)
     order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (order.to(tl.int64) << 32) | (2147483647 - gcols.to(tl.int64))[None, :]
+    key = (order.to(tl.int64) << 32) | (2147483647 - at.to(tl.int64))
+    return tl.where(top == float("-inf"), NO_KEY_, key)
 
 
 @triton.jit
 def _values(keys):
-    """float32 values of int64 keys (the inverse of the high word of ``_keys``)."""
+    """float32 values of int64 keys (the inverse of the high word of ``_row_key``)."""
     hi = (keys >> 32).to(tl.int32)
     return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
 
@@ -71,35 +83,37 @@ def _values(keys):
 @triton.jit(do_not_specialize=["n_rows"])
 def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_sum_ptr,
                        n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles,
-                       C: tl.constexpr, NO_KEY_: tl.constexpr,
+                       C: tl.constexpr, NO_KEY_: tl.constexpr, BIG: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                       USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr,
-                       SPLIT: tl.constexpr = 0, INTERP: tl.constexpr = False):
+                       USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                       SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
-                                  INTERP)
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     if SOFTCAP:
         acc, _ = softcap_tanh(acc, CAP)
         inv_t = inv_t * CAP
     z = acc * inv_t[:, None]            # the tempered logit: one rounding, as the label's logit elsewhere
-    col_ok = cols < n_cols
-    keys = tl.where(col_ok[None, :], _keys(z, cols), NO_KEY_)
+    # float32 rounds, not int64 keys: a [BLOCK_M, BLOCK_N] int64 tile is twice the registers of the logits (it
+    # spilled on Hopper) and every 64-bit max / compare is two 32-bit ones. Each round: the row max (float32), the
+    # lowest column holding it (an int32 min over the columns equal to it: ties to the lower id, as the keys
+    # order them), that one column taken out (-inf). Keys are formed for the [BLOCK_M, C] winners only.
+    zf = tl.where((cols < n_cols)[None, :], z, float("-inf"))
     slot = tl.arange(0, C)
     cand = tl.full((BLOCK_M, C), NO_KEY_, tl.int64)
     for i in tl.static_range(C):
-        top = tl.max(keys, axis=1)
-        cand = tl.where(slot[None, :] == i, top[:, None], cand)
-        keys = tl.where(keys == top[:, None], NO_KEY_, keys)     # keys are distinct: one column per row
-    # the rest: its largest key (the residual bound) and its sum relative to its own max
-    rest_key = tl.max(keys, axis=1)
-    rest_max = _values(rest_key)
-    ref = tl.where(rest_key == NO_KEY_, 0.0, rest_max)
-    e = tl.exp2(tl.where(keys == NO_KEY_, float("-inf"), (z - ref[:, None]) * LOG2E))   # taken columns: 0
-    rest_sum = tl.sum(e, axis=1)
+        top, at = _round(zf, cols, BIG)
+        cand = tl.where(slot[None, :] == i, _row_key(top, at, NO_KEY_)[:, None], cand)
+        zf = tl.where(cols[None, :] == at[:, None], float("-inf"), zf)
+    # the rest: its largest key (the residual bound) and its sum relative to its own max (taken columns: 0)
+    rest_max, rest_at = _round(zf, cols, BIG)
+    rest_key = _row_key(rest_max, rest_at, NO_KEY_)
+    ref = tl.where(rest_max == float("-inf"), 0.0, rest_max)
+    ref = tl.where(ref == 0.0, 0.0, ref)     # -0.0 as +0.0, as its key says (the same sums either way)
+    rest_sum = tl.sum(tl.exp2((zf - ref[:, None]) * LOG2E), axis=1)
     r64 = rows.to(tl.int64)
     out = r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :]
     tl.store(cand_ptr + out, cand, mask=row_ok[:, None])
@@ -183,21 +197,31 @@ def candidates(k: int) -> int:
     return c
 
 
+def first_candidates(k: int, vocab: int, tiles: Tiles) -> int:
+    """C of the first pass: ``candidates(k)``, raised to the power of two whose candidates, the ragged last tile's
+    aside, hold at least k (a small vocabulary), at most the tile's width."""
+    c = min(candidates(k), tiles.block_n)
+    full = max(1, triton.cdiv(vocab, tiles.block_n) - 1)
+    while c < tiles.block_n and full * c < k:
+        c *= 2
+    return c
+
+
 def fast_path_ok(k: int, vocab: int, dtype: torch.dtype, device) -> bool:
     """Whether the kernels select this k over ``vocab`` columns: 1 <= k <= MAX_K, some column left outside the k
-    (k < vocab), and the first pass's candidates, the ragged last tile's aside, at least k."""
+    (k < vocab), and the full tiles' candidates (``first_candidates``) at least k."""
     tiles = tiles_for(dtype, device)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
-    c = min(candidates(k), tiles.block_n)
-    return 1 <= k <= MAX_K and k < vocab and (n_tiles - 1) * c >= k
+    return 1 <= k <= MAX_K and k < vocab and (n_tiles - 1) * first_candidates(k, vocab, tiles) >= k
 
 
-def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device) -> int:
-    """Tokens of one chunk so that its candidates and residuals fit LOGITLESS_TOPK_BYTES (a multiple of the
-    token tile)."""
+def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device, c: Optional[int] = None) -> int:
+    """Tokens of one chunk so that its candidates (``c`` a tile, default the first pass's) and residuals fit
+    LOGITLESS_TOPK_BYTES (a multiple of the token tile)."""
     tiles = tiles_for(dtype, device)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
-    per_token = 8 * n_tiles * min(candidates(k), tiles.block_n) + 12 * n_tiles
+    c = first_candidates(k, vocab, tiles) if c is None else c
+    per_token = 8 * n_tiles * c + 12 * n_tiles
     rows = knobs._int("LOGITLESS_TOPK_BYTES", DEFAULT_BYTES) // per_token
     return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
@@ -215,7 +239,8 @@ def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softca
     grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
     _candidates_kernel[grid](h_op, w_op, inv_temp, cand, rest_key, rest_sum, n, vocab, h,
                              hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
-                             C=c, NO_KEY_=NO_KEY, USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
+                             C=c, NO_KEY_=NO_KEY, BIG=2147483647, USE_TMA=use_tma,
+                             **launch_options(tiles, hidden, softcap))
     return cand, rest_key, rest_sum
 
 
@@ -239,32 +264,62 @@ def _finish(cand: Tensor, rest_key: Tensor, rest_sum: Tensor, k: int):
 
 
 def decode(keys: Tensor) -> tuple[Tensor, Tensor]:
-    """(float32 values, int64 ids) of int64 keys (torch; the inverse of the kernel's ``_keys``)."""
+    """(float32 values, int64 ids) of int64 keys (torch; the inverse of the kernel's ``_row_key``)."""
     hi = (keys >> 32).to(torch.int32)
     vals = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).view(torch.float32)
     ids = 2147483647 - (keys & 0xFFFFFFFF)
     return vals, ids
 
 
-def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, softcap: Optional[float] = None
-           ) -> Selection:
-    """The top k of softmax(z) per row of hidden [n, H] over weight [V, H]'s rows (``fast_path_ok`` holds; the
-    caller keeps n <= ``chunk_rows``). One host read: which rows need the exact second pass."""
+def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, softcap: Optional[float] = None,
+           rows: Optional[Tensor] = None) -> Selection:
+    """The top k of softmax(z) per row of hidden [N, H] (or of its rows ``rows`` [n], gathered a chunk at a time)
+    over weight [V, H]'s rows (``fast_path_ok`` holds); inv_temp [n]. In token chunks of ``chunk_rows``: every
+    chunk's first pass, then the rows their candidates could not hold redone together (``_redo``). One host read
+    per redo round (which rows are left)."""
+    n = inv_temp.shape[0]
     tiles = tiles_for(hidden.dtype, hidden.device)
-    c = min(candidates(k), tiles.block_n)
-    cand, rest_key, rest_sum = _first_pass(hidden, weight, inv_temp, c, softcap, tiles)
-    vals, ids, lse, m, s, ok = _finish(cand, rest_key, rest_sum, k)
-    del cand, rest_key, rest_sum
+    c = first_candidates(k, weight.shape[0], tiles)
+    if n == 0:
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        empty = torch.empty(0, **f32)
+        return Selection(torch.empty((0, k), **f32), torch.empty((0, k), dtype=torch.int64, device=hidden.device),
+                         empty, empty.clone(), empty.clone(), 0)
+
+    def take(idx: Tensor) -> Tensor:
+        return hidden.index_select(0, idx if rows is None else rows.index_select(0, idx))
+
+    step = chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device, c)
+    parts = []
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        h = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
+        parts.append(_finish(*_first_pass(h, weight, inv_temp[start:stop], c, softcap, tiles), k))
+    vals, ids, lse, m, s, ok = parts[0] if len(parts) == 1 else (torch.cat(f) for f in zip(*parts, strict=True))
+    fallback = _redo(take, weight, inv_temp, k, softcap, tiles, c, (vals, ids, lse, m, s), ok)
+    return Selection(vals, ids, lse, m, s, fallback)
+
+
+def _redo(take, weight, inv_temp, k, softcap, tiles: Tiles, c: int, outs, ok: Tensor) -> int:
+    """Recompute, in place in ``outs``, the rows whose first pass is not exact (``ok`` 0) with 4x the candidates a
+    round, until C >= min(k, BLOCK_N) (exact by construction: a tile's rest then lies below k of its own keys).
+    A row's answer comes from the first round whose check it passes, a function of the row alone (batch
+    invariant). ``take(idx)``: the hidden rows of positions idx. Returns the number of rows redone."""
     redo = (ok == 0).nonzero().squeeze(1)
     fallback = int(redo.numel())
-    if fallback:
-        # C >= k (every column of a tile when k >= its width): exact, whatever the row
-        c_all = min(triton.next_power_of_2(k), tiles.block_n)
-        part = _first_pass(hidden.index_select(0, redo), weight, inv_temp.index_select(0, redo), c_all, softcap,
-                           tiles)
-        r_vals, r_ids, r_lse, r_m, r_s, _ = _finish(*part, k)
-        vals.index_copy_(0, redo, r_vals)
-        ids.index_copy_(0, redo, r_ids)
-        for out, new in ((lse, r_lse), (m, r_m), (s, r_s)):
-            out.index_copy_(0, redo, new)
-    return Selection(vals, ids, lse, m, s, fallback)
+    exact = min(triton.next_power_of_2(k), tiles.block_n)
+    while redo.numel():
+        c = min(exact, 4 * c)
+        step = chunk_rows(weight.shape[0], k, weight.dtype, weight.device, c)
+        left = []
+        for start in range(0, redo.numel(), step):
+            rows = redo[start:start + step]
+            part = _first_pass(take(rows), weight, inv_temp.index_select(0, rows), c, softcap, tiles)
+            *new, r_ok = _finish(*part, k)
+            del part
+            for out, value in zip(outs, new, strict=True):
+                out.index_copy_(0, rows, value)
+            if c < exact:
+                left.append(rows[r_ok == 0])        # the host read of this round
+        redo = torch.cat(left) if left else redo[:0]
+    return fallback
