@@ -201,8 +201,9 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             may differ from the student's); or "forward_kl_topk" / "forward_kl_topk_tail" from
             ``teacher_topk_ids`` / ``teacher_topk_logprobs`` [..., k].
         beta: jsd's mixture weight in [0, 1] (0 = forward KL, 1 = reverse KL, TRL's ``beta``); None otherwise.
-        temperature: a number, or a tensor per sequence [b, 1] or per token; divides both heads' logits (TRL's
-            order: after the logit scale and softcap). Not differentiated.
+        temperature: a number, or a tensor per sequence [b, 1] or per token; divides both heads' logits for the
+            full-vocabulary divergences (TRL's order: after the logit scale and softcap), the student's alone for
+            the top-k ones (the teacher's log-probs are given). Not differentiated.
         loss_agg, cu_seqlens: the aggregations of ``fused_policy_loss`` (``LOSS_AGGS``).
         num_items_in_batch: TRL's normalisation: with loss_agg="token-mean", the loss is the sum of the scored
             tokens' divergences over this count (a number or 0-d tensor) instead of their mean; it must be finite
