@@ -132,7 +132,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
         if not check_inputs:
             div, ent = div.masked_fill(~valid, 0.0), ent.masked_fill(~valid, 0.0)
         loss = (w.double() * div.double()).sum().float()
-        record_backend(backend, products_ran(s_hidden.dtype, t_hidden.dtype))
+        record_backend(backend, products_ran(s_hidden.dtype, t_hidden.dtype), "fused_distillation_loss")
         if dh is not None:
             if tp is not None:
                 dh = tp.reduce_grad_hidden(dh)

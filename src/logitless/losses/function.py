@@ -223,7 +223,7 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
                               need_dh=need_dh, need_dw=need_dw, bounds=bounds,
                               precision=(precision, grad_precision))
         (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, spec, options)
-        record_backend(mod.name, options.precision)
+        record_backend(mod.name, options.precision, "fused_policy_loss")
 
         def shaped(x: Tensor) -> Tensor:     # a fresh tensor in the labels' layout (outputs may not alias)
             x = x.view(tokens.row_shape)

@@ -350,7 +350,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         top = torch.where(valid.unsqueeze(1), top, torch.full_like(top, -1)) if top is not None else None
     del h_s, w_s
     record_backend(_pass_name(mod.name) if with_tail or select else mod.name,
-                   (precision, backward_precision(grad_precision, with_tail)))
+                   (precision, backward_precision(grad_precision, with_tail)), "fused_logprobs_k")
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -415,7 +415,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
     if rows is not None:
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
-    record_backend(_pass_name(mod.name), (precision, backward_precision(grad_precision, True)))
+    record_backend(_pass_name(mod.name), (precision, backward_precision(grad_precision, True)), "fused_topk")
     return ids, lp, tail, lse
 
 
