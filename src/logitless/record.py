@@ -75,7 +75,8 @@ class PathRecord:
         (the unfused path; a labels=None forward, which returns the model's own output).
     entry: what was called: the public op's name (path "op"); "trl.grpo", "trl.distillation", "trl.gkd",
         "trl.gold", "trl.grpo.logprobs" (GRPO's log-probs without the fused loss), "transformers.fused_forward",
-        "transformers.fused_policy_loss" (path "fused"); "processor",
+        "transformers.fused_policy_loss", "verl.fused_kernels" (verl's FSDP fused-kernel head, log-probs only)
+        (path "fused"); "processor",
         "forward_padded", "forward_packed", "schedule_plan", "verl"
         (verl's fused head) or "verl.policy_loss" (verl's actor loss under
         ``logitless.verl.install(fused_loss=True)``).
