@@ -252,7 +252,12 @@ def test_doctor_reports_versions_devices_auto_and_hook():
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     for needle in ("torch", "triton", "transformers", "megatron-core", "backend='auto' would choose",
-                   "cpu tensors: chunked", "output_processor hook:"):
+                   "cpu tensors: chunked", "output_processor hook:",
+                   # the distillation paths: each family's backend on CPU tensors, the trainers logitless takes
+                   "distillation (fused_distillation_loss, backend='auto'):",
+                   "full vocabulary forward_kl, reverse_kl, jsd -> chunked",
+                   "top-k forward_kl_topk, forward_kl_topk_tail and fused_topk -> chunked",
+                   "TRL DistillationTrainer / GKDTrainer / GOLDTrainer"):
         assert needle in text, text
     assert f"torch              {torch.__version__}" in text
     version = peers.package_version("megatron-core")
