@@ -81,7 +81,7 @@ test: setup
 test-newest: $(NEWEST)/.ready
 	$(NEWEST)/bin/python -m pytest -q $(NEWEST_TESTS)
 
-# On CUDA: the three GPU shapes of docs/performance.md (bf16); elsewhere one CPU shape (~1 minute).
+# On CUDA: the three GPU shapes of docs/performance.md (bf16); elsewhere one CPU shape (minutes: README.md).
 GPU_SHAPES ?= 16384,4096,151936 8192,4096,131072 1024,4096,151936
 bench: setup
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \

@@ -50,7 +50,8 @@ from .common import (
 from .machine import machine, versions
 
 GPU_SHAPE = (16384, 4096, 151936)
-# Sized so that `make bench` (every row, compiles included) takes about a minute on 2 CPU cores.
+# `make bench` on a CPU (every row, compiles included): 7 min 41 s on 2 shared cores under load 4-5 (2026-12-06,
+# with the distillation and top-k rows; 2 min 16 s before them), as README.md says.
 CPU_SHAPE = (1024, 512, 32000)
 
 
