@@ -21,8 +21,17 @@ CACHE := .cache
 MAMBA_SSM ?= 2.3.2.post1
 MAMBA_SRC := $(CACHE)/mamba_ssm-$(MAMBA_SSM)
 
-.PHONY: setup test bench doctor clean gpu-check gpu-learning gpu-wheels
-setup: $(VENV)/.ready $(LEGACY)/.ready $(MAMBA_SRC)/.ready
+# The newest torch / triton pair CI runs (the oldest: .venv's TORCH with the test extra's triton 3.6.0): torch's
+# own wheel, which brings its triton (2.14.1: triton~=3.8.0; the CUDA wheel, which runs on a CPU), then
+# logitless[triton] over it, which must leave torch as it is (checked right after). Its tests: the kernels, ops and
+# losses under triton's interpreter, the sm_90 build check and the packaging contract (NEWEST_TESTS).
+NEWEST := .venv-newest
+NEWEST_TORCH ?= torch==2.14.1
+NEWEST_TRITON ?= triton==3.8.0
+NEWEST_TESTS := tests/ops tests/losses tests/test_fused_logprobs.py tests/test_precision.py tests/test_packaging.py
+
+.PHONY: setup test test-newest bench doctor clean gpu-check gpu-learning gpu-wheels
+setup: $(VENV)/.ready $(LEGACY)/.ready $(MAMBA_SRC)/.ready $(NEWEST)/.ready
 
 $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,11 +63,25 @@ $(LEGACY)/.ready: pyproject.toml Makefile
 	$(LEGACY)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . verl==$(VERL)
 	touch $@
 
+$(NEWEST)/.ready: pyproject.toml Makefile
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --disable-pip-version-check "$(NEWEST_TORCH)" "$(NEWEST_TRITON)" \
+		pytest pytest-timeout
+	$(NEWEST)/bin/python -m pip freeze | grep -i -E "^(torch|triton)==" > $(NEWEST)/before.txt
+	$(NEWEST)/bin/python -m pip install -q --disable-pip-version-check -e ".[triton]"
+	@# the install check: logitless[triton] changed neither torch nor triton
+	$(NEWEST)/bin/python -m pip freeze | grep -i -E "^(torch|triton)==" | diff $(NEWEST)/before.txt -
+	touch $@
+
 test: setup
 	$(PY) -m ruff check .
 	LOGITLESS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests
+	$(MAKE) test-newest
 
-# On CUDA: the three GPU shapes of docs/performance.md (bf16); elsewhere one CPU shape (~1 minute).
+test-newest: $(NEWEST)/.ready
+	$(NEWEST)/bin/python -m pytest -q $(NEWEST_TESTS)
+
+# On CUDA: the three GPU shapes of docs/performance.md (bf16); elsewhere one CPU shape (minutes: README.md).
 GPU_SHAPES ?= 16384,4096,151936 8192,4096,131072 1024,4096,151936
 bench: setup
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
@@ -104,4 +127,4 @@ gpu-learning: $(GPU_SITE)/.ready
 	$(GPU_ENV) $(GPU_PY) examples/trl_distillation_learning.py --size gpu --noise-seeds 1 --out $(GPU_OUT)/distill --plot
 
 clean:
-	rm -rf $(VENV) $(LEGACY) $(CACHE)
+	rm -rf $(VENV) $(LEGACY) $(NEWEST) $(CACHE)

@@ -156,6 +156,51 @@ def test_readme_quick_start_prints_the_loss_it_computes():
     assert clip_fraction == 0.0 and abs(loss) < 10.0
 
 
+def _readme_block(marker: str) -> str:
+    return next(p.values[0] for p in blocks() if marker in p.values[0] and p.id.startswith("README.md:"))
+
+
+def test_readme_distillation_block_prints_the_loss_of_its_inputs():
+    """The front page's full-vocabulary distillation block prints the JSD loss and the student's mean entropy of
+    its inputs, recomputed in float64 from the definitions (tests/distill64.py)."""
+    from distill64 import divergence64, head_logits64
+    ns = {"__name__": "__doc_block__"}
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    loss, entropy = map(float, run_block(_readme_block("divergence=\"jsd\""), ns).split())
+    valid = ns["labels"] != -100
+    inv_t = torch.full(ns["labels"].shape, 1 / 0.9, dtype=torch.float64)
+    ls = torch.log_softmax(head_logits64(ns["student_hidden"].detach(), ns["student_weight"].detach(), inv_t), -1)
+    lt = torch.log_softmax(head_logits64(ns["teacher_hidden"], ns["teacher_weight"], inv_t), -1)
+    want = divergence64(ls, lt, "jsd", 0.5)[valid].mean()
+    want_entropy = -(ls.exp() * ls).sum(-1)[valid].mean()
+    assert 0.0 < want < math.log(2)
+    assert abs(loss - float(want)) <= 1e-5 * float(want) + 1e-7
+    assert abs(entropy - float(want_entropy)) <= 1e-5 * float(want_entropy)
+    assert ns["student_hidden"].grad is not None and ns["student_weight"].grad is not None
+
+
+def test_readme_topk_block_prints_the_teachers_top_k_and_the_loss():
+    """The front page's top-k block: fused_topk's ids are the float64 top-k, the printed top-k mass is theirs, mass
+    plus tail is 1, and the printed loss is verl's forward_kl_topk of the inputs (float64, no clamp)."""
+    ns = {"__name__": "__doc_block__"}
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    code = _readme_block("fused_topk(")
+    # the teacher's head, kept: the block builds it inline
+    code = code.replace("fused_topk(torch.randn(2, 7, 64), torch.randn(V, 64) / 8, 8)",
+                        "fused_topk(t_hidden := torch.randn(2, 7, 64), t_weight := torch.randn(V, 64) / 8, 8)")
+    assert "t_hidden :=" in code, "the README's top-k block changed: update this test"
+    mass, total, loss = map(float, run_block(code, ns).split())
+    lt = torch.log_softmax(ns["t_hidden"].double() @ ns["t_weight"].double().t(), -1)
+    top, ids = lt.topk(8, dim=-1)
+    assert torch.equal(ns["teacher"].ids, ids)
+    assert abs(mass - float(top.exp().sum(-1).mean())) <= 1e-5
+    assert abs(total - 1.0) <= 1e-5
+    ls = torch.log_softmax(ns["hidden"].detach().double() @ ns["weight"].detach().double().t(), -1)
+    q = ns["teacher"].logprobs.double()
+    want = (q.exp() * (q - ls.gather(-1, ids))).sum(-1).clamp_min(0).mean()
+    assert abs(loss - float(want)) <= 1e-5 * max(1.0, float(want))
+
+
 # README's API section: each function's signature in a ```text block and its argument table
 SIGNATURE = re.compile(r"^```text\n(logitless[\w.]*)\.(\w+)(\(.*?)\n```", re.M | re.S)
 

@@ -7,6 +7,7 @@ per-sequence temperature belongs to) as short adapters in front of :func:`temper
 """
 from __future__ import annotations
 
+import difflib
 import math
 from numbers import Real
 from typing import Optional, Union
@@ -223,6 +224,23 @@ def per_token_tensor(value, name: str, labels: Tensor) -> Tensor:
     except RuntimeError:
         raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the labels' shape "
                          f"{tuple(labels.shape)}") from None
+
+
+# a per-token weight of a loss (token_weight): a negative one turns the loss's term into one to maximise
+TOKEN_WEIGHT_RULE = ("token_weight must be finite and >= 0 at every scored token (label != ignore_index): a "
+                     "negative weight turns that token's term into one the loss maximises")
+
+
+def weight_ok(w: Tensor) -> Tensor:
+    """bool mask of the per-token weights that are finite and >= 0 (``TOKEN_WEIGHT_RULE``)."""
+    return torch.isfinite(w) & (w >= 0)
+
+
+def did_you_mean(name: str, known) -> Optional[str]:
+    """"did you mean 'x'?" for a misspelled keyword ``name`` among ``known`` names, or None where none is close
+    (the one suggestion every op's refusal of an unknown keyword gives)."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}?" if close else None
 
 
 def labels_out_of_range(labels: Tensor, valid: Tensor, vocab: int) -> Tensor:

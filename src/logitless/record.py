@@ -2,8 +2,9 @@
 
 - ``last_backend()``: the backend the last fused op on this thread ran ("reference", "chunked", "triton");
   the ops write it (``record_backend``), with ``last_precision()``: how its products ran.
-- ``last_path()``: a ``PathRecord`` (thread-local) that every integration call writes: which path produced
-  the log-probabilities (Megatron's hook, the legacy patch, the unfused fallback, ...).
+- ``last_path()``: a ``PathRecord`` (thread-local) that every public op and every integration call writes: which
+  path produced the result (a public op called directly, a trainer's fused step, Megatron's hook, the legacy
+  patch, the unfused fallback, ...), with the backend and how the products ran.
 - Strict mode (argument ``strict=True`` or env ``LOGITLESS_STRICT=1``) turns a would-be fallback to the
   unfused path into ``FusedPathUnavailable``.
 
@@ -19,7 +20,7 @@ from typing import Iterator, NamedTuple, Optional
 
 from . import checks, knobs
 
-PATHS = ("hook", "legacy", "schedule-plan", "fsdp", "unfused")
+PATHS = ("op", "fused", "hook", "legacy", "schedule-plan", "fsdp", "unfused")
 _state = threading.local()
 _serial = itertools.count(1)
 
@@ -44,10 +45,14 @@ def last_precision() -> Optional[Precision]:
     return getattr(_state, "precision", None)
 
 
-def record_backend(name: str, precision: tuple = ("native", "native")) -> None:
-    """Set what ``last_backend()`` and ``last_precision()`` return (the ops call it)."""
+def record_backend(name: str, precision: tuple = ("native", "native"), entry: Optional[str] = None) -> None:
+    """Set what ``last_backend()`` and ``last_precision()`` return (the ops call it); with ``entry`` (the public op
+    that ran: "fused_logprobs", "fused_policy_loss", "fused_distillation_loss", "fused_topk", "fused_logprobs_k")
+    also ``last_path()``: path "op". Called inside the custom ops, so that torch.compile traces no side effect."""
     _state.backend = name
     _state.precision = Precision(*precision)
+    if entry is not None:
+        write_record("op", name, entry)
 
 
 class FusedPathUnavailable(RuntimeError):
@@ -58,7 +63,9 @@ class FusedPathUnavailable(RuntimeError):
 class PathRecord:
     """One call's record.
 
-    path: "hook" (Megatron's native output_processor hook in the model's forward), "legacy"
+    path: "op" (a public op: its own record, overwritten by the integration that called it), "fused" (a trainer
+        integration's fused step: TRL's GRPO / Distillation / GKD / GOLD, logitless.transformers' forwards),
+        "hook" (Megatron's native output_processor hook in the model's forward), "legacy"
         (logitless' instance patch for models without the hook), "schedule-plan" (the processor run
         by the post-process node of megatron-core's ``build_schedule_plan``, the combined 1F1B
         schedule), "fsdp" (verl's FSDP engine forward, the policy loss fused into its head) or "unfused"
@@ -66,7 +73,11 @@ class PathRecord:
         itself from the log-probs).
     backend: the fused op's backend that ran ("chunked", "triton", ...), None where no fused op ran
         (the unfused path; a labels=None forward, which returns the model's own output).
-    entry: what was called: "processor", "forward_padded", "forward_packed", "schedule_plan", "verl"
+    entry: what was called: the public op's name (path "op"); "trl.grpo", "trl.distillation", "trl.gkd",
+        "trl.gold", "trl.grpo.logprobs" (GRPO's log-probs without the fused loss), "transformers.fused_forward",
+        "transformers.fused_policy_loss", "verl.fused_kernels" (verl's FSDP fused-kernel head, log-probs only)
+        (path "fused"); "processor",
+        "forward_padded", "forward_packed", "schedule_plan", "verl"
         (verl's fused head) or "verl.policy_loss" (verl's actor loss under
         ``logitless.verl.install(fused_loss=True)``).
     reason: why this path was taken (empty for the fused paths).
@@ -86,7 +97,7 @@ class PathRecord:
 
 
 def last_path() -> Optional[PathRecord]:
-    """The latest record on this thread, or None before any Megatron call through logitless."""
+    """The latest record on this thread, or None before any fused op ran on it."""
     return getattr(_state, "record", None)
 
 
@@ -99,6 +110,22 @@ def write_record(path: str, backend: Optional[str], entry: str, reason: str = ""
                      last_precision() if backend is not None else None)
     _state.record = rec
     return rec
+
+
+def serial_now() -> int:
+    """The serial of the latest record on this thread (0 before any): what ``write_step`` compares against."""
+    rec = last_path()
+    return rec.serial if rec is not None else 0
+
+
+def write_step(entry: str, since: int) -> Optional[PathRecord]:
+    """An integration's fused step (path "fused", ``entry``), written over the record of the op it ran, with that
+    op's backend and precision; nothing where no op has written a record since ``since`` (``serial_now()`` taken
+    before the step): no fused op ran, so there is nothing to say it did."""
+    rec = last_path()
+    if rec is None or rec.serial <= since:
+        return None
+    return write_record("fused", rec.backend, entry)
 
 
 def strict_enabled(strict: Optional[bool] = None) -> bool:

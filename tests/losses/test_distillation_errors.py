@@ -55,7 +55,10 @@ def call(**changes):
     ({"teacher_hidden": torch.randn(2, 5, HT).bfloat16()}, TypeError, "teacher_weight dtype"),
     ({"teacher_hidden": torch.randn(2, 5, HT, device="meta")}, ValueError, "teacher_hidden is on meta"),
     ({"teacher_weight": torch.randn(V, HT, device="meta")}, ValueError, "teacher_weight is on meta"),
-    ({"log_prob_min_clamp": -10.0}, TypeError, "unknown argument.*log_prob_min_clamp"),
+    ({"log_prob_min_clamp": -10.0}, TypeError, "log_prob_min_clamp is only for the top-k divergences"),
+    ({"divergence": "jsd", "beta": 0.5, "loss_max_clamp": 1.0}, TypeError, "loss_max_clamp is only for the top-k"),
+    ({"temprature": 0.5}, TypeError, "unknown argument.*temprature.*did you mean 'temperature'"),
+    ({"clamp": 1.0}, TypeError, "unknown argument.*clamp.*fused_distillation_loss takes"),
     ({"student_softcap": -1.0}, ValueError, "student_softcap"),
     ({"teacher_softcap": "x"}, TypeError, "teacher_softcap"),
     ({"student_logit_scale": float("inf")}, ValueError, "student_logit_scale"),
@@ -91,6 +94,9 @@ def test_values_refused_inside_the_op():
     tw[0, 1] = float("inf")
     with pytest.raises(ValueError, match="token_weight must be finite"):
         call(token_weight=tw)
+    # a negative weight would make that token's divergence a term to maximise (a negative loss)
+    with pytest.raises(ValueError, match="token_weight must be finite and >= 0"):
+        call(token_weight=torch.rand(2, 5) - 2.0)
     labels = torch.randint(0, V, (2, 5))
     labels[0, 1] = -100
     call(labels=labels, token_weight=tw)        # not read at an ignored token

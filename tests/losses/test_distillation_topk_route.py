@@ -81,6 +81,11 @@ def test_topk_route_without_overlap():
     ({"teacher_softcap": 5.0}, ValueError, "teacher_softcap has no effect"),
     ({"teacher_logit_scale": 0.5}, ValueError, "teacher_logit_scale has no effect"),
     ({"clamp": -3.0}, TypeError, "unknown argument.*clamp"),
+    ({"los_max_clamp": 1.0}, TypeError, "unknown argument.*los_max_clamp.*did you mean 'loss_max_clamp'"),
+    ({"temprature": 0.5}, TypeError, "unknown argument.*temprature.*did you mean 'temperature'"),
+    # refused on this route too (it reads the weights itself): a negative or NaN weight at a scored token
+    ({"token_weight": -torch.rand(LEAD[0], 1)}, ValueError, "token_weight must be finite and >= 0"),
+    ({"token_weight": torch.full((LEAD[0], 1), float("nan"))}, ValueError, "token_weight must be finite and >= 0"),
     ({"loss_max_clamp": -1.0}, ValueError, "loss_max_clamp"),
     ({"teacher_topk_ids": None}, ValueError, "needs teacher_topk_ids"),
     ({"beta": 0.5}, ValueError, "does not use it"),

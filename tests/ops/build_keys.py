@@ -37,6 +37,9 @@ POLICY_PASSES = {"pass of 37": (37, None), "pass of 300": (300, None), "bounds 0
 H, V = 96, 151936
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
+# the Gluon kernel runs only on the triton releases it was checked with (policy_stats_gluon.CHECKED_TRITON): on
+# another the ops launch the Triton kernels alone, and so does this drive
+GLUON = triton.__version__.startswith(policy_stats_gluon.CHECKED_TRITON)
 KEYS: dict = {}
 BUILDS: dict = {}     # kernel -> {key: what triton.compile needs}
 
@@ -72,7 +75,8 @@ def main():
     _intercept("forward statistics (Triton)", forward_stats._tile_stats_kernel, case)
     _intercept("combine", combine._combine_kernel, case)
     _intercept("policy statistics (Triton)", policy_stats._policy_stats_kernel, case)
-    _intercept("statistics (Gluon)", policy_stats_gluon._policy_stats_gluon_kernel, case)
+    if GLUON:
+        _intercept("statistics (Gluon)", policy_stats_gluon._policy_stats_gluon_kernel, case)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(max(TOKENS), H, generator=g).bfloat16()
     weight = torch.empty(V, H, dtype=torch.bfloat16)      # nothing runs: only its shape, strides and address
@@ -88,12 +92,15 @@ def main():
         zy = torch.empty(n)
         e = torch.empty(n * stride, dtype=torch.float16).view(n, stride)[:, :V]
         policy_stats.chunk_stats(h, weight, y, t, *parts, zy, e)
-        policy_stats_gluon.chunk_stats_gluon(h, weight, y, t, *parts, zy, e, 256)
-        policy_stats_gluon.chunk_stats_gluon(h, weight, y, t, parts[0], parts[1], None, zy, None, 256)
+        if GLUON:
+            policy_stats_gluon.chunk_stats_gluon(h, weight, y, t, *parts, zy, e, 256)
+            policy_stats_gluon.chunk_stats_gluon(h, weight, y, t, parts[0], parts[1], None, zy, None, 256)
 
-    # the policy pass as on an H200: its statistics from the Gluon kernel, then the combine
-    policy_stats_gluon.usable_operands = _usable_operands
-    policy_stats.gluon_stats = policy_stats_gluon            # None off the GPU
+    # the policy pass as on an H200: its statistics from the Gluon kernel (the Triton one on another triton), then
+    # the combine
+    if GLUON:
+        policy_stats_gluon.usable_operands = _usable_operands
+        policy_stats.gluon_stats = policy_stats_gluon            # None off the GPU
     for stage in ("dlogits_in_place", "product_into", "accumulate_product"):   # after the statistics: not keyed
         setattr(policy_backend, stage, lambda *args, **kwargs: None)
 

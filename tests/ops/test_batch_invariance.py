@@ -21,9 +21,11 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from logitless import fused_logprobs
 from logitless.losses import fused_policy_loss
+from logitless.ops.triton import policy_stats_gluon
 from logitless.ops.triton.common import INTERPRETING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +45,9 @@ def test_one_build_for_every_token_count():
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     keys = found["keys"]
-    kernels = ["combine", "forward statistics (Triton)", "policy statistics (Triton)", "statistics (Gluon)"]
+    kernels = ["combine", "forward statistics (Triton)", "policy statistics (Triton)"]
+    if triton.__version__.startswith(policy_stats_gluon.CHECKED_TRITON):
+        kernels.append("statistics (Gluon)")      # else the ops never launch it (its module says why)
     assert sorted(keys) == kernels
     for kernel, per_n in keys.items():
         assert len(per_n) == 6, kernel

@@ -117,6 +117,28 @@ def test_bench_policy_loss_rows(tmp_path):
         assert loss_err <= 1e-5, r
 
 
+def test_bench_distillation_and_topk_rows(tmp_path):
+    """The distillation loss (full vocabulary and top-k), fused_topk, TRL's ChunkedDivergenceFunction and the
+    float32 head get rows, checked against the reference backend; Liger's JSD (a GPU kernel) keeps its row with
+    the reason. A run of every row at this shape, with the time it took."""
+    out_json = tmp_path / "bench.json"
+    proc = _run(_logitless() + ["bench", "--device", "cpu", "--shape", "41,48,1031", "--repeats", "1",
+                                "--temperature", "0.8", "--backends", "distill", "distill-topk", "fused-topk",
+                                "trl-divergence", "liger-jsd", "fp32-head", "--json", str(out_json)])
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for name in ("distill", "distill-topk", "fused-topk", "trl-divergence", "fp32-head"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["fwd_bwd_extra_bytes"] is not None, r
+        assert r["err_dh"] <= 1e-4 and r["err_dw"] <= 1e-4, r
+        if name.startswith("distill") or name == "trl-divergence":
+            assert float(r["reason"].split("rel err ")[1].split()[0]) <= 1e-5, r
+    assert "ids equal" in rows["fused-topk"]["reason"] and rows["fused-topk"]["err_logprob"] <= 2e-5
+    assert rows["liger-jsd"]["status"] in ("unavailable", "failed") and rows["liger-jsd"]["reason"]
+    assert "fused_distillation_loss (JSD) [chunked]" in proc.stdout
+
+
 def test_error_columns_catch_a_wrong_implementation():
     def bf16_logits(h, w, y, t):      # fp32 inputs, logits rounded through bfloat16
         return peers.naive(h.bfloat16(), w.bfloat16(), y, t)
@@ -252,7 +274,12 @@ def test_doctor_reports_versions_devices_auto_and_hook():
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     for needle in ("torch", "triton", "transformers", "megatron-core", "backend='auto' would choose",
-                   "cpu tensors: chunked", "output_processor hook:"):
+                   "cpu tensors: chunked", "output_processor hook:",
+                   # the distillation paths: each family's backend on CPU tensors, the trainers logitless takes
+                   "distillation (fused_distillation_loss, backend='auto'):",
+                   "full vocabulary forward_kl, reverse_kl, jsd -> chunked",
+                   "top-k forward_kl_topk, forward_kl_topk_tail and fused_topk -> chunked",
+                   "TRL DistillationTrainer / GKDTrainer / GOLDTrainer"):
         assert needle in text, text
     assert f"torch              {torch.__version__}" in text
     version = peers.package_version("megatron-core")

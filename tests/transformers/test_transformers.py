@@ -244,3 +244,23 @@ def test_cpu_autocast_uses_the_heads_autocast_dtype():
     assert (fused.entropy.double() - ref_ent).abs().max() <= 2e-3
     (fused.logprobs.sum() + fused.entropy.sum()).backward()
     assert model.lm_head.weight.grad.dtype == torch.float32 and torch.isfinite(model.lm_head.weight.grad).all()
+
+
+def test_a_training_step_leaves_its_record():
+    """fused_forward and fused_policy_loss on a model each leave the record of their step (path "fused", their
+    entry, the op's backend and precision), written over the op's own."""
+    from logitless.record import last_path, serial_now
+    from logitless.transformers import fused_policy_loss
+    model = tiny_model("llama")
+    model.train()
+    ids, mask = padded_batch(2, 8, "left")
+    for entry in ("transformers.fused_forward", "transformers.fused_policy_loss"):
+        since = serial_now()
+        if entry.endswith("fused_forward"):
+            loss = fused_forward(model, ids, mask).logprobs.sum()
+        else:
+            loss = fused_policy_loss(model, ids, mask, advantages=torch.randn(2, 1)).loss
+        loss.backward()
+        rec = last_path()
+        assert rec.serial > since and (rec.path, rec.entry) == ("fused", entry), rec
+        assert rec.backend == logitless.last_backend() and rec.precision is not None

@@ -14,6 +14,7 @@ from required import import_or_skip
 import_or_skip("trl", "the test extra installs trl")
 
 import logitless.trl as lt  # noqa: E402
+from logitless.record import serial_now  # noqa: E402
 from trl import DistillationTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -151,7 +152,9 @@ def test_gradient_accumulation(folder, teacher, tmp_path, beta):
         losses = [t.training_step(t.model, [], None).detach().float() for _ in range(2)]
         return torch.stack(losses), _grads(t.model), {"train": {"entropy": list(t._metrics["train"]["entropy"])}}
 
+    since = serial_now()
     theirs, ours = _both(trainer, steps)
+    trl_tiny.assert_step_record(since, "trl.distillation")
     assert torch.allclose(ours[0], theirs[0], rtol=TOL, atol=TOL), (ours[0], theirs[0])
     _assert_close((theirs[0].sum(), *theirs[1:]), (ours[0].sum(), *ours[1:]))
 

@@ -16,6 +16,7 @@ import_or_skip("trl", "the test extra installs trl")
 
 import logitless.trl as lt  # noqa: E402
 from logitless import losses  # noqa: E402
+from logitless.record import serial_now  # noqa: E402
 from logitless.trl.loss import policy_inputs  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
@@ -491,7 +492,9 @@ def test_enable_fused_loss_trains_and_matches_trl(folder, tmp_path, seed):
     lt.enable(trainer, fused_loss=True)
     loss = trainer._compute_loss(trainer.model, inputs)
     assert abs(loss.item() - loss_trl.item()) <= TOL
+    since = serial_now()
     trainer.train()
+    trl_tiny.assert_step_record(since, "trl.grpo")
     steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     assert [h["step"] for h in steps] == [1, 2, 3]        # num_iterations=2: rewards are logged on steps 1 and 3
     for h in steps:

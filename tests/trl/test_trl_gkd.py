@@ -16,6 +16,7 @@ from required import import_or_skip
 import_or_skip("trl", "the test extra installs trl")
 
 import logitless.trl as lt  # noqa: E402
+from logitless.record import serial_now  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_tiny  # noqa: E402
@@ -129,7 +130,9 @@ def test_gkd_training_step(folder, teacher, tmp_path, setting):
         loss = t.training_step(t.model, copy.copy(batch), num_items_in_batch=None).detach().float()
         return loss, _grads(t.model), _log(t)
 
+    since = serial_now()
     theirs, ours = _both(trainer, step)
+    trl_tiny.assert_step_record(since, "trl.gkd")
     _assert_close(theirs, ours)
     assert ours[2].keys() == theirs[2].keys()
     assert ours[2] == {k: pytest.approx(v, rel=TOL, abs=TOL) for k, v in theirs[2].items()}
@@ -154,7 +157,9 @@ def test_gold_training_steps_and_metrics(folder, teacher, tmp_path, lmbda):
         losses = [t.training_step(t.model, copy.copy(batch)).detach().float() for _ in range(2)]
         return torch.stack(losses), _grads(t.model), _log(t)
 
+    since = serial_now()
     theirs, ours = _both(trainer, steps)
+    trl_tiny.assert_step_record(since, "trl.gold")
     assert torch.allclose(ours[0], theirs[0], rtol=TOL, atol=TOL), (ours[0], theirs[0])
     _assert_close((theirs[0].sum(), theirs[1]), (ours[0].sum(), ours[1]))
     logged = theirs[2]

@@ -16,6 +16,7 @@ import_or_skip("trl", "the test extra installs trl")
 
 import logitless.trl as lt  # noqa: E402
 from logitless import last_backend  # noqa: E402
+from logitless.record import serial_now  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,7 +52,9 @@ def test_three_grpo_steps_with_logitless(folder, tmp_path):
         return ours(*args, **kwargs)
 
     trainer.__dict__["_get_per_token_logps_and_entropies"] = counted
+    since = serial_now()
     trainer.train()
+    trl_tiny.assert_step_record(since, "trl.grpo.logprobs")
     steps = [h for h in trainer.state.log_history if "loss" in h and "reward" in h]
     for h in steps:
         print(f"step {h['step']}: loss={h['loss']:.6f} reward={h['reward']:.4f} entropy={h['entropy']:.4f}")

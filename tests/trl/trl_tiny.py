@@ -172,6 +172,17 @@ def assert_enable_refuses(trainer, match: str, **attrs) -> None:
             setattr(trainer, k, v)
 
 
+def assert_step_record(since: int, entry: str) -> None:
+    """The enabled trainer's step left its record (``logitless.record.last_path()``), written after ``since``
+    (``logitless.record.serial_now()`` before the step): path "fused", ``entry``, the backend and precision of the
+    op it ran (after a TRL distillation run the record was None)."""
+    from logitless.record import last_path
+    rec = last_path()
+    assert rec is not None and rec.serial > since, rec
+    assert (rec.path, rec.entry) == ("fused", entry), rec
+    assert rec.backend in ("chunked", "triton") and rec.precision is not None, rec
+
+
 def theirs_and_ours(trainer, call, method: str):
     """(call(trainer) with the trainer class's own loss, call(trainer) with logitless' on the same trainer):
     logitless.trl.disable / enable around each, ``method`` the loss method enable() replaces on the instance."""

@@ -14,6 +14,7 @@ from verl.models.transformers import dense_common  # noqa: E402
 from verl.utils import torch_functional as verl_F  # noqa: E402
 
 import logitless.verl as lv  # noqa: E402
+from logitless.record import serial_now  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 V = 301
@@ -141,6 +142,7 @@ def test_through_verl_monkey_patch(seed):
     ids, mask, pos = batch(gen)
     cls_forward = Qwen2ForCausalLM.forward
     lv.install()
+    since = serial_now()
     try:
         patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
         with torch.no_grad():
@@ -153,6 +155,9 @@ def test_through_verl_monkey_patch(seed):
     assert float((out.log_probs - lp).abs().max()) <= LP_TOL
     assert float((out.entropy - ent).abs().max()) <= ENT_TOL
     assert lv.last_backend() in ("chunked", "triton")
+    rec = lv.last_path()         # the fused-kernel head's record, written during that forward
+    assert rec.serial > since and (rec.path, rec.entry) == ("fused", "verl.fused_kernels"), rec
+    assert rec.backend == lv.last_backend() and rec.precision is not None
 
 
 def test_dtypes_follow_verl(seed):

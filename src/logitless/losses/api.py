@@ -7,7 +7,6 @@ return a ``PolicyLossOutput``; they agree within the op's tolerances.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -258,8 +257,7 @@ _ELSEWHERE = {
 def _where(name: str) -> str:
     if name in _ELSEWHERE:
         return _ELSEWHERE[name]
-    close = difflib.get_close_matches(name, sorted(_POLICY_FIELDS), n=1, cutoff=0.75)
-    return f"did you mean {close[0]!r}?" if close else f"PolicyLoss takes {sorted(_POLICY_FIELDS)}"
+    return checks.did_you_mean(name, _POLICY_FIELDS) or f"PolicyLoss takes {sorted(_POLICY_FIELDS)}"
 
 
 def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,

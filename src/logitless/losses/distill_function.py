@@ -36,14 +36,14 @@ def _none_if_nan(x: float) -> Optional[float]:
 def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int, ignore_index: int,
                  s_hidden: Tensor, t_hidden: Tensor) -> Optional[Tensor]:
     """ValueError for a label outside [0, vocab) that is not ignore_index, a temperature out of range, a
-    non-finite per-token weight or a non-finite student / teacher hidden state at a scored token; the scored rows
-    (None: every row). One host read."""
+    non-finite or negative per-token weight or a non-finite student / teacher hidden state at a scored token; the
+    scored rows (None: every row). One host read."""
     valid = labels != ignore_index
     if labels.numel() == 0:
         return None
     bad_label = checks.labels_out_of_range(labels, valid, vocab).any()
     bad_temp = ~checks.inverse_temperature_ok(inv_temp)
-    bad_w = (valid & ~torch.isfinite(token_w)).any()
+    bad_w = (valid & ~checks.weight_ok(token_w)).any()
     bad_s, bad_t = checks.non_finite_rows(s_hidden, valid), checks.non_finite_rows(t_hidden, valid)
     count = valid.sum()
     bad_label, bad_temp, bad_w, bad_s, bad_t, count = torch.stack(
@@ -53,7 +53,7 @@ def _scored_rows(labels: Tensor, inv_temp: Tensor, token_w: Tensor, vocab: int, 
     if bad_temp:
         raise ValueError(f"{checks.TEMPERATURE_RULE} everywhere")
     if bad_w:
-        raise ValueError("token_weight must be finite at every scored token (label != ignore_index)")
+        raise ValueError(checks.TOKEN_WEIGHT_RULE)
     for bad, name in ((bad_s, "student_hidden"), (bad_t, "teacher_hidden")):
         if bad:
             raise ValueError(f"{name} holds a NaN or an infinity in a scored row (label != ignore_index): its "
@@ -151,7 +151,7 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
         if not check_inputs:
             div, ent = div.masked_fill(~valid, 0.0), ent.masked_fill(~valid, 0.0)
         loss = (w.double() * div.double()).sum().float()
-        record_backend(backend, products_ran(precision, grad_precision, t_precision))
+        record_backend(backend, products_ran(precision, grad_precision, t_precision), "fused_distillation_loss")
         if dh is not None:
             if tp is not None:
                 dh = tp.reduce_grad_hidden(dh)

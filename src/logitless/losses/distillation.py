@@ -14,6 +14,7 @@ and dispatches.
 """
 from __future__ import annotations
 
+import inspect
 from numbers import Real
 from typing import NamedTuple, Optional, Union
 
@@ -201,14 +202,16 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             may differ from the student's); or "forward_kl_topk" / "forward_kl_topk_tail" from
             ``teacher_topk_ids`` / ``teacher_topk_logprobs`` [..., k].
         beta: jsd's mixture weight in [0, 1] (0 = forward KL, 1 = reverse KL, TRL's ``beta``); None otherwise.
-        temperature: a number, or a tensor per sequence [b, 1] or per token; divides both heads' logits (TRL's
-            order: after the logit scale and softcap). Not differentiated.
+        temperature: a number, or a tensor per sequence [b, 1] or per token; divides both heads' logits for the
+            full-vocabulary divergences (TRL's order: after the logit scale and softcap), the student's alone for
+            the top-k ones (the teacher's log-probs are given). Not differentiated.
         loss_agg, cu_seqlens: the aggregations of ``fused_policy_loss`` (``LOSS_AGGS``).
         num_items_in_batch: TRL's normalisation: with loss_agg="token-mean", the loss is the sum of the scored
             tokens' divergences over this count (a number or 0-d tensor) instead of their mean; it must be finite
             and > 0 (ValueError naming it; a tensor's value is read on the host, not checked with
             check_inputs=False).
-        token_weight: optional per-token (or per-sequence [b, 1]) weight multiplying each token's term.
+        token_weight: optional per-token (or per-sequence [b, 1]) weight multiplying each token's term; finite and
+            >= 0 at every scored token (ValueError naming it; read with the op's other checks).
         student_logit_scale, teacher_logit_scale, student_softcap, teacher_softcap: each head's logits are
             softcap * tanh(scale * raw / softcap) (or scale * raw without softcap) before the temperature, as
             TRL's ``ChunkedDivergenceFunction`` takes them.
@@ -257,7 +260,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
                      ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
                      backend=backend, check_inputs=check_inputs, settings=topk_settings)
     if topk_settings:
-        raise TypeError(f"unknown argument(s) {', '.join(sorted(topk_settings))} for divergence={divergence!r}")
+        _refuse_settings(topk_settings, divergence)
     for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
         if value is not None:
             raise ValueError(f"{name} is for the top-k divergences; divergence={divergence!r} takes teacher_hidden "
@@ -304,6 +307,23 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
 
 # the top-k divergences' own settings (verl's clamps), passed by name
 TOPK_SETTINGS = ("log_prob_min_clamp", "loss_max_clamp", "with_overlap")
+# fused_distillation_loss's named arguments (the suggestions for a misspelled one)
+_ARGUMENTS = tuple(p for p in inspect.signature(fused_distillation_loss).parameters if p != "topk_settings")
+
+
+def _refuse_settings(settings: dict, divergence: str) -> None:
+    """TypeError for keywords that ``divergence`` does not take: a top-k setting given to a full-vocabulary
+    divergence is said to be one; a misspelled name gets the suggestion every op gives."""
+    full_vocab = divergence in FULL_VOCAB_DIVERGENCES
+    misplaced = sorted(set(settings) & set(TOPK_SETTINGS)) if full_vocab else []
+    if misplaced:
+        raise TypeError(f"{', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} only for the top-k "
+                        f"divergences {TOPK_DIVERGENCES} (verl's clamps); divergence={divergence!r} does not use "
+                        f"{'it' if len(misplaced) == 1 else 'them'}")
+    unknown = sorted(set(settings) - set(TOPK_SETTINGS))
+    known = set(_ARGUMENTS) | (set() if full_vocab else set(TOPK_SETTINGS))
+    hint = checks.did_you_mean(unknown[0], known) or f"fused_distillation_loss takes {sorted(known)}"
+    raise TypeError(f"unknown argument(s) {', '.join(unknown)} for divergence={divergence!r}: {hint}")
 
 
 def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs, *,
@@ -312,10 +332,8 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
           settings) -> DistillationOutput:
     """The top-k divergences: the per-token term of ``distill_topk.topk_divergence`` (verl's forward_kl_topk,
     its clamps and metrics; differentiable through the k-label log-probs), aggregated here."""
-    unknown = sorted(set(settings) - set(TOPK_SETTINGS))
-    if unknown:
-        raise TypeError(f"unknown argument(s) {', '.join(unknown)} for divergence={divergence!r}; its settings "
-                        f"are {TOPK_SETTINGS}")
+    if set(settings) - set(TOPK_SETTINGS):
+        _refuse_settings(settings, divergence)
     for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
         if value is None:
             raise ValueError(f"divergence={divergence!r} needs {name} (the teacher's top-k)")
@@ -331,6 +349,11 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
     labels = checks.index_tensor(labels, "labels")
     token_w = _token_weights(labels, ignore_index, loss_agg, cu_seqlens, num_items_in_batch, token_weight,
                              check_inputs)
+    if check_inputs and token_weight is not None and labels.numel():
+        # the full-vocabulary route checks the weights in its op's host read; this route reads them here (one
+        # more read, only with a token_weight)
+        if bool((~checks.weight_ok(token_w) & (labels.reshape(-1) != ignore_index)).any()):
+            raise ValueError(checks.TOKEN_WEIGHT_RULE)
     out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
                           divergence=divergence, temperature=temperature, ignore_index=ignore_index,
                           tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,

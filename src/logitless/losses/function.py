@@ -241,7 +241,7 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
             loss, lp, ent = loss + poison, lp + poison, ent + poison
             dh = dh + poison if dh is not None else None
             dw = dw + poison if dw is not None else None
-        record_backend(mod.name, (public_name(precision), grad_precision))
+        record_backend(mod.name, (public_name(precision), grad_precision), "fused_policy_loss")
 
         def shaped(x: Tensor) -> Tensor:     # a fresh tensor in the labels' layout (outputs may not alias)
             x = x.view(tokens.row_shape)

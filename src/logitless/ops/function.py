@@ -189,7 +189,7 @@ def _forward(hidden, weight, labels, inv_temp, backend, with_entropy, ignore_ind
         ent = torch.where(valid, ent, zero) if with_entropy else None
     elif lse is ent:   # the outputs must not alias each other
         ent = ent.clone()
-    record_backend(mod.name, (public_name(precision), grad_precision))
+    record_backend(mod.name, (public_name(precision), grad_precision), "fused_logprobs")
     return lp, ent if with_entropy else lp.new_empty(0), lse
 
 

@@ -410,7 +410,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         lp = lp + poison
         ent = ent + poison if ent is not None else None
     record_backend(_pass_name(mod.name) if with_tail or (select and not fast) else mod.name,
-                   (public_name(precision), backward_precision(grad_precision, with_tail)))
+                   (public_name(precision), backward_precision(grad_precision, with_tail)), "fused_logprobs_k")
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -476,7 +476,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
     record_backend("triton" if fast else _pass_name(mod.name),
-                   (public_name(precision), backward_precision(grad_precision, True)))
+                   (public_name(precision), backward_precision(grad_precision, True)), "fused_topk")
     return ids, lp, tail, lse
 
 

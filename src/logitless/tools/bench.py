@@ -50,7 +50,8 @@ from .common import (
 from .machine import machine, versions
 
 GPU_SHAPE = (16384, 4096, 151936)
-# Sized so that `make bench` (every row, compiles included) takes about a minute on 2 CPU cores.
+# `make bench` on a CPU (every row, compiles included): 7 min 41 s on 2 shared cores under load 4-5 (2026-12-06,
+# with the distillation and top-k rows; 2 min 16 s before them), as README.md says.
 CPU_SHAPE = (1024, 512, 32000)
 
 
@@ -164,6 +165,7 @@ class Inputs:
     a: Tensor            # [N] float32 coefficient of logprob in the backward loss
     b: Tensor            # [N] float32 coefficient of entropy
     policy: Optional[object] = None   # bench_policy.PolicyInputs, made for the first policy-loss row
+    distill: Optional[object] = None  # bench_distill.DistillInputs, made for the first distillation row
 
 
 def make_inputs(cfg: BenchConfig) -> Inputs:
@@ -269,6 +271,8 @@ def prepare_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker,
     row = Row(impl.name, impl.label, impl.kind, impl.entropy)
     if impl.kind == "policy":
         return _policy_row(impl, row, x, cfg, meter)
+    if impl.kind == "distill":
+        return _distill_row(impl, row, x, cfg, meter)
     gc.collect()                    # the previous row's leftovers must not count against this one
     device = torch.device(cfg.device)
     try:
@@ -322,6 +326,25 @@ def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
         row.status, row.reason = "unavailable", str(exc)
     except Exception as exc:  # noqa: BLE001
         _failed(row, exc, device)
+    return row, None
+
+
+def _distill_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
+                 meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
+    """A distillation or top-k row (tools/bench_distill.py), with the same failure handling as the others."""
+    from . import bench_distill
+    device = torch.device(cfg.device)
+    try:
+        run = impl.build(device)
+        if x.distill is None:
+            x.distill = bench_distill.make_distill_inputs(x, cfg.temperature, cfg.seed)
+        calls = bench_distill.prepare_distill_row(row, run.name, run.backend, x, cfg, x.distill, meter, sync)
+        row.label = f"{row.label} [{run.backend}]"
+        return row, calls
+    except peers.Unavailable as exc:
+        row.status, row.reason = "unavailable", str(exc)
+    except Exception as exc:  # noqa: BLE001
+        _failed(row, exc, device, impl.triton_kernel)
     return row, None
 
 
@@ -472,7 +495,7 @@ def format_table(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         note = r["reason"] or ""
-        if r["status"] == "ok" and not r["entropy"] and r["kind"] not in ("floor", "policy"):
+        if r["status"] == "ok" and not r["entropy"] and r["kind"] not in ("floor", "policy", "distill"):
             note = "log-prob only (no entropy)"
         rows.append([r["label"], cell(r["fwd_s"] and r["fwd_s"] * 1e3, ".1f"), cell(r["fwd_x_floor"], ".2f"),
                      cell(r["fwd_bwd_s"] and r["fwd_bwd_s"] * 1e3, ".1f"), cell(r["fwd_bwd_x_floor"], ".2f"),

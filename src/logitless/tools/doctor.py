@@ -68,6 +68,33 @@ def megatron_hook_status(timeout_s: float = 300.0) -> tuple[Optional[bool], str]
     return False, f"partial: megatron-core {version} GPTModel.forward takes only {params[0]}"
 
 
+def distillation_paths(devices: list[str]) -> list[str]:
+    """The doctor's lines on distillation: which backend each family of ``fused_distillation_loss`` runs on each
+    device under backend="auto", and which trainers' distillation steps logitless can take over here."""
+    from logitless.losses.distill_topk import TOPK_DIVERGENCES
+    from logitless.losses.distillation import _backend
+    from logitless.ops.divergence_terms import FULL_VOCAB_DIVERGENCES
+    lines = []
+    for dev in devices:
+        probe = torch.empty(1, 1, device=dev)
+        try:
+            full = _backend("auto", probe)
+            topk, _ = auto_choice(dev)
+            lines.append(f"  {dev} tensors: full vocabulary {', '.join(FULL_VOCAB_DIVERGENCES)} -> {full}; "
+                         f"top-k {', '.join(TOPK_DIVERGENCES)} and fused_topk -> {topk}")
+        except Exception as exc:  # noqa: BLE001 - the doctor reports, it does not crash
+            lines.append(f"  {dev} tensors: cannot choose: {type(exc).__name__}: {exc}")
+    trl = package_version("trl")
+    lines.append(f"  TRL DistillationTrainer / GKDTrainer / GOLDTrainer (logitless.trl.enable): "
+                 f"{'trl ' + trl if trl else 'trl is not installed'}")
+    verl = package_version("verl")
+    lines.append(f"  verl top-k distillation (logitless.verl.install): {'verl ' + verl if verl else 'not installed'}")
+    mcore = package_version("megatron-core")
+    lines.append(f"  Megatron-Core (logitless.megatron.DistillationTarget): "
+                 f"{'megatron-core ' + mcore if mcore else 'not installed'}")
+    return lines
+
+
 def report() -> str:
     """The doctor's text."""
     lines = ["logitless doctor", "", "versions:"]
@@ -89,6 +116,8 @@ def report() -> str:
             lines.append(f"  {dev} tensors: {name} ({why})")
         except Exception as exc:  # noqa: BLE001 - the doctor reports, it does not crash
             lines.append(f"  {dev} tensors: cannot choose: {type(exc).__name__}: {exc}")
+    lines += ["", "distillation (fused_distillation_loss, backend='auto'):"]
+    lines += distillation_paths(["cpu"] + (["cuda"] if m["cuda"] else []))
     _, hook = megatron_hook_status()
     lines += ["", f"megatron-core output_processor hook: {hook}"]
     return "\n".join(lines)

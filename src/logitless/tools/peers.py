@@ -206,6 +206,60 @@ def trl_divergence(device: torch.device):
     return run
 
 
+def liger_jsd(device: torch.device, beta: float):
+    """Liger's ``LigerFusedLinearJSD`` (its fused linear generalised JSD), for the distillation rows: a callable
+    (student_hidden, student_weight, teacher_hidden, teacher_weight, temperature) -> the mean JSD over the tokens.
+    A Triton GPU kernel: Unavailable without CUDA."""
+    _require("liger-kernel")
+    if device.type != "cuda":
+        raise Unavailable("a triton GPU kernel: needs CUDA")
+    from liger_kernel.transformers import LigerFusedLinearJSD
+    modules: dict = {}
+
+    def run(student_hidden, student_weight, teacher_hidden, teacher_weight, temperature: float = 1.0) -> Tensor:
+        if temperature not in modules:
+            modules[temperature] = LigerFusedLinearJSD(jsd_beta=float(beta), temperature=float(temperature))
+        return modules[temperature](student_hidden, student_weight, teacher_hidden, teacher_weight, None)
+    return run
+
+
+def _fp32_head(device: torch.device) -> Fn:
+    """logitless on a float32 head (the operands cast to float32 first, gradients flowing back through the cast)
+    at its default precision: the three-product bfloat16 split on CUDA, IEEE float32 on a CPU."""
+    import logitless as api
+
+    def run(h: Tensor, w: Tensor, y: Tensor, t: float) -> Output:
+        out = api.fused_logprobs(h.float(), w.float(), y, temperature=t)
+        return out.logprobs, out.entropy
+    return run
+
+
+# --- the distillation and top-k rows (tools/bench_distill.py) ------------------------------
+
+@dataclass(frozen=True)
+class DistillRun:
+    """What a distillation row runs: ``name`` (bench_distill's row) on a logitless ``backend``."""
+    name: str
+    backend: str
+
+
+def _distill(name: str) -> Callable[[torch.device], DistillRun]:
+    def build(device: torch.device) -> DistillRun:
+        import logitless as api
+        probe = torch.empty(1, 1, device=device)
+        backend = api.choose_backend(probe, probe, "auto")[0].name
+        if name == "trl-divergence":
+            trl_divergence(device)          # Unavailable, with the reason, where it does not import
+            backend = "trl"
+        elif name == "liger-jsd":
+            liger_jsd(device, 0.5)
+            backend = "liger"
+        elif backend == "triton":
+            _needs_gpu_triton(device, "the triton backend")
+        return DistillRun(name, backend)
+    return build
+
+
 # --- the fused policy loss ------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -251,6 +305,13 @@ IMPLS: tuple[Impl, ...] = (
     Impl("policy-loss-reference", "policy_loss_reference (fused_logprobs + autograd)", "policy", True, None,
          _policy(False)),
     Impl("trl-policy-loss", "TRL's GRPO loss in torch on TRL's fused head", "policy", True, "trl", _policy_trl),
+    Impl("fp32-head", "logitless float32 head (default precision)", "logitless", True, None, _fp32_head),
+    Impl("distill", "logitless fused_distillation_loss (JSD)", "distill", True, None, _distill("distill")),
+    Impl("distill-topk", "logitless fused_distillation_loss (forward_kl_topk)", "distill", False, None,
+         _distill("distill-topk")),
+    Impl("fused-topk", "logitless fused_topk", "distill", False, None, _distill("fused-topk")),
+    Impl("trl-divergence", "TRL ChunkedDivergenceFunction (JSD)", "distill", True, "trl", _distill("trl-divergence")),
+    Impl("liger-jsd", "Liger LigerFusedLinearJSD", "distill", False, "liger-kernel", _distill("liger-jsd"), True),
 )
 NAMES = tuple(i.name for i in IMPLS)
 

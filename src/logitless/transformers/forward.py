@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs, head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
+from ..record import serial_now, write_step
 from ..sharded_head import call_head, check_layout, head_shape, replicated
 from .fsdp import check_head_in_root_unit, fsdp_units
 from .heads import plan_head
@@ -494,14 +495,17 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     check_packing_attended(attention_mask, position_ids, targets.shape, _cached(model_kwargs))
     model_kwargs.setdefault("use_cache", False)  # scoring builds no KV cache unless asked to
+    since = serial_now()
     if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
                         ignore_index, model_kwargs)
+        write_step("transformers.fused_forward", since)
         return res
     # Go through the wrapper's own __call__ so DDP / FSDP / PEFT do their part of the forward.
     with _patched_for_call(model, core, temperature=temperature, policy_loss=None):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     shift_labels=targets, with_entropy=with_entropy, ignore_index=ignore_index, **model_kwargs)
+    write_step("transformers.fused_forward", since)
     return TokenLogProbs(out.logprobs, out.entropy)
 
 
@@ -544,13 +548,16 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     check_packing_attended(attention_mask, position_ids, targets.shape, _cached(model_kwargs))
     model_kwargs.setdefault("use_cache", False)
+    since = serial_now()
     if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, True, ignore_index,
                         model_kwargs, policy=policy)
+        write_step("transformers.fused_policy_loss", since)
         return res
     with _patched_for_call(model, core, temperature=temperature, policy_loss=policy):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     shift_labels=targets, ignore_index=ignore_index, **model_kwargs)
+    write_step("transformers.fused_policy_loss", since)
     return out.policy_loss
 
 

@@ -32,6 +32,7 @@ from numbers import Real
 
 import torch
 
+from ..record import serial_now, write_step
 from ..sharded_head import call_head, check_layout, head_shape, inner_head, is_dtensor, whole_weight
 from .names import VISION_ARGS
 from .swap import check_fused_loss, disable_loss_method, enable_loss_method
@@ -202,7 +203,9 @@ def compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
 
     student_head = unwrapped_student.get_output_embeddings()
     head_device = inner_head(student_head).weight.device
+    since = serial_now()
     loss, entropy = call_head(student_head, student_hidden.to(head_device), compute, owner=unwrapped_student)
+    write_step("trl.distillation", since)
     n_valid = (labels != IGNORE).sum()
     return loss, entropy.float().sum().detach(), n_valid
 

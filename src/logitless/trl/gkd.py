@@ -35,6 +35,7 @@ from numbers import Real
 
 import torch
 
+from ..record import serial_now, write_step
 from ..sharded_head import call_head, check_layout, head_shape, is_dtensor, whole_weight
 from .swap import check_fused_loss, disable_loss_method, enable_loss_method
 
@@ -210,7 +211,9 @@ def _fused_loss(self, unwrapped_student, input_ids, attention_mask, labels, num_
         return (out.loss,)
 
     head = student.get_output_embeddings()
+    since = serial_now()
     (loss,) = call_head(head, student_hidden[:, :-1], compute, owner=student)
+    write_step("trl.gold" if is_gold(self) else "trl.gkd", since)
     return loss
 
 

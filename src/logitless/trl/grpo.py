@@ -16,6 +16,7 @@ import types
 import torch
 
 from .. import checks
+from ..record import serial_now, write_step
 from .names import METHOD, STATE, VISION_ARGS
 from .swap import restore_method
 
@@ -86,6 +87,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
                          "auxiliary loss")
     checks.integer(logits_to_keep, "logits_to_keep", minimum=1)
     batch_size = batch_size or input_ids.size(0)
+    since = serial_now()
     all_logps, all_entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
         end = min(start + batch_size, input_ids.size(0))
@@ -108,6 +110,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
             all_entropies.append(out.entropy[:, :-1][:, -logits_to_keep:])
     logps = torch.cat(all_logps, dim=0)
     entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+    write_step("trl.grpo.logprobs", since)
     return logps, entropies, None
 
 

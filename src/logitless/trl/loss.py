@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES, on_policy_settings
+from ..record import serial_now, write_step
 from .names import VISION_ARGS
 
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -257,9 +258,11 @@ def compute_loss(self, model, inputs):
     p = policy_inputs(self, inputs)
     base = {name: p.settings[name] for name in BASE_SETTINGS if name in p.settings}
     others = {name: value for name, value in p.settings.items() if name not in BASE_SETTINGS}
+    since = serial_now()
     with self.accelerator.autocast(), head_in_fp32(bool(getattr(self.args, "cast_lm_head_to_fp32", False))):
         out = fused_policy_loss(model, p.input_ids, p.attention_mask, shift_labels=p.labels, loss_settings=others,
                                 **base)
+    write_step("trl.grpo", since)
     loss = out.loss * p.scale
     log_metrics(self, out.logprobs, out.entropy, inputs, p, loss.detach())
     return loss

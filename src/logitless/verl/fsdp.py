@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..record import FusedPathUnavailable
+from ..record import FusedPathUnavailable, serial_now, write_step
 from ..sharded_head import call_head, is_dtensor
 from . import distill, fused_loss
 from .core import fused_linear_for_ppo, linear_cross_entropy
@@ -80,8 +80,10 @@ def _make_forward(original):
             if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
                 lp, ent = fused
                 return lp, (ent.to(hidden_states.dtype) if backend == "torch" else ent)
+            since = serial_now()
             out = fused_linear_for_ppo(h, w, input_ids, temperature,
                                        entropy_dtype=hidden_states.dtype if backend == "torch" else None)
+            write_step("verl.fused_kernels", since)
             return out.logprobs, out.entropy
 
         if is_dtensor(vocab_weights):   # an FSDP2 unit of its own (verl's apply_fsdp2, untied head)
@@ -102,8 +104,11 @@ def _make_kernel(original):
                     fused = distill.head(h, w, labels, temperature, flat=True)
                 if fused is not None:     # install(fused_loss=True): the policy loss was computed with them
                     return fused
-            return linear_cross_entropy(h, w, labels, temperature, reduction, dist_process_group,
-                                        reduce_grad_hidden=True)
+            since = serial_now()
+            out = linear_cross_entropy(h, w, labels, temperature, reduction, dist_process_group,
+                                       reduce_grad_hidden=True)
+            write_step("verl.fused_kernels", since)
+            return out
 
         if is_dtensor(weight):   # an FSDP2 unit of its own (verl's apply_fsdp2, untied head)
             return _run_as_head(weight, hidden, 1, compute)

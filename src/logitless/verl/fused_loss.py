@@ -261,7 +261,9 @@ def _distillation_step(original, engine, micro_batch, loss_function, forward_onl
     if plan is None:
         if why:
             _distill_fallback(why)
-            return original(engine, micro_batch, loss_function, forward_only)
+            out = original(engine, micro_batch, loss_function, forward_only)
+            write_record("unfused", None, distill.ENTRY, why)      # again after the forward (its ops' records)
+            return out
 
         def estimator(model_output, data, dp_group=None):      # verl's loss on the fused head's log-probs
             out = loss_function(model_output=model_output, data=data, dp_group=dp_group)
@@ -284,7 +286,10 @@ def _make_forward_step(original):
         if plan is None:
             if why:
                 fallback(why)
-            return original(self, micro_batch, loss_function, forward_only)
+            out = original(self, micro_batch, loss_function, forward_only)
+            if why:     # again after the forward, whose ops (logitless' head) wrote records of their own
+                write_record("unfused", None, ENTRY, why)
+            return out
         outer, _pending.plan = _pending.plan, plan
         try:
             return original(self, micro_batch, _fused_loss_function(plan, loss_function), forward_only)

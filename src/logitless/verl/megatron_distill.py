@@ -194,7 +194,9 @@ def forward_step(original, engine, batch, model, logits_processor_func, postproc
         if fused_kernels and distill.uses_topk(logits_processor_func):
             raise _refused(why)          # verl's fused forward would not produce the top-k outputs either
         _distill_fallback(why)           # raises under strict mode, before the model runs
-        return original(engine, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+        out = original(engine, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+        write_record("unfused", None, ENTRY, why)        # again after the forward (its ops' records)
+        return out
     path = forward_mode(model)
     if plan is None:                     # an estimator mode: verl's loss on the fused head's log-probs
         output, loss_func = original(engine, iter([batch]), model, logits_processor_func,
