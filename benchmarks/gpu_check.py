@@ -278,7 +278,8 @@ def fp32_head(shape, dev, rounds, reps):
     fb = figure("float32 head: forward+backward (x bf16 4-GEMM)", s, 2.2)
     tf32 = figure("float32 head: cuBLAS TF32 GEMM (x bf16 GEMM)", s, None)
 
-    @guarded([fwd.name, fb.name])
+    @guarded([fwd.name, fb.name, "float32 head, bf16-exact hidden: forward (x bf16 GEMM)",
+              "float32 head, bf16-exact hidden: fwd+bwd (x bf16 4-GEMM)"])
     def run():
         hidden, weight, labels, a, b = head_inputs(n, h, v, torch.float32, dev)
         hb, wb = hidden.bfloat16(), weight.bfloat16()
@@ -299,10 +300,17 @@ def fp32_head(shape, dev, rounds, reps):
         z.resize_(0)
         fwd.note = f"precision {last_precision().statistics}"
         alternate(dev, rounds, reps, floor.forward_backward, [(fb, fwd_bwd(ours, hidden, weight, labels, a, b))])
-        floor.close()
         lp_err, ent_err = lp_errors(hidden, weight, labels, fused_logprobs(hidden, weight, labels))
         figure("float32 head: log-prob error vs float64", s, 1e-4, "err").rounds = [lp_err]
         figure("float32 head: entropy error vs float64", s, 1e-4, "err").rounds = [ent_err]
+        # hidden states of a bf16 backbone made float32 (TRL's cast_lm_head_to_fp32): two products suffice
+        hidden.copy_(hidden.bfloat16().float())
+        two = figure("float32 head, bf16-exact hidden: forward (x bf16 GEMM)", s, 2.3)
+        alternate(dev, rounds, reps, floor.forward, [(two, forward)])
+        two.note = f"precision {last_precision().statistics}"
+        two_fb = figure("float32 head, bf16-exact hidden: fwd+bwd (x bf16 4-GEMM)", s, 1.8)
+        alternate(dev, rounds, reps, floor.forward_backward, [(two_fb, fwd_bwd(ours, hidden, weight, labels, a, b))])
+        floor.close()
     run()
 
 
