@@ -7,7 +7,8 @@ figure, compared with a committed baseline of the same shapes.
         [--baseline benchmarks/results/gpu-check-baseline.json] [--write-baseline PATH] [--commit REV] [--dry-run]
 
 1. Tests: the suite's GPU-only files (compiled kernels, CUDA graphs, batch invariance, TF32 / split precisions,
-   Gluon, streams, the distillation and top-k kernels), one pytest process per file, within ``--tests-budget``
+   Gluon, streams, the distillation and top-k kernels), one pytest process per file (``--test-workers`` at once),
+   within ``--tests-budget``
    seconds; a file the budget did not reach is reported as not run, never as passed.
 2. Timings (docs/performance.md's shapes, bf16 unless named): each figure is the ratio of logitless' time to its
    floor, both timed in ``--rounds`` alternating rounds (floor, logitless, peers; median of ``--reps`` CUDA-event
@@ -22,6 +23,7 @@ a check of the script, run in CI, not a measurement.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -326,12 +328,13 @@ def distillation(shape, dev, rounds, reps, with_peers):
 
     @guarded([fig.name, mem.name])
     def run():
-        data = gd.inputs(dict(b=b, s=s_len, h=h, v=v, prompt=s_len // 8), dev, torch.bfloat16)
+        data = gd.inputs(dict(b=b, s=s_len, h=h, ht=h, v=v, prompt=s_len // 8), dev, torch.bfloat16)
         floor = gd.Floor(*data[:4])
-        methods = gd.methods(0.5)
+        methods = gd.methods("jsd", extra=False)
+        trl_name = "TRL ChunkedDivergenceFunction (beta 0.5)"
         entries = [(fig, gd.step_of(methods["logitless (triton)"], data)[0])]
         if with_peers:
-            for name in ("TRL ChunkedDivergenceFunction", "Liger LigerFusedLinearJSD"):
+            for name in (trl_name, "Liger LigerFusedLinearJSD"):
                 if callable(methods.get(name)):
                     entries.append((figure(f"distillation jsd: {name} (x dense 4-GEMM)", s, None),
                                     gd.step_of(methods[name], data)[0]))
@@ -350,8 +353,8 @@ def distillation(shape, dev, rounds, reps, with_peers):
         truth = gd.truth64(*small, 0.5)
         err = gd.accuracy("ours", methods["logitless (triton)"], small, 0.5, truth)["loss_rel_err"]
         figure("distillation jsd: loss rel error vs float64", s, None, "err").rounds = [err]
-        if callable(methods.get("TRL ChunkedDivergenceFunction")):
-            theirs = gd.accuracy("trl", methods["TRL ChunkedDivergenceFunction"], small, 0.5, truth)["loss_rel_err"]
+        if callable(methods.get(trl_name)):
+            theirs = gd.accuracy("trl", methods[trl_name], small, 0.5, truth)["loss_rel_err"]
             FIGURES["distillation jsd: loss rel error vs float64"].target = max(theirs, 1e-7)
             FIGURES["distillation jsd: loss rel error vs float64"].note = f"target: TRL float32's {theirs:.1e}"
     run()
@@ -410,25 +413,22 @@ def topk(shape, dev, rounds, reps, k_values=(32, 128)):
 
 # ---------------------------------------------------------------- the tests
 
-def run_tests(budget_s: float, dry: bool) -> list[dict]:
-    """One pytest process per GPU test file until ``budget_s`` is spent (the dry run only collects)."""
-    out, t0 = [], time.monotonic()
+def run_tests(budget_s: float, dry: bool, workers: int) -> list[dict]:
+    """One pytest process per GPU test file, ``workers`` at a time (triton's compiles are CPU work; the files share
+    the GPU), until ``budget_s`` is spent: a file started too late is "not run (budget)", one cut short "timed out
+    (budget)", never passed. The dry run only collects each file."""
+    t0 = time.monotonic()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    if dry:         # one process collects every file: each exists and imports
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                            *GPU_TESTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget_s)
-        last = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
-        log(f"tests (collected only): {last[0]}")
-        return [{"file": " ".join(GPU_TESTS), "result": last[0].strip("= "), "rc": p.returncode}]
-    for path in GPU_TESTS:
+
+    def one(path: str) -> dict:
         left = budget_s - (time.monotonic() - t0)
         row = {"file": path}
         if left < 10:
             row["result"] = "not run (budget)"
-            out.append(row)
-            continue
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path]
+            return row
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path] + (["--collect-only"] if dry
+                                                                                          else [])
         t = time.monotonic()
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
@@ -444,8 +444,10 @@ def run_tests(budget_s: float, dry: bool) -> list[dict]:
             row["result"], row["rc"] = "timed out (budget)", None
         row["seconds"] = round(time.monotonic() - t, 1)
         log(f"tests {path}: {row['result']} ({row['seconds']} s)")
-        out.append(row)
-    return out
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(one, GPU_TESTS))
 
 
 # ---------------------------------------------------------------- baseline, table
@@ -505,6 +507,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tests-budget", type=float, default=240.0, help="seconds for the tests step")
+    p.add_argument("--test-workers", type=int, default=4, help="test files run at once (each its own process)")
     p.add_argument("--baseline", default=os.path.join(HERE, "results", "gpu-check-baseline.json"))
     p.add_argument("--write-baseline", default=None, help="write this run's figures as a baseline to this path")
     p.add_argument("--commit", default=None, help="the code's commit (default: git rev-parse, else unknown)")
@@ -526,7 +529,7 @@ def main(argv=None):
     log(f"gpu-check: {card}, commit {commit}, {res['versions']}")
     t0 = time.monotonic()
     if "tests" in steps:
-        res["tests"] = run_tests(args.tests_budget, dry)
+        res["tests"] = run_tests(args.tests_budget, dry, args.test_workers)
     if "timings" in steps:
         if dev == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False

@@ -67,14 +67,15 @@ def test_dry_run_runs_every_step(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"),
                                                                              os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--no-peers",
-                        "--out", str(tmp_path), "--commit", "c0ffee"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
+                        "--out", str(tmp_path), "--commit", "c0ffee", "--test-workers", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((tmp_path / "gpu-check.json").read_text())
     assert res["dry_run"] and res["commit"] == "c0ffee"
-    # the tests step collected every listed file in one process
-    (tests,) = res["tests"]
-    assert tests["rc"] == 0 and re.search(r"\d+ tests collected", tests["result"]), tests
+    # the tests step collected every listed file, each in its own process
+    assert [t["file"] for t in res["tests"]] == list(gpu_check.GPU_TESTS)
+    for t in res["tests"]:
+        assert t["rc"] == 0 and re.search(r"\d+ tests? collected", t["result"]), t
     figs = res["figures"]
     own = {n: f for n, f in figs.items() if f["target"] is not None and f["unit"] != "GiB"}
     # every headline figure of logitless ran (memory figures need CUDA's allocator statistics)
