@@ -103,7 +103,10 @@ doctor: setup
 # a package index; copy .whl/ along; the targets install them into GPU_SITE first.
 GPU_PY ?= python3
 GPU_OUT ?= gpu-out
-GPU_SITE ?= .cache/gpu-site
+# "site-packages" in the path: dill (datasets' fingerprints) pickles a module by value when its file's path has none
+# of a sys prefix, an extension suffix or "site-packages", and pyarrow by value fails (PicklingError: MonthDayNano):
+# TRL's trainers died so before their first step under a --target folder named otherwise
+GPU_SITE ?= .cache/gpu/site-packages
 GPU_PYVER ?= 3.12
 GPU_WHEELS := pytest pluggy iniconfig pytest-timeout trl==1.16.0 transformers==5.24.0 datasets liger-kernel \
 	cut-cross-entropy pyarrow pandas dill xxhash "multiprocess<0.70.20" "fsspec<=2026.9.0" psutil jinja2 regex typer
