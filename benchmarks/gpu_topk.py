@@ -39,7 +39,7 @@ if "--dry-run" in sys.argv:
 
 from logitless import fused_topk, last_backend  # noqa: E402
 from logitless.losses.distill_topk import topk_divergence  # noqa: E402
-from logitless.ops.triton import topk_select  # noqa: E402
+from logitless.ops.triton import stages  # noqa: E402
 from logitless.tools.common import GemmFloor, env_set, markdown_table, peak_extra_bytes, random_head  # noqa: E402
 from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
@@ -132,20 +132,17 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
         tiles, _, c = item.partition(":")
         if tiles != "-" and len(tiles.split(",")) != 6:
             raise ValueError(f"--configs: {item!r}: tiles are six integers BM,BN,BK,GROUP_M,warps,stages or '-'")
-        out.append((tiles, int(c or topk_select.CANDIDATES)))
+        out.append((tiles, int(c or stages.TOPK_CANDIDATES)))
     return out
 
 
 def first_pass_ratio(hidden, weight, k, dev):
     """The first pass alone (candidates kernel) on one chunk of tokens, over the GEMM of that chunk."""
-    tiles = topk_select.tiles_for(hidden.dtype, hidden.device)
-    c = topk_select.first_candidates(k, weight.shape[0], tiles)
-    rows = min(hidden.shape[0], topk_select.chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device))
+    rows = min(hidden.shape[0], stages.topk_chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device))
     h = hidden[:rows]
-    inv = torch.ones(rows, device=dev)
     z = torch.empty((rows, weight.shape[0]), device=dev, dtype=hidden.dtype)
     gemm = _time_cuda(lambda: torch.mm(h, weight.t(), out=z), 1, 3, device=dev)[0]
-    first = _time_cuda(lambda: topk_select._first_pass(h, weight, inv, c, None, tiles), 1, 3, device=dev)[0]
+    first = _time_cuda(lambda: stages.topk_first_pass(h, weight, k), 1, 3, device=dev)[0]
     return first / gemm
 
 
@@ -160,17 +157,8 @@ def sweep(args, dev, shape, dtype):
     del floor
     configs = parse_configs(args.configs or ";".join(TINY_SWEEP if args.dry_run else SWEEP))
     backend = "triton" if args.dry_run else "auto"
-    redone = []
-    select = topk_select.select
-
-    def counting(*a, **kw):
-        out = select(*a, **kw)
-        redone.append(out.fallback)
-        return out
-
     rows, res = [], {"shape": shape, "machine": machine(), "versions": versions(), "floor_fwd_ms": f, "rows": []}
-    topk_select.select = counting
-    try:
+    with stages.topk_rows_redone() as redone:
         for tiles, c in configs:
             env = {"LOGITLESS_TOPK_CANDIDATES": str(c)}
             if tiles != "-":
@@ -193,8 +181,6 @@ def sweep(args, dev, shape, dtype):
                         [row["error"], "-", "-", "-"] if "error" in row else
                         [f"{row['ms']:.2f}", f"{row['ratio']:.3f}", f"{row['first_pass_ratio']:.3f}",
                          f"{row['redone']:.2e}"]))
-    finally:
-        topk_select.select = select
     table = markdown_table(["tiles", "C", "k", "ms", "x GEMM", "first pass x chunk GEMM", "rows redone"], rows)
     with open(os.path.join(args.out, "gpu_topk_sweep.json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)
@@ -229,18 +215,9 @@ def main():
     del floor
 
     k = shape["k"]
-    redone = []
-    select = topk_select.select
-
-    def counting(*a, **kw):
-        out = select(*a, **kw)
-        redone.append(out.fallback)
-        return out
-
     # the dry run's CPU would pick the torch pass for "auto": the kernels run there through the interpreter
     backend = "triton" if args.dry_run else "auto"
-    topk_select.select = counting
-    try:
+    with stages.topk_rows_redone() as redone:
         for kk in (k, shape["k_large"]):
             key = f"fused_topk k{kk}"
             redone.clear()
@@ -250,8 +227,6 @@ def main():
             res[f"{key}_rows_redone"] = sum(redone) / sum(warm_reps(dev)) / max(1, int(scored.sum()))
             res["mib"][key], _ = peak_extra_bytes(
                 lambda kk=kk: fused_topk(hidden, weight, kk, mask=scored, backend=backend), dev)
-    finally:
-        topk_select.select = select
     key = f"fused_topk k{k}, torch pass"
     res["ms"][key] = time_ms(lambda: fused_topk(hidden, weight, k, mask=scored, backend="chunked"), dev)
     try:

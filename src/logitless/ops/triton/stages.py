@@ -31,7 +31,7 @@ import torch
 import triton
 from torch import Tensor
 
-from . import backward, forward_stats, policy_backend, policy_terms
+from . import backward, forward_stats, policy_backend, policy_terms, topk_select
 from . import combine as _combine
 from . import policy_dlogits as _dlogits
 from . import policy_stats as _stats
@@ -232,3 +232,40 @@ def logprob_dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Te
     """One vocabulary chunk of the backward: recompute the logits of rows ``col0 ...`` and write their dlogits
     into ``out`` [n, chunk] (the inputs' dtype)."""
     return backward.dlogits_chunk(hidden, w_chunk, col0, labels, inv_temp, lse, ent, g_lp, g_ent, out)
+
+
+# ---------------------------------------------------------------- the top-k selection (fused_topk's first pass)
+
+TOPK_CANDIDATES = topk_select.CANDIDATES     # candidates a tile keeps by default (LOGITLESS_TOPK_CANDIDATES)
+
+
+def topk_chunk_rows(vocab: int, k: int, dtype: torch.dtype, device) -> int:
+    """Tokens of one chunk of the selection (its candidates fit LOGITLESS_TOPK_BYTES)."""
+    return topk_select.chunk_rows(vocab, k, dtype, device)
+
+
+def topk_first_pass(hidden: Tensor, weight: Tensor, k: int):
+    """The selection's first pass (the candidates kernel) over every row of ``hidden`` at temperature 1, with the
+    tiles and candidates the knobs choose now: (candidate keys, rest keys, rest sums)."""
+    tiles = topk_select.tiles_for(hidden.dtype, hidden.device)
+    c = topk_select.first_candidates(k, weight.shape[0], tiles)
+    inv_temp = torch.ones(hidden.shape[0], device=hidden.device)
+    return topk_select._first_pass(hidden, weight, inv_temp, c, None, tiles)
+
+
+@contextlib.contextmanager
+def topk_rows_redone() -> Iterator[list]:
+    """Within the block, the rows each selection had to redo (its first pass could not hold them), one entry per
+    selection call, in a list the block reads."""
+    counts: list = []
+    select = topk_select.select
+
+    def counting(*a, **kw):
+        out = select(*a, **kw)
+        counts.append(out.fallback)
+        return out
+    topk_select.select = counting
+    try:
+        yield counts
+    finally:
+        topk_select.select = select
