@@ -109,7 +109,9 @@ def test_labels_are_unshifted_as_in_transformers(model):
     want, _ = reference_from_logits(logits, targets)
     assert torch.equal(by_labels.logprobs, by_shift.logprobs)
     assert (by_labels.logprobs.double() - want).abs().max() <= 2e-5
-    assert torch.equal(by_labels.logprobs[1], plain.logprobs[1])     # no prompt in row 1: the default targets
+    # no prompt in row 1: the default targets. Not bit for bit: the two calls score 12 and 14 tokens, and under 16
+    # rows the CPU BLAS picks other kernels (docs/determinism.md); it failed so on 2 of 5 seeds
+    assert (by_labels.logprobs[1] - plain.logprobs[1]).abs().max() <= 1e-5
     # scoring each token against itself (the old meaning of labels=ids) gives other numbers
     against_itself, _ = reference_from_logits(logits, ids)
     assert (by_labels.logprobs.double()[1, :-1] - against_itself[1, :-1]).abs().max() > 1e-2
