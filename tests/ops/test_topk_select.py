@@ -24,14 +24,19 @@ def head(seed, scale=1.0, dtype=torch.float32):
     return hidden, weight, g
 
 
-def same_selection(got, want, hidden, weight, temperature=1.0, softcap=None, rows=slice(None)):
-    """got's ids are want's (float64's order) but where two ids' float64 log-probs lie within float32 rounding of
-    each other (a softcapped head saturates many logits near the cap): there the order is the float32 logits'."""
-    z = hidden.detach().double() @ weight.detach().double().t()
+def logp64(hidden, weight, temperature=1.0, softcap=None):
+    """float64 log-softmax of the (softcapped) logits at ``temperature`` (a number, or one per token)."""
+    z = hidden.double() @ weight.double().t()
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
     t = temperature.double().unsqueeze(-1) if torch.is_tensor(temperature) else temperature
-    logp = torch.log_softmax(z / t, -1)[rows]
+    return torch.log_softmax(z / t, -1)
+
+
+def same_selection(got, want, hidden, weight, temperature=1.0, softcap=None, rows=slice(None)):
+    """got's ids are want's (float64's order) but where two ids' float64 log-probs lie within float32 rounding of
+    each other (a softcapped head saturates many logits near the cap): there the order is the float32 logits'."""
+    logp = logp64(hidden.detach(), weight.detach(), temperature, softcap)[rows]
     got, want = got[rows], want[rows]
     swapped = got != want
     assert swapped.float().mean() < 0.05
@@ -40,24 +45,15 @@ def same_selection(got, want, hidden, weight, temperature=1.0, softcap=None, row
 
 def at_ids(hidden, weight, ids, temperature=1.0, softcap=None):
     """float64 log-probs of ``ids`` and the log of the mass outside them."""
-    z = hidden.double() @ weight.double().t()
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    t = temperature.double().unsqueeze(-1) if torch.is_tensor(temperature) else temperature
-    logp = torch.log_softmax(z / t, -1)
+    logp = logp64(hidden, weight, temperature, softcap)
     return logp.gather(-1, ids), torch.logsumexp(logp.scatter(-1, ids, float("-inf")), -1)
 
 
 def want64(hidden, weight, k, temperature=1.0, softcap=None):
-    z = hidden.double() @ weight.double().t()
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    t = temperature.double().unsqueeze(-1) if torch.is_tensor(temperature) else temperature
-    logp = torch.log_softmax(z / t, -1)
+    """float64's top k (ties to the lower id), their log-probs and the log of the mass outside them."""
+    logp = logp64(hidden, weight, temperature, softcap)
     ids = torch.sort(logp.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
-    lp = logp.gather(-1, ids)
-    tail = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), -1)
-    return ids, lp, tail
+    return (ids, *at_ids(hidden, weight, ids, temperature, softcap))
 
 
 @pytest.mark.parametrize("k", [1, 5, 37, 128])
