@@ -43,6 +43,7 @@ from .common import (
     gemm_tflops,
     markdown_table,
     random_head,
+    rel_err,
     sample_labels,
     sync,
     time_call,
@@ -198,11 +199,6 @@ def _forward_backward(fn: peers.Fn, x: Inputs, t: float, a: Tensor, b: Tensor):
     return step
 
 
-def _rel(a: Tensor, b: Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 class Checker:
     """Reference-backend results on the first ``s`` tokens, to compare every row against.
 
@@ -244,8 +240,8 @@ class Checker:
         row.err_logprob = float((lp[:s].float() - r_lp).abs().max())
         if ent is not None:
             row.err_entropy = float((ent[:s].float() - r_ent).abs().max())
-        row.err_dh = _rel(dh[:s], r_dh)
-        row.err_dw = _rel(dw, r_dw)
+        row.err_dh = rel_err(dh[:s], r_dh)
+        row.err_dw = rel_err(dw, r_dw)
 
 
 def _short(exc: BaseException) -> str:
@@ -310,35 +306,14 @@ def _failed(row: Row, exc: BaseException, device: torch.device, triton_kernel: b
         torch.cuda.empty_cache()
 
 
-def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
-                meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
-    """A policy-loss row (tools/bench_policy.py), with the same failure handling as the others."""
-    from . import bench_policy
+def _module_row(impl: peers.Impl, row: Row, cfg: BenchConfig,
+                prepare: Callable[[object], Calls]) -> tuple[Row, Optional[Calls]]:
+    """A row whose work lives in another module (the policy loss, distillation): ``prepare(run)`` fills it from
+    ``impl.build``'s result and returns its calls; the same failure handling as the other rows."""
     device = torch.device(cfg.device)
     try:
         run = impl.build(device)
-        if x.policy is None:
-            x.policy = bench_policy.make_policy_inputs(x, cfg.temperature, cfg.seed)
-        calls = bench_policy.prepare_policy_row(row, run.fused, run.backend, x, cfg, x.policy, meter, sync)
-        row.label = f"{row.label} [{run.backend}]"
-        return row, calls
-    except peers.Unavailable as exc:
-        row.status, row.reason = "unavailable", str(exc)
-    except Exception as exc:  # noqa: BLE001
-        _failed(row, exc, device)
-    return row, None
-
-
-def _distill_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
-                 meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
-    """A distillation or top-k row (tools/bench_distill.py), with the same failure handling as the others."""
-    from . import bench_distill
-    device = torch.device(cfg.device)
-    try:
-        run = impl.build(device)
-        if x.distill is None:
-            x.distill = bench_distill.make_distill_inputs(x, cfg.temperature, cfg.seed)
-        calls = bench_distill.prepare_distill_row(row, run.name, run.backend, x, cfg, x.distill, meter, sync)
+        calls = prepare(run)
         row.label = f"{row.label} [{run.backend}]"
         return row, calls
     except peers.Unavailable as exc:
@@ -346,6 +321,30 @@ def _distill_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
     except Exception as exc:  # noqa: BLE001
         _failed(row, exc, device, impl.triton_kernel)
     return row, None
+
+
+def _policy_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
+                meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
+    """A policy-loss row (tools/bench_policy.py)."""
+    from . import bench_policy
+
+    def prepare(run):
+        if x.policy is None:
+            x.policy = bench_policy.make_policy_inputs(x, cfg.temperature, cfg.seed)
+        return bench_policy.prepare_policy_row(row, run.fused, run.backend, x, cfg, x.policy, meter, sync)
+    return _module_row(impl, row, cfg, prepare)
+
+
+def _distill_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
+                 meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
+    """A distillation or top-k row (tools/bench_distill.py)."""
+    from . import bench_distill
+
+    def prepare(run):
+        if x.distill is None:
+            x.distill = bench_distill.make_distill_inputs(x, cfg.temperature, cfg.seed)
+        return bench_distill.prepare_distill_row(row, run.name, run.backend, x, cfg, x.distill, meter, sync)
+    return _module_row(impl, row, cfg, prepare)
 
 
 def time_rounds(entries: list[tuple[Row, Calls]], floor: "Floor", repeats: int, device: torch.device,

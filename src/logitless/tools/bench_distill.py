@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .common import rel_err
+
 BETA = 0.5
 K = 32
 NOISE = 0.3         # the teacher: the student's tensors plus this much of their scale in noise
@@ -104,11 +106,6 @@ def _step(run, x, t, rows=slice(None), grad=True):
     return call
 
 
-def _rel(a: Tensor, b: Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 def prepare_distill_row(row, name: str, backend: str, x, cfg, d: DistillInputs, meter, sync):
     """Fill ``row`` (bench.Row): checked warm-up and peak memory; returns (forward without grad,
     forward+backward), the calls the bench times in its rounds."""
@@ -125,7 +122,7 @@ def prepare_distill_row(row, name: str, backend: str, x, cfg, d: DistillInputs, 
     for what, value in (("loss", loss), ("d_hidden", dh), ("d_weight", dw)):
         if value is None or not bool(torch.isfinite(value).all()):
             raise FloatingPointError(f"{what} is missing or has non-finite values")
-    row.err_dh, row.err_dw = _rel(dh, rdh), _rel(dw, rdw)
+    row.err_dh, row.err_dw = rel_err(dh, rdh), rel_err(dw, rdw)
     if name == "fused-topk":
         if not torch.equal(extra.ids, ref_extra.ids):
             raise AssertionError("fused_topk's ids differ from the reference backend's")

@@ -22,6 +22,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .common import rel_err
+
 SETTINGS = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.01, kl_type="k3", entropy_coef=0.01, loss_agg="token-mean")
 NOISE = 0.1
 
@@ -100,11 +102,6 @@ def _step(run, x, t, p, rows=slice(None), grad=True):
     return call
 
 
-def _rel(a: Tensor, b: Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 def prepare_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, meter, sync):
     """Fill ``row`` (bench.Row): checked warm-up and peak memory; returns (forward without grad,
     forward+backward), the calls the bench times in its rounds."""
@@ -122,7 +119,7 @@ def prepare_policy_row(row, fused: bool, backend: str, x, cfg, p: PolicyInputs, 
             raise FloatingPointError(f"{name} is missing or has non-finite values")
     row.err_logprob = float((out.logprobs - ref.logprobs).abs().max())
     row.err_entropy = float((out.entropy - ref.entropy).abs().max())
-    row.err_dh, row.err_dw = _rel(dh, rdh), _rel(dw, rdw)
+    row.err_dh, row.err_dw = rel_err(dh, rdh), rel_err(dw, rdw)
     loss, ref_loss = out.loss.item(), ref.loss.item()
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     row.reason = f"PPO loss, rel err {loss_rel:.1e} vs policy_loss_reference"

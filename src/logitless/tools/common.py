@@ -167,6 +167,12 @@ class GemmFloor:
         self.z = self.dz = self.dh = self.dw = None
 
 
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the benches' gradient errors against their reference)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
 def gemm_tflops(n: int, h: int, v: int, seconds: float, gemms: int = 1) -> float:
     return gemms * 2.0 * n * h * v / seconds / 1e12
 
