@@ -35,17 +35,21 @@ def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
     temperature = torch.rand(LEAD[0], 1) + 0.5
     tw = torch.rand(LEAD) + 0.5
     kw = dict(divergence=divergence, temperature=temperature, log_prob_min_clamp=-6.0)
-    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_distillation_loss(h1, w1, labels, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp,
-                                  loss_agg=loss_agg, token_weight=tw, loss_max_clamp=1.0, **kw)
-    out.loss.backward()
-
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref = topk_divergence(h2, w2, labels, t_ids, t_lp, **kw)
     valid = labels != -100
+    # the clamp at the median of this draw's terms, so that it bites on about half the tokens whatever the draw
+    # (a fixed 1.0 missed every token of some draws of the tail variant)
+    size = ref.divergence[valid].detach().abs()
+    clamp = size.median().item()
+    assert (size > clamp).any() and (size < clamp).any()   # the clamp bites
+
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_distillation_loss(h1, w1, labels, teacher_topk_ids=t_ids, teacher_topk_logprobs=t_lp,
+                                  loss_agg=loss_agg, token_weight=tw, loss_max_clamp=clamp, **kw)
+    out.loss.backward()
     w = weights64(valid, loss_agg) * tw.double()
-    clamped = ref.divergence.clamp(-1.0, 1.0)
-    assert (ref.divergence[valid] > 1.0).any() and (ref.divergence[valid] < 1.0).any()   # the clamp bites
+    clamped = ref.divergence.clamp(-clamp, clamp)
     loss = (clamped.double() * w).sum()
     loss.backward()
     assert abs(out.loss.item() - loss.item()) <= 1e-6 * max(1.0, loss.item())

@@ -30,8 +30,10 @@ BF16_GRAD_TOL = 2.0 ** -6
 BF16_TOL = 2e-3
 # ... except for a gradient that is 0 in exact arithmetic, which holds rounding noise alone: k_proj.bias's (a bias
 # on every key adds one constant to each query's scores, which the softmax ignores). In bf16 its noise is measured
-# against the model's largest gradient, times this.
-BF16_NOISE_FLOOR = 1e-3
+# against the model's largest gradient, times this: bf16 rounds each cancelling term by up to 2^-9, so noise of a few
+# thousandths of the largest gradient is expected (at 1e-3 one CI draw missed by 15%; the bound on k_proj.bias's
+# difference stays 6e-5 of the largest gradient).
+BF16_NOISE_FLOOR = 4e-3
 
 
 def _grads(model):
