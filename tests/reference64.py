@@ -4,22 +4,28 @@ from __future__ import annotations
 import torch
 
 
+def logits64(hidden, weight, shape, temperature=1.0, softcap=None):
+    """The float64 logits [..., V] the op scores: hidden @ weight.T (softcapped to c * tanh(raw / c) first with
+    ``softcap``) divided by ``temperature`` (a number or a tensor broadcastable to ``shape``, hidden's leading
+    shape). Differentiable w.r.t. hidden and weight if they require grad."""
+    h = hidden.double() if hidden.dtype != torch.float64 else hidden
+    w = weight.double() if weight.dtype != torch.float64 else weight
+    t = temperature.double() if torch.is_tensor(temperature) else float(temperature)
+    if torch.is_tensor(t):
+        t = torch.broadcast_to(t, shape).unsqueeze(-1)
+    z = h @ w.t()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return z / t
+
+
 def logprobs_entropy64(hidden, weight, labels, temperature=1.0, ignore_index=-100, softcap=None):
     """(logprobs, entropy) float64 of softmax(hidden @ weight.T / temperature), from float64 copies
     of the given values. hidden [..., H], weight [V, H], labels [...]; temperature a number or a
     tensor broadcastable to labels; softcap None or c, for logits c * tanh(hidden @ weight.T / c) /
     temperature (Gemma's final_logit_softcapping, written out as the model does it).
     Differentiable w.r.t. hidden and weight if they require grad."""
-    h = hidden.double() if hidden.dtype != torch.float64 else hidden
-    w = weight.double() if weight.dtype != torch.float64 else weight
-    t = temperature.double() if torch.is_tensor(temperature) else float(temperature)
-    if torch.is_tensor(t):
-        t = torch.broadcast_to(t, labels.shape).unsqueeze(-1)
-    z = h @ w.t()
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    z = z / t
-    logp = torch.log_softmax(z, dim=-1)
+    logp = torch.log_softmax(logits64(hidden, weight, labels.shape, temperature, softcap), dim=-1)
     valid = labels != ignore_index
     lp = logp.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
