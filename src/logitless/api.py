@@ -8,9 +8,11 @@ from torch import Tensor
 
 from . import checks
 from .ops import function, label_set_function
+from .ops import truncation as truncation_op
 from .ops.precision import GRAD_PRECISIONS, PRECISIONS, resolve
 from .ops.registry import BACKENDS, choose_backend
-from .record import last_backend, last_precision
+from .record import last_backend, last_precision, write_record
+from .truncation import TruncatedLogProbs, Truncation
 
 if TYPE_CHECKING:
     from .parallel import VocabParallel
@@ -145,7 +147,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    ignore_index: int = -100, tp_group=None, reduce_grad_hidden: bool = True,
                    backend: str = "auto", softcap: Optional[float] = None,
                    check_inputs: bool = True, precision: Optional[str] = None,
-                   grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None) -> TokenLogProbs:
+                   grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None,
+                   truncation: Optional[Truncation] = None) -> Union[TokenLogProbs, TruncatedLogProbs]:
     """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
     (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
@@ -203,10 +206,16 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             (no host read) the claim alone chooses the products (None: the general three), and a false
             claim turns the outputs and gradients into NaN (tested on the device), never a wrong number.
             Half-precision operands, or another precision, refuse it (it would have no effect).
+        truncation: None, or a ``Truncation``: the rollout sampler's top_k / top_p / min_p (numbers or per-token
+            tensors, applied in vLLM's order after the temperature) or the kept ids it logged (``kept_ids``). The
+            log-prob and entropy are then those of the truncated, renormalised distribution, differentiable with
+            the kept set fixed (docs/truncation.md). One label per token; needs check_inputs (it reads the kept
+            sets' sizes on the host).
 
     Returns:
         TokenLogProbs(logprobs, entropy), float32, each of ``labels.shape`` (with k ids per token:
-        logprobs [..., k], entropy [...]).
+        logprobs [..., k], entropy [...]). With ``truncation``: TruncatedLogProbs(logprobs, entropy, inside,
+        kept_count, kept_logprob), each of ``labels.shape``.
 
     Gradients flow to ``hidden`` and ``weight`` (only those that require grad) from any loss on
     logprobs and/or entropy; nothing of size [tokens x vocab] is kept for backward. Any number of
@@ -225,6 +234,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
 
     mod, _ = choose_backend(hidden, weight, backend)
     sets = labels.dim() == hidden.dim()
+    if truncation is not None:
+        _check_truncation(truncation, sets, check_inputs)
     tokens = labels[..., 0] if sets else labels
     # the values of a temperature tensor, like the labels' range, are checked inside the op (check_inputs)
     inv_temp = inv_temperature(temperature, tokens, check_values=False)
@@ -234,6 +245,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                                  precision=precision, grad_precision=grad_precision)
     # reshape outside the op so autograd links the caller's tensors to ours
     h2 = hidden.reshape(-1, hidden.shape[-1])
+    if truncation is not None:
+        return _truncated(h2, weight, labels, inv_temp, options, truncation, tp_group)
     if sets:
         k = labels.shape[-1]
         lp, ent, _, _ = label_set_function.fused_logprobs_k(h2, weight, labels.reshape(-1, k).long(), inv_temp,
@@ -247,3 +260,31 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         lp = lp.view(labels.shape)
         ent = None if ent is None else ent.view(labels.shape)
     return TokenLogProbs(lp, ent if with_entropy else None)
+
+
+def _check_truncation(truncation, sets: bool, check_inputs: bool) -> None:
+    if not isinstance(truncation, Truncation):
+        raise TypeError(f"truncation must be a logitless.Truncation or None, got {type(truncation).__name__}")
+    truncation.check()
+    if sets:
+        raise ValueError("truncation takes one label per token: labels [..., k] (k ids per token) cannot be truncated")
+    if not check_inputs:
+        raise ValueError("truncation needs check_inputs=True: the kept sets' sizes are read on the host, which "
+                         "check_inputs=False (CUDA-graph capture) forbids")
+
+
+def _truncated(h2: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, options, truncation: Truncation,
+               tp_group) -> TruncatedLogProbs:
+    flat = labels.reshape(-1).long()
+    settings = kept_ids = None
+    if truncation.replay():
+        _, vocab = vocab_layout(weight, tp_group)
+        kept_ids = truncation.replay_ids(labels, vocab, flat != options.ignore_index)
+    else:
+        settings = truncation.row_settings(labels)
+    out = truncation_op.truncated_logprobs(h2, weight, flat, inv_temp, options, settings, kept_ids)
+    write_record("op", last_backend(), "fused_logprobs.truncation")
+    shape = labels.shape
+    return TruncatedLogProbs(out.logprobs.view(shape), None if out.entropy is None else out.entropy.view(shape),
+                             out.inside.view(shape), out.kept_count.view(shape),
+                             None if out.kept_logprob is None else out.kept_logprob.view(shape))

@@ -44,6 +44,12 @@ def chunked_columns() -> str:
     return raw
 
 
+def truncation_candidates() -> int:
+    """LOGITLESS_TRUNCATION_CANDIDATES: ids per token in the first selection round of a truncated log-prob (default
+    128, the largest the triton selection kernel takes); tokens whose kept set may be larger are asked again."""
+    return _int("LOGITLESS_TRUNCATION_CANDIDATES", 128)
+
+
 def dlogits_elements(default: int) -> int:
     """LOGITLESS_TRITON_DLOGITS_ELEMENTS: elements of the triton backward's dlogits workspace."""
     return _int("LOGITLESS_TRITON_DLOGITS_ELEMENTS", default)

@@ -1,0 +1,86 @@
+"""The raw products of (token, vocabulary id) pairs and their gradients: what a truncated distribution needs once
+its kept set is fixed.
+
+A kept set holds a few ids per token (a nucleus, a top-k) and its size varies from token to token, so the pairs are
+flat: ``rows`` [P] (the token of each pair) and ``ids`` [P] (the id, a row of this rank's weight shard, -1 for an id
+another rank holds). raw[p] = <hidden[rows[p]], weight[ids[p]]> in float32, in blocks of bounded workspace; the
+cost is P x H, not tokens x V. Under tensor parallelism each rank fills the pairs of its own shard and the sum over
+the group (one all-reduce of P floats) gives every rank every product; the backward adds each rank's own rows to
+d_weight and its part of d_hidden, all-reduced when the caller asks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .label_sets import GATHER_ELEMENTS, add_onehot_dw
+
+
+def _blocks(pairs: int, h: int):
+    step = max(1, GATHER_ELEMENTS // max(1, h))
+    for start in range(0, pairs, step):
+        yield start, min(start + step, pairs)
+
+
+def pair_products(hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor) -> Tensor:
+    """raw [P] float32 = <hidden[rows[p]], weight[ids[p]]> (upcast to float32, summed in float32), 0 where
+    ids[p] == -1."""
+    raw = torch.zeros(rows.shape, dtype=torch.float32, device=hidden.device)
+    for start, stop in _blocks(rows.numel(), hidden.shape[1]):
+        h = hidden.index_select(0, rows[start:stop]).float()
+        w = weight.index_select(0, ids[start:stop].clamp(min=0)).float()
+        raw[start:stop] = (h * w).sum(dim=1)
+    return torch.where(ids >= 0, raw, torch.zeros_like(raw))
+
+
+def add_pairs_dh(dh: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, coef: Tensor) -> None:
+    """dh [N, H] float32 += coef[p] * weight[ids[p]] at row rows[p], for ids >= 0."""
+    c = torch.where(ids >= 0, coef, torch.zeros_like(coef))
+    for start, stop in _blocks(rows.numel(), weight.shape[1]):
+        w = weight.index_select(0, ids[start:stop].clamp(min=0)).float()
+        dh.index_add_(0, rows[start:stop], w * c[start:stop].unsqueeze(1))
+
+
+class PairProducts(torch.autograd.Function):
+    """raw [P] float32 of the pairs (summed over the group's shards under ``group``), differentiable w.r.t.
+    hidden [N, H] and weight [V_local, H]: d_hidden gathers weight rows, d_weight adds hidden rows at the ids;
+    d_hidden is all-reduced over ``group`` when ``reduce`` is True."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, group, reduce: bool) -> Tensor:
+        raw = pair_products(hidden, weight, rows, ids)
+        if group is not None:
+            dist.all_reduce(raw, group=group)
+        ctx.save_for_backward(hidden, weight, rows, ids)
+        ctx.group, ctx.reduce = group, reduce
+        return raw
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        hidden, weight, rows, ids = ctx.saved_tensors
+        g = g.float()
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            add_pairs_dh(dh, weight, rows, ids, g)
+            if ctx.group is not None and ctx.reduce:
+                dist.all_reduce(dh, group=ctx.group)
+            dh = dh.to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.zeros_like(weight)
+            add_onehot_dw(dw, hidden, ids.unsqueeze(1), g.unsqueeze(1), rows=rows)
+        return dh, dw, None, None, None, None
+
+
+def pair_logits(hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, inv_temp: Tensor,
+                softcap: Optional[float], group=None, reduce: bool = True) -> Tensor:
+    """z [P] float32, differentiable: the pairs' logits as the fused ops form them (``maths.logits_from_products``:
+    raw / temperature, or tanh(raw / c) * (c / temperature) with a softcap); inv_temp [N] per token."""
+    raw = PairProducts.apply(hidden, weight, rows, ids, group, reduce)
+    scale = inv_temp.index_select(0, rows)
+    if softcap is None:
+        return raw * scale
+    return torch.tanh(raw / softcap) * (scale * softcap)

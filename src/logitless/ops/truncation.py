@@ -1,0 +1,181 @@
+"""The label's log-prob under a truncated, renormalised distribution (top-k / top-p / min-p, or kept ids replayed),
+forward and backward, without the [tokens x vocab] logits.
+
+    settings form: select  (no gradient) -- the C most probable ids of each scored token (``fused_topk``, the
+                   backend's selection pass), ``truncation_select.decide`` keeps a prefix of them; a token whose
+                   kept set may reach past its C candidates is asked again with 16 C, then the whole vocabulary
+                   (only those tokens, in row blocks of bounded size)
+    replay form:   the kept ids as given
+    then:          the kept (token, id) pairs and the (token, label) pairs as one flat list: their logits
+                   (``kept_pairs``, differentiable, P x H), and per token in float64: lse over the kept set, the
+                   label's log-prob z_y - lse, the truncated entropy sum q (lse - z) (terms >= 0)
+
+With the kept set fixed the gradient is that of z_y - lse_K: it touches the kept rows of the weight and the label's
+row, nothing else (the backward costs P x H). Tokens whose settings keep the whole vocabulary run the plain op
+(``function.fused_logprobs``), so settings that are all off give its numbers bit for bit. Under tensor parallelism
+the selection is global (``fused_topk`` merges every rank's candidates), so the decisions and the pair lists are the
+same on every rank; each rank multiplies the pairs its shard holds and one all-reduce sums them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .. import knobs
+from . import function, label_set_function
+from .kept_pairs import pair_logits
+from .truncation_select import RowSettings, decide
+
+# selection workspace: candidate rows x candidates per block (ids int64 + log-probs float32)
+SELECT_ELEMENTS = 1 << 24
+GROWTH = 16
+
+
+class Kept(NamedTuple):
+    """The kept sets as flat pairs: rows [P] int64 (token), ids [P] int64 (global id); kept_logprob [N] float32
+    (log kept mass under the full softmax; None in the replay form)."""
+    rows: Tensor
+    ids: Tensor
+    kept_logprob: Optional[Tensor]
+
+
+def _first_candidates(s: RowSettings, pending: Tensor, vocab: int) -> int:
+    k = s.top_k.index_select(0, pending)
+    on = (k > 0) & (k < vocab)
+    widest = int(k[on].max()) + 1 if bool(on.any()) else 0     # one past k: a tie at the k-th value shows
+    return min(vocab, max(knobs.truncation_candidates(), widest))
+
+
+def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: RowSettings, vocab: int,
+           options: function.OpOptions) -> Kept:
+    """The kept pairs of the tokens ``rows`` [r] under the settings s (per token, [N]), from the backend's
+    selection pass; no gradient."""
+    n = hidden.shape[0]
+    kept_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    out_rows, out_ids = [], []
+    pending = rows
+    c = _first_candidates(s, pending, vocab) if rows.numel() else 0
+    with torch.no_grad():
+        while pending.numel():
+            undecided = []
+            step = max(1, SELECT_ELEMENTS // c)
+            for start in range(0, pending.numel(), step):
+                block = pending[start:start + step]
+                h = hidden.index_select(0, block)
+                ones = torch.ones(block.numel(), dtype=torch.bool, device=hidden.device)
+                ids, lp, tail = label_set_function.fused_topk(
+                    h, weight, inv_temp.index_select(0, block), ones, c, options.backend, options.softcap,
+                    options.tp_group, True, options.precision, options.grad_precision, True)
+                d = decide(lp, tail, vocab, s.rows(block))
+                done = d.decided.nonzero().squeeze(1)
+                keep = d.keep.index_select(0, done)
+                lp_kept = lp.index_select(0, done).masked_fill(~keep, float("-inf"))
+                kept_lp[block[done]] = torch.logsumexp(lp_kept.double(), dim=1).float().clamp(max=0.0)
+                r, col = keep.nonzero(as_tuple=True)
+                out_rows.append(block[done][r])
+                out_ids.append(ids.index_select(0, done)[r, col])
+                undecided.append(block[~d.decided])
+            pending = torch.cat(undecided)
+            if pending.numel() and c >= vocab:
+                raise AssertionError("every token is decided once the whole vocabulary is seen")
+            c = min(vocab, c * GROWTH)
+    empty = torch.zeros(0, dtype=torch.int64, device=hidden.device)
+    return Kept(torch.cat(out_rows) if out_rows else empty, torch.cat(out_ids) if out_ids else empty, kept_lp)
+
+
+def replayed(kept_ids: Tensor, valid: Tensor) -> Kept:
+    """The pairs of kept_ids [N, K] (-1 pads) on the scored tokens."""
+    r, col = ((kept_ids >= 0) & valid.unsqueeze(1)).nonzero(as_tuple=True)
+    return Kept(r, kept_ids[r, col], None)
+
+
+class Truncated(NamedTuple):
+    logprobs: Tensor
+    entropy: Optional[Tensor]
+    inside: Tensor
+    kept_count: Tensor
+
+
+def _local(ids: Tensor, tp) -> Tensor:
+    """Global ids as rows of this rank's shard, -1 for another rank's."""
+    if tp is None:
+        return ids
+    local = ids - tp.vocab_offset
+    return torch.where((local >= 0) & (local < tp.sizes[tp.rank]), local, torch.full_like(local, -1))
+
+
+def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, kept: Kept, scored: Tensor,
+                  options: function.OpOptions, tp) -> Truncated:
+    """Per token [N]: z_y - lse over its kept ids (``scored`` [s] tokens; 0 elsewhere), the truncated entropy,
+    whether the label is kept, the kept count. Differentiable w.r.t. hidden and weight."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    p = kept.rows.numel()
+    pair_rows = torch.cat([kept.rows, scored])
+    pair_ids = torch.cat([kept.ids, labels.index_select(0, scored)])
+    group = tp.group if tp is not None else None
+    z = pair_logits(hidden, weight, pair_rows, _local(pair_ids, tp), inv_temp, options.softcap, group,
+                    options.reduce_grad_hidden).double()
+    zk, zy = z[:p], z[p:]
+    rows = kept.rows
+    m = torch.full((n,), float("-inf"), dtype=torch.float64, device=dev)
+    m = m.scatter_reduce(0, rows, zk.detach(), reduce="amax")
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(zk - m.index_select(0, rows))
+    total = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, e)
+    count = torch.bincount(rows, minlength=n)
+    has = count > 0
+    lse = m + torch.log(torch.where(has, total, torch.ones_like(total)))
+    lp = torch.zeros(n, dtype=torch.float64, device=dev).index_put((scored,), zy - lse.index_select(0, scored))
+    ent = None
+    if options.with_entropy:
+        lse_k = lse.index_select(0, rows)
+        terms = torch.exp(zk - lse_k) * (lse_k - zk)
+        ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms).float()
+    inside = torch.zeros(n, dtype=torch.bool, device=dev)
+    inside[rows[kept.ids == labels.index_select(0, rows)]] = True
+    return Truncated(lp.float(), ent, inside, count)
+
+
+class Outputs(NamedTuple):
+    logprobs: Tensor
+    entropy: Optional[Tensor]
+    inside: Tensor
+    kept_count: Tensor
+    kept_logprob: Optional[Tensor]
+
+
+def truncated_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
+                       options: function.OpOptions, settings: Optional[RowSettings] = None,
+                       kept_ids: Optional[Tensor] = None) -> Outputs:
+    """hidden [N, H], weight [V_local, H], labels [N] int64, inv_temp [N] float32; ``settings`` (per token) or
+    ``kept_ids`` [N, K] (checked by the caller). The labels, temperatures and hidden states are checked here, before
+    any product, as the plain op checks them."""
+    tp = function._layout(options.tp_group, weight, options.reduce_grad_hidden)
+    vocab = tp.vocab_size if tp is not None else weight.shape[0]
+    valid = labels != options.ignore_index
+    function._validate(labels, valid, inv_temp, vocab, options.ignore_index, hidden)
+    if kept_ids is not None:
+        off = torch.zeros_like(valid)
+        kept = replayed(kept_ids, valid)
+        scored = valid.nonzero().squeeze(1)
+    else:
+        off = settings.off(vocab) & valid
+        scored = (valid & ~off).nonzero().squeeze(1)
+        if scored.numel() == 0:       # nothing truncated: the plain op, bit for bit
+            lp, ent = function.fused_logprobs(hidden, weight, labels, inv_temp, options)
+            count = torch.where(valid, vocab, 0)
+            return Outputs(lp, ent, valid.clone(), count, torch.zeros_like(lp))
+        kept = select(hidden, weight, inv_temp, scored, settings, vocab, options)
+    t = kept_logprobs(hidden, weight, labels, inv_temp, kept, scored, options, tp)
+    lp, ent, inside, count = t
+    if bool(off.any()):
+        plain_lp, plain_ent = function.fused_logprobs(
+            hidden, weight, torch.where(off, labels, options.ignore_index), inv_temp, options)
+        lp = torch.where(off, plain_lp, lp)
+        ent = None if ent is None else torch.where(off, plain_ent, ent)
+        inside = inside | off
+        count = torch.where(off, vocab, count)
+    return Outputs(lp, ent, inside, count, kept.kept_logprob)
