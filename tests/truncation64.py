@@ -111,11 +111,12 @@ def float32_eps(z):
 
 
 def count_range64(z, top_k, top_p, min_p, eps):
-    """Per row: (lo, hi), the kept-set sizes of the thresholds moved by float32 rounding (eps [N] in z; 2 eps in
-    renormalised mass): min_p's log-threshold by -+eps, top_p by -+2 eps. Any size the float32 op may choose."""
+    """Per row: (lo, hi), the kept-set sizes of the thresholds moved by float32 rounding (eps [N] in z and in
+    renormalised mass: each probability is within ~eps of float64's relatively, so a mass before a token within
+    eps): min_p's log-threshold by -+eps, top_p by -+eps. Any size the float32 op may choose."""
     def count(sign):
         m = torch.where(min_p > 0, min_p * torch.exp(sign * eps), min_p)
-        p = torch.where(top_p < 1, top_p - sign * 2 * eps, top_p).clamp_min(1e-300)
+        p = torch.where(top_p < 1, top_p - sign * eps, top_p).clamp_min(1e-300)
         return kept_mask64(z, top_k, p, m).sum(-1)
     return count(1.0), count(-1.0)
 
