@@ -67,12 +67,15 @@ def _mass_before(z, keep):
     return order, before
 
 
-def _survivors(z, top_k, min_p):
-    """min_p's survivors, then top_k's among them (vLLM's first two steps)."""
+def _survivors(z, top_k, min_p, tie_slack=None):
+    """min_p's survivors, then top_k's among them (vLLM's first two steps). tie_slack [N]: keep the values within
+    it below the k-th too (those float32 may round to a tie with it)."""
     v = z.shape[-1]
     keep = ~(_min_p_log_gap(z, min_p) < 0)          # min_p = 0: log(0) = -inf, nothing is below it
     ranked = z.masked_fill(~keep, NEG_INF).sort(dim=-1, descending=True).values
     kth = ranked.gather(-1, (top_k.clamp(1, v) - 1).unsqueeze(-1))   # -inf when fewer than k survive
+    if tie_slack is not None:
+        kth = kth - tie_slack.unsqueeze(-1)
     return keep & ~(((top_k > 0) & (top_k < v)).unsqueeze(-1) & (z < kth))
 
 
@@ -82,11 +85,13 @@ def _kept_by_top_p(z, survivors, top_p):
     return torch.zeros_like(survivors).scatter(-1, order, kept)
 
 
-def kept_mask64(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def kept_mask64(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                tie_slack=None) -> torch.Tensor:
     """The kept set [N, V] bool of float64 logits z [N, V] under per-row settings top_k [N] int64 (-1 off),
-    top_p [N] float64 (1 off), min_p [N] float64 (0 off), in vLLM's order (module docstring)."""
+    top_p [N] float64 (1 off), min_p [N] float64 (0 off), in vLLM's order (module docstring). tie_slack: see
+    ``_survivors`` (count_range64 only)."""
     z = z.detach()
-    survivors = _survivors(z, top_k, min_p)
+    survivors = _survivors(z, top_k, min_p, tie_slack)
     return survivors & _kept_by_top_p(z, survivors, top_p)
 
 
@@ -113,12 +118,15 @@ def float32_eps(z):
 def count_range64(z, top_k, top_p, min_p, eps):
     """Per row: (lo, hi), the kept-set sizes of the thresholds moved by float32 rounding (eps [N] in z and in
     renormalised mass: each probability is within ~eps of float64's relatively, so a mass before a token within
-    eps): min_p's log-threshold by -+eps, top_p by -+eps. Any size the float32 op may choose."""
-    def count(sign):
+    eps): min_p's log-threshold by -+eps, top_p by -+eps, and (hi) top_k keeping the values within eps below the
+    k-th, which float32 may round to a tie with it (a softcap's saturated logits do). Any size the float32 op may
+    choose; with top_p the nucleus of the widened survivors may be smaller, so each bound is the extreme of both."""
+    def count(sign, slack):
         m = torch.where(min_p > 0, min_p * torch.exp(sign * eps), min_p)
         p = torch.where(top_p < 1, top_p - sign * eps, top_p).clamp_min(1e-300)
-        return kept_mask64(z, top_k, p, m).sum(-1)
-    return count(1.0), count(-1.0)
+        return kept_mask64(z, top_k, p, m, slack).sum(-1)
+    counts = torch.stack([count(1.0, None), count(-1.0, None), count(1.0, eps), count(-1.0, eps)])
+    return counts.amin(0), counts.amax(0)
 
 
 def prefix_kept64(z: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
