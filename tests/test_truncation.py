@@ -84,8 +84,10 @@ def check(hidden, weight, labels, backend, truncation, *, temperature=T, softcap
         truth = replayed64(h64, w64, labels, truncation.kept_ids, **common)
     else:
         truth = on_op_count64(h64, w64, labels, out.kept_count, **common)
-    # inside on every row whose label float32 cannot move across the op's boundary (decided rows: all)
-    clear = clear_of_boundary(truth, hidden, weight, labels, temperature, softcap)
+    # inside on every row whose label float32 cannot move across the op's boundary (decided rows: all; replayed
+    # sets: every row)
+    clear = (torch.ones_like(valid) if replay
+             else clear_of_boundary(truth, hidden, weight, labels, temperature, softcap))
     assert torch.equal(out.inside[clear], truth.inside[clear])
     assert torch.isfinite(out.logprobs).all()
     # a kept set chosen by the settings is a prefix by value: no label outside it is more probable than any inside
@@ -487,6 +489,37 @@ def test_ignore_index_rows(backend):
     custom = labels.clone()
     custom[ignored] = 5000          # a custom ignore_index outside [0, V)
     check(hidden, weight, custom, backend, Truncation(min_p=0.01), ignore_index=5000)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_every_row_ignored_and_non_contiguous_inputs(backend):
+    hidden, weight, labels = make_inputs(lead=LEAD)
+    ignored = torch.full(LEAD, -100)
+    for truncation in (Truncation(top_p=0.9), Truncation(kept_ids=torch.full((*LEAD, 2), -1))):
+        h = hidden.clone().requires_grad_()
+        out = fused_logprobs(h, weight, ignored, backend=backend, truncation=truncation)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        assert (out.logprobs == 0).all() and (out.entropy == 0).all() and (out.kept_count == 0).all()
+        assert not out.inside.any() and (h.grad == 0).all()
+    # transposed views: neither hidden nor weight is contiguous
+    hidden_t = hidden.transpose(0, 1).contiguous().transpose(0, 1)
+    weight_t = weight.t().contiguous().t()
+    assert not hidden_t.is_contiguous() and not weight_t.is_contiguous()
+    check(hidden_t, weight_t, labels, backend, Truncation(top_p=0.9, top_k=30))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("form", ["settings", "replay"])
+def test_empty_token_batch(backend, form):
+    _, weight, _ = make_inputs()
+    h = torch.randn(0, 96, requires_grad=True)
+    w = weight.clone().requires_grad_()
+    labels = torch.zeros(0, dtype=torch.long)
+    truncation = Truncation(top_p=0.9) if form == "settings" else Truncation(kept_ids=torch.zeros(0, 3).long())
+    out = fused_logprobs(h, w, labels, backend=backend, truncation=truncation)
+    assert out.logprobs.shape == out.entropy.shape == out.inside.shape == out.kept_count.shape == (0,)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert h.grad.shape == (0, 96) and (w.grad == 0).all()
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
