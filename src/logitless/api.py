@@ -148,7 +148,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    backend: str = "auto", softcap: Optional[float] = None,
                    check_inputs: bool = True, precision: Optional[str] = None,
                    grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None,
-                   truncation: Optional[Truncation] = None) -> Union[TokenLogProbs, TruncatedLogProbs]:
+                   truncation: Optional[Truncation] = None) -> TokenLogProbs | TruncatedLogProbs:
     """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
     (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
