@@ -20,7 +20,7 @@ SPEC = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_type="k3", entropy_coe
 
 
 def _inputs(temperature):
-    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, logit_std=6.0)
+    hidden, weight, labels, adv, old, ref = policy_inputs(LEAD, H, V, logit_std=3.0)
     return hidden, weight, labels, adv, old, ref
 
 
@@ -60,8 +60,8 @@ def test_policy_loss_under_truncation_equals_float64(seed, fused, loss_agg):
     hidden, weight, labels, adv, old, ref = _inputs(0.7)
     temperature = 0.7
     top_k = torch.tensor([[40], [-1]])                   # per sequence
-    top_p = torch.rand(LEAD) * 0.5 + 0.45                # per token
-    trunc = dict(top_k=top_k, top_p=top_p, min_p=0.01)
+    top_p = torch.rand(LEAD) * 0.25 + 0.7                # per token
+    trunc = dict(top_k=top_k, top_p=top_p, min_p=0.002)
     truth = _truth(hidden, weight, labels, adv, old, ref, temperature, loss_agg, **trunc)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
