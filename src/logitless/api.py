@@ -283,7 +283,7 @@ def _truncated(h2: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opt
     else:
         settings = truncation.row_settings(labels)
     out = truncation_op.truncated_logprobs(h2, weight, flat, inv_temp, options, settings, kept_ids)
-    write_record("op", last_backend(), "fused_logprobs.truncation")
+    write_record("op", last_backend(), "fused_logprobs.truncation", truncation=truncation.describe())
     shape = labels.shape
     return TruncatedLogProbs(out.logprobs.view(shape), None if out.entropy is None else out.entropy.view(shape),
                              out.inside.view(shape), out.kept_count.view(shape),

@@ -142,6 +142,16 @@ class Truncation:
                              f"(flattened index): a kept set is never empty")
         return ids
 
+    def describe(self) -> str:
+        """The settings in words, for the record (``logitless.record.PathRecord.truncation``): "top_k=50 top_p=0.95"
+        (the settings given, "per-token" for a tensor), or "kept_ids" (the replay form)."""
+        if self.replay():
+            return "kept_ids"
+        parts = [f"{name}={'per-token' if isinstance(value, Tensor) else value}"
+                 for name, value in (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p))
+                 if value is not None]
+        return " ".join(parts) or "none"
+
     def check(self) -> "Truncation":
         if self.kept_ids is not None and not (self.top_k is None and self.top_p is None and self.min_p is None):
             raise ValueError("truncation: kept_ids (the replay form) excludes top_k / top_p / min_p")
