@@ -226,7 +226,7 @@ def test_refusals(folder, tmp_path, teacher):
     trainer = trl_tiny.grpo_trainer(folder, str(tmp_path), top_p=0.9, min_p=0.05)
     trainer.use_vllm = True
     lt.enable(trainer, truncation=True)
-    assert lt.grpo.rollout_truncation_of(trainer) == Truncation(top_p=0.9, min_p=0.05)
+    assert lt.truncation.rollout_truncation_of(trainer) == Truncation(top_p=0.9, min_p=0.05)
     distill = trl_tiny.distillation_trainer(folder, teacher, str(tmp_path))
     with pytest.raises(ValueError, match="truncation"):
         lt.enable(distill, truncation=True)

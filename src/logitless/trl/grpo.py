@@ -19,6 +19,7 @@ from .. import checks
 from ..record import serial_now, write_step
 from .names import METHOD, STATE, VISION_ARGS
 from .swap import restore_method
+from .truncation import rollout_truncation, rollout_truncation_of
 
 
 def grpo_trainer_class():
@@ -115,11 +116,6 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
     return logps, entropies, None
 
 
-def rollout_truncation_of(trainer):
-    """The Truncation that ``enable(trainer, truncation=True)`` read from the trainer, else None."""
-    return trainer.__dict__.get(STATE, {}).get("truncation")
-
-
 def enable(trainer, *, fused_loss: bool = False, truncation: bool = False):
     """Compute ``trainer``'s per-token log-probs and entropies with logitless (no logits).
 
@@ -143,7 +139,6 @@ def enable(trainer, *, fused_loss: bool = False, truncation: bool = False):
     _check_supported(trainer)
     trunc = None
     if truncation:
-        from .truncation import rollout_truncation
         trunc = rollout_truncation(trainer)
     if fused_loss:
         from .loss import check_mappable

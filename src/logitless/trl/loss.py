@@ -44,8 +44,8 @@ import torch
 
 from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES, on_policy_settings
 from ..record import serial_now, write_step
-from .grpo import rollout_truncation_of
 from .names import VISION_ARGS
+from .truncation import rollout_truncation_of
 
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 LOSS_TYPES = PPO_TYPES + ("cispo", "sapo", "vespo")

@@ -14,6 +14,7 @@ import json
 from numbers import Real
 
 from ..truncation import Truncation
+from .names import STATE
 
 # generation_kwargs keys that do not change the distribution a token is sampled from (lengths, stopping, ids,
 # output format, caching, seeding); any other key is refused rather than ignored
@@ -84,3 +85,8 @@ def rollout_truncation(trainer) -> Truncation:
                          "use one of them, or vLLM")
     return Truncation(top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
                       min_p=None if min_p is None else float(min_p)).check()
+
+
+def rollout_truncation_of(trainer):
+    """The Truncation that ``enable(trainer, truncation=True)`` read from the trainer, else None."""
+    return trainer.__dict__.get(STATE, {}).get("truncation")
