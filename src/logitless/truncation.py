@@ -128,7 +128,7 @@ class Truncation:
         if ids.dim() != labels.dim() + 1 or ids.shape[:-1] != labels.shape or ids.shape[-1] < 1:
             raise ValueError(f"truncation.kept_ids must have shape labels.shape + (K,) = {tuple(labels.shape)} + "
                              f"(K,), got {tuple(ids.shape)}")
-        ids = ids.reshape(labels.numel(), -1).long()
+        ids = ids.reshape(labels.numel(), ids.shape[-1]).long()
         bad = (ids < -1) | (ids >= vocab)
         if bool(bad.any()):
             raise ValueError(f"truncation.kept_ids must lie in [0, V={vocab}) or be -1 (padding), got "
