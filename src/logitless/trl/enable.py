@@ -46,7 +46,7 @@ def enable(trainer, *, fused_loss=None, truncation=False):
         raise ValueError(f"truncation=True applies to a GRPOTrainer's rollout (sampled with top_k / top_p / min_p); "
                          f"{type(trainer).__name__}'s loss reads no sampler's log-probs")
     if module is grpo:
-        return grpo.enable(trainer, fused_loss=bool(fused_loss), truncation=truncation)
+        return grpo.enable(trainer, fused_loss=False if fused_loss is None else fused_loss, truncation=truncation)
     return module.enable(trainer) if fused_loss is None else module.enable(trainer, fused_loss=fused_loss)
 
 
