@@ -75,9 +75,10 @@ NOT_IN_CHECK = {"tests/megatron/test_megatron_schedule_gpu.py": "needs megatron-
 GIB = float(1 << 30)
 # Full shapes on the GPU; tiny ones for the dry run.
 FULL = dict(head_a=(16384, 4096, 151936), head_b=(8192, 4096, 131072), policy=(16, 1024, 4096, 151936),
-            fp32=(8192, 4096, 151936), distill=(16, 1024, 4096, 151936), topk=(16384, 4096, 151936))
+            fp32=(8192, 4096, 151936), distill=(16, 1024, 4096, 151936), topk=(16384, 4096, 151936),
+            truncation=(16384, 4096, 151936))
 TINY = dict(head_a=(24, 40, 1031), head_b=(20, 40, 1031), policy=(2, 12, 40, 1031), fp32=(20, 40, 1031),
-            distill=(2, 12, 40, 1031), topk=(24, 40, 1031))
+            distill=(2, 12, 40, 1031), topk=(24, 40, 1031), truncation=(24, 40, 1031))
 CHECK_ROWS = 256      # tokens of the float64 error checks
 
 
@@ -411,6 +412,46 @@ def topk(shape, dev, rounds, reps, k_values=(32, 128)):
     run()
 
 
+def truncation(shape, dev, rounds, reps):
+    """fused_logprobs under a sampler's truncation (top_k 50, top_p 0.95, min_p 0.05) against the plain head's own
+    forward and forward+backward (labels sampled from the head's distribution, so most fall inside the kept set);
+    the kept sets' median size in the note."""
+    from logitless import Truncation
+    n, h, v = shape
+    s = f"{n}x{h}x{v} bf16"
+    settings = {"top_k=50": Truncation(top_k=50), "top_p=0.95": Truncation(top_p=0.95),
+                "min_p=0.05": Truncation(min_p=0.05)}
+    targets = {"top_k=50": 1.15, "top_p=0.95": 1.5, "min_p=0.05": 1.15}
+    fwd = {k: figure(f"truncation {k}: forward (x plain head forward)", s, targets[k]) for k in settings}
+    fb = {k: figure(f"truncation {k}: fwd+bwd (x plain head fwd+bwd)", s, 1.15) for k in settings}
+
+    @guarded([f.name for f in list(fwd.values()) + list(fb.values())])
+    def run():
+        hidden, weight, labels, a, _ = head_inputs(n, h, v, torch.bfloat16, dev)
+
+        def forward(t=None):
+            def call():
+                with torch.no_grad():
+                    return fused_logprobs(hidden, weight, labels, with_entropy=False, truncation=t)
+            return call
+        alternate(dev, rounds, reps, forward(), [(fwd[k], forward(t)) for k, t in settings.items()])
+        for k, t in settings.items():
+            out = forward(t)()
+            fwd[k].note = (f"kept median {int(out.kept_count.float().median())}, label inside "
+                           f"{float(out.inside.float().mean()):.3f}")
+
+        def step(t=None):
+            hd, wd = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+
+            def call():
+                hd.grad = wd.grad = None
+                out = fused_logprobs(hd, wd, labels, with_entropy=False, truncation=t)
+                (out.logprobs * a).sum().backward()
+            return call
+        alternate(dev, rounds, reps, step(), [(fb[k], step(t)) for k, t in settings.items()])
+    run()
+
+
 # ---------------------------------------------------------------- the tests
 
 def run_tests(budget_s: float, dry: bool, workers: int) -> list[dict]:
@@ -540,6 +581,7 @@ def main(argv=None):
         fp32_head(shapes["fp32"], dev, rounds, reps)
         distillation(shapes["distill"], dev, rounds, reps, with_peers)
         topk(shapes["topk"], dev, rounds, reps)
+        truncation(shapes["truncation"], dev, rounds, reps)
     res["seconds"] = round(time.monotonic() - t0, 1)
     base = None
     if os.path.exists(args.baseline):

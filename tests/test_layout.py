@@ -19,7 +19,7 @@ LAYERS = [
     ["logitless.checks", "logitless.knobs", "logitless.record"],
     ["logitless.parallel", "logitless.sharded_head"],   # torch.distributed layouts: vocab shards, sharded heads
     ["logitless.ops"],
-    ["logitless.api", "logitless.topk"],
+    ["logitless.api", "logitless.topk", "logitless.truncation"],
     ["logitless.losses"],
     ["logitless.transformers", "logitless.megatron"],
     ["logitless.trl", "logitless.verl"],

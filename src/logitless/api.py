@@ -148,7 +148,7 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                    backend: str = "auto", softcap: Optional[float] = None,
                    check_inputs: bool = True, precision: Optional[str] = None,
                    grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None,
-                   truncation: Optional[Truncation] = None) -> Union[TokenLogProbs, TruncatedLogProbs]:
+                   truncation: Optional[Truncation] = None) -> TokenLogProbs | TruncatedLogProbs:
     """Log-probability of each label and entropy of softmax(z), z = hidden @ weight.T / temperature
     (or, with ``softcap``, z = softcap * tanh(hidden @ weight.T / softcap) / temperature),
     without materialising the [tokens x vocab] logits.
@@ -283,7 +283,7 @@ def _truncated(h2: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opt
     else:
         settings = truncation.row_settings(labels)
     out = truncation_op.truncated_logprobs(h2, weight, flat, inv_temp, options, settings, kept_ids)
-    write_record("op", last_backend(), "fused_logprobs.truncation")
+    write_record("op", last_backend(), "fused_logprobs.truncation", truncation=truncation.describe())
     shape = labels.shape
     return TruncatedLogProbs(out.logprobs.view(shape), None if out.entropy is None else out.entropy.view(shape),
                              out.inside.view(shape), out.kept_count.view(shape),

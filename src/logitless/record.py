@@ -86,6 +86,9 @@ class PathRecord:
         it is not known.
     precision: how the fused op's products ran (``Precision``: the op's record on this thread when the
         record was written), None where no fused op ran.
+    truncation: the sampler's truncation the log-probs were computed under (``fused_logprobs(...,
+        truncation=)``): its settings, e.g. "top_k=50 top_p=0.95 min_p=0.05" ("per-token" for a tensor), or
+        "kept_ids" (the replay form); None for the untruncated op.
     """
     path: str
     backend: Optional[str]
@@ -94,6 +97,7 @@ class PathRecord:
     serial: int
     model: Optional[str] = None
     precision: Optional[Precision] = None
+    truncation: Optional[str] = None
 
 
 def last_path() -> Optional[PathRecord]:
@@ -102,12 +106,12 @@ def last_path() -> Optional[PathRecord]:
 
 
 def write_record(path: str, backend: Optional[str], entry: str, reason: str = "",
-                 model: Optional[str] = None) -> PathRecord:
+                 model: Optional[str] = None, truncation: Optional[str] = None) -> PathRecord:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     # the fused op that produced ``backend`` ran on this thread just before: its precision is the thread's last
     rec = PathRecord(path, backend, entry, reason, next(_serial), model,
-                     last_precision() if backend is not None else None)
+                     last_precision() if backend is not None else None, truncation)
     _state.record = rec
     return rec
 
@@ -120,12 +124,12 @@ def serial_now() -> int:
 
 def write_step(entry: str, since: int) -> Optional[PathRecord]:
     """An integration's fused step (path "fused", ``entry``), written over the record of the op it ran, with that
-    op's backend and precision; nothing where no op has written a record since ``since`` (``serial_now()`` taken
-    before the step): no fused op ran, so there is nothing to say it did."""
+    op's backend, precision and truncation; nothing where no op has written a record since ``since``
+    (``serial_now()`` taken before the step): no fused op ran, so there is nothing to say it did."""
     rec = last_path()
     if rec is None or rec.serial <= since:
         return None
-    return write_record("fused", rec.backend, entry)
+    return write_record("fused", rec.backend, entry, truncation=rec.truncation)
 
 
 def strict_enabled(strict: Optional[bool] = None) -> bool:

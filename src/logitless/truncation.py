@@ -128,7 +128,7 @@ class Truncation:
         if ids.dim() != labels.dim() + 1 or ids.shape[:-1] != labels.shape or ids.shape[-1] < 1:
             raise ValueError(f"truncation.kept_ids must have shape labels.shape + (K,) = {tuple(labels.shape)} + "
                              f"(K,), got {tuple(ids.shape)}")
-        ids = ids.reshape(labels.numel(), -1).long()
+        ids = ids.reshape(labels.numel(), ids.shape[-1]).long()
         bad = (ids < -1) | (ids >= vocab)
         if bool(bad.any()):
             raise ValueError(f"truncation.kept_ids must lie in [0, V={vocab}) or be -1 (padding), got "
@@ -141,6 +141,16 @@ class Truncation:
             raise ValueError(f"truncation.kept_ids holds no id for scored token {int(empty.nonzero()[0])} "
                              f"(flattened index): a kept set is never empty")
         return ids
+
+    def describe(self) -> str:
+        """The settings in words, for the record (``logitless.record.PathRecord.truncation``): "top_k=50 top_p=0.95"
+        (the settings given, "per-token" for a tensor), or "kept_ids" (the replay form)."""
+        if self.replay():
+            return "kept_ids"
+        parts = [f"{name}={'per-token' if isinstance(value, Tensor) else value}"
+                 for name, value in (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p))
+                 if value is not None]
+        return " ".join(parts) or "none"
 
     def check(self) -> "Truncation":
         if self.kept_ids is not None and not (self.top_k is None and self.top_p is None and self.min_p is None):

@@ -139,6 +139,25 @@ def test_bench_distillation_and_topk_rows(tmp_path):
     assert "fused_distillation_loss (JSD) [chunked]" in proc.stdout
 
 
+def test_bench_truncation_rows(tmp_path):
+    """fused_logprobs under top_p and the naive path (logits, sort) get rows, checked against the reference backend
+    under the same truncation: the same kept sets on every checked token, errors at float32 rounding."""
+    out_json = tmp_path / "bench.json"
+    proc = _run(_logitless() + ["bench", "--device", "cpu", "--shape", "41,48,1031", "--repeats", "1",
+                                "--temperature", "0.8", "--backends", "truncation", "naive-truncation",
+                                "--json", str(out_json)])
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for name in ("truncation", "naive-truncation"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["fwd_bwd_extra_bytes"] is not None, r
+        assert r["err_logprob"] <= 1e-4 and r["err_entropy"] <= 1e-4, r
+        assert r["err_dh"] <= 1e-4 and r["err_dw"] <= 1e-4, r
+        assert "the same kept sets on 41/41 tokens" in r["reason"], r
+    assert "top_p 0.95 [chunked]" in proc.stdout
+
+
 def test_error_columns_catch_a_wrong_implementation():
     def bf16_logits(h, w, y, t):      # fp32 inputs, logits rounded through bfloat16
         return peers.naive(h.bfloat16(), w.bfloat16(), y, t)

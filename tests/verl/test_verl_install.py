@@ -25,6 +25,8 @@ TARGETS = {
     "megatron.engine.forward_step": ("verl.workers.engine.megatron.transformer_impl", "MegatronEngineWithLMHead",
                                      "forward_step"),
     "megatron.fused_output_processor": ("verl.models.mcore.model_forward_fused", None, "fused_output_processor"),
+    **{f"worker.{m}": ("verl.workers.engine_workers", "ActorRolloutRefWorker", m)
+       for m in ("compute_log_prob", "compute_ref_log_prob", "update_actor")},
 }
 
 
@@ -41,6 +43,8 @@ def _snapshot():
 def clean(monkeypatch):
     # checked here rather than at import, so a run that deselects these tests does not report them as skipped
     import_or_skip("verl.models.mcore.model_forward_fused", "make setup installs verl (--no-deps) and its import deps")
+    import verl_engine
+    verl_engine.stub_server_modules()      # verl's workers module imports its rollout server's (uvicorn, fastapi)
     monkeypatch.delenv("LOGITLESS_STRICT", raising=False)
     lv.uninstall()
     yield

@@ -153,7 +153,7 @@ def setup() -> None:
     platform_manager.set_platform(_cpu_platform())
     for cpu_module in (torch.cpu,):
         for fn in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
-                   "reset_peak_memory_stats"):
+                   "reset_peak_memory_stats", "empty_cache"):
             if not hasattr(cpu_module, fn):
                 setattr(cpu_module, fn, lambda *a, **k: 0)
     import verl.models.transformers.monkey_patch as mp

@@ -18,6 +18,7 @@ from ..ops.policy import max_chunk_rows_for
 from ..ops.policy_terms import weighted_terms
 from ..ops.precision import resolve
 from ..ops.registry import choose_backend
+from ..truncation import Truncation
 from .function import fused_policy_loss_op
 from .policy import PolicyLoss
 from .tokens import check_layout, score_tokens
@@ -61,7 +62,8 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
                 reduce_grad_hidden: bool = True, backend: str = "auto", fused: bool = True,
                 seq_first: bool = False, softcap: Optional[float] = None,
                 check_inputs: bool = True, precision: Optional[str] = None,
-                grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None) -> PolicyLossOutput:
+                grad_precision: Optional[str] = None, bf16_exact: Optional[str] = None,
+                truncation: Optional[Truncation] = None) -> PolicyLossOutput:
     """``fused_policy_loss`` (fused=True) or ``policy_loss_reference`` (False) of a ``PolicyLoss``.
 
     seq_first: hidden is [s, b, H] while labels and the policy's per-token inputs are [b, s] (Megatron's
@@ -71,6 +73,12 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
     check_inputs: as in ``fused_policy_loss`` (the fused pass of a token-local loss only; the other paths
     always check).
     precision, grad_precision, bf16_exact: as in ``fused_logprobs`` (how float32 operands are multiplied).
+    truncation: None, or a ``logitless.Truncation`` (the rollout sampler's top_k / top_p / min_p, or its kept ids):
+    the log-probs, the ratio and the entropy are then those of the truncated, renormalised distribution
+    (``fused_logprobs(..., truncation=)``, docs/truncation.md). Per-token setting tensors (and kept_ids
+    [..., K]) are laid out like the labels, as temperature is ([b, s] or [b, 1] also when seq_first). The
+    caller's old_logprobs / ref_logprobs are taken as given: an integration scores them under the same
+    truncation. Always the exact path below (four GEMMs); needs check_inputs=True.
 
     Which pass runs: a token-local loss with no softcap takes the one fused pass (three GEMMs, gradients
     formed in the forward), the custom op ``logitless::fused_policy_loss``. So does a loss coupled within
@@ -85,6 +93,7 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
     the host (a graph break)."""
     checks.boolean(check_inputs, "check_inputs")
     softcap = checks.softcap(softcap)
+    truncation = _check_truncation(truncation, check_inputs)
     hidden, weight, labels, inv_temp, mod = _prepare(hidden, weight, labels, policy, temperature, ignore_index,
                                                      tp_group, reduce_grad_hidden, backend, seq_first)
     # checked before any kernel
@@ -96,12 +105,13 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
         raise ValueError(f"check_inputs=False (no host synchronisation) covers the fused pass of a token-local "
                          f"loss without softcap; {what} needs check_inputs=True")
     bounds = None
-    if fused and softcap is None and spec.sequence_coupled:
+    if fused and softcap is None and truncation is None and spec.sequence_coupled:
         tokens = _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
         bounds = _sequence_bounds(tokens, mod.name, weight, tp_group, hidden, seq_first)
-    if not fused or softcap is not None or (spec.coupled and bounds is None):
+    if not fused or softcap is not None or truncation is not None or (spec.coupled and bounds is None):
         return _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group,
-                          reduce_grad_hidden, mod.name, seq_first, softcap, precision, grad_precision, bf16_exact)
+                          reduce_grad_hidden, mod.name, seq_first, softcap, precision, grad_precision, bf16_exact,
+                          truncation)
     grad = torch.is_grad_enabled()
     loss, lp, ent, clip_fraction, kl = fused_policy_loss_op(
         hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels, inv_temp, policy, backend=mod.name,
@@ -109,6 +119,39 @@ def policy_loss(policy: PolicyLoss, hidden: Tensor, weight: Tensor, labels: Tens
         seq_first=seq_first, check_inputs=check_inputs, need_dh=grad and hidden.requires_grad,
         need_dw=grad and weight.requires_grad, bounds=bounds, precision=resolved[0], grad_precision=resolved[1])
     return PolicyLossOutput(loss, lp, ent, clip_fraction, kl if policy.ref_logprobs is not None else None)
+
+
+def _check_truncation(truncation, check_inputs: bool) -> Optional[Truncation]:
+    """The truncation checked; None when it truncates nothing by its numbers alone (every setting None or its
+    off value: top_k -1, top_p 1, min_p 0), so that the loss takes the untruncated path, bit for bit."""
+    if truncation is None:
+        return None
+    if not isinstance(truncation, Truncation):
+        raise TypeError(f"truncation must be a logitless.Truncation or None, got {type(truncation).__name__}")
+    truncation.check()
+    if not check_inputs:
+        raise ValueError("truncation needs check_inputs=True: the kept sets' sizes are read on the host, which "
+                         "check_inputs=False (CUDA-graph capture) forbids")
+    off = {"top_k": -1, "top_p": 1.0, "min_p": 0.0}
+    if truncation.kept_ids is None and all(
+            getattr(truncation, name) is None or (not torch.is_tensor(getattr(truncation, name))
+                                                  and getattr(truncation, name) == value)
+            for name, value in off.items()):
+        truncation.row_settings(torch.zeros(1, dtype=torch.int64))    # the values' own checks, as the op makes them
+        return None
+    return truncation
+
+
+def _rows_truncation(truncation: Optional[Truncation], seq_first: bool) -> Optional[Truncation]:
+    """The truncation in the rows' layout: with seq_first the labels' [b, s] / [b, 1] setting tensors (and
+    kept_ids [b, s, K]) transposed to the rows' [s, b], as the temperature is."""
+    if truncation is None or not seq_first:
+        return truncation
+
+    def rows(x):
+        return x.transpose(0, 1) if torch.is_tensor(x) and x.dim() >= 2 else x
+    return dataclasses.replace(truncation, top_k=rows(truncation.top_k), top_p=rows(truncation.top_p),
+                               min_p=rows(truncation.min_p), kept_ids=rows(truncation.kept_ids))
 
 
 def _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first):
@@ -146,9 +189,11 @@ def _sequence_bounds(tokens, backend_name: str, weight: Tensor, tp_group, hidden
 
 
 def _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_index, tp_group, reduce_grad_hidden,
-               backend, seq_first, softcap=None, precision=None, grad_precision=None, bf16_exact=None):
+               backend, seq_first, softcap=None, precision=None, grad_precision=None, bf16_exact=None,
+               truncation=None):
     """The loss through fused_logprobs (its own backward recomputes the logits) and torch autograd: the
-    statistics pass, the whole batch's float64 terms and their per-token coefficients, the gradient pass."""
+    statistics pass, the whole batch's float64 terms and their per-token coefficients, the gradient pass. With
+    ``truncation`` the log-probs and entropies are the truncated distribution's (the kept sets held fixed)."""
     tokens = _scored(labels, policy, inv_temp, ignore_index, weight, tp_group, seq_first)
     labels_rows = labels.t() if seq_first else labels
     temp = temperature
@@ -157,7 +202,7 @@ def _reference(hidden, weight, labels, inv_temp, policy, temperature, ignore_ind
     out = fused_logprobs(hidden, weight, labels_rows, temperature=temp, with_entropy=True,
                          ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
                          backend=backend, softcap=softcap, precision=precision, grad_precision=grad_precision,
-                         bf16_exact=bf16_exact)
+                         bf16_exact=bf16_exact, truncation=_rows_truncation(truncation, seq_first))
     lp, ent = out.logprobs.reshape(-1), out.entropy.reshape(-1)
     if tokens.rows is not None:
         lp, ent = lp.index_select(0, tokens.rows), ent.index_select(0, tokens.rows)
@@ -179,7 +224,8 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                       reduce_grad_hidden: bool = True, backend: str = "auto", check_inputs: bool = True,
                       precision: Optional[str] = None, grad_precision: Optional[str] = None,
-                      bf16_exact: Optional[str] = None, **loss_settings) -> PolicyLossOutput:
+                      bf16_exact: Optional[str] = None, truncation: Optional[Truncation] = None,
+                      **loss_settings) -> PolicyLossOutput:
     """The PPO / GRPO policy loss straight from the LM head, in three GEMMs, without the logits.
 
     Args:
@@ -200,6 +246,13 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
             (default: the adaptive bfloat16 split on CUDA, IEEE float32 elsewhere); half-precision
             operands take only None.
         bf16_exact: which float32 operands hold bfloat16 values only, as in ``logitless.fused_logprobs``.
+        truncation: None, or a ``logitless.Truncation``: the rollout sampler's top_k / top_p / min_p (numbers, or
+            tensors laid out like the labels, as temperature) or its kept ids: the log-probs, hence the ratio,
+            the KL and the entropy, are those of the truncated, renormalised distribution (docs/truncation.md),
+            through the exact path (``fused_logprobs(..., truncation=)`` and torch autograd, four GEMMs).
+            old_logprobs / ref_logprobs are the caller's: score them under the same truncation (the TRL
+            integration does). Settings that are all off by their numbers take the untruncated path (bit for
+            bit). Needs check_inputs=True (ValueError otherwise).
         loss_settings: the other ``PolicyLoss`` settings, by name: surrogate (``SURROGATES``: "ppo", "cispo",
             "sapo", "gpg", "dro", "vespo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov"), ratio_level,
             ratio_log_clamp, delta, kl_ratio, the masks (entropy_quantile, entropy_quantile_group,
@@ -230,7 +283,7 @@ def fused_policy_loss(hidden: Tensor, weight: Tensor, labels: Tensor, advantages
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
                        check_inputs=check_inputs, precision=precision, grad_precision=grad_precision,
-                       bf16_exact=bf16_exact)
+                       bf16_exact=bf16_exact, truncation=truncation)
 
 
 # read once here: torch.compile does not trace dataclasses.fields
@@ -267,12 +320,12 @@ def policy_loss_reference(hidden: Tensor, weight: Tensor, labels: Tensor, advant
                           loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                           temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                           reduce_grad_hidden: bool = True, backend: str = "auto",
-                          precision: Optional[str] = None, grad_precision: Optional[str] = None, **loss_settings
-                          ) -> PolicyLossOutput:
+                          precision: Optional[str] = None, grad_precision: Optional[str] = None,
+                          truncation: Optional[Truncation] = None, **loss_settings) -> PolicyLossOutput:
     """``fused_policy_loss``'s loss through ``fused_logprobs`` (on ``backend``) and torch autograd: the same
     definition (``terms.py``), the usual four GEMMs. The baseline the fused loss is measured against."""
     policy = _policy(advantages, old_logprobs, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_type,
                      entropy_coef, loss_agg, cu_seqlens, loss_settings)
     return policy_loss(policy, hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                        tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend, fused=False,
-                       precision=precision, grad_precision=grad_precision)
+                       precision=precision, grad_precision=grad_precision, truncation=truncation)

@@ -269,6 +269,8 @@ def prepare_row(impl: peers.Impl, x: Inputs, cfg: BenchConfig, checker: Checker,
         return _policy_row(impl, row, x, cfg, meter)
     if impl.kind == "distill":
         return _distill_row(impl, row, x, cfg, meter)
+    if impl.kind == "truncation":
+        return _truncation_row(impl, row, x, cfg, meter)
     gc.collect()                    # the previous row's leftovers must not count against this one
     device = torch.device(cfg.device)
     try:
@@ -344,6 +346,16 @@ def _distill_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
         if x.distill is None:
             x.distill = bench_distill.make_distill_inputs(x, cfg.temperature, cfg.seed)
         return bench_distill.prepare_distill_row(row, run.name, run.backend, x, cfg, x.distill, meter, sync)
+    return _module_row(impl, row, cfg, prepare)
+
+
+def _truncation_row(impl: peers.Impl, row: Row, x: Inputs, cfg: BenchConfig,
+                    meter: PeakMemory) -> tuple[Row, Optional[Calls]]:
+    """A truncation row (tools/bench_truncation.py)."""
+    from . import bench_truncation
+
+    def prepare(run):
+        return bench_truncation.prepare_truncation_row(row, run.name, run.backend, x, cfg, meter, sync)
     return _module_row(impl, row, cfg, prepare)
 
 

@@ -31,8 +31,9 @@ class Unavailable(RuntimeError):
 class Impl:
     """One row of the bench.
 
-    name: the key given to ``--backends``; label: what the table shows; kind: "logitless", "peer" or
-    "policy" (a policy-loss row: build returns a ``PolicyRun``, see tools/bench_policy.py); entropy:
+    name: the key given to ``--backends``; label: what the table shows; kind: "logitless", "peer",
+    "policy" (a policy-loss row: build returns a ``PolicyRun``, see tools/bench_policy.py), "distill" or
+    "truncation" (build returns a ``DistillRun`` / ``TruncationRun``); entropy:
     whether it computes the entropy too; package: the distribution whose version the bench records
     (None for torch-only paths); build(device): returns the callable or raises ``Unavailable``;
     triton_kernel: it runs a triton GPU kernel, so on CPU it fails (the bench says so next to the error).
@@ -289,6 +290,28 @@ def _policy_trl(device: torch.device) -> PolicyRun:
     return PolicyRun(False, TRL_HEAD)
 
 
+# --- the truncation rows (tools/bench_truncation.py) ----------------------------------------------
+
+@dataclass(frozen=True)
+class TruncationRun:
+    """What a truncation row runs: ``name`` (bench_truncation's row) on a logitless ``backend``."""
+    name: str
+    backend: str
+
+
+def _truncation(name: str) -> Callable[[torch.device], TruncationRun]:
+    def build(device: torch.device) -> TruncationRun:
+        import logitless as api
+        probe = torch.empty(1, 1, device=device)
+        backend = api.choose_backend(probe, probe, "auto")[0].name
+        if name == "naive-truncation":
+            backend = "torch"
+        elif backend == "triton":
+            _needs_gpu_triton(device, "the triton backend")
+        return TruncationRun(name, backend)
+    return build
+
+
 IMPLS: tuple[Impl, ...] = (
     Impl("reference", "logitless reference (fp32 logits)", "logitless", True, None, _logitless("reference")),
     Impl("chunked", "logitless chunked", "logitless", True, None, _logitless("chunked")),
@@ -312,6 +335,9 @@ IMPLS: tuple[Impl, ...] = (
     Impl("fused-topk", "logitless fused_topk", "distill", False, None, _distill("fused-topk")),
     Impl("trl-divergence", "TRL ChunkedDivergenceFunction (JSD)", "distill", True, "trl", _distill("trl-divergence")),
     Impl("liger-jsd", "Liger LigerFusedLinearJSD", "distill", False, "liger-kernel", _distill("liger-jsd"), True),
+    Impl("truncation", "logitless fused_logprobs, top_p 0.95", "truncation", True, None, _truncation("truncation")),
+    Impl("naive-truncation", "naive torch, top_p 0.95 (logits, sort)", "truncation", True, None,
+         _truncation("naive-truncation")),
 )
 NAMES = tuple(i.name for i in IMPLS)
 

@@ -49,6 +49,7 @@ from .labels import (
     targets_from_unshifted_labels,
 )
 from .model_kwargs import check_model_kwargs
+from .truncation import as_rows, check_truncation
 
 _STATE = "_logitless_patch"
 # DDP / FSDP1 / DeepSpeed (.module), FSDP1 internals, torch.compile
@@ -141,12 +142,13 @@ def _backbone(core: nn.Module) -> nn.Module:
 
 def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor],
            position_ids: Optional[Tensor], targets: Tensor, temperature, with_entropy: bool,
-           ignore_index: int, backbone_kwargs: dict, policy: Optional[PolicyLoss] = None):
+           ignore_index: int, backbone_kwargs: dict, policy: Optional[PolicyLoss] = None, truncation=None):
     """Run the backbone, then the fused op on the positions that have a target (or, with ``policy``,
     the fused policy loss), as the head module's forward (``sharded_head.call_head``: whatever shards
     the head gathers it and reduces its gradient, as for the unfused head).
 
     targets: int [b, s], already per position (ignore_index where not scored).
+    truncation: None or a ``Truncation`` whose tensors are in the targets' layout (``truncation.py``).
     Returns (TokenLogProbs of float32 [b, s] or, with ``policy``, a PolicyLossOutput, the backbone's
     output)."""
     checks.boolean(with_entropy, "with_entropy")
@@ -177,7 +179,8 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
     h = hidden.reshape(b * s, hidden.shape[-1])
 
     if policy is not None:
-        return _policy_loss(core, head, policy, h, targets, temp, position_ids, ignore_index, plan.softcap), out
+        return _policy_loss(core, head, policy, h, targets, temp, position_ids, ignore_index, plan.softcap,
+                            truncation), out
 
     flat = targets.reshape(-1)
     keep = flat != ignore_index
@@ -197,7 +200,7 @@ def _score(core: nn.Module, input_ids: Optional[Tensor], attention_mask: Optiona
         with torch.autocast(x.device.type, enabled=False):
             res = fused_logprobs(x, weight, flat.to(x.device), temperature=_on(temp, x.device),
                                  with_entropy=with_entropy, ignore_index=ignore_index, softcap=plan.softcap,
-                                 tp_group=tp_group)
+                                 tp_group=tp_group, truncation=as_rows(truncation, (b, s), idx, device=x.device))
         return res.logprobs, res.entropy
 
     lp, ent = call_head(head, h, compute, owner=core)
@@ -232,7 +235,8 @@ def _head_operands(h: Tensor, weight: Tensor):
 
 
 def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor, targets: Tensor, temperature,
-                 position_ids, ignore_index: int, softcap: Optional[float] = None) -> PolicyLossOutput:
+                 position_ids, ignore_index: int, softcap: Optional[float] = None,
+                 truncation=None) -> PolicyLossOutput:
     """The fused policy loss of the rows h [b * s, H] against targets [b, s], run as the head's forward.
     Sequences are the rows, or, in one padding-free packed row, the packed sequences (from position_ids,
     unless the policy has its own cu_seqlens); the per-token inputs are in the [b, s] layout either way."""
@@ -257,7 +261,8 @@ def _policy_loss(core: nn.Module, head: nn.Module, policy: PolicyLoss, h: Tensor
         rows = x if cu is not None else x.view(b, s, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             return tuple(policy_loss(policy, rows, weight, labels.to(x.device), temperature=_on(temperature, x.device),
-                                     ignore_index=ignore_index, tp_group=tp_group, softcap=softcap))
+                                     ignore_index=ignore_index, tp_group=tp_group, softcap=softcap,
+                                     truncation=as_rows(truncation, (b, s), flat=cu is not None, device=x.device)))
 
     out = PolicyLossOutput(*call_head(head, h, compute, owner=core))
     if cu is not None:
@@ -340,8 +345,10 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
     """Replaces ``forward`` on a patched causal LM instance (see ``patch_model``)."""
     state = self.__dict__[_STATE]
     given = state.get("call")   # fused_forward / fused_policy_loss's settings, kept out of the call's arguments
+    truncation = None
     if given is not None:
         temperature, policy_loss = given["temperature"], given["policy_loss"]
+        truncation = given.get("truncation")
     temperature = state["temperature"] if temperature is None else temperature
     with_entropy = state["with_entropy"] if with_entropy is None else with_entropy
     ignore_index = checks.ignore_index(state["ignore_index"] if ignore_index is None else ignore_index)
@@ -361,7 +368,7 @@ def _patched_forward(self, input_ids=None, attention_mask=None, position_ids=Non
     if policy_loss is not None and not isinstance(policy_loss, PolicyLoss):
         raise TypeError(f"policy_loss must be a logitless.losses.PolicyLoss, got {type(policy_loss).__name__}")
     res, out = _score(self, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
-                      ignore_index, kwargs, policy=policy_loss)
+                      ignore_index, kwargs, policy=policy_loss, truncation=truncation)
     loss = None
     if labels is not None and policy_loss is None:   # transformers returns a loss when given labels
         loss = _lm_loss(res.logprobs, targets, ignore_index, kwargs.get("num_items_in_batch"))
@@ -460,7 +467,8 @@ def _patched_for_call(model: nn.Module, core: nn.Module, **settings):
 def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask: Optional[Tensor] = None,
                   position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
                   shift_labels: Optional[Tensor] = None, temperature: Union[float, Tensor] = 1.0,
-                  with_entropy: bool = True, ignore_index: int = -100, **model_kwargs) -> TokenLogProbs:
+                  with_entropy: bool = True, ignore_index: int = -100, truncation=None,
+                  **model_kwargs) -> TokenLogProbs:
     """Per-token log-probs and entropy of a transformers causal LM, without its logits.
 
     Args:
@@ -480,6 +488,10 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
             ``logit_scale``, Granite ``logits_scaling``, ...), is folded in exactly; Gemma 2 / 3's
             ``final_logit_softcapping`` is applied exactly before the temperature, as the model does.
         with_entropy: also return the entropy.
+        truncation: None, or a ``logitless.Truncation``: the log-probs and entropies of the distribution the
+            rollout sampled from, truncated by its top_k / top_p / min_p (numbers, or tensors [b, s] per token /
+            [b, 1] per sequence) or its logged kept ids [b, s, K] (docs/truncation.md). The returned
+            TokenLogProbs holds the truncated log-probs and entropies.
         model_kwargs: passed to the model (e.g. ``inputs_embeds``, ``token_type_ids``): only names its base
             model's forward declares (``model_kwargs.py``); any other name is a TypeError, never dropped.
 
@@ -491,6 +503,7 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     check_model_kwargs(_backbone(core), model_kwargs, "logitless.transformers.fused_forward", _FORWARD_NAMES)
     _check_no_idle_kwargs(model_kwargs, "logitless.transformers.fused_forward")
     _check_settings(temperature, with_entropy, ignore_index)
+    truncation = check_truncation(truncation)
     _one_convention(labels, shift_labels)
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     check_packing_attended(attention_mask, position_ids, targets.shape, _cached(model_kwargs))
@@ -498,11 +511,11 @@ def fused_forward(model: nn.Module, input_ids: Optional[Tensor], attention_mask:
     since = serial_now()
     if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, with_entropy,
-                        ignore_index, model_kwargs)
+                        ignore_index, model_kwargs, truncation=truncation)
         write_step("transformers.fused_forward", since)
         return res
     # Go through the wrapper's own __call__ so DDP / FSDP / PEFT do their part of the forward.
-    with _patched_for_call(model, core, temperature=temperature, policy_loss=None):
+    with _patched_for_call(model, core, temperature=temperature, policy_loss=None, truncation=truncation):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     shift_labels=targets, with_entropy=with_entropy, ignore_index=ignore_index, **model_kwargs)
     write_step("transformers.fused_forward", since)
@@ -517,7 +530,7 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
                       ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_type: str = "k3",
                       entropy_coef: float = 0.0, loss_agg: str = "token-mean", cu_seqlens: Optional[Tensor] = None,
                       temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100,
-                      loss_settings: Optional[dict] = None, **model_kwargs) -> PolicyLossOutput:
+                      loss_settings: Optional[dict] = None, truncation=None, **model_kwargs) -> PolicyLossOutput:
     """The PPO / GRPO policy loss of a transformers causal LM (``logitless.losses.fused_policy_loss``
     from its final hidden states and output embedding): no logits, three GEMMs.
 
@@ -530,6 +543,8 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     ``logitless.losses.PolicyLoss``'s (the other settings by name in ``loss_settings``; one given as a keyword
     here is a TypeError saying so, as is any name the model's forward does not declare). Heads with
     final_logit_softcapping (Gemma 2 / 3) take the exact two-pass path (``logitless.losses.policy_loss``).
+    ``truncation``: as in ``fused_forward``; the loss's log-probs, ratio, KL and entropy are then the truncated
+    distribution's (``logitless.losses.policy_loss(..., truncation=)``: the exact path).
 
     Returns a PolicyLossOutput (loss 0-d, differentiable once to every parameter that produced the
     hidden states and the head; logprobs / entropy [b, s]; clip_fraction; kl).
@@ -544,6 +559,7 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
                         kl_type=kl_type, entropy_coef=entropy_coef, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
                         **(loss_settings or {}))
     _check_settings(temperature, True, ignore_index)
+    truncation = check_truncation(truncation)
     _one_convention(labels, shift_labels)
     targets = _targets(input_ids, attention_mask, position_ids, labels, shift_labels, ignore_index)
     check_packing_attended(attention_mask, position_ids, targets.shape, _cached(model_kwargs))
@@ -551,10 +567,10 @@ def fused_policy_loss(model: nn.Module, input_ids: Optional[Tensor], attention_m
     since = serial_now()
     if core is model and not _has_call_hooks(core):
         res, _ = _score(core, input_ids, attention_mask, position_ids, targets, temperature, True, ignore_index,
-                        model_kwargs, policy=policy)
+                        model_kwargs, policy=policy, truncation=truncation)
         write_step("transformers.fused_policy_loss", since)
         return res
-    with _patched_for_call(model, core, temperature=temperature, policy_loss=policy):
+    with _patched_for_call(model, core, temperature=temperature, policy_loss=policy, truncation=truncation):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     shift_labels=targets, ignore_index=ignore_index, **model_kwargs)
     write_step("transformers.fused_policy_loss", since)

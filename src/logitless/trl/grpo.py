@@ -19,6 +19,7 @@ from .. import checks
 from ..record import serial_now, write_step
 from .names import METHOD, STATE, VISION_ARGS
 from .swap import restore_method
+from .truncation import rollout_truncation, rollout_truncation_of
 
 
 def grpo_trainer_class():
@@ -103,7 +104,8 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
             kwargs["token_type_ids"] = token_type_ids[start:end]
         with self.accelerator.autocast(), head_context(self):
             out = fused_forward(model, ids, mask, shift_labels=targets, temperature=self.temperature,
-                                with_entropy=bool(compute_entropy), **kwargs)
+                                with_entropy=bool(compute_entropy), truncation=rollout_truncation_of(self),
+                                **kwargs)
         # TRL's log_probs has seq_len - 1 columns (position t for t < s - 1); it keeps the last logits_to_keep
         all_logps.append(out.logprobs[:, :-1][:, -logits_to_keep:])
         if compute_entropy:
@@ -114,7 +116,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
     return logps, entropies, None
 
 
-def enable(trainer, *, fused_loss: bool = False):
+def enable(trainer, *, fused_loss: bool = False, truncation: bool = False):
     """Compute ``trainer``'s per-token log-probs and entropies with logitless (no logits).
 
     Only this instance changes (an instance attribute shadows the method); the GRPOTrainer class and
@@ -124,13 +126,20 @@ def enable(trainer, *, fused_loss: bool = False):
     fused_loss: also compute the policy loss with ``logitless.losses``' fused policy loss (every TRL loss
         setting mapped onto it: ``logitless.trl.loss``, docs/trl.md), logging TRL's metrics; settings that
         cannot be mapped raise ValueError naming them.
+    truncation: score every log-prob (the policy's, the old and the reference ones) and entropy under the rollout's
+        own truncation, read from the trainer's settings now (``logitless.trl.truncation``: ValueError for what
+        logitless cannot reproduce).
 
     The model's head is checked here (ValueError for one logitless cannot compute exactly), not at the
     first step; a softcapped head is supported, and ``cast_lm_head_to_fp32`` computes the head in float32.
     """
     _check_trainer(trainer)
     checks.boolean(fused_loss, "fused_loss")
+    checks.boolean(truncation, "truncation")
     _check_supported(trainer)
+    trunc = None
+    if truncation:
+        trunc = rollout_truncation(trainer)
     if fused_loss:
         from .loss import check_mappable
         check_mappable(trainer)
@@ -141,6 +150,7 @@ def enable(trainer, *, fused_loss: bool = False):
         trainer.__dict__[STATE] = state
         trainer.__dict__[METHOD] = types.MethodType(get_per_token_logps_and_entropies, trainer)
     state["fused_loss"] = fused_loss
+    state["truncation"] = trunc
     if fused_loss:
         from .loss import compute_loss
         trainer.__dict__["_compute_loss"] = types.MethodType(compute_loss, trainer)

@@ -45,6 +45,7 @@ import torch
 from ..losses.policy import CLIPPED_SURROGATES, RATIO_SURROGATES, on_policy_settings
 from ..record import serial_now, write_step
 from .names import VISION_ARGS
+from .truncation import rollout_truncation_of
 
 PPO_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 LOSS_TYPES = PPO_TYPES + ("cispo", "sapo", "vespo")
@@ -261,7 +262,7 @@ def compute_loss(self, model, inputs):
     since = serial_now()
     with self.accelerator.autocast(), head_in_fp32(bool(getattr(self.args, "cast_lm_head_to_fp32", False))):
         out = fused_policy_loss(model, p.input_ids, p.attention_mask, shift_labels=p.labels, loss_settings=others,
-                                **base)
+                                truncation=rollout_truncation_of(self), **base)
     write_step("trl.grpo", since)
     loss = out.loss * p.scale
     log_metrics(self, out.logprobs, out.entropy, inputs, p, loss.detach())

@@ -6,6 +6,9 @@ verl's contract (``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``
 dist_process_group) -> (logprobs, entropy)``: hidden and labels are each flattened (hidden to
 [N, H], labels to [N]) and paired row by row; logprobs is float32 [N] (a scalar for reduction
 "sum" / "mean"), entropy float32 [N]; gradients flow to hidden and weight.
+
+Under ``install(truncation=True)``, inside the actor's log-prob and update calls (``truncation.py``), both
+compute the log-probs and entropies of the rollout's truncated distribution (its top_k / top_p).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from torch import Tensor
 
 from .. import checks
 from ..api import TokenLogProbs, fused_logprobs, head_operands
+from . import truncation as rollout_truncation
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -36,6 +40,15 @@ def group_or_none(group):
     if not dist.is_available() or not dist.is_initialized():
         return None
     return group if dist.get_world_size(group) > 1 else None
+
+
+def _truncated() -> dict:
+    """``truncation=`` for fused_logprobs in a truncated worker call (noted for ``truncation.check_ran``)."""
+    trunc = rollout_truncation.current()
+    if trunc is None:
+        return {}
+    rollout_truncation.note_head()
+    return {"truncation": trunc}
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, temperature=1.0,
@@ -65,7 +78,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     with torch.autocast(h.device.type, enabled=False):
         # without a group of several ranks d_hidden is whole: the setting has no effect (and is refused) there
         out = fused_logprobs(h, w, flat, temperature=t, tp_group=group,
-                             reduce_grad_hidden=reduce_grad_hidden or group is None)
+                             reduce_grad_hidden=reduce_grad_hidden or group is None, **_truncated())
     logprobs = out.logprobs
     r = reduction.lower()
     if r == "sum":
@@ -90,7 +103,7 @@ def fused_linear_for_ppo(hidden_states: Tensor, vocab_weights: Tensor, input_ids
                          f"{tuple(hidden_states.shape[:-1])}")
     h, w = head_operands(hidden_states, vocab_weights)
     with torch.autocast(h.device.type, enabled=False):
-        out = fused_logprobs(h, w, input_ids.to(torch.int64), temperature=t)
+        out = fused_logprobs(h, w, input_ids.to(torch.int64), temperature=t, **_truncated())
     entropy = out.entropy
     if entropy_dtype is not None and entropy.dtype != entropy_dtype:
         entropy = entropy.to(entropy_dtype)

@@ -39,7 +39,7 @@ import torch
 from ..api import head_operands
 from ..losses import PolicyLoss, PolicyLossOutput, policy_loss
 from ..record import FusedPathUnavailable, last_backend, write_record
-from . import distill, ulysses
+from . import distill, truncation, ulysses
 from .bypass import rejection_counts_missing
 from .policy import (
     MICRO_BATCH_MEAN,
@@ -278,6 +278,12 @@ def _distillation_step(original, engine, micro_batch, loss_function, forward_onl
 def _make_forward_step(original):
     @functools.wraps(original)
     def forward_step(self, micro_batch, loss_function, forward_only):
+        if truncation.current() is not None:      # install(truncation=True), which refuses fused_loss=True
+            from verl.utils import tensordict_utils as tu
+            truncation.require_fused(bool(tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
+                                                                 default=False)))
+            with truncation.check_ran("this micro-batch's forward"):
+                return original(self, micro_batch, loss_function, forward_only)
         if not SiteState.fused_loss or forward_only or loss_function is None:
             return original(self, micro_batch, loss_function, forward_only)
         if distill.is_distillation(loss_function):

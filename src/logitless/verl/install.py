@@ -20,8 +20,8 @@ from .sites import LOCK, MARK, Site, SiteState
 
 
 def _all_sites() -> Tuple[Site, ...]:
-    from . import fsdp, fused_loss, megatron, megatron_loss
-    return fsdp.SITES + fused_loss.SITES + megatron.SITES + megatron_loss.SITES
+    from . import fsdp, fused_loss, megatron, megatron_loss, truncation
+    return fsdp.SITES + fused_loss.SITES + megatron.SITES + megatron_loss.SITES + truncation.SITES
 
 
 def _owner(site: Site):
@@ -33,18 +33,25 @@ def _owner(site: Site):
     return owner
 
 
-def install(strict: bool = False, fused_loss: bool = False) -> Tuple[str, ...]:
+def install(strict: bool = False, fused_loss: bool = False, truncation: bool = False) -> Tuple[str, ...]:
     """Route verl's fused-kernel paths through logitless. Idempotent; calling it again only updates
-    ``strict`` and ``fused_loss``. Returns the names of the replaced sites (see ``sites()``).
+    ``strict``, ``fused_loss`` and ``truncation``. Returns the names of the replaced sites (see ``sites()``).
 
     strict: True makes verl's silent fallbacks to its non-fused path raise
         ``logitless.FusedPathUnavailable`` (so does LOGITLESS_STRICT=1).
     fused_loss: True makes the actor's policy loss (with its KL loss and entropy bonus) run as one
         ``fused_policy_loss`` inside the model's forward (see ``logitless.verl.fused_loss``); False
         leaves verl's loss on the log-probs logitless computes.
+    truncation: True makes the actor's log-probs (old, reference and the update's current ones) those of the
+        rollout's truncated distribution: ``actor_rollout_ref.rollout.top_k`` / ``top_p``, read from each
+        worker's config when it computes them (see ``logitless.verl.truncation``; docs/verl.md).
     """
     checks.boolean(strict, "strict")
     checks.boolean(fused_loss, "fused_loss")
+    checks.boolean(truncation, "truncation")
+    if truncation and fused_loss:
+        raise ValueError("install(fused_loss=True, truncation=True): the fused policy loss does not take the "
+                         "rollout's truncation yet; use one of them")
     try:
         importlib.import_module("verl")
     except Exception as exc:  # noqa: BLE001 - any failure means verl cannot be used here
@@ -76,7 +83,19 @@ def install(strict: bool = False, fused_loss: bool = False) -> Tuple[str, ...]:
             setattr(owner, site.attr, replacement)
             SiteState.installed[site.name] = (owner, original, replacement)
             SiteState.skipped.pop(site.name, None)
+        if truncation:
+            missing = [name for name in _truncation_sites() if name not in SiteState.installed]
+            if missing:
+                SiteState.truncation = False
+                raise ImportError(f"install(truncation=True): {', '.join(missing)} could not be replaced "
+                                  f"({SiteState.skipped.get(missing[0], 'not installed')})")
+        SiteState.truncation = truncation
         return tuple(SiteState.installed)
+
+
+def _truncation_sites() -> Tuple[str, ...]:
+    from . import truncation
+    return tuple(site.name for site in truncation.SITES)
 
 
 def uninstall() -> None:
@@ -88,6 +107,7 @@ def uninstall() -> None:
         SiteState.skipped.clear()
         SiteState.strict = False
         SiteState.fused_loss = False
+        SiteState.truncation = False
 
 
 def _site_attr(name: str) -> str:

@@ -31,6 +31,7 @@ import functools
 import sys
 
 from ..record import FusedPathUnavailable, last_backend, write_record
+from . import truncation
 from .core import linear_cross_entropy
 from .sites import Site, strict_mode
 
@@ -126,6 +127,10 @@ def _make_overlap_forward(original):
         Falls back to verl's function (its _postprocess patch, whose head is logitless too) where the
         schedule plan lacks the hook, or for verl's unfused logits_processor path."""
         from ..megatron.schedule import supports_schedule_plan_hook
+        if truncation.current() is not None:
+            raise ValueError("truncation=True with verl's combined-1F1B overlap forward "
+                             "(gptmodel_forward_1f1b_overlap): its schedule-plan head does not take the rollout's "
+                             "truncation; turn the overlap off")
         if labels is None:
             # verl's own function builds a plan whose post-process node then fails on labels=None (its packing
             # reads the labels); say so here, before any work

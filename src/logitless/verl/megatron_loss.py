@@ -51,7 +51,7 @@ import torch
 
 from ..losses import PolicyLoss
 from ..record import write_record
-from . import megatron_cp, megatron_distill
+from . import megatron_cp, megatron_distill, truncation
 from .distill import is_distillation
 from .fused_loss import ENTRY, Plan, _fused_loss_function, fallback, make_plan
 from .megatron_legacy import forward_mode, planned_forward, unroutable
@@ -182,6 +182,9 @@ def _make_processor(original):
 def _make_forward_step(original):
     @functools.wraps(original)
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        # install(truncation=True): verl's logits path would give full-softmax log-probs (the batch's setting
+        # must equal the engine's, which verl switches off without remove-padding)
+        truncation.require_fused(bool(self.engine_config.use_fused_kernels))
         forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", False)
         if not SiteState.fused_loss or forward_only or logits_processor_func is None:
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)

@@ -32,6 +32,7 @@ class SiteState:
     skipped: Dict[str, str] = {}
     strict: bool = False
     fused_loss: bool = False      # install(fused_loss=True): the engines' forward steps fuse the policy loss
+    truncation: bool = False      # install(truncation=True): the actor's log-probs under the rollout's truncation
 
 
 def strict_mode() -> bool:
