@@ -28,6 +28,16 @@ LEAD = (3, 7)
 T = 0.7
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # many small [tokens x V] operations (sorts, masks, gathers): with intra-op threads on a busy machine their
+    # start-up and spinning cost several times the work itself (this file took 9x longer with 2 threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     # several vocab chunks with a ragged last one on the chunked backend (4099 = 9 * 433 + 202 at 21 tokens)
