@@ -220,3 +220,22 @@ def on_op_count64(hidden, weight, labels, counts, *, temperature=1.0, softcap=No
     flat = labels.reshape(-1)
     kept = prefix_kept64(z, counts.reshape(-1)) & (flat != ignore_index).unsqueeze(-1)
     return _shaped(kept, restricted64(z, flat, kept, ignore_index), shape)
+
+
+def truth64(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, top_k=None, top_p=None, min_p=None,
+            kept_ids=None) -> Truncated64:
+    """``truncated64`` or (with kept_ids) ``replayed64`` from ``Truncation``'s keywords (None: off), for the tests of
+    the losses and integrations."""
+    if kept_ids is not None:
+        return replayed64(hidden, weight, labels, kept_ids, temperature=temperature, ignore_index=ignore_index)
+    return truncated64(hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
+                       top_k=-1 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p,
+                       min_p=0.0 if min_p is None else min_p)
+
+
+def row_kept_mask64(z: torch.Tensor, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """``kept_mask64`` of one row of logits z [V] with ``Truncation``'s keywords (numbers or None: off)."""
+    def one(value, off, dtype):
+        return torch.tensor([off if value is None else value], dtype=dtype)
+    return kept_mask64(z.unsqueeze(0), one(top_k, -1, torch.int64), one(top_p, 1.0, torch.float64),
+                       one(min_p, 0.0, torch.float64))[0]

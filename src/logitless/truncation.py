@@ -23,8 +23,9 @@ class TruncatedLogProbs(NamedTuple):
     """Per token, each of ``labels.shape``:
 
     logprobs: float32, z_y - logsumexp(z over the kept set): the label's log-prob under the truncated,
-        renormalised distribution; the same formula for a label outside the kept set (finite, <= log of the
-        least kept probability there; ``inside`` is False). 0 where the label is ignore_index.
+        renormalised distribution; the same formula for a label outside the kept set (finite; ``inside`` is False;
+        in the settings form at most the log of the least kept probability, since the kept set is a most probable
+        prefix; in the replay form unbounded: the given ids need not be the most probable). 0 where ignored.
     entropy: float32, the truncated distribution's entropy (None with ``with_entropy=False``).
     inside: bool, whether the label is in the kept set (False where ignored).
     kept_count: int64, the kept set's size (0 where ignored).
@@ -56,7 +57,7 @@ def _top_k(value, labels: Tensor) -> Tensor:
     if isinstance(value, Tensor):
         if value.dtype not in checks.INDEX_DTYPES:
             raise TypeError(f"top_k must be an int or an int32 / int64 tensor, got {value.dtype}")
-        k = _broadcast(value, "top_k", labels).long()
+        k = _broadcast(value, "top_k", labels).long()        # (integer tensors cannot require grad)
         bad = (k == 0) | (k < -1)
         if bool(bad.any()):
             raise ValueError(f"{rule}, got {int(k[bad][0])}")
@@ -73,6 +74,8 @@ def _fraction(value, name: str, labels: Tensor, low_open: bool) -> Tensor:
     if isinstance(value, Tensor):
         if not value.is_floating_point():
             raise TypeError(f"{name} must be a float or a floating-point tensor, got {value.dtype}")
+        if value.requires_grad:
+            raise ValueError(f"{name} must not require grad: it is a setting, not differentiated")
         v = _broadcast(value, name, labels).double()
         bad = ~((v > 0) if low_open else (v >= 0)) | ~(v <= 1)      # NaN fails both
         if bool(bad.any()):

@@ -1,6 +1,6 @@
 """The policy losses under a sampler's truncation (``truncation=Truncation(...)``): the loss, its log-probs,
 entropies, KL and both gradients against float64 ground truth written from vLLM's order with materialised logits
-(truncated64.py; the terms and aggregation from policy64.py); settings that are all off give the untruncated loss
+(truncation64.py; the terms and aggregation from policy64.py); settings that are all off give the untruncated loss
 bit for bit; the refusals."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from logitless import Truncation
 from logitless.losses import PolicyLoss, fused_policy_loss, policy_loss, policy_loss_reference
 from policy64 import aggregate64, policy_inputs, term64
-from truncated64 import truncated64
+from truncation64 import truth64
 
 V, H = 4099, 96
 LEAD = (2, 7)
@@ -24,7 +24,7 @@ def _around(hidden, weight, labels, temperature, **trunc):
     near 1, clipped on both sides), NaN where ignored."""
     valid = labels != -100
     with torch.no_grad():
-        lp = truncated64(torch.nan_to_num(hidden), weight, labels, temperature=temperature, **trunc)[0]
+        lp = truth64(torch.nan_to_num(hidden), weight, labels, temperature=temperature, **trunc).logprobs
     nan = torch.full(LEAD, float("nan"))
     old, ref = ((lp + 0.3 * torch.randn(LEAD).double()).clamp(max=0.0).float() for _ in range(2))
     return torch.where(valid, old, nan), torch.where(valid, ref, nan)
@@ -40,7 +40,8 @@ def _truth(hidden, weight, labels, adv, old, ref, temperature, loss_agg, **trunc
     valid = labels != -100
     h = torch.where(valid.unsqueeze(-1), hidden.detach().double(), 0.0).requires_grad_(True)
     w = weight.detach().double().requires_grad_(True)
-    lp, ent, inside, keep = truncated64(h, w, labels, temperature=temperature, **trunc)
+    t64 = truth64(h, w, labels, temperature=temperature, **trunc)
+    lp, ent, keep = t64.logprobs, t64.entropy, t64.kept
     zero = torch.zeros_like(lp)
     adv_, old_, ref_ = (torch.where(valid, torch.broadcast_to(x.double(), labels.shape), zero) for x in (adv, old, ref))
     f, _, kl = term64(lp, ent, adv_, old_, ref_, **SPEC)
@@ -120,8 +121,8 @@ def test_seq_first_takes_settings_in_the_labels_layout(seed):
                     truncation=trunc, seq_first=True)
     assert abs(a.loss.item() - b.loss.item()) <= 1e-6
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6) and torch.allclose(a.entropy, b.entropy, atol=1e-6)
-    truth = truncated64(hidden, weight, labels, temperature=temperature, top_k=top_k, top_p=top_p)
-    assert (b.logprobs.double() - truth[0]).abs().max().item() <= TOL[1]
+    truth = truth64(hidden, weight, labels, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert (b.logprobs.double() - truth.logprobs).abs().max().item() <= TOL[1]
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -1,6 +1,6 @@
 """logitless.transformers.fused_forward / fused_policy_loss with ``truncation=``: setting tensors in the batch's
 [b, s] / [b, 1] layout and kept_ids [b, s, K], on a padded batch (only the scored rows reach the op), against
-float64 ground truth from the model's own logits with vLLM's truncation applied (tests/truncated64.py); the
+float64 ground truth from the model's own logits with vLLM's truncation applied (tests/truncation64.py); the
 policy loss's value and every parameter gradient; the record."""
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from logitless.transformers import fused_forward, fused_policy_loss
 from policy64 import aggregate64, term64
 from reference64 import rel_err
 from test_transformers import V, expected_targets, padded_batch, tiny_model
-from truncated64 import truncated64
+from truncation64 import truth64
 
 SPEC = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_type="k3", entropy_coef=0.02)
 
 
 def _truth(model, ids, mask, targets, temperature, **trunc):
-    """float64 (logprobs, entropy, kept) of the truncated distribution from the model's own logits,
+    """float64 (logprobs, entropy, inside, kept) of the truncated distribution from the model's own logits,
     differentiable to the model's parameters."""
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.double()
-    return truncated64(logits, torch.eye(V, dtype=torch.float64), targets, temperature=temperature, **trunc)
+    t64 = truth64(logits, torch.eye(V, dtype=torch.float64), targets, temperature=temperature, **trunc)
+    return t64.logprobs, t64.entropy, t64.inside, t64.kept
 
 
 def test_fused_forward_with_setting_tensors_and_kept_ids(seed):

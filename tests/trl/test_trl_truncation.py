@@ -1,6 +1,6 @@
 """``logitless.trl.enable(trainer, truncation=True)`` on a real trl.GRPOTrainer (tiny Qwen2, CPU, float32): the
 rollout's own top_k / top_p / min_p read from GRPOConfig; the log-probs and entropies against float64 ground truth
-from the model's logits with vLLM's truncation applied (truncated64.py); TRL's vLLM importance-sampling correction
+from the model's logits with vLLM's truncation applied (truncation64.py); TRL's vLLM importance-sampling correction
 with a float64 vLLM-order sampler standing where TRL's vLLM generation is (TRL's own IS code runs); the fused loss
 against TRL's own _compute_loss fed logitless' truncated log-probs; the refusals; the record."""
 import os
@@ -17,7 +17,7 @@ import logitless.trl as lt  # noqa: E402
 from logitless import Truncation  # noqa: E402
 from logitless.record import last_path, serial_now  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
-from truncated64 import kept_mask64, truncated64  # noqa: E402
+from truncation64 import row_kept_mask64, truth64  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -61,8 +61,8 @@ def test_logps_and_entropies_equal_float64_truncated(folder, tmp_path, seed, con
     weight = trainer.model.lm_head.weight.detach()
     scored = inputs["completion_mask"].bool()
     labels = inputs["completion_ids"].masked_fill(~scored, -100)
-    lp64, ent64, inside, kept = truncated64(hidden.double(), weight.double(), labels,
-                                            temperature=trainer.temperature, **settings)
+    t64 = truth64(hidden.double(), weight.double(), labels, temperature=trainer.temperature, **settings)
+    lp64, ent64, inside, kept = t64.logprobs, t64.entropy, t64.inside, t64.kept
     sizes = kept[scored].sum(-1)
     print(f"{config}: kept-set sizes {sizes.min().item()}..{sizes.max().item()} of {weight.shape[0]}, "
           f"labels inside {inside[scored].float().mean().item():.3f}")
@@ -99,7 +99,7 @@ class StandInSampler:
             for _ in range(t.max_completion_length):
                 x = torch.tensor([ids])
                 z = _logits64(model, x, torch.ones_like(x), t.temperature)[0, -1]
-                keep = kept_mask64(z, **self.settings)
+                keep = row_kept_mask64(z, **self.settings)
                 zk = z.masked_fill(~keep, float("-inf"))
                 logq = zk - torch.logsumexp(zk, dim=-1)
                 token = int(torch.multinomial(logq.exp(), 1, generator=self.gen))

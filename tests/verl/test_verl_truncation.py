@@ -15,6 +15,7 @@ import verl_engine as ve  # noqa: E402
 import logitless.verl as lv  # noqa: E402
 from logitless import Truncation  # noqa: E402
 from logitless.verl import truncation as vt  # noqa: E402
+from truncation64 import truth64  # noqa: E402
 
 R = "actor_rollout_ref.rollout."
 ROLLOUT = [f"{R}name=vllm", f"{R}top_k=5", f"{R}top_p=0.9", f"{R}log_prob_micro_batch_size_per_gpu=2",
@@ -23,23 +24,10 @@ ROLLOUT = [f"{R}name=vllm", f"{R}top_k=5", f"{R}top_p=0.9", f"{R}log_prob_micro_
 
 
 def truncated64(z, labels, top_k, top_p):
-    """float64 (log-prob of the label, entropy) under vLLM's truncation of logits ``z`` [N, V] (already over the
-    temperature): top-k keeps ids >= the k-th largest logit, then top-p keeps, in (value descending, id ascending)
-    order over the survivors renormalised, each id whose preceding mass is < top_p."""
-    z = z.double()
-    keep = torch.ones_like(z, dtype=torch.bool)
-    if top_k > 0:
-        keep = z >= z.topk(top_k, -1).values[:, -1:]
-    p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
-    order = torch.sort(-z.masked_fill(~keep, float("-inf")), dim=-1, stable=True).indices
-    ps = p.gather(-1, order)
-    before = ps.cumsum(-1) - ps
-    keep = torch.zeros_like(keep).scatter(-1, order, (before < top_p) & (ps > 0))
-    masked = z.masked_fill(~keep, float("-inf"))
-    lse = masked.logsumexp(-1)
-    q = torch.softmax(masked, -1)
-    ent = -(q * torch.log(q.clamp_min(1e-300))).sum(-1)
-    return z.gather(-1, labels[:, None])[:, 0] - lse, ent, keep.sum(-1)
+    """float64 (log-prob of the label, entropy, kept count) under vLLM's truncation of logits ``z`` [N, V] (already
+    over the temperature), from the suite's one reference (truncation64.py)."""
+    t64 = truth64(z.double(), torch.eye(z.shape[-1], dtype=torch.float64), labels, top_k=top_k, top_p=top_p)
+    return t64.logprobs, t64.entropy, t64.kept_count
 
 
 # --- the heads, called directly ----------------------------------------------------------------------------------

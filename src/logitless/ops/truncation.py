@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import knobs
+from ..record import record_backend
 from . import function, label_set_function
 from .kept_pairs import pair_logits
 from .truncation_select import RowSettings, decide
@@ -161,6 +162,9 @@ def truncated_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp:
         off = torch.zeros_like(valid)
         kept = replayed(kept_ids, valid)
         scored = valid.nonzero().squeeze(1)
+        # no vocabulary pass: the pairs' torch products are all that runs (IEEE float32 on float32 operands)
+        products = "ieee" if hidden.dtype == torch.float32 else "native"
+        record_backend(label_set_function._pass_name(options.backend), (products, products))
     else:
         off = settings.off(vocab) & valid
         scored = (valid & ~off).nonzero().squeeze(1)
