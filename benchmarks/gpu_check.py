@@ -60,7 +60,8 @@ from logitless.tools.machine import machine, versions  # noqa: E402
 # batch invariance of the compiled kernels, streams), then the compiled kernels against float64.
 GPU_TESTS = ("tests/test_compile_and_graphs.py", "tests/losses/test_distillation_unchecked.py",
              "tests/ops/test_policy_stats_gluon.py", "tests/ops/test_batch_invariance.py",
-             "tests/ops/test_topk_select.py", "tests/ops/test_distill_chunk_kernels.py", "tests/test_contexts.py",
+             "tests/ops/test_topk_select.py", "tests/test_truncation.py", "tests/ops/test_distill_chunk_kernels.py",
+             "tests/test_contexts.py",
              "tests/ops/test_triton_backend.py", "tests/test_precision.py", "tests/ops/test_tail_gradient.py",
              "tests/ops/test_label_sets.py", "tests/losses/test_distill_topk.py",
              "tests/losses/test_distill_topk_degenerate.py", "tests/ops/test_stages.py",

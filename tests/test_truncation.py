@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitless import Truncation, fused_logprobs, last_backend, last_precision
-from reference64 import logits64, make_inputs, rel_err, tol_for
+from reference64 import device_for, logits64, make_inputs, on_cpu, rel_err, tol_for
 from truncation64 import (
     float32_eps,
     ids_of,
@@ -57,10 +57,17 @@ def check(hidden, weight, labels, backend, truncation, *, temperature=T, softcap
     ones), kept_count within the sizes float32 may choose on every row, and the values and gradients equal to
     float64 over the op's own kept-set size (the reference's set wherever the sizes agree), to the plain op's
     bounds. Returns (op outputs, float64 reference)."""
-    h = hidden.detach().clone().requires_grad_(grad_hidden)
-    w = weight.detach().clone().requires_grad_(grad_weight)
-    out = fused_logprobs(h, w, labels, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-                         with_entropy=with_entropy, backend=backend, truncation=truncation)
+    dev = device_for(backend)
+    h = hidden.detach().to(dev).clone().requires_grad_(grad_hidden)
+    w = weight.detach().to(dev).clone().requires_grad_(grad_weight)
+    on_dev = (lambda t: t.to(dev) if torch.is_tensor(t) else t)  # noqa: E731
+    if truncation.kept_ids is not None:
+        truncation_dev = Truncation(kept_ids=truncation.kept_ids.to(dev))
+    else:
+        truncation_dev = Truncation(**{k: on_dev(v) for k, v in settings_of(truncation).items()})
+    out = on_cpu(fused_logprobs(h, w, labels.to(dev), temperature=on_dev(temperature), softcap=softcap,
+                                ignore_index=ignore_index, with_entropy=with_entropy, backend=backend,
+                                truncation=truncation_dev))
     # triton: selections past its kernels' 128 candidates run the chunked backend's torch pass (fused_topk's docs);
     # the replay form's record: test_last_backend_after_the_replay_form
     replay = truncation.kept_ids is not None
@@ -126,7 +133,7 @@ def check(hidden, weight, labels, backend, truncation, *, temperature=T, softcap
             assert mine.grad is None
             continue
         assert mine.grad.dtype == like.dtype and mine.grad.shape == like.shape
-        assert rel_err(mine.grad, want.grad) <= tol[2], rel_err(mine.grad, want.grad)
+        assert rel_err(mine.grad.cpu(), want.grad) <= tol[2], rel_err(mine.grad.cpu(), want.grad)
     return out, ref
 
 
@@ -565,13 +572,12 @@ def test_without_entropy_and_gradient_subsets(backend):
     assert not out.logprobs.requires_grad
 
 
-def test_triton_backend_interpreted():
-    """The triton backend's selection kernels through the interpreter on the CPU, on a smaller head, against
-    float64 (the replay form and the kept pairs' products run no backend kernel)."""
-    from reference64 import device_for
-    if device_for("triton") != "cpu":
-        pytest.skip("a GPU is present: the GPU suite runs the triton backend at full size")
-    hidden, weight, labels = make_inputs(lead=(2, 5), v=1031, h=48, logit_std=3.0)
+def test_triton_backend():
+    """The triton backend's selection kernels against float64: compiled on a GPU (the whole suite's shapes), else
+    through the interpreter on the CPU on a smaller head (the replay form and the kept pairs' products run no
+    backend kernel)."""
+    shape = dict(lead=LEAD) if device_for("triton") == "cuda" else dict(lead=(2, 5), v=1031, h=48)
+    hidden, weight, labels = make_inputs(**shape, logit_std=3.0)
     # kept sets within the kernels' 128 candidates (past them the chunked pass selects: tested above)
     check(hidden, weight, labels, "triton", Truncation(top_p=0.9, top_k=40, min_p=0.005), temperature=0.9)
 
