@@ -261,6 +261,27 @@ def test_megatron_settings_not_wired_are_refused_under_strict(actors, setting, n
     assert lv.last_path().path == "unfused" and named in lv.last_path().reason
 
 
+def test_truncation_refused_at_first_training_micro_batch(actors):
+    """install(fused_loss=True, truncation=True): the Megatron engine's processor does not take the rollout's
+    truncation, so a training micro-batch under a truncated worker call is a ValueError naming the engine, before
+    the model runs (strict or not; the parameters unchanged); the forward-only log-probs still run, truncated."""
+    from logitless import Truncation
+    from logitless.verl import truncation as vt
+    plain, fused = actors
+    gen = torch.Generator().manual_seed(8)
+    tensors, meta = ve.rollout_batch(gen, plain.model_dir)
+    lv.install(fused_loss=True, truncation=True)
+    lp_full, _ = fused.infer(tensors, meta)        # no truncated worker call: the full softmax
+    with vt.applied(Truncation(top_k=5, top_p=0.9)):
+        with pytest.raises(ValueError, match="Megatron engine: the fused policy loss does not take the rollout's"):
+            fused.update(tensors, meta, calculate_entropy=True, mini_batch_size=6)
+        for n, p in fused.params().items():
+            assert torch.equal(p, fused.initial[n]), n
+        lp, _ = fused.infer(tensors, meta)
+    assert float((lp - lp_full).abs().max()) > 1e-2          # truncated: not the full softmax's
+    assert vt.current() is None
+
+
 def test_thd_rows_follow_verl_padded_layout():
     """The response tokens laid out in verl's THD rows when each sequence is padded (TP > 1 pads every
     sequence to a multiple of the TP size) and the tail too: checked position by position."""

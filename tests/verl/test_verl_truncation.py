@@ -5,6 +5,8 @@ top-k, then top-p over the survivors), through verl 0.9.1's real ``ActorRolloutR
 "ref", built by its own ``init_model`` on CPU: verl_engine.py) and its FSDP engine, and on each fused head site
 called directly; the config read from the worker's own rollout config; the refusals; install / uninstall.
 """
+import types
+
 import pytest
 import torch
 
@@ -232,6 +234,67 @@ def test_update_scores_current_logprobs_truncated(workers, batch, model_dir, uni
     assert kl(results[False]) > 1e-3, (results[False], gap)      # the full softmax's: old - current > 0
 
 
+# (actor settings, engine settings): vanilla with the KL loss, the entropy bonus and dual clip on padded
+# micro-batches; a sequence-coupled mode (gspo, sequence ratios) on packed (remove-padding) ones
+FUSED_CASES = [
+    ([f"{ve.P}use_kl_loss=True", f"{ve.P}kl_loss_type=low_var_kl", f"{ve.P}entropy_coeff=0.01",
+      f"{ve.P}clip_ratio_c=1.2"], {"use_remove_padding": False}),
+    ([f"{ve.P}policy_loss.loss_mode=gspo", f"{ve.P}loss_agg_mode=seq-mean-token-mean", f"{ve.P}clip_ratio_low=0.02",
+      f"{ve.P}clip_ratio_high=0.03", f"{ve.P}use_kl_loss=True", f"{ve.P}kl_loss_type=kl"],
+     {"use_remove_padding": True}),
+]
+
+
+def truncated_update(workers, model_dir, tensors, meta, overrides, engine, *, fused_loss, truncation=True):
+    """verl's update_actor on the worker, under install(fused_loss=, truncation=), with verl's ppo_loss of the actor
+    ``overrides``, from the worker's parameters at the module's start: (metrics, {name: parameter after the step})."""
+    from verl.utils import tensordict_utils as tu
+    engine_module = workers.actor.actor.engine.module
+    state = [p.detach().clone() for p in engine_module.parameters()]
+    default = workers.actor.loss_fn
+    cfg, config = ve.actor_config(model_dir, ROLLOUT + list(overrides))
+    ve.set_loss_fn(workers.actor.actor, cfg, config)
+    lv.install(fused_loss=fused_loss, truncation=truncation, strict=fused_loss)
+    torch.manual_seed(2024)
+    data = ve.to_actor_input(tensors, meta, calculate_entropy=True, mini_batch_size=len(tensors["input_ids"]))
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, **engine)
+    try:
+        out = workers.call(workers.actor.update_actor, data)
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in engine_module.named_parameters()}
+    finally:
+        lv.uninstall()
+        workers.actor.actor.set_loss_fn(default)
+        with torch.no_grad():
+            for p, p0 in zip(engine_module.parameters(), state, strict=True):
+                p.copy_(p0)
+    return tu.get(out, "metrics"), params
+
+
+@pytest.mark.parametrize("overrides, engine", FUSED_CASES, ids=["vanilla-padded", "gspo-packed"])
+def test_fused_loss_under_truncation_matches_verl_loss(workers, model_dir, overrides, engine, uninstalled):
+    """install(fused_loss=True, truncation=True) on verl's FSDP engine: update_actor gives the parameters, step and
+    every metric of install(truncation=True) alone (verl's own ppo_loss on logitless' truncated log-probs), on the
+    same batch from the same parameters; the fused run recorded as such. Without the truncation the fused update
+    is another one (the comparison sees the truncation)."""
+    from test_verl_fused_loss import STEP_TOL, assert_same_update
+    gen = torch.Generator().manual_seed(17)
+    tensors, meta = ve.rollout_batch(gen, model_dir)
+    initial = types.SimpleNamespace(initial=[(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                                             for p in workers.actor.actor.engine.module.parameters()])
+    want = truncated_update(workers, model_dir, tensors, meta, overrides, engine, fused_loss=False)
+    got = truncated_update(workers, model_dir, tensors, meta, overrides, engine, fused_loss=True)
+    rec = lv.last_path()
+    assert (rec.path, rec.entry, rec.reason) == ("fsdp", "verl.policy_loss", ""), rec
+    assert_same_update(initial, got, want)
+    if any("clip_ratio_c=1.2" in s for s in overrides):
+        assert max(want[0]["actor/pg_clipfrac_lower"]) > 0, "dual clip never active: the case tests nothing"
+    full = truncated_update(workers, model_dir, tensors, meta, overrides, engine, fused_loss=True, truncation=False)
+    step = sum(float((p - q).square().sum()) for p, q in zip(want[1].values(), initial.initial, strict=True))
+    apart = sum(float((full[1][n] - p).square().sum()) for n, p in want[1].items())
+    assert apart > (10 * STEP_TOL) ** 2 * step, "the fused update without the truncation is the same one"
+
+
 def test_unfused_micro_batch_refused(workers, batch, uninstalled):
     """A truncated call whose micro-batch would take verl's logits path: ValueError before the model runs
     (strict or not)."""
@@ -290,14 +353,12 @@ def test_rollout_config_refused(model_dir, settings, named):
 
 
 def test_install_refusals_and_restore(uninstalled):
-    """fused_loss with truncation and a non-bool switch refused; install / uninstall put verl's worker methods
+    """A non-bool switch refused; install / uninstall put verl's worker methods
     back, with verl's dispatch registration kept on the replacements."""
     ve.setup()
     from verl.single_controller.base.decorator import MAGIC_ATTR
     from verl.workers.engine_workers import ActorRolloutRefWorker as W
     before = {name: vars(W)[name] for name in vt.METHODS}
-    with pytest.raises(ValueError, match="fused_loss=True, truncation=True"):
-        lv.install(fused_loss=True, truncation=True)
     with pytest.raises(TypeError, match="truncation"):
         lv.install(truncation="yes")
     lv.install(truncation=True)

@@ -24,6 +24,13 @@ A micro-batch that cannot run fused (bypass_mode's sequence-level rejection samp
 runs verl's own loss: recorded (``last_path()``: path "unfused", entry "verl.policy_loss", the reason),
 logged once per reason, and under strict mode raised as ``FusedPathUnavailable`` instead. A fused
 micro-batch records path "fsdp" with the backend that ran.
+
+Under ``install(truncation=True)`` (``truncation.py``) the fused loss is that of the rollout's truncated
+distribution: ``head`` passes the worker call's ``Truncation`` to ``policy_loss`` (the log-probs, ratio and
+entropy of the truncated, renormalised distribution; the exact four-GEMM path), so the loss, its gradients and
+verl's metrics are those of verl's own loss on logitless' truncated log-probs. A micro-batch that falls back
+computes truncated log-probs in the head as usual (``core.py``); either way ``truncation.check_ran`` makes sure
+a truncated head ran. verl's Megatron engine refuses the combination (``megatron_loss.py``).
 """
 from __future__ import annotations
 
@@ -132,10 +139,13 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tempe
                         ref_logprobs=rows.ref_logprobs if plan.use_ref else None,
                         rollout_weights=rows.rollout_weights, cu_seqlens=rows.cu_seqlens,
                         **plan.settings_for(rows.sequences))
+    trunc = truncation.current()       # install(truncation=True): the rollout's truncated distribution
     plan.rng = torch.get_rng_state()
     with torch.autocast(h.device.type, enabled=False):
         out = policy_loss(policy, h.view(*rows.labels.shape, h.shape[-1]), w, rows.labels,
-                          temperature=float(temperature))
+                          temperature=float(temperature), truncation=trunc)
+    if trunc is not None:
+        truncation.note_head()
     plan.result = out
     plan.shard = shard
     lp, ent = out.logprobs, out.entropy
@@ -276,17 +286,13 @@ def _distillation_step(original, engine, micro_batch, loss_function, forward_onl
 
 
 def _make_forward_step(original):
-    @functools.wraps(original)
-    def forward_step(self, micro_batch, loss_function, forward_only):
-        if truncation.current() is not None:      # install(truncation=True), which refuses fused_loss=True
-            from verl.utils import tensordict_utils as tu
-            truncation.require_fused(bool(tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
-                                                                 default=False)))
-            with truncation.check_ran("this micro-batch's forward"):
-                return original(self, micro_batch, loss_function, forward_only)
+    def step(self, micro_batch, loss_function, forward_only):
         if not SiteState.fused_loss or forward_only or loss_function is None:
             return original(self, micro_batch, loss_function, forward_only)
         if distill.is_distillation(loss_function):
+            if truncation.current() is not None:     # the worker refuses it first; distill.head is not truncated
+                raise ValueError("truncation=True with verl's distillation loss: the teacher's log-probs are not "
+                                 "truncated; install(truncation=False) for distillation")
             return _distillation_step(original, self, micro_batch, loss_function, forward_only)
         plan, why = make_plan(self, micro_batch, loss_function)
         if plan is None:
@@ -301,6 +307,18 @@ def _make_forward_step(original):
             return original(self, micro_batch, _fused_loss_function(plan, loss_function), forward_only)
         finally:
             _pending.plan = outer
+
+    @functools.wraps(original)
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if truncation.current() is None:
+            return step(self, micro_batch, loss_function, forward_only)
+        # install(truncation=True): every head of this micro-batch, the fused loss's (``head``) or the log-probs'
+        # (core.py), is the rollout's truncated distribution; verl's logits path would be the full softmax's
+        from verl.utils import tensordict_utils as tu
+        truncation.require_fused(bool(tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
+                                                             default=False)))
+        with truncation.check_ran("this micro-batch's forward"):
+            return step(self, micro_batch, loss_function, forward_only)
 
     return forward_step
 

@@ -44,14 +44,13 @@ def install(strict: bool = False, fused_loss: bool = False, truncation: bool = F
         leaves verl's loss on the log-probs logitless computes.
     truncation: True makes the actor's log-probs (old, reference and the update's current ones) those of the
         rollout's truncated distribution: ``actor_rollout_ref.rollout.top_k`` / ``top_p``, read from each
-        worker's config when it computes them (see ``logitless.verl.truncation``; docs/verl.md).
+        worker's config when it computes them (see ``logitless.verl.truncation``; docs/verl.md). With
+        ``fused_loss`` on verl's FSDP engine the fused loss is the truncated distribution's; verl's Megatron
+        engine refuses that pair at its first training micro-batch (ValueError).
     """
     checks.boolean(strict, "strict")
     checks.boolean(fused_loss, "fused_loss")
     checks.boolean(truncation, "truncation")
-    if truncation and fused_loss:
-        raise ValueError("install(fused_loss=True, truncation=True): the fused policy loss does not take the "
-                         "rollout's truncation yet; use one of them")
     try:
         importlib.import_module("verl")
     except Exception as exc:  # noqa: BLE001 - any failure means verl cannot be used here

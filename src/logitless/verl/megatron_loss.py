@@ -34,6 +34,10 @@ logitless' legacy patch running the same processor, ``megatron_legacy.py``) and 
 
 verl's distillation loss (``distillation_ppo_loss``) takes its own path through both sites: ``megatron_distill.py``.
 
+Under ``install(truncation=True)`` the fused loss is not run here: the first training micro-batch raises
+ValueError (``TRUNCATION_REFUSED``) before the model runs; the forward-only calls (old and reference log-probs)
+and ``install(truncation=True)`` without ``fused_loss`` take the truncated head (``core.py``) as before.
+
 Pipeline parallelism (with or without virtual stages): Megatron's schedule calls the forward step on every stage
 and the loss function on the last one only. Each stage makes the same plan from the same micro-batch (verl
 hands every pipeline rank the whole batch); on a stage without the output layer (``post_process=False``) the
@@ -61,6 +65,12 @@ from .tokens import IGNORE, ResponseTokens, Rows, thd_destinations
 
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
 FUSED = "verl.models.mcore.model_forward_fused"
+# install(fused_loss=True, truncation=True): the rollout's truncation is not threaded through the processor's
+# PolicyLoss (logitless.megatron.fused_output_processor) yet; refused at the first training micro-batch, before
+# the model runs, rather than computing a full-softmax loss beside truncated old log-probs
+TRUNCATION_REFUSED = ("install(fused_loss=True, truncation=True) on verl's Megatron engine: the fused policy loss "
+                      "does not take the rollout's truncation there (it does on the FSDP engine); use "
+                      "install(truncation=True) without fused_loss on Megatron")
 
 
 class _Pending(threading.local):
@@ -188,6 +198,8 @@ def _make_forward_step(original):
         forward_only = getattr(postprocess_micro_batch_func, "keywords", {}).get("forward_only", False)
         if not SiteState.fused_loss or forward_only or logits_processor_func is None:
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        if truncation.current() is not None:
+            raise ValueError(TRUNCATION_REFUSED)
         batch = next(batch_iter)
         if is_distillation(logits_processor_func):
             return megatron_distill.forward_step(original, self, batch, model, logits_processor_func,

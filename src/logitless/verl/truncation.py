@@ -11,10 +11,11 @@ one distribution family (the truncated reference keeps the KL at 0 where the pol
 How: verl hands the actor only the temperature (in the batch), never top_k / top_p. Those three methods of
 ``ActorRolloutRefWorker`` are wrapped: each reads the worker's own rollout config (``self.config.rollout``), checks
 it and sets the ``Truncation`` on this thread for its call; the fused heads (``core.py``) read it with
-``current()`` and pass it to ``fused_logprobs``. The engines' forward steps (``fused_loss.py``,
-``megatron_loss.py``) call ``require_fused`` per micro-batch: a micro-batch that would compute full-softmax
-log-probs (verl's logits path) is a ValueError whatever ``strict`` says, and on the FSDP engine ``check_ran``
-after the forward makes sure the truncated head ran.
+``current()`` and pass it to ``fused_logprobs``, and under ``install(fused_loss=True)`` on the FSDP engine the
+fused loss's head (``fused_loss.head``) passes it to ``policy_loss`` (the Megatron engine refuses that pair).
+The engines' forward steps (``fused_loss.py``, ``megatron_loss.py``) call ``require_fused`` per micro-batch: a
+micro-batch that would compute full-softmax log-probs (verl's logits path) is a ValueError whatever ``strict``
+says, and on the FSDP engine ``check_ran`` after the forward makes sure the truncated head ran.
 """
 from __future__ import annotations
 
