@@ -73,7 +73,8 @@ def test_no_host_read(divergence, beta, backend):
     assert torch.isfinite(unchecked.loss) and torch.isfinite(dw).all()
     # the same numbers: the same pass on the same scored rows, the unscored ones adding exact zeros
     assert (unchecked.loss - checked.loss).abs() <= 1e-6 * max(1.0, checked.loss.abs().item())
-    assert (unchecked.divergence - checked.divergence).abs().max() <= 1e-5
+    # per token: a few float32 ulps of the term's size (1.1e-5 at a term of 20 on one CI draw)
+    assert ((unchecked.divergence - checked.divergence).abs() <= 1e-5 + 2e-6 * checked.divergence.abs()).all()
     assert (dh - dh_c).abs().max() <= 1e-5 * dh_c.abs().max() and (dw - dw_c).abs().max() <= 1e-5 * dw_c.abs().max()
     for name in ("entropy", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage"):
         a, b = getattr(unchecked, name), getattr(checked, name)
