@@ -33,7 +33,7 @@ class Impl:
 
     name: the key given to ``--backends``; label: what the table shows; kind: "logitless", "peer",
     "policy" (a policy-loss row: build returns a ``PolicyRun``, see tools/bench_policy.py), "distill" or
-    "truncation" (build returns a ``DistillRun`` / ``TruncationRun``); entropy:
+    "truncation" (build returns a ``ModuleRun``); entropy:
     whether it computes the entropy too; package: the distribution whose version the bench records
     (None for torch-only paths); build(device): returns the callable or raises ``Unavailable``;
     triton_kernel: it runs a triton GPU kernel, so on CPU it fails (the bench says so next to the error).
@@ -238,26 +238,32 @@ def _fp32_head(device: torch.device) -> Fn:
 # --- the distillation and top-k rows (tools/bench_distill.py) ------------------------------
 
 @dataclass(frozen=True)
-class DistillRun:
-    """What a distillation row runs: ``name`` (bench_distill's row) on a logitless ``backend``."""
+class ModuleRun:
+    """What a row of another bench module runs (bench_distill's, bench_truncation's): ``name`` (the module's row)
+    on a ``backend`` (a logitless backend, or the peer's name)."""
     name: str
     backend: str
 
 
-def _distill(name: str) -> Callable[[torch.device], DistillRun]:
-    def build(device: torch.device) -> DistillRun:
-        import logitless as api
-        probe = torch.empty(1, 1, device=device)
-        backend = api.choose_backend(probe, probe, "auto")[0].name
+def _auto_backend(device: torch.device) -> str:
+    """The backend "auto" picks on ``device``; Unavailable where it is the triton backend in the interpreter."""
+    import logitless as api
+    probe = torch.empty(1, 1, device=device)
+    backend = api.choose_backend(probe, probe, "auto")[0].name
+    if backend == "triton":
+        _needs_gpu_triton(device, "the triton backend")
+    return backend
+
+
+def _distill(name: str) -> Callable[[torch.device], ModuleRun]:
+    def build(device: torch.device) -> ModuleRun:
         if name == "trl-divergence":
             trl_divergence(device)          # Unavailable, with the reason, where it does not import
-            backend = "trl"
-        elif name == "liger-jsd":
+            return ModuleRun(name, "trl")
+        if name == "liger-jsd":
             liger_jsd(device, 0.5)
-            backend = "liger"
-        elif backend == "triton":
-            _needs_gpu_triton(device, "the triton backend")
-        return DistillRun(name, backend)
+            return ModuleRun(name, "liger")
+        return ModuleRun(name, _auto_backend(device))
     return build
 
 
@@ -276,12 +282,7 @@ TRL_HEAD = "trl head"
 
 def _policy(fused: bool) -> Callable[[torch.device], PolicyRun]:
     def build(device: torch.device) -> PolicyRun:
-        import logitless as api
-        probe = torch.empty(1, 1, device=device)
-        name = api.choose_backend(probe, probe, "auto")[0].name
-        if name == "triton":
-            _needs_gpu_triton(device, "the triton backend")
-        return PolicyRun(fused, name)
+        return PolicyRun(fused, _auto_backend(device))
     return build
 
 
@@ -292,23 +293,9 @@ def _policy_trl(device: torch.device) -> PolicyRun:
 
 # --- the truncation rows (tools/bench_truncation.py) ----------------------------------------------
 
-@dataclass(frozen=True)
-class TruncationRun:
-    """What a truncation row runs: ``name`` (bench_truncation's row) on a logitless ``backend``."""
-    name: str
-    backend: str
-
-
-def _truncation(name: str) -> Callable[[torch.device], TruncationRun]:
-    def build(device: torch.device) -> TruncationRun:
-        import logitless as api
-        probe = torch.empty(1, 1, device=device)
-        backend = api.choose_backend(probe, probe, "auto")[0].name
-        if name == "naive-truncation":
-            backend = "torch"
-        elif backend == "triton":
-            _needs_gpu_triton(device, "the triton backend")
-        return TruncationRun(name, backend)
+def _truncation(name: str) -> Callable[[torch.device], ModuleRun]:
+    def build(device: torch.device) -> ModuleRun:
+        return ModuleRun(name, "torch" if name == "naive-truncation" else _auto_backend(device))
     return build
 
 
