@@ -210,7 +210,12 @@ def main(argv, script: str, modes, parse_args, run_one, report, png_name: str, p
         if not runs:
             raise SystemExit(f"no runs in {args.out}")
         plot, table, distances = report
-        plot(runs, args.png or os.path.join(args.out, png_name))
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:  # a bare GPU machine: the runs are saved; --plot-only draws them where matplotlib is
+            print(f"plot skipped: matplotlib is not installed (draw it elsewhere: --plot-only --out {args.out})")
+        else:
+            plot(runs, args.png or os.path.join(args.out, png_name))
         print(table(runs))
         for line in distances(runs):
             print(line)
