@@ -370,8 +370,9 @@ def test_k_labels_tail_against_float64(backend, precision, grad_precision):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, _, tail, _ = label_set_function.fused_logprobs_k(h, w, labels, torch.ones(labels.shape[0]), options,
                                                          with_tail=True)
-    # an op with a tail runs (and records) its own pass of IEEE float32 gradient products (tail_backward.py)
-    grads = "ieee"
+    # an op with a tail: the triton backend forms its closed form in its dlogits kernel and runs the gradient
+    # products asked for; the others run (and record) tail_backward.py's IEEE float32 products
+    grads = grads if backend == "triton" else "ieee"
     assert last_precision() == (stats, grads)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp = _logp64(h64, w64)
@@ -398,9 +399,10 @@ def test_topk_against_float64(backend, precision, grad_precision):
                                precision=precision, grad_precision=grad_precision)
     out = on_cpu(out)
     stats = precision or _default(backend)[0]
-    # an op with a tail runs its own backward pass (tail_backward.py: IEEE float32 gradient products, whatever
-    # grad_precision says), and the record says so
-    tail_grads = "ieee"
+    # an op with a tail: the triton backend's kernel (tail_dlogits.py) then the gradient products asked for; the
+    # others tail_backward.py's torch pass (IEEE float32 products, whatever grad_precision says); the record says so
+    tail_grads = _default(backend)[1] if precision is None else (grad_precision or "bf16")
+    tail_grads = tail_grads if backend == "triton" else "ieee"
     assert last_precision() == (stats, tail_grads)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp = _logp64(h64, w64, 0.8)

@@ -38,6 +38,11 @@ in ``grad_operands.dl_dtype`` and d_hidden / d_weight are the sums of its produc
 dlogits @ weight and dlogits.T @ hidden; d_weight is ``grad_operands.out_dtype`` [V, grad_operands.hidden_size].
 Products of float32 operands inside ``maths.tf32_products`` may run as TF32 dots (the op's "tf32").
 
+An op with a tail output (k ids per token and the mass outside them, ``tail_backward.py``) needs another dz,
+whose terms at the ids and outside them differ: a backend that forms it (the triton backend) takes ``tail``
+(a ``tail_backward.TailTerms``) in ``grads``, with labels all -1, g_lp = G and no entropy; the op runs
+``tail_backward``'s torch pass on the others.
+
 Token chunks: ``token_rows(stage, hidden, weight, with_entropy)`` is the most tokens one call of ``stats``
 (stage "forward") or ``grads`` ("backward") takes; its workspace is bounded by that. The caller
 (``ops/token_chunks.py``) feeds larger inputs to it in chunks of that many rows. The backward's value must

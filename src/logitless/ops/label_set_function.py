@@ -14,9 +14,11 @@ the ids, for the tail bucket of a divergence) one torch pass over the vocabulary
 the tail instead (``label_sets.vocab_pass``; no entropy then), on every backend: no kernel sums a masked tile.
 
 The top-k (``fused_topk``): the same torch pass selects the k largest logits per token (ties to the lower id),
-with lse and the tail from positive sums only. Backward of both: the backend's grads with no label and
-g_lp = G, plus the one-hot part at the ids (``label_sets``), d_hidden's part added before the tensor-parallel
-all-reduce of each token chunk.
+with lse and the tail from positive sums only. Backward of the k ids' log-probs without a tail: the backend's
+grads with no label and g_lp = G, plus the one-hot part at the ids (``label_sets``), d_hidden's part added before
+the tensor-parallel all-reduce of each token chunk. An op with a tail output (``fused_topk``, ``with_tail``): the
+closed form of ``tail_backward.py`` (no cancellation at the ids), its dlogits formed in the triton backend's
+kernel (``triton/tail_dlogits.py``; the plain backward's products after), in a torch pass on the other backends.
 
 A row of labels whose k ids all equal ignore_index is ignored (0 out, no gradient, no work); a row with only
 some of them is refused, as are ids outside [0, V) and an id repeated within a row (with check_inputs).
@@ -31,8 +33,8 @@ from torch import Tensor
 from .. import checks
 from ..record import record_backend
 from . import chunked, label_sets, tail_backward, token_chunks
-from .function import OpOptions, _layout
-from .maths import no_autocast, tf32_products
+from .function import OpOptions, _layout, _operands
+from .maths import no_autocast, split_in_kernel, tf32_products
 from .precision import choose, make_operands, public_name
 from .registry import load_backend
 
@@ -327,13 +329,19 @@ def _forward_k_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
                           softcap, tp_group, reduce_grad_hidden, check_inputs, labels_name, precision, grad_precision)
 
 
-def backward_precision(grad_precision: str, with_tail: bool) -> str:
-    """The gradient products the backward runs for an op asked for ``grad_precision``: an op with a tail output
-    runs ``tail_backward`` (float32 IEEE products of the operands: "ieee", or "native" for half operands), the
-    others the backend's with ``grad_precision``. Decided from the op's outputs, not from whether the tail gets
-    a gradient, so that the forward's record (``last_precision()``, which a backward on another thread could
-    not update) says what the backward runs."""
-    if with_tail and grad_precision != "native":
+def _tail_kernel(backend: str) -> bool:
+    """Whether the backward of an op with a tail output runs in the backend's kernels (the triton backend's
+    dlogits stage, ``triton/tail_dlogits.py``) rather than ``tail_backward``'s torch pass."""
+    return backend == "triton"
+
+
+def backward_precision(grad_precision: str, with_tail: bool, backend: str) -> str:
+    """The gradient products the backward runs for an op asked for ``grad_precision`` on ``backend``: an op with a
+    tail output runs, off the triton backend, ``tail_backward``'s torch pass (float32 IEEE products of the operands:
+    "ieee", or "native" for half operands); on it, and for the other ops, the backend's with ``grad_precision``.
+    Decided from the op's outputs, not from whether the tail gets a gradient, so that the forward's record
+    (``last_precision()``, which a backward on another thread could not update) says what the backward runs."""
+    if with_tail and not _tail_kernel(backend) and grad_precision != "native":
         return "ieee"
     return grad_precision
 
@@ -410,7 +418,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         lp = lp + poison
         ent = ent + poison if ent is not None else None
     record_backend(_pass_name(mod.name) if with_tail or (select and not fast) else mod.name,
-                   (public_name(precision), backward_precision(grad_precision, with_tail)), "fused_logprobs_k")
+                   (public_name(precision), backward_precision(grad_precision, with_tail, mod.name)),
+                   "fused_logprobs_k")
     empty = lp.new_empty(0)
     top = top if top is not None else torch.empty((N, 0), dtype=torch.int64, device=hidden.device)
     return lp, ent if ent is not None else empty, tail if tail is not None else empty.clone(), top, lse.clone()
@@ -476,7 +485,7 @@ def _topk(hidden, weight, inv_temp, mask, k, backend, softcap, tp_group, reduce_
         lp, lse, tail = _scatter(lp, rows, N), _scatter(lse, rows, N), _scatter(tail, rows, N)
         ids = torch.full((N, k), -1, dtype=torch.int64, device=hidden.device).index_copy_(0, rows, ids)
     record_backend("triton" if fast else _pass_name(mod.name),
-                   (public_name(precision), backward_precision(grad_precision, True)), "fused_topk")
+                   (public_name(precision), backward_precision(grad_precision, True, mod.name)), "fused_topk")
     return ids, lp, tail, lse
 
 
@@ -526,13 +535,9 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
         g_ent = torch.where(valid, g_ent, torch.zeros_like(g_ent)) if g_ent is not None else None
         g_t = torch.where(valid, g_t, torch.zeros_like(g_t)) if g_t is not None else None
     if tail.numel():
-        # an op with a tail output: its own pass (``tail_backward``: no cancellation at the k ids)
-        n = local.shape[0]
-        h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
-        step, columns = _pass_columns(mod.name, h_s, w_s, n)
-        dh, dw = tail_backward.grads(hidden, weight, h_s, w_s, tf32, local, inv_temp, lse, tl, g_lp, g_t, rows,
-                                     softcap, need_dh, need_dw, step, columns,
-                                     tp.reduce_grad_hidden if tp is not None else (lambda d: d))
+        # an op with a tail output: its closed form (``tail_backward``: no cancellation at the k ids)
+        dh, dw = _tail_grads(mod, hidden, weight, local, inv_temp, lse, tl, lp, g_lp, g_t, rows, softcap, need_dh,
+                             need_dw, precision, grad_precision, tp)
         return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
     G, coef = g_lp.sum(dim=1), g_lp
     n = local.shape[0]
@@ -563,6 +568,26 @@ def _backward_k(g_logprobs, g_entropy, g_tail, hidden, weight, labels, inv_temp,
     if need_dw and n:
         label_sets.add_onehot_dw(dw, hidden, local, c, rows, host_read=check_inputs)
     return (dh if need_dh else hidden.new_empty(0)), (dw if need_dw else weight.new_empty(0))
+
+
+def _tail_grads(mod, hidden, weight, local, inv_temp, lse, tail, lp, g_lp, g_t, rows, softcap, need_dh, need_dw,
+                precision, grad_precision, tp):
+    """(d_hidden, d_weight) of an op with a tail output, for the kept rows: on the triton backend its dlogits
+    kernel (``triton/tail_dlogits.py``) in the backend's backward pass, with the plain op's operands and gradient
+    products (``function._operands``); elsewhere ``tail_backward``'s torch pass (IEEE float32 products)."""
+    terms, G = tail_backward.terms(local, lse, tail, lp, g_lp, g_t)
+    finish = tp.reduce_grad_hidden if tp is not None else (lambda d: d)
+    n = local.shape[0]
+    if _tail_kernel(mod.name):
+        ops = _operands(mod, hidden, weight, precision, grad_precision) if n else None
+        with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
+            return token_chunks.grads(mod, hidden, weight, torch.full_like(local[:, 0], -1), inv_temp.contiguous(),
+                                      lse.contiguous(), None, G, None, rows, need_dh, need_dw, softcap, finish,
+                                      operands=ops, tail=terms)
+    h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
+    step, columns = _pass_columns(mod.name, h_s, w_s, n)
+    return tail_backward.grads(hidden, weight, h_s, w_s, tf32, terms, G, inv_temp, lse, rows, softcap, need_dh,
+                               need_dw, step, columns, finish)
 
 
 @_backward_k_op.register_fake

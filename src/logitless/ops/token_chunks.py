@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .contract import Backend
 from .precision import Operands
+from .tail_backward import TailTerms
 
 
 def _chunk(hidden: Tensor, rows: Optional[Tensor], start: int, stop: int) -> Tensor:
@@ -60,7 +61,7 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
           ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], rows: Optional[Tensor],
           need_dh: bool, need_dw: bool, softcap: Optional[float],
           finish_dh: Callable[[Tensor], Tensor] = lambda dh: dh, operands: Optional[Operands] = None,
-          add_dh: Optional[Callable[[Tensor, int, int], None]] = None):
+          add_dh: Optional[Callable[[Tensor, int, int], None]] = None, tail: Optional[TailTerms] = None):
     """(d_hidden hidden.dtype [N, H] or None, d_weight weight.dtype [V, H] or None) for hidden [N, H].
     operands: a precision's operands for hidden and weight (``ops/precision.py``): the backend recomputes the
     logits from their statistics operands and forms the gradients with their gradient products; None: from
@@ -71,7 +72,9 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
     written (the tensor-parallel all-reduce); it is called the same number of times on every rank, as
     the chunking depends on hidden's shape, dtype and device only. ``add_dh(dh, start, stop)`` adds to a
     chunk's float32 d_hidden (kept rows start..stop) before ``finish_dh``: the one-hot part of k ids per
-    token (``label_sets``), so that it is all-reduced with the rest."""
+    token (``label_sets``), so that it is all-reduced with the rest. ``tail``: the k ids and tail of an op with a
+    tail output (``tail_backward.TailTerms`` of the kept rows; g_lp is then G), for a backend that forms their
+    closed form (the triton one): each chunk gets its rows."""
     n_all, n = hidden.shape[0], labels.shape[0]
     # the chunk plan is made on the caller's hidden (its shape, dtype and device: the same on every rank)
     step = max(1, backend.token_rows("backward", hidden, weight, g_ent is not None))
@@ -95,6 +98,8 @@ def grads(backend: Backend, hidden: Tensor, weight: Tensor, labels: Tensor, inv_
         if operands is not None:
             extra["grad_operands"] = operands.grad.rows(
                 slice(start, stop) if rows is None else rows[start:stop])
+        if tail is not None:
+            extra["tail"] = tail.rows(start, stop)
         dh, dw_part = backend.grads(_chunk(h_stats, rows, start, stop), w_stats, labels[start:stop],
                                     inv_temp[start:stop], lse[start:stop], None if ent is None else ent[start:stop],
                                     g_lp[start:stop], None if g_ent is None else g_ent[start:stop],

@@ -37,11 +37,12 @@ def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
-          dw_acc: Optional[Tensor] = None, grad_operands=None):
-    """(d_hidden float32 [N, H] or None, d_weight [V, H] or None); see logitless.ops.contract."""
+          dw_acc: Optional[Tensor] = None, grad_operands=None, tail=None):
+    """(d_hidden float32 [N, H] or None, d_weight [V, H] or None); see logitless.ops.contract (``tail``: this
+    backend's closed form of an op with a tail output)."""
     with _on(hidden):
         return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap,
-                              dw_acc, grad_operands)
+                              dw_acc, grad_operands, tail)
 
 
 def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:

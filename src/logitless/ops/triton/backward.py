@@ -24,6 +24,8 @@ from torch import Tensor
 from ... import knobs
 from ..maths import accumulate_mm, accumulate_product
 from ..precision import GradOperands
+from ..tail_backward import TailTerms
+from . import tail_dlogits
 from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
 from .tile import logits_tile, softcap_tanh, tile_coords
 
@@ -124,12 +126,15 @@ def token_rows(hidden: Tensor) -> int:
 
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
-          dw_acc: Optional[Tensor] = None, grad_operands: Optional[GradOperands] = None):
+          dw_acc: Optional[Tensor] = None, grad_operands: Optional[GradOperands] = None,
+          tail: Optional[TailTerms] = None):
     """(d_hidden float32 [N, H] or None, d_weight [V, H] or None), chunk by chunk.
     softcap: None or c > 0, see logitless.ops.contract (the cap's derivative is applied in the kernel).
     dw_acc: None, or a float32 [V, H] accumulator into which d_weight is added (then None is returned).
     grad_operands: the gradient products (``ops/precision.py``) when hidden / weight are a precision's
     statistics operands; None: the products of hidden and weight themselves.
+    tail: the k ids and tail of an op with a tail output (``tail_backward.TailTerms``; g_lp is then G, labels and
+    the entropy unused): its closed form's dlogits (``tail_dlogits``), the same products after.
 
     Workspace: one dlogits buffer [N, C] (256 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
@@ -145,8 +150,12 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     buf = torch.empty((n, step), dtype=go.dl_dtype, device=hidden.device)
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
-        dl = dlogits_chunk(h_kernel, w_kernel[start:stop], start, labels, inv_temp, lse, ent, g_lp, g_ent,
-                           buf[:, :stop - start], softcap)
+        if tail is None:
+            dl = dlogits_chunk(h_kernel, w_kernel[start:stop], start, labels, inv_temp, lse, ent, g_lp, g_ent,
+                               buf[:, :stop - start], softcap)
+        else:
+            dl = tail_dlogits.dlogits_chunk(h_kernel, w_kernel[start:stop], start, tail, inv_temp, lse, g_lp,
+                                            buf[:, :stop - start], softcap)
         if dh is not None:
             for a, b in go.products(dl, go.weight_rows(start, stop)):
                 accumulate_mm(dh, a, b)

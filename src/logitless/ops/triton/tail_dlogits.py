@@ -1,0 +1,96 @@
+"""The dlogits of an op with a tail output (``ops/tail_backward.py``'s closed form) for one vocabulary chunk: the
+backward's kernel stage for k ids per token and the mass outside them; ``backward.grads`` runs it in place of the
+plain dlogits kernel and forms the two gradient products from its output as for any other dlogits.
+
+Each tile recomputes its logits from the statistics operands (as ``backward._dlogits_kernel``) and writes
+    dl_ij = inv_t_i * sum over k with id_ik = j of c_ik                       at the row's ids
+    dl_ij = inv_t_i * (g_tail_i exp(z_ij - lse_tail_i) - G_i p_ij)            elsewhere
+(times 1 - tanh^2 with a softcap), c_ik = g_ik - G_i exp(lp_ik) from ``tail_backward.terms``. Membership is
+tested in the kernel, id by id: a tile reads each id of its rows and compares only when one of them falls among
+its columns (most tiles hold few). At the ids the terms of the columns outside are selected away, never
+subtracted: exp(z_j - lse_tail) there can exceed float32 (a tiny tail), and cancelling it is what the closed form
+avoids.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..tail_backward import TailTerms
+from .common import LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
+from .tile import logits_tile, softcap_tanh, tile_coords
+
+
+@triton.jit
+def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_ptr, lse_tail_ptr, g_all_ptr,
+                         g_tail_ptr, dl_ptr, n_rows, n_cols, n_k, col0, s_hn, s_hk, s_wv, s_wk, s_dn,
+                         N_IDS: tl.constexpr, TAIL_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                         OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+    """The module's dl for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk). ids
+    [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, -1 for none; at_ids alike, float32: each
+    id's dz c_k; g_all = G; TAIL_GRAD False: g_tail is 0 (no exponential of the tail term). A masked pointer
+    store."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
+                                  INTERP)
+    row_ok = rows < n_rows
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_all = tl.load(g_all_ptr + rows, mask=row_ok, other=0.0)
+    z_scale = inv_t            # z = acc * z_scale
+    if SOFTCAP:
+        acc, dcap = softcap_tanh(acc, CAP)     # acc now holds t = tanh(raw / CAP); dcap = 1 - t^2
+        z_scale = inv_t * CAP
+    z = acc * z_scale[:, None]
+    # outside the ids: -G p, in natural units first (z - lse, then base 2: near a large logit, as at a tiny tail's
+    # ids, z log2(e) - lse log2(e) would round each term at that size)
+    dz = tl.exp2((z - lse[:, None]) * LOG2E) * (-g_all)[:, None]
+    if TAIL_GRAD:
+        lse_tail = tl.load(lse_tail_ptr + rows, mask=row_ok, other=0.0)
+        g_tail = tl.load(g_tail_ptr + rows, mask=row_ok, other=0.0)
+        # exp(z - lse_tail) <= 1 outside the ids (lse_tail = +inf, no column outside them: exp2(-inf) = 0; the
+        # clamp only absorbs rounding there); at the ids it would exceed float32 at a tiny tail and is not taken
+        # (a select below, never a subtraction)
+        dz += tl.exp2(tl.minimum(z - lse_tail[:, None], 0.0) * LOG2E) * g_tail[:, None]
+    # at the ids: their c_k (summed where an id repeats), in place of the terms above
+    at_ids = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    member = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    first = pid_n * BLOCK_N
+    id_rows = rows.to(tl.int64) * N_IDS
+    for i in range(0, N_IDS):
+        col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1) - col0
+        here = row_ok & (col >= first) & (col < first + BLOCK_N)
+        if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
+            c_i = tl.load(at_ids_ptr + id_rows + i, mask=row_ok, other=0.0)
+            hit = (cols[None, :] == col[:, None]) & here[:, None]
+            at_ids += tl.where(hit, c_i[:, None], 0.0)
+            member = tl.where(hit, 1, member)
+    dl = tl.where(member > 0, at_ids, dz) * inv_t[:, None]
+    if SOFTCAP:
+        dl = dl * dcap     # chain rule through the cap: d z / d raw = inv_t * (1 - t^2)
+    ptrs = dl_ptr + rows.to(tl.int64)[:, None] * s_dn + cols[None, :]
+    tl.store(ptrs, dl.to(OUT_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
+
+
+def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, tail: TailTerms, inv_temp: Tensor, lse: Tensor,
+                  g_all: Tensor, out: Tensor, softcap=None) -> Tensor:
+    """Fill ``out`` [N, C] (unit column stride) with the dlogits of vocabulary rows col0 .. col0 + C of the tail's
+    closed form, where w_chunk = weight[col0 : col0 + C] and g_all [N] is G (d raw logits with a softcap)."""
+    n, k = hidden.shape
+    cols = w_chunk.shape[0]
+    tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
+    grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
+    h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
+    tail_grad = tail.g_tail is not None
+    _tail_dlogits_kernel[grid](
+        h_op, w_op, tail.ids, tail.at_ids, inv_temp, lse, tail.lse_tail, g_all,
+        tail.g_tail if tail_grad else g_all, out,
+        n, cols, k, col0, hidden.stride(0), hidden.stride(1), w_chunk.stride(0), w_chunk.stride(1), out.stride(0),
+        N_IDS=tail.ids.shape[1], TAIL_GRAD=tail_grad, USE_TMA=use_tma, OUT_DTYPE=tl_dtype(out.dtype),
+        **launch_options(tiles, hidden, softcap))
+    return out
