@@ -63,7 +63,7 @@ GPU_TESTS = ("tests/test_compile_and_graphs.py", "tests/losses/test_distillation
              "tests/ops/test_topk_select.py", "tests/test_truncation.py", "tests/ops/test_distill_chunk_kernels.py",
              "tests/test_contexts.py",
              "tests/ops/test_triton_backend.py", "tests/test_precision.py", "tests/ops/test_tail_gradient.py",
-             "tests/ops/test_label_sets.py", "tests/losses/test_distill_topk.py",
+             "tests/ops/test_tail_dlogits.py", "tests/ops/test_label_sets.py", "tests/losses/test_distill_topk.py",
              "tests/losses/test_distill_topk_degenerate.py", "tests/ops/test_stages.py",
              "tests/ops/test_chunked_columns.py", "tests/ops/test_token_chunks.py",
              "tests/ops/test_triton_policy_kernels.py", "tests/losses/test_policy_loss.py",

@@ -128,8 +128,9 @@ def case_topk_divergences(ctx):
     labels[0, :3] = -100
     sizes = uneven_sizes(V, ctx.world)
     off, w_local = shard(ctx, weight, sizes)
+    # the tail variant on triton: its dlogits kernel on each shard (the ids another rank holds never match)
     for divergence, backend in (("forward_kl_topk", "chunked"), ("forward_kl_topk_tail", "chunked"),
-                                ("forward_kl_topk", "triton")):
+                                ("forward_kl_topk", "triton"), ("forward_kl_topk_tail", "triton")):
         tag = f"[{divergence} {backend}]"
         h_in, w_in = hidden.clone().requires_grad_(), w_local.requires_grad_()
         got = topk_divergence(h_in, w_in, labels, t_ids, t_lp.float(), divergence=divergence, tp_group=ctx.group,
