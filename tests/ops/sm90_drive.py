@@ -84,13 +84,25 @@ def topk_cases():
     yield "topk bf16 eight candidates a tile", dict(dtype=torch.bfloat16, candidates=8)
     yield "topk fp32 bf16x3", dict(dtype=torch.float32, precision="bf16x3")
     yield "topk fp32 ieee", dict(dtype=torch.float32, precision="ieee")
+    # the backward's tail dlogits kernel: without the tail's gradient, fp16 dlogits, pointer loads, the products
+    # split in registers (bf16x2 / bf16x2w; bf16x3 above)
+    yield "topk bf16 log-probs only", dict(dtype=torch.bfloat16, tail=False)
+    yield "topk fp16", dict(dtype=torch.float16)
+    yield "topk bf16 column-major hidden", dict(dtype=torch.bfloat16, layout="columns")
+    for exact in ("hidden", "weight"):
+        yield f"topk fp32 split exact {exact}", dict(dtype=torch.float32, precision="split", exact=exact)
 
 
-def run_topk(dtype, k=K, candidates=None, **kw):
-    hidden, weight = head(dtype)
+def run_topk(dtype, k=K, candidates=None, tail=True, layout="rows", exact=None, **kw):
+    hidden, weight = head(dtype, layout=layout)
+    with torch.no_grad():   # operands that hold bfloat16 values only (the split's fewer products)
+        if exact == "hidden":
+            hidden.copy_(hidden.bfloat16())
+        if exact == "weight":
+            weight.copy_(weight.bfloat16())
     with contextlib.nullcontext() if candidates is None else env_set(LOGITLESS_TOPK_CANDIDATES=str(candidates)):
         out = logitless.fused_topk(hidden, weight, k, backend="triton", **kw)
-    (out.logprobs.sum() + out.tail_logprob.sum()).backward()
+    (out.logprobs.sum() + (out.tail_logprob.sum() if tail else 0)).backward()
 
 
 def policy_cases():
@@ -218,6 +230,8 @@ def drive(case, record_only):
                                dict(dtype=torch.float32, precision="split", exact="hidden")),
                               ("jsd bf16", run_distill, dict(divergence="jsd", beta=0.5)),
                               ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True)),
+                              ("forward_kl_topk_tail bf16", run_distill,
+                               dict(divergence="forward_kl_topk_tail", topk=True)),
                               ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),
                               ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)

@@ -97,7 +97,7 @@ def test_every_kernel_in_src_is_launched(launches):
     launched = {b["kernel"] for b in launches["builds"]}
     assert kernels - launched == set(), "kernels the drive never launches"
     assert launched <= kernels, launched - kernels
-    assert len(kernels) >= (13 if GLUON_IN_USE else 12)
+    assert len(kernels) >= (14 if GLUON_IN_USE else 13)
 
 
 # compile-time values and argument types each kernel must have been built with: the GPU's choices (Hopper tiles,
@@ -127,6 +127,10 @@ REQUIRED = {
     "exact._low_bits_kernel": dict(BLOCK_R={"16"}, BLOCK_C={"256"}),
     "scale._scale_kernel": dict(BLOCK={"4096"}, UNROLL={"16"}),
     "set_products._set_products_kernel": dict(BLOCK={"128"}),
+    "tail_dlogits._tail_dlogits_kernel": dict(SOFTCAP={"True", "False"}, TAIL_GRAD={"True", "False"},
+                                              USE_TMA={"True", "False"}, OUT_DTYPE={"bf16", "fp16", "fp32"},
+                                              SPLIT={"0", "2", "3", "4"}, N_IDS={"3", "32", "128"},
+                                              BLOCK_N={"256", "64", "128"}),
     "topk_select._candidates_kernel": dict(C={"1", "4", "8"}, SOFTCAP={"True", "False"},
                                            BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
     "topk_select._finish_kernel": dict(K={"3", "32", "128"}),
@@ -139,6 +143,7 @@ REQUIRED = {
 OPERANDS = {"forward_stats._tile_stats_kernel": ("bf16", "fp16", "fp32"),
             "policy_stats._policy_stats_kernel": ("bf16", "fp16", "fp32"),
             "backward._dlogits_kernel": ("bf16", "fp16", "fp32"),
+            "tail_dlogits._tail_dlogits_kernel": ("bf16", "fp16", "fp32"),
             "policy_stats_gluon._policy_stats_gluon_kernel": ("bf16", "fp16"),
             "set_products._set_products_kernel": ("bf16", "fp32"),
             "topk_select._candidates_kernel": ("bf16", "fp32")}
