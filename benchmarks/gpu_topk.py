@@ -12,7 +12,8 @@ Shape: bf16, 16 x 1024 tokens (about 12% not scored / masked), H=4096, V=151936,
      <= 1.10x); and the torch vocabulary pass it replaced (backend "chunked") at k 32;
    - naive top-k: bf16 logits, float32 log_softmax, torch.topk, the tail as log1p(-sum p) (it keeps [N, V]);
    - topk_divergence forward + backward, "forward_kl_topk" (the student's own top k by the selection kernels) and
-     "forward_kl_topk_tail" (its tail: the torch pass), backend "auto", against the 4-GEMM floor (targets <= 0.80x
+     "forward_kl_topk_tail" (its tail: the torch pass forward, the backward's dlogits kernel
+     ``triton/tail_dlogits.py``), backend "auto", against the 4-GEMM floor (targets <= 0.80x
      and <= 0.85x); and
      "forward_kl_topk" with_overlap=False (the backend's own statistics pass forward: Triton on CUDA);
    - peak memory above the inputs (MiB).
