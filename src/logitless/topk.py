@@ -41,7 +41,7 @@ def fused_topk(hidden: Tensor, weight: Tensor, k: int, *, temperature: Union[flo
             lower global id), identical on every rank.
         reduce_grad_hidden, softcap: as in ``fused_logprobs``.
         backend: "triton" ("auto" on CUDA) selects in the statistics pass's kernels (``ops/triton/topk_select``:
-            k <= 128 with k < V and check_inputs; otherwise the torch pass, ``last_backend()`` says which ran);
+            k <= 2048 with k < V and check_inputs; otherwise the torch pass, ``last_backend()`` says which ran);
             "reference" or "chunked" run the selection in torch (the reference on one [tokens x V] tile, the
             chunked backend in its tiles). The backward runs the chosen backend's kernels.
         precision, grad_precision: how float32 operands are multiplied, as in ``fused_logprobs``

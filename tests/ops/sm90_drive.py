@@ -77,7 +77,7 @@ def run_logprobs(dtype, layout="rows", k=None, exact=None, **kw):
 
 def topk_cases():
     """fused_topk through the selection kernels (candidates, finish; one candidate a tile forces the exact second
-    pass with C >= k), softcap, float32 operands; k 32 and 128 (the fast path's limit) on the model-sized head."""
+    pass with C >= k), softcap, float32 operands; k 32, 128 and 2048 (the fast path's limit) on the model-sized head."""
     yield "topk bf16", dict(dtype=torch.bfloat16)
     yield "topk bf16 softcap", dict(dtype=torch.bfloat16, softcap=30.0)
     yield "topk bf16 one candidate a tile", dict(dtype=torch.bfloat16, candidates=1)
@@ -233,7 +233,9 @@ def drive(case, record_only):
                               ("forward_kl_topk_tail bf16", run_distill,
                                dict(divergence="forward_kl_topk_tail", topk=True)),
                               ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),
-                              ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128))):
+                              ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128)),
+                              # the fast path's largest k (a top-p nucleus of ~2000 ids): C 16, 2048 keys a row
+                              ("topk bf16 k 2048", run_topk, dict(dtype=torch.bfloat16, k=2048))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)
         with env_set(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
             for name, run, kw in triton_stats[:1] + triton_stats[4:5]:  # bf16 logprobs, ppo

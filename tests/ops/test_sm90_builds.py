@@ -131,9 +131,9 @@ REQUIRED = {
                                               USE_TMA={"True", "False"}, OUT_DTYPE={"bf16", "fp16", "fp32"},
                                               SPLIT={"0", "2", "3", "4"}, N_IDS={"3", "32", "128"},
                                               BLOCK_N={"256", "64", "128"}),
-    "topk_select._candidates_kernel": dict(C={"1", "4", "8"}, SOFTCAP={"True", "False"},
+    "topk_select._candidates_kernel": dict(C={"1", "4", "8", "16"}, SOFTCAP={"True", "False"},
                                            BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
-    "topk_select._finish_kernel": dict(K={"3", "32", "128"}),
+    "topk_select._finish_kernel": dict(K={"3", "32", "128", "2048"}),
     "distill_chunk._stats_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"},
                                         STEPS={"8"}),
     "distill_chunk._sums_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}),   # jsd's only

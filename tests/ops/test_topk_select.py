@@ -17,10 +17,10 @@ from reference64 import rel_err
 V, H, N = 1031, 48, 13
 
 
-def head(seed, scale=1.0, dtype=torch.float32):
+def head(seed, scale=1.0, dtype=torch.float32, v=V):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g).to(dtype)
-    weight = (torch.randn(V, H, generator=g) * (scale * 3.0 / H ** 0.5)).to(dtype)
+    weight = (torch.randn(v, H, generator=g) * (scale * 3.0 / H ** 0.5)).to(dtype)
     return hidden, weight, g
 
 
@@ -82,17 +82,43 @@ def test_selection_matches_float64(k, softcap, seed):
     assert rel_err(h_in.grad, h64.grad) < 1e-4 and rel_err(w_in.grad, w64.grad) < 1e-4
 
 
-@pytest.mark.parametrize("k", [topk_select.MAX_K + 1, V])
-def test_k_beyond_the_fast_path(k, seed):
+@pytest.mark.parametrize("k", [300, 701])
+def test_large_k_raises_the_candidates(k, seed):
+    """k past 128 (a top-p nucleus of hundreds to thousands of ids) stays on the kernels: the first pass keeps
+    at least SHARE x k candidates over the full tiles (C raised from 4), and the ids, log-probs, tail and
+    gradients are float64's."""
+    v = 4099
+    hidden, weight, g = head(seed, v=v)
+    tiles = topk_select.tiles_for(hidden.dtype, hidden.device)
+    c = topk_select.first_candidates(k, v, tiles)
+    assert c > topk_select.CANDIDATES or c == tiles.block_n
+    assert topk_select.fast_path_ok(k, v, hidden.dtype, hidden.device)
+    h_in, w_in = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_topk(h_in, w_in, k, backend="triton", precision="ieee")
+    assert last_backend() == "triton"
+    a, b = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
+    ((out.logprobs * a).sum() + (out.tail_logprob * b).sum()).backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ids, _, _ = want64(h64, w64, k)
+    same_selection(out.ids, ids, hidden, weight)
+    lp, tail = at_ids(h64, w64, out.ids)
+    ((lp * a.double()).sum() + (tail * b.double()).sum()).backward()
+    assert (out.logprobs.double() - lp).abs().max() < 2e-5
+    assert (out.tail_logprob.double() - tail).abs().max() < 2e-5
+    assert rel_err(h_in.grad, h64.grad) < 1e-4 and rel_err(w_in.grad, w64.grad) < 1e-4
+
+
+@pytest.mark.parametrize("k, v", [(topk_select.MAX_K + 1, 4099), (V, V)])
+def test_k_beyond_the_fast_path(k, v, seed):
     """k above the kernels' limit, and k = V (no tail: -inf), take the torch pass: still exact."""
-    hidden, weight, _ = head(seed)
-    assert not topk_select.fast_path_ok(k, V, hidden.dtype, hidden.device)
+    hidden, weight, _ = head(seed, v=v)
+    assert not topk_select.fast_path_ok(k, v, hidden.dtype, hidden.device)
     out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
     assert last_backend() == "chunked"
     ids, lp, tail = want64(hidden, weight, k)
     same_selection(out.ids, ids, hidden, weight)      # k = V sorts all 1031 ids: near-equal pairs may swap
     assert (out.logprobs.double() - lp).abs().max() < 2e-5
-    if k == V:
+    if k == v:
         assert torch.isneginf(out.tail_logprob).all()
     else:
         assert (out.tail_logprob.double() - tail).abs().max() < 2e-5

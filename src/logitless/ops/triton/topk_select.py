@@ -42,9 +42,14 @@ from ... import knobs
 from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands
 from .tile import logits_tile, softcap_tanh, tile_coords
 
-# k of the fast path: candidates per tile C = CANDIDATES for k <= MAX_K; larger k takes the torch pass
-MAX_K = 128
+# k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
+# int64 over 128 threads: 16 each). C = CANDIDATES a tile up to k ~ 600 at V 151936; a larger k raises C so that
+# a tile's expected share of the k stays at most a quarter of its candidates (``first_candidates``): a top-p
+# nucleus of ~2000 ids is selected by these kernels, not by the torch pass
+MAX_K = 2048
 CANDIDATES = 4
+# C >= SHARE x (k / full tiles): the share of a tile that overflows C (and sends its row to a redo round) small
+SHARE = 4
 # the key of no column (padding, a column already taken): the key of -inf with the largest id; every real logit's
 # key lies above it. ord(-inf) = 0xFF800000 ^ 0x7FFFFFFF = -2139095041 as int32, in the high word.
 NO_KEY = -2139095041 * (1 << 32)
@@ -199,10 +204,12 @@ def candidates(k: int) -> int:
 
 def first_candidates(k: int, vocab: int, tiles: Tiles) -> int:
     """C of the first pass: ``candidates(k)``, raised to the power of two whose candidates, the ragged last tile's
-    aside, hold at least k (a small vocabulary), at most the tile's width."""
+    aside, hold at least k (a small vocabulary) and, for a large k, at least SHARE x k (``MAX_K``), at most the
+    tile's width."""
     c = min(candidates(k), tiles.block_n)
     full = max(1, triton.cdiv(vocab, tiles.block_n) - 1)
-    while c < tiles.block_n and full * c < k:
+    need = k if k <= 128 else SHARE * k
+    while c < tiles.block_n and full * c < need:
         c *= 2
     return c
 
