@@ -96,8 +96,9 @@ doctor: setup
 	$(VENV)/bin/logitless doctor
 
 # On a machine with one CUDA GPU whose python has torch and triton (no .venv, no package index needed):
-# `make gpu-check` runs the GPU-only tests and times every headline figure against its floor, target and the
-# committed baseline (benchmarks/gpu_check.py; GPU_OUT gets gpu-check.md / .json); `make gpu-learning` runs the
+# `make gpu-check` times every headline figure against its floor, target and the committed baseline, then runs
+# the GPU-only tests, within 450 s (--budget; benchmarks/gpu_check.py; GPU_OUT gets gpu-check.md / .json, rewritten
+# as each figure and test file ends); `make gpu-learning` runs the
 # two TRL learning runs at their GPU size. What they need beyond torch and triton (pytest, the peers, TRL and its
 # dependencies) comes from wheels: `make gpu-wheels` downloads them (for GPU_PYVER) into .whl/ on a machine with
 # a package index; copy .whl/ along; the targets install them into GPU_SITE first.

@@ -1,24 +1,42 @@
-"""Every GPU claim of logitless re-checked in one call: the GPU-only tests, then a short timing of each headline
-figure against the cuBLAS floor (and the installed peers) in this process, one table with each target beside its
-figure, compared with a committed baseline of the same shapes.
+"""Every GPU claim of logitless re-checked in one call, within a time budget: a short timing of each headline
+figure against the cuBLAS floor (and the installed peers) in this process, then the GPU-only tests, one table with
+each target beside its figure, compared with a committed baseline of the same shapes.
 
     make gpu-check                                    # on a machine with one CUDA GPU, torch and triton
-    PYTHONPATH=src python3 benchmarks/gpu_check.py [--out DIR] [--only tests,timings] [--rounds 3]
+    PYTHONPATH=src python3 benchmarks/gpu_check.py [--out DIR] [--only tests,timings] [--budget 450]
+        [--tests-budget 150] [--rounds 3] [--reps 5] [--test-workers N]
         [--baseline benchmarks/results/gpu-check-baseline.json] [--write-baseline PATH] [--commit REV] [--dry-run]
 
-1. Tests: the suite's GPU-only files (compiled kernels, CUDA graphs, batch invariance, TF32 / split precisions,
-   Gluon, streams, the distillation and top-k kernels), one pytest process per file (``--test-workers`` at once),
-   within ``--tests-budget``
-   seconds; a file the budget did not reach is reported as not run, never as passed.
-2. Timings (docs/performance.md's shapes, bf16 unless named): each figure is the ratio of logitless' time to its
-   floor, both timed in ``--rounds`` alternating rounds (floor, logitless, peers; median of ``--reps`` CUDA-event
-   timed calls each), reported as the median ratio and its spread (min-max) over the rounds; errors against
-   float64 on a slice of the tokens; peak memory over the gradient buffers.
+The whole call keeps to ``--budget`` seconds (default 450: with the imports, under 8 minutes on one H100),
+counted from the start of the process:
+1. Timings first (docs/performance.md's shapes, bf16 unless named), so the claims are measured on a cool GPU and no
+   slow test file can starve them; they end ``--tests-budget`` seconds before the budget does. Sections in order:
+   head A, head B, the policy loss, the float32 head, distillation, top-k, truncation. Each section's share is the
+   time left times its estimate (seconds on one H100, ``Section.estimate_s``) over the estimates of the sections
+   not yet run: time a section does not use goes to the later ones. A section with less than a third of its
+   estimate left is skipped, its figures "not run (budget)" in the table.
+   Each figure is the ratio of logitless' time to its floor, both timed in alternating rounds (floor, logitless,
+   peers; median of a round's CUDA-event-timed calls each), reported as the median ratio and its spread (min-max)
+   over the rounds; errors against float64 on a slice of the tokens; peak memory over the gradient buffers. After
+   one untimed warm-up call each (triton compiles, cuBLAS picks its kernels) one timed call of each prices a
+   round; the rounds x calls run are ``--rounds`` x ``--reps`` (3 x 5; truncation at most 2 x 3, its selections
+   cost seconds a call), cut to the first of 3 x 3, 2 x 3, 2 x 2, 2 x 1, 1 x 1 that fits the section's share where
+   the asked plan would not (the figure's "rounds x calls" says what ran). Two rounds still give a spread to judge
+   a ratio by; one is a figure without one. A call of 0.5 s or more gets no warm-up call before each round (it is
+   its own).
+2. The tests: the suite's GPU-only files (compiled kernels, CUDA graphs, batch invariance, TF32 / split
+   precisions, Gluon, streams, the distillation and top-k kernels), one pytest process per file (``--test-workers``
+   at once, default half the host's CPUs up to 8, their CPU threads split between them), GPU-only subjects first
+   and the longest compiled-kernel files next, until the budget ends: a file started too late is "not run
+   (budget)", one cut short "timed out (budget)" with the tests it got through, never passed.
 3. Each figure against its target (pass / miss) and against the baseline (same card name): a move beyond the larger
    of the two runs' spreads and 2% of the baseline is flagged "moved", with the commit range to bisect.
-Writes OUT/gpu-check.json and OUT/gpu-check.md and prints the table last (one H100: about 6 minutes).
+Nothing measured is lost: each figure is logged the moment its rounds are done (median, spread, target, verdict,
+note), each section's start and seconds too, and OUT/gpu-check.json and OUT/gpu-check.md are rewritten after
+every figure, section and test file, so a call killed at any point leaves every finished figure on disk (a
+SIGTERM, as `timeout` sends, is recorded as the call's status). The table is printed last.
 --dry-run: every step on tiny shapes on the CPU (triton's interpreter, wall clock; the tests step only collects):
-a check of the script, run in CI, not a measurement.
+a check of the script, run in CI, not a measurement; its section times are logged like the GPU's.
 """
 from __future__ import annotations
 
@@ -26,16 +44,20 @@ import argparse
 import concurrent.futures
 import datetime
 import json
+import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+T_START = time.monotonic()        # the budget counts from here: the imports below are part of the call
 if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
@@ -51,23 +73,23 @@ from logitless.tools.common import (  # noqa: E402
     peak_extra_bytes,
     random_head,
     sample_labels,
+    time_call,
     time_calls,
 )
 from logitless.tools.machine import machine, versions  # noqa: E402
 
 # The suite's files whose subject needs a GPU (each also runs on the CPU, where their GPU cases skip), in the
-# order the budget reaches them: what only a GPU can test first (CUDA graphs, torch.compile of the kernels, Gluon,
-# batch invariance of the compiled kernels, streams), then the compiled kernels against float64.
+# order the tests step starts them: what only a GPU can test first (CUDA graphs, torch.compile of the kernels,
+# Gluon, batch invariance of the compiled kernels, autocast and streams), then the longest files of compiled
+# kernels against float64 (started early, so the budget's end cuts none of them short), then the rest.
 GPU_TESTS = ("tests/test_compile_and_graphs.py", "tests/losses/test_distillation_unchecked.py",
-             "tests/ops/test_policy_stats_gluon.py", "tests/ops/test_batch_invariance.py",
+             "tests/ops/test_policy_stats_gluon.py", "tests/ops/test_batch_invariance.py", "tests/test_contexts.py",
+             "tests/ops/test_triton_backend.py", "tests/test_precision.py", "tests/ops/test_label_sets.py",
              "tests/ops/test_topk_select.py", "tests/test_truncation.py", "tests/ops/test_distill_chunk_kernels.py",
-             "tests/test_contexts.py",
-             "tests/ops/test_triton_backend.py", "tests/test_precision.py", "tests/ops/test_tail_gradient.py",
-             "tests/ops/test_tail_dlogits.py", "tests/ops/test_label_sets.py", "tests/losses/test_distill_topk.py",
-             "tests/losses/test_distill_topk_degenerate.py", "tests/ops/test_stages.py",
-             "tests/ops/test_chunked_columns.py", "tests/ops/test_token_chunks.py",
-             "tests/ops/test_triton_policy_kernels.py", "tests/losses/test_policy_loss.py",
-             "tests/losses/test_policy_losses.py")
+             "tests/ops/test_tail_gradient.py", "tests/ops/test_tail_dlogits.py", "tests/losses/test_distill_topk.py",
+             "tests/losses/test_distill_topk_degenerate.py", "tests/ops/test_triton_policy_kernels.py",
+             "tests/ops/test_stages.py", "tests/ops/test_chunked_columns.py", "tests/ops/test_token_chunks.py",
+             "tests/losses/test_policy_loss.py", "tests/losses/test_policy_losses.py")
 # GPU tests this check leaves out, and why (tests/tools/test_gpu_check.py holds every GPU-conditional file to one
 # of the two lists)
 NOT_IN_CHECK = {"tests/megatron/test_megatron_schedule_gpu.py": "needs megatron-core, not on a bare GPU machine",
@@ -81,6 +103,9 @@ FULL = dict(head_a=(16384, 4096, 151936), head_b=(8192, 4096, 131072), policy=(1
 TINY = dict(head_a=(24, 40, 1031), head_b=(20, 40, 1031), policy=(2, 12, 40, 1031), fp32=(20, 40, 1031),
             distill=(2, 12, 40, 1031), topk=(24, 40, 1031), truncation=(24, 40, 1031))
 CHECK_ROWS = 256      # tokens of the float64 error checks
+NOT_RUN = "not run (budget)"
+SKIP_BELOW = 1 / 3    # a section starts only with at least this share of its estimate left
+SLOW_CALL_S = 0.5     # a call this slow is its own warm-up: no extra call before each round
 
 
 def log(*a):
@@ -97,6 +122,8 @@ class Figure:
     rounds: list = field(default_factory=list)
     note: str = ""
     error: str = ""
+    plan: str = ""                        # the rounds x calls that ran
+    status: str = ""                      # why it has no value: NOT_RUN, or a killed call's
 
     @property
     def median(self) -> Optional[float]:
@@ -110,7 +137,7 @@ class Figure:
         if self.error:
             return "error"
         if self.median is None:
-            return "-"
+            return self.status or "-"
         if self.target is None:
             return "info"
         return "pass" if self.median <= self.target else "miss"
@@ -124,45 +151,164 @@ def figure(name, shape, target, unit="x") -> Figure:
     return f
 
 
-def median_ms(fn, dev, reps) -> float:
-    times = sorted(time_calls(fn, dev, reps=reps, warmup=1))
+def fmt(x: Optional[float], unit: str) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1e}" if unit == "err" else f"{x:.3f}" if unit == "x" else f"{x:.2f}"
+
+
+def settle(fig: Figure) -> None:
+    """A figure is done (its rounds, or its error): its line in the log now, and the results files rewritten."""
+    lo, hi = fig.spread
+    target = "none" if fig.target is None else f"<= {fmt(fig.target, fig.unit)}"
+    spread = "" if lo is None or len(fig.rounds) < 2 else f", spread {fmt(lo, fig.unit)}-{fmt(hi, fig.unit)}"
+    plan = f", {fig.plan}" if fig.plan else ""
+    note = fig.error or fig.note
+    log(f"figure {fig.name}: {fmt(fig.median, fig.unit)}{spread}, target {target}: {fig.verdict()}{plan}"
+        + (f" ({note[:200]})" if note else ""))
+    save()
+
+
+def put(fig: Figure, value: float) -> None:
+    fig.rounds = [value]
+    settle(fig)
+
+
+# ---------------------------------------------------------------- timing within the budget
+
+@dataclass
+class Plan:
+    """How the timed rounds run: the rounds x calls asked (the section's cap applied) and when the running
+    section's share of the budget ends."""
+    rounds: int = 3
+    reps: int = 5
+    section_end: float = math.inf
+
+
+PLAN = Plan()
+
+
+def choose_plan(costs: list[float], rounds: int, reps: int, seconds: float) -> tuple[int, int]:
+    """The first of (rounds, reps) and the cheaper plans (3 x 3, 2 x 3, 2 x 2, 2 x 1, 1 x 1, none above the asked)
+    whose rounds fit ``seconds``, given the seconds of one call of each callable of a round (a round of reps calls
+    each, plus a warm-up call before each callable under SLOW_CALL_S); 1 x 1 where none fits."""
+    options = [(rounds, reps), (min(rounds, 3), min(reps, 3)), (min(rounds, 2), min(reps, 3)),
+               (min(rounds, 2), min(reps, 2)), (min(rounds, 2), 1), (1, 1)]
+    for r, p in options:
+        if r * sum((p + (c < SLOW_CALL_S)) * c for c in costs) <= seconds:
+            return r, p
+    return 1, 1
+
+
+def median_ms(fn, dev, reps, warmup) -> float:
+    times = sorted(time_calls(fn, dev, reps=reps, warmup=warmup))
     return times[len(times) // 2]
 
 
-def alternate(dev, rounds, reps, floor: Callable, entries: list[tuple[Figure, Callable]]) -> None:
-    """``rounds`` rounds of (floor, each entry): each entry's figure gets one ratio a round (its median over the
-    round's floor median). The first call of each is a warm-up (triton compiles, cuBLAS picks its kernels)."""
-    for fig, fn in entries:
+def alternate(dev, floor: Callable, entries: list[tuple], part: float = 1.0) -> None:
+    """Rounds of (floor, each entry): each entry's figure gets one ratio a round (its median over the round's
+    floor median). An entry is (figure, callable) or (figure, callable, note): note(first result) is the figure's
+    note. The first call of each is an untimed warm-up (triton compiles, cuBLAS picks its kernels), a second one
+    prices a round: the rounds x calls are PLAN's, or a cheaper plan (``choose_plan``) where those would not end
+    within ``part`` of the section's time left. Each figure is settled (logged, saved) when its rounds are done."""
+    live = []
+    for fig, fn, *note in entries:
         try:
-            fn()
+            out = fn()
+            if note:
+                fig.note = note[0](out)
+            del out
+            live.append((fig, fn))
         except Exception as exc:  # noqa: BLE001 - a failing entry is a row with its error; the others still run
             fig.error = f"{type(exc).__name__}: {str(exc)[:300]}"
             log(traceback.format_exc()[-1500:])
-    live = [(f, fn) for f, fn in entries if not f.error]
+            settle(fig)
+    if not live:
+        return
+    device = torch.device(dev)
+    floor()
+    costs = [time_call(floor, device)] + [time_call(fn, device) for _, fn in live]
+    seconds = (PLAN.section_end - time.monotonic()) * part
+    rounds, reps = choose_plan(costs, PLAN.rounds, PLAN.reps, seconds)
+    warm = [int(c < SLOW_CALL_S) for c in costs]
     for _ in range(rounds):
-        base = median_ms(floor, dev, reps)
-        for fig, fn in live:
-            fig.rounds.append(median_ms(fn, dev, reps) / base)
+        base = median_ms(floor, dev, reps, warm[0])
+        for (fig, fn), w in zip(live, warm[1:], strict=True):
+            fig.rounds.append(median_ms(fn, dev, reps, w) / base)
+    cut = (rounds, reps) != (PLAN.rounds, PLAN.reps)
+    for fig, _ in live:
+        fig.plan = f"{rounds} x {reps}" + (" (cut to the share)" if cut else "")
+        settle(fig)
 
 
-def guarded(fig_names: list[str]):
-    """Run a section; an exception marks its figures failed (with the error) and the next section still runs."""
-    def wrap(section):
-        def run(*a, **kw):
-            try:
-                section(*a, **kw)
-            except Exception as exc:  # noqa: BLE001
-                for n in fig_names:
-                    f = FIGURES.get(n)
-                    if f is not None and not f.rounds:
-                        f.error = f"{type(exc).__name__}: {str(exc)[:300]}"
-                log(traceback.format_exc()[-2000:])
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-        return run
-    return wrap
+@dataclass
+class Section:
+    """A timed section: ``build()`` declares its figures (so a section not run still has its rows) and returns
+    the callable that measures them."""
+    name: str
+    estimate_s: float                     # seconds on one H100 at its plan: inputs, compiles, peers, the rounds
+    build: Callable[[], Callable[[], None]]
+    plan: Optional[tuple[int, int]] = None  # at most these rounds x calls (the slow sections)
 
+
+def run_sections(sections: list[Section], end: float, rounds: int, reps: int, clock=time.monotonic) -> list[dict]:
+    """Each section in order until ``end`` (a ``clock`` time): its share is the time left times its estimate over
+    the estimates of the sections not yet run; with less than SKIP_BELOW of its estimate left it is skipped, its
+    figures NOT_RUN. A section that raises marks its figures without a value with the error; the next one runs.
+    Returns one row per section (estimate, share, seconds, status), also kept in the results files."""
+    rows = []
+    if REPORT is not None:
+        REPORT.res["sections"] = rows
+    built = []
+    for sec in sections:
+        before = set(FIGURES)
+        measure = sec.build()
+        built.append((sec, measure, [n for n in FIGURES if n not in before]))
+        rows.append({"section": sec.name, "estimate_s": sec.estimate_s, "share_s": None, "seconds": None,
+                     "status": "not started"})
+    save()
+    for i, ((sec, measure, names), row) in enumerate(zip(built, rows, strict=True)):
+        now = clock()
+        left = end - now
+        if left < SKIP_BELOW * sec.estimate_s:
+            for n in names:
+                FIGURES[n].status = NOT_RUN
+            row["status"] = NOT_RUN
+            log(f"section {sec.name}: {NOT_RUN}, {max(left, 0):.0f} s left of the timings' budget "
+                f"(estimate {sec.estimate_s:.0f} s)")
+            save()
+            continue
+        share = left * sec.estimate_s / sum(s.estimate_s for s, _, _ in built[i:])
+        PLAN.section_end = time.monotonic() + share
+        PLAN.rounds, PLAN.reps = (min(rounds, sec.plan[0]), min(reps, sec.plan[1])) if sec.plan else (rounds, reps)
+        row.update(share_s=round(share, 1), status="running")
+        log(f"section {sec.name}: start at {now - T_START:.0f} s, share {share:.0f} s of {left:.0f} s left "
+            f"(estimate {sec.estimate_s:.0f} s), {PLAN.rounds} x {PLAN.reps} asked")
+        save()
+        try:
+            measure()
+            row["status"] = "done"
+        except Exception as exc:  # noqa: BLE001 - the section's figures get the error; the next section runs
+            msg = f"{type(exc).__name__}: {str(exc)[:300]}"
+            for n in names:
+                f = FIGURES[n]
+                if not f.rounds and not f.error:
+                    f.error = msg
+            row["status"] = f"error: {msg}"
+            log(traceback.format_exc()[-2000:])
+        except BaseException:
+            row["status"] = "interrupted"
+            raise
+        finally:
+            row["seconds"] = round(clock() - now, 1)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            log(f"section {sec.name}: {row['status']}, {row['seconds']} s")
+            save()
+    return rows
+
+
+# ---------------------------------------------------------------- helpers of the sections
 
 def lp_errors(hidden, weight, labels, out, rows=CHECK_ROWS) -> tuple[float, float]:
     """max |log-prob| and |entropy| error of ``out`` on the first ``rows`` tokens against float64."""
@@ -198,58 +344,69 @@ def ours(h, w, y, t, **kw):
     return out.logprobs, out.entropy
 
 
-def peer(name, dev):
-    """A peer's callable, or None (with the reason logged) where it cannot run here."""
+def peer(name, dev, fig: Figure):
+    """A peer's callable, or None where it cannot run here (the reason in the log and in its figure's note)."""
     try:
         return peers.get(name).build(dev)
     except peers.Unavailable as exc:
         log(f"peer {name}: {exc}")
+        fig.note = f"not run here: {exc}"
+        settle(fig)
         return None
 
 
-# ---------------------------------------------------------------- the sections
+def backend_note(_out) -> str:
+    return f"backend {last_backend()}"
 
-def head(tag, shape, dev, rounds, reps, with_peers, checks):
+
+def precision_note(_out) -> str:
+    return f"precision {last_precision().statistics}"
+
+
+CUDA_ONLY = "CUDA's allocator statistics only"
+# ---------------------------------------------------------------- the sections (each declares its figures and
+# returns the callable that measures them)
+
+def head(tag, shape, dev, with_peers, checks):
     """fused_logprobs forward and forward+backward against 1 and 4 cuBLAS GEMMs; TRL's head beside it."""
     n, h, v = shape
     s = f"{n}x{h}x{v} bf16"
     fwd = figure(f"head {tag}: forward", s, 1.05)
     fb = figure(f"head {tag}: forward+backward", s, 1.05)
+    trl = figure(f"head {tag}: TRL ChunkedLogProbFunction fwd+bwd", s, None) if with_peers else None
+    errs = (figure(f"head {tag}: log-prob error vs float64", s, 1e-4, "err"),
+            figure(f"head {tag}: entropy error vs float64", s, 1e-4, "err")) if checks else None
 
-    @guarded([fwd.name, fb.name])
-    def run():
+    def measure():
         hidden, weight, labels, a, b = head_inputs(n, h, v, torch.bfloat16, dev)
         floor = GemmFloor(hidden, weight)
 
         def forward():
             with torch.no_grad():
                 return fused_logprobs(hidden, weight, labels)
-        alternate(dev, rounds, reps, floor.forward, [(fwd, forward)])
-        fwd.note = f"backend {last_backend()}"
+        alternate(dev, floor.forward, [(fwd, forward, backend_note)], part=0.2)
         entries = [(fb, fwd_bwd(ours, hidden, weight, labels, a, b))]
-        if with_peers:
-            trl = peer("trl-head", dev)
-            if trl is not None:
-                entries.append((figure(f"head {tag}: TRL ChunkedLogProbFunction fwd+bwd", s, None),
-                                fwd_bwd(trl, hidden, weight, labels, a, b)))
-        alternate(dev, rounds, reps, floor.forward_backward, entries)
+        if trl is not None:
+            fn = peer("trl-head", dev, trl)
+            if fn is not None:
+                entries.append((trl, fwd_bwd(fn, hidden, weight, labels, a, b)))
+        alternate(dev, floor.forward_backward, entries, part=0.9)
         floor.close()
-        if checks:
+        if errs:
             lp_err, ent_err = lp_errors(hidden, weight, labels, fused_logprobs(hidden, weight, labels))
-            figure(f"head {tag}: log-prob error vs float64", s, 1e-4, "err").rounds = [lp_err]
-            figure(f"head {tag}: entropy error vs float64", s, 1e-4, "err").rounds = [ent_err]
-    run()
+            put(errs[0], lp_err)
+            put(errs[1], ent_err)
+    return measure
 
 
-def policy(shape, dev, rounds, reps):
+def policy(shape, dev):
     """fused_policy_loss (PPO clip 0.2 / 0.28, k3 KL 0.01, entropy bonus 0.01, token-mean, 12% prompt tokens)
     forward+backward against the 4-GEMM floor."""
     b, s_len, h, v = shape
     s = f"{b}x{s_len} tokens, H {h}, V {v} bf16"
     fig = figure("policy loss: forward+backward", s, 0.75)
 
-    @guarded([fig.name])
-    def run():
+    def measure():
         hidden, weight, labels, _, _ = head_inputs(b * s_len, h, v, torch.bfloat16, dev)
         g = torch.Generator(device=dev).manual_seed(1)
         labels = labels.view(b, s_len).clone()
@@ -267,13 +424,12 @@ def policy(shape, dev, rounds, reps):
             fused_policy_loss(hd, wd, labels, adv, old, ref_logprobs=ref, kl_coef=0.01,
                               entropy_coef=0.01).loss.backward()
         floor = GemmFloor(hidden, weight)
-        alternate(dev, rounds, reps, floor.forward_backward, [(fig, step)])
-        fig.note = f"backend {last_backend()}"
+        alternate(dev, floor.forward_backward, [(fig, step, backend_note)])
         floor.close()
-    run()
+    return measure
 
 
-def fp32_head(shape, dev, rounds, reps):
+def fp32_head(shape, dev):
     """float32 operands (the CUDA default precision): forward against the bf16 GEMM, forward+backward against the
     bf16 4-GEMM floor, errors against float64 of the float32 operands; cuBLAS TF32 / IEEE beside them."""
     n, h, v = shape
@@ -281,10 +437,13 @@ def fp32_head(shape, dev, rounds, reps):
     fwd = figure("float32 head: forward (x bf16 GEMM)", s, 3.2)
     fb = figure("float32 head: forward+backward (x bf16 4-GEMM)", s, 2.2)
     tf32 = figure("float32 head: cuBLAS TF32 GEMM (x bf16 GEMM)", s, None)
+    errs = (figure("float32 head: log-prob error vs float64", s, 1e-4, "err"),
+            figure("float32 head: entropy error vs float64", s, 1e-4, "err"))
+    # hidden states of a bf16 backbone made float32 (TRL's cast_lm_head_to_fp32): two products suffice
+    two = figure("float32 head, bf16-exact hidden: forward (x bf16 GEMM)", s, 2.3)
+    two_fb = figure("float32 head, bf16-exact hidden: fwd+bwd (x bf16 4-GEMM)", s, 1.8)
 
-    @guarded([fwd.name, fb.name, "float32 head, bf16-exact hidden: forward (x bf16 GEMM)",
-              "float32 head, bf16-exact hidden: fwd+bwd (x bf16 4-GEMM)"])
-    def run():
+    def measure():
         hidden, weight, labels, a, b = head_inputs(n, h, v, torch.float32, dev)
         hb, wb = hidden.bfloat16(), weight.bfloat16()
         floor = GemmFloor(hb, wb)
@@ -300,72 +459,71 @@ def fp32_head(shape, dev, rounds, reps):
                 torch.mm(hidden, weight.t(), out=z)
             finally:
                 torch.backends.cuda.matmul.allow_tf32 = False
-        alternate(dev, rounds, reps, floor.forward, [(fwd, forward)] + ([(tf32, tf32_mm)] if dev == "cuda" else []))
+        if dev != "cuda":
+            tf32.note = "CUDA only"
+        alternate(dev, floor.forward, [(fwd, forward, precision_note)] + ([(tf32, tf32_mm)] if dev == "cuda" else []),
+                  part=0.25)
         z.resize_(0)
-        fwd.note = f"precision {last_precision().statistics}"
-        alternate(dev, rounds, reps, floor.forward_backward, [(fb, fwd_bwd(ours, hidden, weight, labels, a, b))])
+        alternate(dev, floor.forward_backward, [(fb, fwd_bwd(ours, hidden, weight, labels, a, b))], part=0.4)
         lp_err, ent_err = lp_errors(hidden, weight, labels, fused_logprobs(hidden, weight, labels))
-        figure("float32 head: log-prob error vs float64", s, 1e-4, "err").rounds = [lp_err]
-        figure("float32 head: entropy error vs float64", s, 1e-4, "err").rounds = [ent_err]
-        # hidden states of a bf16 backbone made float32 (TRL's cast_lm_head_to_fp32): two products suffice
+        put(errs[0], lp_err)
+        put(errs[1], ent_err)
         hidden.copy_(hidden.bfloat16().float())
-        two = figure("float32 head, bf16-exact hidden: forward (x bf16 GEMM)", s, 2.3)
-        alternate(dev, rounds, reps, floor.forward, [(two, forward)])
-        two.note = f"precision {last_precision().statistics}"
-        two_fb = figure("float32 head, bf16-exact hidden: fwd+bwd (x bf16 4-GEMM)", s, 1.8)
-        alternate(dev, rounds, reps, floor.forward_backward, [(two_fb, fwd_bwd(ours, hidden, weight, labels, a, b))])
+        alternate(dev, floor.forward, [(two, forward, precision_note)], part=0.3)
+        alternate(dev, floor.forward_backward, [(two_fb, fwd_bwd(ours, hidden, weight, labels, a, b))])
         floor.close()
-    run()
+    return measure
 
 
-def distillation(shape, dev, rounds, reps, with_peers):
+def distillation(shape, dev, with_peers):
     """fused_distillation_loss ("jsd", beta 0.5) forward+backward against the dense 4-GEMM floor (teacher forward,
     student forward, d_hidden, d_weight), TRL's and Liger's beside it; memory over the gradients; the loss error
     against float64 on one sequence, logitless' against TRL's float32."""
-    import gpu_distillation as gd
     b, s_len, h, v = shape
     s = f"{b}x{s_len} tokens, H {h}, V {v} bf16"
     fig = figure("distillation jsd: forward+backward (x dense 4-GEMM)", s, 1.0)
     mem = figure("distillation jsd: GiB over the gradients", s, 1.5, "GiB")
+    trl_name = "TRL ChunkedDivergenceFunction (beta 0.5)"
+    peer_figs = {name: figure(f"distillation jsd: {name} (x dense 4-GEMM)", s, None)
+                 for name in (trl_name, "Liger LigerFusedLinearJSD")} if with_peers else {}
+    err = figure("distillation jsd: loss rel error vs float64", s, None, "err")
 
-    @guarded([fig.name, mem.name])
-    def run():
+    def measure():
+        import gpu_distillation as gd
         data = gd.inputs(dict(b=b, s=s_len, h=h, ht=h, v=v, prompt=s_len // 8), dev, torch.bfloat16)
         floor = gd.Floor(*data[:4])
         methods = gd.methods("jsd", extra=False)
-        trl_name = "TRL ChunkedDivergenceFunction (beta 0.5)"
-        entries = [(fig, gd.step_of(methods["logitless (triton)"], data)[0])]
-        if with_peers:
-            for name in (trl_name, "Liger LigerFusedLinearJSD"):
-                if callable(methods.get(name)):
-                    entries.append((figure(f"distillation jsd: {name} (x dense 4-GEMM)", s, None),
-                                    gd.step_of(methods[name], data)[0]))
-                else:
-                    log(f"peer {name}: {methods.get(name)}")
-        alternate(dev, rounds, reps, floor, entries)
-        fig.note = f"backend {last_backend()}"
+        entries = [(fig, gd.step_of(methods["logitless (triton)"], data)[0], backend_note)]
+        for name, f in peer_figs.items():
+            if callable(methods.get(name)):
+                entries.append((f, gd.step_of(methods[name], data)[0]))
+            else:
+                log(f"peer {name}: {methods.get(name)}")
+                f.note = f"not run here: {methods.get(name)}"
+                settle(f)
+        alternate(dev, floor, entries, part=0.85)
         del floor
         if dev == "cuda":
             torch.cuda.empty_cache()
             step, (hh, ww) = gd.step_of(methods["logitless (triton)"], data)
             grads = (hh.numel() * hh.element_size() + ww.numel() * ww.element_size())
             peak, _ = peak_extra_bytes(step, dev)
-            mem.rounds = [(peak - grads) / GIB]
+            put(mem, (peak - grads) / GIB)
+        else:
+            mem.note = CUDA_ONLY
         small = (data[0][:s_len], data[1], data[2][:s_len], data[3], data[4][:1])
         truth = gd.truth64(*small, 0.5)
-        err = gd.accuracy("ours", methods["logitless (triton)"], small, 0.5, truth)["loss_rel_err"]
-        figure("distillation jsd: loss rel error vs float64", s, None, "err").rounds = [err]
         if callable(methods.get(trl_name)):
             theirs = gd.accuracy("trl", methods[trl_name], small, 0.5, truth)["loss_rel_err"]
-            FIGURES["distillation jsd: loss rel error vs float64"].target = max(theirs, 1e-7)
-            FIGURES["distillation jsd: loss rel error vs float64"].note = f"target: TRL float32's {theirs:.1e}"
-    run()
+            err.target = max(theirs, 1e-7)
+            err.note = f"target: TRL float32's {theirs:.1e}"
+        put(err, gd.accuracy("ours", methods["logitless (triton)"], small, 0.5, truth)["loss_rel_err"])
+    return measure
 
 
-def topk(shape, dev, rounds, reps, k_values=(32, 128)):
+def topk(shape, dev, k_values=(32, 128)):
     """fused_topk against the forward GEMM; forward_kl_topk (overlap diagnostics on) and its tail variant against
     the student's 4-GEMM floor; the tail variant's memory over the gradients."""
-    from logitless.losses.distill_topk import topk_divergence
     n, h, v = shape
     s = f"{n}x{h}x{v} bf16"
     figs = [figure(f"fused_topk k={k}: forward (x GEMM)", s, 1.10) for k in k_values]
@@ -373,8 +531,8 @@ def topk(shape, dev, rounds, reps, k_values=(32, 128)):
     tail = figure("forward_kl_topk_tail k=32: fwd+bwd (x 4-GEMM)", s, 0.85)
     tail_mem = figure("forward_kl_topk_tail k=32: GiB over the gradients", s, 1.5, "GiB")
 
-    @guarded([f.name for f in figs] + [kl.name, tail.name, tail_mem.name])
-    def run():
+    def measure():
+        from logitless.losses.distill_topk import topk_divergence
         k_small = min(32, v // 4)
         g = torch.Generator(device=dev).manual_seed(0)
         hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
@@ -383,10 +541,8 @@ def topk(shape, dev, rounds, reps, k_values=(32, 128)):
         entries = []
         for fig, k in zip(figs, k_values, strict=True):
             kk = min(k, v // 2)
-            entries.append((fig, lambda kk=kk: fused_topk(hidden, weight, kk, mask=scored)))
-        alternate(dev, rounds, reps, floor.forward, entries)
-        for fig in figs:
-            fig.note = f"backend {last_backend()}"
+            entries.append((fig, lambda kk=kk: fused_topk(hidden, weight, kk, mask=scored), backend_note))
+        alternate(dev, floor.forward, entries, part=0.15)
         t_weight = (weight.float() + 0.5 * weight.float().std() * torch.randn(weight.shape, device=dev, generator=g))
         with torch.no_grad():
             teacher = fused_topk(hidden, t_weight.to(torch.bfloat16), k_small, mask=scored)
@@ -402,18 +558,20 @@ def topk(shape, dev, rounds, reps, k_values=(32, 128)):
                 d = topk_divergence(hd, wd, labels, t_ids, t_lp, divergence=name, log_prob_min_clamp=-10.0)
                 (d.divergence.sum() / scored.sum()).backward()
             return run_step
-        alternate(dev, rounds, reps, floor.forward_backward,
-                  [(kl, step("forward_kl_topk")), (tail, step("forward_kl_topk_tail"))])
+        alternate(dev, floor.forward_backward, [(kl, step("forward_kl_topk")), (tail, step("forward_kl_topk_tail"))],
+                  part=0.9)
         floor.close()
         if dev == "cuda":
             torch.cuda.empty_cache()
             grads = hd.numel() * hd.element_size() + wd.numel() * wd.element_size()
             peak, _ = peak_extra_bytes(step("forward_kl_topk_tail"), dev)
-            tail_mem.rounds = [(peak - grads) / GIB]
-    run()
+            put(tail_mem, (peak - grads) / GIB)
+        else:
+            tail_mem.note = CUDA_ONLY
+    return measure
 
 
-def truncation(shape, dev, rounds, reps):
+def truncation(shape, dev):
     """fused_logprobs under a sampler's truncation (top_k 50, top_p 0.95, min_p 0.05) against the plain head's own
     forward and forward+backward (labels sampled from the head's distribution, so most fall inside the kept set);
     the kept sets' median size in the note."""
@@ -426,8 +584,11 @@ def truncation(shape, dev, rounds, reps):
     fwd = {k: figure(f"truncation {k}: forward (x plain head forward)", s, targets[k]) for k in settings}
     fb = {k: figure(f"truncation {k}: fwd+bwd (x plain head fwd+bwd)", s, 1.15) for k in settings}
 
-    @guarded([f.name for f in list(fwd.values()) + list(fb.values())])
-    def run():
+    def kept_note(out) -> str:
+        return (f"kept median {int(out.kept_count.float().median())}, label inside "
+                f"{float(out.inside.float().mean()):.3f}")
+
+    def measure():
         hidden, weight, labels, a, _ = head_inputs(n, h, v, torch.bfloat16, dev)
 
         def forward(t=None):
@@ -435,11 +596,7 @@ def truncation(shape, dev, rounds, reps):
                 with torch.no_grad():
                     return fused_logprobs(hidden, weight, labels, with_entropy=False, truncation=t)
             return call
-        alternate(dev, rounds, reps, forward(), [(fwd[k], forward(t)) for k, t in settings.items()])
-        for k, t in settings.items():
-            out = forward(t)()
-            fwd[k].note = (f"kept median {int(out.kept_count.float().median())}, label inside "
-                           f"{float(out.inside.float().mean()):.3f}")
+        alternate(dev, forward(), [(fwd[k], forward(t), kept_note) for k, t in settings.items()], part=0.3)
 
         def step(t=None):
             hd, wd = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -449,50 +606,116 @@ def truncation(shape, dev, rounds, reps):
                 out = fused_logprobs(hd, wd, labels, with_entropy=False, truncation=t)
                 (out.logprobs * a).sum().backward()
             return call
-        alternate(dev, rounds, reps, step(), [(fb[k], step(t)) for k, t in settings.items()])
-    run()
+        alternate(dev, step(), [(fb[k], step(t)) for k, t in settings.items()])
+    return measure
+
+
+def sections(shapes, dev, with_peers) -> list[Section]:
+    """The timed sections in the order they run. Estimates: seconds on one H100 at 3 rounds x 5 calls (truncation
+    2 x 3), setup, compiles and peers' imports included (the timings of six of them took 87-102 s there on
+    2026-12-06; top-k's tail variant and truncation's selections cost about a second a call). They set the
+    shares only: a section that ends early leaves its time to the later ones."""
+    return [Section("head A", 30, lambda: head("A", shapes["head_a"], dev, with_peers, checks=True)),
+            Section("head B", 12, lambda: head("B", shapes["head_b"], dev, False, checks=False)),
+            Section("policy loss", 12, lambda: policy(shapes["policy"], dev)),
+            Section("float32 head", 25, lambda: fp32_head(shapes["fp32"], dev)),
+            Section("distillation", 35, lambda: distillation(shapes["distill"], dev, with_peers)),
+            Section("top-k", 40, lambda: topk(shapes["topk"], dev)),
+            Section("truncation", 110, lambda: truncation(shapes["truncation"], dev), plan=(2, 3))]
 
 
 # ---------------------------------------------------------------- the tests
 
-def run_tests(budget_s: float, dry: bool, workers: int) -> list[dict]:
-    """One pytest process per GPU test file, ``workers`` at a time (triton's compiles are CPU work; the files share
-    the GPU), until ``budget_s`` is spent: a file started too late is "not run (budget)", one cut short "timed out
-    (budget)", never passed. The dry run only collects each file."""
-    t0 = time.monotonic()
+def default_workers() -> int:
+    """Test files at once: half the host's CPUs (triton's compiles are CPU work; the float64 references too), at
+    most 8 (the files share one GPU, each process its own CUDA context)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+LIVE: set = set()                 # the test processes running now (killed with the call)
+LIVE_LOCK = threading.Lock()
+
+
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)      # pytest and whatever it started (its own session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def progress(text: str) -> str:
+    """The tests a cut-short pytest -q run got through, from its progress lines ('..F.s [ 40%]')."""
+    marks = "".join(m.group(1) for m in re.finditer(r"^([.FEsxX]+)\s*(?:\[\s*\d+%\])?\s*$", text, re.M))
+    counts = {name: marks.count(c) for c, name in ((".", "passed"), ("F", "failed"), ("E", "error"),
+                                                    ("s", "skipped")) if marks.count(c)}
+    return ", ".join(f"{v} {k}" for k, v in counts.items()) or "none finished"
+
+
+def run_tests(end: float, dry: bool, workers: int, clock=time.monotonic) -> list[dict]:
+    """One pytest process per GPU test file, ``workers`` at a time, in GPU_TESTS' order, until ``end`` (a
+    ``clock`` time): a file started with under 10 s left is "not run (budget)", one cut short "timed out (budget)"
+    (with the tests it got through), never passed. Rows in GPU_TESTS' order, saved as each file ends. The dry
+    run only collects each file."""
+    rows = [{"file": path, "result": "not started"} for path in GPU_TESTS]
+    if REPORT is not None:
+        REPORT.res["tests"] = rows
+    save()
+    threads = str(max(1, (os.cpu_count() or 2) // max(1, workers)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"),
                                                        os.environ.get("PYTHONPATH", "")]))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(name, threads)
 
-    def one(path: str) -> dict:
-        left = budget_s - (time.monotonic() - t0)
-        row = {"file": path}
+    def one(row: dict) -> None:
+        left = end - clock()
         if left < 10:
-            row["result"] = "not run (budget)"
-            return row
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path] + (["--collect-only"] if dry
-                                                                                          else [])
+            row["result"] = NOT_RUN
+            save()
+            return
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", row["file"]] + (["--collect-only"]
+                                                                                                if dry else [])
         t = time.monotonic()
+        row["result"] = "running"
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        with LIVE_LOCK:
+            LIVE.add(proc)
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
-            text = p.stdout + p.stderr
+            text, _ = proc.communicate(timeout=left)
             summary = [ln for ln in text.strip().splitlines() if re.search(r"\b(passed|failed|error|collected|"
                                                                              r"no tests ran|skipped)\b", ln)]
-            row["result"] = summary[-1].strip("= ") if summary else f"exit {p.returncode}"
-            row["rc"] = p.returncode
-            if p.returncode not in (0, 5):
+            row["result"] = summary[-1].strip("= ") if summary else f"exit {proc.returncode}"
+            row["rc"] = proc.returncode
+            if proc.returncode not in (0, 5):
                 row["tail"] = text[-3000:]
                 log(text[-3000:])
         except subprocess.TimeoutExpired:
-            row["result"], row["rc"] = "timed out (budget)", None
+            _kill(proc)
+            text, _ = proc.communicate()
+            row["result"], row["rc"] = f"timed out (budget): {progress(text or '')}", None
+            row["tail"] = (text or "")[-3000:]
+        finally:
+            with LIVE_LOCK:
+                LIVE.discard(proc)
         row["seconds"] = round(time.monotonic() - t, 1)
-        log(f"tests {path}: {row['result']} ({row['seconds']} s)")
-        return row
+        log(f"tests {row['file']}: {row['result']} ({row['seconds']} s)")
+        save()
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        return list(pool.map(one, GPU_TESTS))
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
+    try:
+        for fut in [pool.submit(one, row) for row in rows]:
+            fut.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        with LIVE_LOCK:
+            for proc in list(LIVE):
+                _kill(proc)
+        raise
+    pool.shutdown()
+    return rows
 
 
-# ---------------------------------------------------------------- baseline, table
+# ---------------------------------------------------------------- baseline, table, the results files
 
 def commit_of(given: Optional[str]) -> str:
     if given:
@@ -522,12 +745,6 @@ def drift(fig: Figure, base: Optional[dict], card: str, commit: str) -> str:
     return f"moved {b['median']:.3g} -> {fig.median:.3g}: bisect {base['commit']}..{commit}"
 
 
-def fmt(x: Optional[float], unit: str) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.1e}" if unit == "err" else f"{x:.3f}" if unit == "x" else f"{x:.2f}"
-
-
 def table(base, card, commit) -> str:
     rows = []
     for f in FIGURES.values():
@@ -535,21 +752,86 @@ def table(base, card, commit) -> str:
         target = "-" if f.target is None else f"<= {fmt(f.target, f.unit)}"
         b = (base or {}).get("figures", {}).get(f.name)
         rows.append([f.name, f.shape, target, fmt(f.median, f.unit),
-                     "-" if lo is None else f"{fmt(lo, f.unit)}-{fmt(hi, f.unit)}",
+                     "-" if lo is None else f"{fmt(lo, f.unit)}-{fmt(hi, f.unit)}", f.plan or "-",
                      "-" if not b else fmt(b["median"], f.unit), f.verdict(), drift(f, base, card, commit),
                      (f.error or f.note)[:90]])
-    return markdown_table(["figure", "shape", "target", "median", "spread", "baseline", "verdict", "drift", "note"],
-                          rows)
+    return markdown_table(["figure", "shape", "target", "median", "spread", "rounds x calls", "baseline", "verdict",
+                           "drift", "note"], rows)
+
+
+class Report:
+    """The results files OUT/gpu-check.json and .md, rewritten whole (a temporary file renamed over the old) after
+    every figure, section and test file: a call killed at any point leaves every finished figure on disk."""
+
+    def __init__(self, out: str, res: dict, base: Optional[dict]):
+        self.out, self.res, self.base = out, res, base
+        self.lock = threading.Lock()          # the tests step saves from its worker threads
+
+    def figures(self) -> dict:
+        card, commit = self.res["card"], self.res["commit"]
+        return {f.name: {"shape": f.shape, "target": f.target, "unit": f.unit, "rounds": f.rounds,
+                         "median": f.median, "plan": f.plan, "verdict": f.verdict(),
+                         "drift": drift(f, self.base, card, commit), "note": f.note, "error": f.error}
+                for f in FIGURES.values()}
+
+    def markdown(self) -> str:
+        res = self.res
+        head = (f"gpu-check {res['date']}, {res['card']}, commit {res['commit']}, torch {res['versions']['torch']}, "
+                f"triton {res['versions']['triton']}; {res['rounds']} rounds x {res['reps']} calls asked; budget "
+                f"{res['budget_s']:.0f} s; {res['seconds']} s; {res['status']}"
+                f"{'; DRY RUN on the CPU: not a measurement' if res['dry_run'] else ''}\n")
+        parts = [head]
+        if res.get("sections"):
+            parts.append("\n" + markdown_table(["section", "estimate s", "share s", "s", "status"],
+                                               [[r["section"], f"{r['estimate_s']:.0f}",
+                                                 "-" if r["share_s"] is None else f"{r['share_s']:.0f}",
+                                                 "-" if r["seconds"] is None else str(r["seconds"]), r["status"]]
+                                                for r in res["sections"]]))
+        if res.get("tests"):
+            parts.append("\n" + markdown_table(["test file", "result", "s"],
+                                               [[r["file"], r["result"], str(r.get("seconds", "-"))]
+                                                for r in res["tests"]]))
+        parts.append("\n" + table(self.base, res["card"], res["commit"]))
+        return "".join(parts)
+
+    def save(self) -> None:
+        with self.lock:
+            self.res["seconds"] = round(time.monotonic() - T_START, 1)
+            self.res["figures"] = self.figures()
+            for name, text in (("gpu-check.json", json.dumps(self.res, indent=1, default=str)),
+                               ("gpu-check.md", self.markdown())):
+                path = os.path.join(self.out, name)
+                with open(path + ".tmp", "w") as fh:
+                    fh.write(text)
+                os.replace(path + ".tmp", path)
+
+
+REPORT: Optional[Report] = None
+
+
+def save() -> None:
+    if REPORT is not None:
+        REPORT.save()
+
+
+def _terminated(signum, _frame):
+    raise SystemExit(128 + signum)
 
 
 def main(argv=None):
+    global REPORT
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out")
     p.add_argument("--only", default="tests,timings", help="tests, timings or both (comma-separated)")
+    p.add_argument("--budget", type=float, default=450.0,
+                   help="seconds for the whole call from the process' start (imports, timings and tests)")
+    p.add_argument("--tests-budget", type=float, default=150.0,
+                   help="seconds of --budget kept for the tests step (after the timings, which end this much "
+                        "before the budget; the tests also get what the timings leave)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--tests-budget", type=float, default=240.0, help="seconds for the tests step")
-    p.add_argument("--test-workers", type=int, default=4, help="test files run at once (each its own process)")
+    p.add_argument("--test-workers", type=int, default=default_workers(),
+                   help="test files run at once (each its own process)")
     p.add_argument("--baseline", default=os.path.join(HERE, "results", "gpu-check-baseline.json"))
     p.add_argument("--write-baseline", default=None, help="write this run's figures as a baseline to this path")
     p.add_argument("--commit", default=None, help="the code's commit (default: git rev-parse, else unknown)")
@@ -566,47 +848,54 @@ def main(argv=None):
     commit = commit_of(args.commit)
     card = torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)"
     os.makedirs(args.out, exist_ok=True)
-    res = {"date": datetime.date.today().isoformat(), "commit": commit, "card": card, "machine": machine(),
-           "versions": versions(), "argv": sys.argv if argv is None else argv, "dry_run": dry}
-    log(f"gpu-check: {card}, commit {commit}, {res['versions']}")
-    t0 = time.monotonic()
-    if "tests" in steps:
-        res["tests"] = run_tests(args.tests_budget, dry, args.test_workers)
-    if "timings" in steps:
-        if dev == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = False
-        with_peers = not args.no_peers
-        head("A", shapes["head_a"], dev, rounds, reps, with_peers, checks=True)
-        head("B", shapes["head_b"], dev, rounds, reps, False, checks=False)
-        policy(shapes["policy"], dev, rounds, reps)
-        fp32_head(shapes["fp32"], dev, rounds, reps)
-        distillation(shapes["distill"], dev, rounds, reps, with_peers)
-        topk(shapes["topk"], dev, rounds, reps)
-        truncation(shapes["truncation"], dev, rounds, reps)
-    res["seconds"] = round(time.monotonic() - t0, 1)
     base = None
     if os.path.exists(args.baseline):
         with open(args.baseline) as fh:
             base = json.load(fh)
-    res["figures"] = {f.name: {"shape": f.shape, "target": f.target, "unit": f.unit, "rounds": f.rounds,
-                               "median": f.median, "verdict": f.verdict(), "drift": drift(f, base, card, commit),
-                               "note": f.note, "error": f.error} for f in FIGURES.values()}
-    text = table(base, card, commit)
-    tests = "".join(f"| {r['file']} | {r['result']} | {r.get('seconds', '-')} |\n" for r in res.get("tests", []))
-    head_line = (f"gpu-check {res['date']}, {card}, commit {commit}, torch {res['versions']['torch']}, triton "
-                 f"{res['versions']['triton']}; {rounds} rounds x {reps} calls; {res['seconds']} s"
-                 f"{'; DRY RUN on the CPU: not a measurement' if dry else ''}\n")
-    md = head_line + ("\n| test file | result | s |\n|---|---|---|\n" + tests if tests else "") + "\n" + text
-    with open(os.path.join(args.out, "gpu-check.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
-    with open(os.path.join(args.out, "gpu-check.md"), "w") as fh:
-        fh.write(md)
+    end = T_START + args.budget
+    timings_end = end - (args.tests_budget if "tests" in steps else 0.0)
+    FIGURES.clear()
+    res = {"date": datetime.date.today().isoformat(), "commit": commit, "card": card, "machine": machine(),
+           "versions": versions(), "argv": sys.argv if argv is None else argv, "dry_run": dry, "rounds": rounds,
+           "reps": reps, "budget_s": args.budget, "tests_budget_s": args.tests_budget,
+           "test_workers": args.test_workers, "status": "running"}
+    REPORT = Report(args.out, res, base)
+    log(f"gpu-check: {card}, commit {commit}, {res['versions']}")
+    log(f"budget {args.budget:.0f} s from the start ({time.monotonic() - T_START:.0f} s spent on imports): "
+        + (f"timings until {timings_end - T_START:.0f} s, " if "timings" in steps else "")
+        + (f"then tests until {args.budget:.0f} s, {args.test_workers} files at once" if "tests" in steps else ""))
+    old_term = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        save()
+        if "timings" in steps:
+            if dev == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = False
+            run_sections(sections(shapes, dev, not args.no_peers), timings_end, rounds, reps)
+        if "tests" in steps:
+            run_tests(end, dry, args.test_workers)
+        res["status"] = "done"
+    except BaseException as exc:
+        res["status"] = f"killed ({type(exc).__name__} {exc}) at {time.monotonic() - T_START:.0f} s"
+        for f in FIGURES.values():
+            if not f.rounds and not f.error and not f.status:
+                f.status = "not run (killed)"
+        for row in res.get("tests", []):
+            if row["result"] in ("not started", "running"):
+                row["result"] = "not run (killed)" if row["result"] == "not started" else "killed"
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        save()
+        REPORT = None
     if args.write_baseline:
         with open(args.write_baseline, "w") as fh:
             json.dump({"card": card, "commit": commit, "date": res["date"], "versions": res["versions"],
                        "figures": {f.name: {"median": f.median, "min": f.spread[0], "max": f.spread[1]}
                                    for f in FIGURES.values() if f.median is not None}}, fh, indent=1)
-    log(md)
+    log(Report(args.out, res, base).markdown())
+    skipped = [f.name for f in FIGURES.values() if f.status == NOT_RUN]
+    if skipped:
+        log(f"{len(skipped)} figures not run (budget): {', '.join(skipped)}")
     failed = [r for r in res.get("tests", []) if r.get("rc") not in (0, 5, None) or "timed out" in r["result"]]
     # a peer that cannot run is its row's note; a figure of logitless' own that fails fails the check
     return 1 if failed or any(f.error and f.target is not None for f in FIGURES.values()) else 0

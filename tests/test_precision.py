@@ -364,12 +364,13 @@ def test_k_labels_tail_against_float64(backend, precision, grad_precision):
     # logits of std 3: a sampled id of probability near 1 leaves a tail whose gradient float32 cannot resolve
     # (see test_topk_against_float64)
     hidden, weight, labels = _k_inputs(logit_std=3.0)
-    stats, grads = resolve(precision, grad_precision, torch.float32, torch.device("cpu"))
+    stats, grads = resolve(precision, grad_precision, torch.float32, torch.device(device_for(backend)))
     options = OpOptions(backend=backend, with_entropy=False, ignore_index=-100, precision=stats,
                         grad_precision=grads)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp, _, tail, _ = label_set_function.fused_logprobs_k(h, w, labels, torch.ones(labels.shape[0]), options,
-                                                         with_tail=True)
+    lp, _, tail, _ = label_set_function.fused_logprobs_k(*_on(backend, h, w, labels, torch.ones(labels.shape[0])),
+                                                         options, with_tail=True)
+    lp, tail = lp.cpu(), tail.cpu()
     # an op with a tail: the triton backend forms its closed form in its dlogits kernel and runs the gradient
     # products asked for; the others run (and record) tail_backward.py's IEEE float32 products
     grads = grads if backend == "triton" else "ieee"

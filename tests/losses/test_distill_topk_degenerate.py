@@ -1,13 +1,15 @@
 """Degenerate inputs of the top-k divergences: the teacher's k ids covering the whole vocabulary (k = V, its
 leftover mass rounding above or below 0), teacher masses rounding above 1, a student tail far below the top k.
-Never inf or NaN from valid input; a bucket with no mass on either side adds nothing; against float64."""
+Never inf or NaN from valid input; a bucket with no mass on either side adds nothing; against float64. The triton
+backend runs on the GPU where there is one (its compiled kernels refuse CPU tensors), else in triton's interpreter;
+the float64 truth stays on the CPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from logitless.losses.distill_topk import topk_divergence
-from reference64 import rel_err
+from reference64 import device_for, on_cpu, rel_err
 
 V, H, N = 37, 16, 5
 BACKENDS = ("chunked", "triton")
@@ -18,6 +20,15 @@ def head(seed, scale=1.0):
     hidden = torch.randn(N, H, generator=g)
     weight = torch.randn(V, H, generator=g) * (scale / H ** 0.5)
     return hidden, weight, g
+
+
+def divergence(hidden, weight, labels, ids, t_lp, backend, **kw):
+    """topk_divergence on the backend's device, the outputs back on the CPU (differentiable moves: the CPU leaves
+    get the gradients)."""
+    dev = device_for(backend)
+    out = topk_divergence(*(t.to(dev) for t in (hidden, weight, labels, ids, t_lp)),
+                          divergence="forward_kl_topk_tail", backend=backend, **kw)
+    return on_cpu(out)
 
 
 def kl64(hidden, weight, ids, t_lp):
@@ -44,8 +55,7 @@ def test_teacher_ids_cover_the_whole_vocabulary(backend, leftover, seed):
     t_lp = (t + torch.log1p(torch.tensor(-leftover, dtype=torch.float64))).float()    # sums to 1 - leftover
     labels = torch.zeros(N, dtype=torch.long)
     h_in, w_in = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = topk_divergence(h_in, w_in, labels, ids, t_lp, divergence="forward_kl_topk_tail", backend=backend,
-                          with_overlap=False)
+    out = divergence(h_in, w_in, labels, ids, t_lp, backend, with_overlap=False)
     assert torch.isfinite(out.divergence).all(), out.divergence
     out.divergence.sum().backward()
     assert torch.isfinite(h_in.grad).all() and torch.isfinite(w_in.grad).all()
@@ -74,7 +84,7 @@ def test_student_tail_far_below_its_top_k(backend, gap, seed):
     t_lp = torch.log_softmax(torch.randn(N, k + 1, generator=g, dtype=torch.float64), -1)[:, :k].float()
     labels = torch.zeros(N, dtype=torch.long)
     h_in, w_in = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = topk_divergence(h_in, w_in, labels, ids, t_lp, divergence="forward_kl_topk_tail", backend=backend)
+    out = divergence(h_in, w_in, labels, ids, t_lp, backend)
     assert torch.isfinite(out.divergence).all()
     out.divergence.sum().backward()
     assert torch.isfinite(w_in.grad).all()
@@ -89,8 +99,7 @@ def test_teacher_mass_rounding_above_one(backend, seed):
     k = 6
     ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])
     t_lp = (torch.log_softmax(torch.randn(N, k, generator=g, dtype=torch.float64), -1) + 1e-6).float()
-    out = topk_divergence(hidden, weight, torch.zeros(N, dtype=torch.long), ids, t_lp,
-                          divergence="forward_kl_topk_tail", backend=backend)
+    out = divergence(hidden, weight, torch.zeros(N, dtype=torch.long), ids, t_lp, backend)
     want = kl64(hidden.double(), weight.double(), ids, t_lp)
     assert torch.isfinite(out.divergence).all()
     assert (out.divergence.double() - want).abs().max() < 2e-5

@@ -2,7 +2,9 @@
 float64 from the definitions, V not a power of two: k 1 to the fast path's limit, k = V and k above the limit (the
 torch pass), exact ties, rows a tile's candidates cannot hold (the exact second pass), tails of 1e-10 to 1e-50,
 huge and tiny logits, masked rows, per-token temperatures, softcap, float32 operands with a precision, and bitwise
-batch invariance of the ids, log-probs and tails (one token a call, permutations, token chunks, redone rows)."""
+batch invariance of the ids, log-probs and tails (one token a call, permutations, token chunks, redone rows).
+The kernels run on the GPU where there is one (compiled: they refuse CPU tensors), else in triton's interpreter;
+the float64 truth stays on the CPU."""
 from __future__ import annotations
 
 import math
@@ -12,9 +14,17 @@ import torch
 
 from logitless import fused_topk, last_backend, last_precision
 from logitless.ops.triton import topk_select
-from reference64 import rel_err
+from reference64 import device_for, on_cpu, rel_err
 
 V, H, N = 1031, 48, 13
+DEV = torch.device(device_for("triton"))
+
+
+def topk(hidden, weight, k, **kw):
+    """fused_topk with its tensors on DEV, the outputs back on the CPU (differentiable moves: CPU leaves get the
+    gradients)."""
+    to = lambda t: t.to(DEV) if torch.is_tensor(t) else t  # noqa: E731
+    return on_cpu(fused_topk(to(hidden), to(weight), k, **{name: to(v) for name, v in kw.items()}))
 
 
 def head(seed, scale=1.0, dtype=torch.float32, v=V):
@@ -64,7 +74,7 @@ def test_selection_matches_float64(k, softcap, seed):
     mask = torch.ones(N, dtype=torch.bool)
     mask[[2, 9]] = False
     h_in, w_in = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_topk(h_in, w_in, k, temperature=temperature, mask=mask, backend="triton", softcap=softcap,
+    out = topk(h_in, w_in, k, temperature=temperature, mask=mask, backend="triton", softcap=softcap,
                      precision="ieee")
     assert last_backend() == "triton" and last_precision().statistics == "ieee"
     a, b = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
@@ -89,12 +99,12 @@ def test_large_k_raises_the_candidates(k, seed):
     gradients are float64's."""
     v = 4099
     hidden, weight, g = head(seed, v=v)
-    tiles = topk_select.tiles_for(hidden.dtype, hidden.device)
+    tiles = topk_select.tiles_for(hidden.dtype, DEV)
     c = topk_select.first_candidates(k, v, tiles)
     assert c > topk_select.CANDIDATES or c == tiles.block_n
-    assert topk_select.fast_path_ok(k, v, hidden.dtype, hidden.device)
+    assert topk_select.fast_path_ok(k, v, hidden.dtype, DEV)
     h_in, w_in = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_topk(h_in, w_in, k, backend="triton", precision="ieee")
+    out = topk(h_in, w_in, k, backend="triton", precision="ieee")
     assert last_backend() == "triton"
     a, b = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
     ((out.logprobs * a).sum() + (out.tail_logprob * b).sum()).backward()
@@ -112,8 +122,8 @@ def test_large_k_raises_the_candidates(k, seed):
 def test_k_beyond_the_fast_path(k, v, seed):
     """k above the kernels' limit, and k = V (no tail: -inf), take the torch pass: still exact."""
     hidden, weight, _ = head(seed, v=v)
-    assert not topk_select.fast_path_ok(k, v, hidden.dtype, hidden.device)
-    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    assert not topk_select.fast_path_ok(k, v, hidden.dtype, DEV)
+    out = topk(hidden, weight, k, backend="triton", precision="ieee")
     assert last_backend() == "chunked"
     ids, lp, tail = want64(hidden, weight, k)
     same_selection(out.ids, ids, hidden, weight)      # k = V sorts all 1031 ids: near-equal pairs may swap
@@ -133,10 +143,10 @@ def test_exact_ties_go_to_the_lower_id():
     for k in (1, 5, 40):
         want = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :k]
         assert (z.gather(1, want[:, -1:]) == z).sum(-1).max() > 1      # the cut falls in a run of ties
-        out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+        out = topk(hidden, weight, k, backend="triton", precision="ieee")
         assert last_backend() == "triton"
         assert torch.equal(out.ids, want), k
-        capped = fused_topk(hidden, weight, k, backend="triton", softcap=1e-3, precision="ieee")
+        capped = topk(hidden, weight, k, backend="triton", softcap=1e-3, precision="ieee")
         zc = (torch.tanh(z / 1e-3) * 1e-3).float()
         assert torch.equal(capped.ids, torch.sort(zc, dim=-1, descending=True, stable=True).indices[:, :k])
 
@@ -153,9 +163,9 @@ def clustered(seed):
 def test_rows_the_candidates_cannot_hold_are_redone_exactly(seed):
     hidden, weight = clustered(seed)
     k = 20
-    sel = topk_select.select(hidden, weight, torch.ones(N), k)
+    sel = topk_select.select(hidden.to(DEV), weight.to(DEV), torch.ones(N, device=DEV), k)
     assert sel.fallback > 0
-    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    out = topk(hidden, weight, k, backend="triton", precision="ieee")
     ids, lp, tail = want64(hidden, weight, k)
     assert torch.equal(out.ids, ids)
     assert (out.logprobs.double() - lp).abs().max() < 2e-5
@@ -182,7 +192,7 @@ def test_tiny_tails(power):
     z32 = weight[:, 0].double()
     want = torch.logsumexp(z32[rest_ids], 0) - torch.logsumexp(z32, 0)
     assert abs(float(want) - power * math.log(0.1)) < 1e-3
-    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    out = topk(hidden, weight, k, backend="triton", precision="ieee")
     assert last_backend() == "triton"
     assert torch.equal(out.ids[0].sort().values, top.sort().values)
     assert (out.tail_logprob.double() - want).abs().max() < 2e-5 * abs(float(want))
@@ -192,7 +202,7 @@ def test_tiny_tails(power):
 def test_huge_and_tiny_logits(scale, seed):
     hidden, weight, _ = head(seed, scale=scale)
     k = 9
-    out = fused_topk(hidden, weight, k, backend="triton", precision="ieee")
+    out = topk(hidden, weight, k, backend="triton", precision="ieee")
     ids, lp, tail = want64(hidden, weight, k)
     assert torch.equal(out.ids, ids)
     assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.tail_logprob).all()
@@ -207,7 +217,7 @@ def test_float32_operands_with_a_precision(precision, seed):
     float64), and the record says what ran."""
     hidden, weight, _ = head(seed)
     k = 6
-    out = fused_topk(hidden, weight, k, backend="triton", precision=precision)
+    out = topk(hidden, weight, k, backend="triton", precision=precision)
     assert last_backend() == "triton" and last_precision().statistics == precision
     ids, lp, tail = want64(hidden, weight, k)
     tol = 1e-2 if precision == "tf32" else 1e-4      # TF32-rounded operands: ~1e-3 relative per logit
@@ -220,7 +230,7 @@ def test_float32_operands_with_a_precision(precision, seed):
 def test_bfloat16_operands(seed):
     hidden, weight, _ = head(seed, dtype=torch.bfloat16)
     k = 11
-    out = fused_topk(hidden, weight, k, backend="triton")
+    out = topk(hidden, weight, k, backend="triton")
     ids, lp, tail = want64(hidden, weight, k)
     close = (out.logprobs.double() - lp).abs().max()
     assert close < 1e-4 and (out.tail_logprob.double() - tail).abs().max() < 1e-4
@@ -233,23 +243,23 @@ def test_batch_invariance(seed, monkeypatch):
     hidden, weight = clustered(seed)
     k = 20
     temperature = torch.full((N,), 0.75)
-    whole = fused_topk(hidden, weight, k, temperature=temperature, backend="triton", softcap=6.0, precision="ieee")
+    whole = topk(hidden, weight, k, temperature=temperature, backend="triton", softcap=6.0, precision="ieee")
     perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
-    shuffled = fused_topk(hidden[perm], weight, k, temperature=temperature[perm], backend="triton", softcap=6.0,
+    shuffled = topk(hidden[perm], weight, k, temperature=temperature[perm], backend="triton", softcap=6.0,
                           precision="ieee")
     mask = torch.ones(N, dtype=torch.bool)
     mask[1::3] = False
-    masked = fused_topk(hidden, weight, k, temperature=0.75, mask=mask, backend="triton", softcap=6.0,
+    masked = topk(hidden, weight, k, temperature=0.75, mask=mask, backend="triton", softcap=6.0,
                         precision="ieee")
     for f in range(3):
         assert torch.equal(shuffled[f], whole[f][perm]), f
         assert torch.equal(masked[f][mask], whole[f][mask]), f
     for i in (0, 5, N - 1):
-        one = fused_topk(hidden[i:i + 1], weight, k, temperature=0.75, backend="triton", softcap=6.0,
+        one = topk(hidden[i:i + 1], weight, k, temperature=0.75, backend="triton", softcap=6.0,
                          precision="ieee")
         for f in range(3):
             assert torch.equal(one[f][0], whole[f][i]), (i, f)
     monkeypatch.setenv("LOGITLESS_TOPK_BYTES", "1")          # one token tile a chunk
-    chunked = fused_topk(hidden, weight, k, temperature=0.75, backend="triton", softcap=6.0, precision="ieee")
+    chunked = topk(hidden, weight, k, temperature=0.75, backend="triton", softcap=6.0, precision="ieee")
     for f in range(3):
         assert torch.equal(chunked[f], whole[f]), f
