@@ -2,13 +2,15 @@
 distillation steps with TRL's loss and with logitless', from the same seed and the same models. Each run's JSON has
 finite losses, step times, peak memory and held-out accuracies; step by step the two runs' loss and gradient norm
 agree (the same seed samples the same completions while the weights agree), and so do the held-out accuracies;
---plot-only draws the curves and prints the table."""
+--plot-only draws the curves and prints the table. The teacher's batches: consecutive runs, or (mixed) runs and a
+prompt's run followed by random words, every word labelled with its successor."""
 import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from required import import_or_skip
 
@@ -61,3 +63,24 @@ def test_learning_script_modes_agree_step_by_step(tmp_path, capsys):
     assert (tmp_path / "distillation_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| mode | seed | loss, first 5 steps |" in printed and "\n| fused | 0 | " in printed, printed
     assert "fused seed 0 vs trl seed 0: mean |loss difference| per step" in printed, printed
+
+
+@pytest.mark.parametrize("contexts", ["runs", "mixed"])
+def test_teacher_batch_labels_every_word_with_its_successor(contexts):
+    example = _example()
+    args = example.parse_args(["--size", "tiny", "--out", "unused", "--teacher-batch", "7",
+                               "--teacher-contexts", contexts])
+    train_starts, held = example.split_starts(args)
+    rows, labels = example.teacher_batch(args, torch.Generator().manual_seed(3), train_starts)
+    length = args.prompt_words + args.completion_length
+    assert rows.shape == (7, length) and bool(((rows >= 3) & (rows < 3 + args.task_words)).all())
+    assert not bool(torch.isin(rows[:, 0] - 3, held).any())          # rows start at training starts only
+    step = (rows[:, 1:] - rows[:, :-1]) % args.task_words
+    if contexts == "runs":
+        assert labels is rows and bool((step == 1).all())
+        return
+    # labels: each position's own word's successor (the model's loss is not shifted for these rows)
+    assert torch.equal(labels, (rows - 3 + 1) % args.task_words + 3)
+    assert bool((step[:3] == 1).all())                                 # the first half: consecutive runs
+    assert bool((step[3:, :args.prompt_words - 1] == 1).all())          # the second: the prompt's run...
+    assert not bool((step[3:, args.prompt_words - 1:] == 1).all())     # ...then random words
