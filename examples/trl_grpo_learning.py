@@ -7,8 +7,13 @@
 
 A tiny Qwen2 with random weights is built from a config (nothing from the Hub) with a word-level tokenizer
 made in code ("w0", "w1", ...); the prompts are random words. The reward is a rule a random policy can
-improve on quickly: the share of completion words in a fixed target set (the words whose number is a
-multiple of ``--target-every``; about 1/8 of the vocabulary, so a random policy scores about 0.12).
+improve on quickly at any vocabulary size: the share of completion words in a fixed target set, the 1/8 of the
+words (``--target-fraction``) whose row of the initial LM head has the largest projection on one random
+direction of the hidden space (drawn from ``--model-seed``, so every mode rewards the same words). A random
+policy scores about 0.12; moving its last hidden state along that direction raises every target word's logit
+at once, so every completion teaches the policy about all the target words. (The earlier set, the words whose
+number is a multiple of 8, has no such structure: it is learnt word by word, and at V = 151936 a run samples
+each word about twice; on an H200 it stayed at 0.12 for 50 steps.)
 
 Modes (each run a fresh trainer from the same model weights and, for the same ``--seed``, the same sampling):
   trl    TRL's own GRPOTrainer: its log-probs and its ``_compute_loss``.
@@ -51,13 +56,19 @@ import learning_runs as runs_common  # noqa: E402
 from learning_runs import build_tokenizer  # noqa: E402
 
 MODES = ("trl", "fused", "liger")
+WORD_IDS = 3              # the tokenizer's ids before the words: <pad>, <eos>, <unk>
+# the std of the initial logits (the final norm keeps the last hidden state's RMS near 1): with the hidden state
+# all along the reward's direction, the target words take a share Phi(HEAD_SCALE - 1.15) of the samples (1.15:
+# the normal's upper 1/8 quantile), 0.44 at a scale of 1, 0.80 at 2 (target_words)
+HEAD_SCALE = 2.0
 # per-size defaults; every one can be overridden by its flag
 SIZES = {
     "cpu": dict(vocab=2053, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, prompts=8, generations=8,
                 completion_length=8, prompt_words=4, lr=5e-3, steps=100, dtype="float32"),
-    # one H100: each of the four runs (trl, fused, liger, trl seed 1) in about a minute and a half
-    "gpu": dict(vocab=151936, hidden=1024, layers=4, heads=16, kv_heads=4, intermediate=2816, prompts=16,
-                generations=8, completion_length=96, prompt_words=16, lr=3e-4, steps=50, dtype="bfloat16"),
+    # CUDA, bf16: 16384 completion tokens a step (their float32 logits would be 9.3 GiB), 100 steps. Not yet run
+    # with this reward and shape (16 prompts x 8 x 96 tokens, 6144 a step, ran 0.21 s a step on an H200)
+    "gpu": dict(vocab=151936, hidden=1024, layers=4, heads=16, kv_heads=4, intermediate=2816, prompts=32,
+                generations=8, completion_length=128, prompt_words=16, lr=1e-3, steps=100, dtype="bfloat16"),
     # what the test runs: the smallest shapes that still make a GRPO step
     "tiny": dict(vocab=509, hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, prompts=4, generations=4,
                  completion_length=6, prompt_words=3, lr=3e-3, steps=3, dtype="float32"),
@@ -69,20 +80,24 @@ LOGGED = ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "clip_ra
 def parse_args(argv=None):
     p = runs_common.argument_parser(__doc__, MODES, SIZES, out="the JSON of each run (and the plot)", noise_seeds="1",
                                     weights="the model's random weights", png_name="reward_curves.png")
-    p.add_argument("--target-every", type=int, default=8, help="target words: those whose number is a multiple")
+    p.add_argument("--target-fraction", type=float, default=0.125, help="the share of the words that are targets")
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--steps-per-generation", type=int, default=2)
     p.add_argument("--liger-on-cpu", action="store_true", help="run the liger mode without CUDA (a check only)")
     p.add_argument("--liger-uncompiled", action="store_true", help="Liger's loss without torch.compile")
-    return runs_common.parse_sized(p, argv, SIZES)
+    args = runs_common.parse_sized(p, argv, SIZES)
+    if not 0.0 < args.target_fraction < 1.0:
+        p.error(f"--target-fraction must be between 0 and 1 (exclusive), got {args.target_fraction}")
+    return args
 
 
 # ---------------------------------------------------------------- model, tokenizer, prompts, reward
 
-def build_model(folder: str, args) -> str:
-    """A random tiny Qwen2 and its tokenizer saved to ``folder`` (TRL loads the reference model from it too).
-    The same ``--model-seed`` gives the same weights in every mode."""
+def build_model(folder: str, args) -> tuple[str, frozenset]:
+    """A random tiny Qwen2 and its tokenizer saved to ``folder`` (TRL loads the reference model from it too), and
+    the target words of the reward (``target_words``). The same ``--model-seed`` gives the same weights and the
+    same target words in every mode."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(args.model_seed)
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -92,11 +107,21 @@ def build_model(folder: str, args) -> str:
                          pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
-        # logits of std ~1 rather than ~0.02 x sqrt(H): a policy with preferences to move, not a uniform one
-        model.lm_head.weight.normal_(0.0, 1.0 / math.sqrt(args.hidden))
+        # logits of std HEAD_SCALE rather than ~0.02 x sqrt(H): a policy with preferences to move (target_words)
+        model.lm_head.weight.normal_(0.0, HEAD_SCALE / math.sqrt(args.hidden))
     model.to(getattr(torch, args.dtype)).save_pretrained(folder)
     build_tokenizer(args.vocab).save_pretrained(folder)
-    return folder
+    return folder, target_words(model.lm_head.weight, args)
+
+
+def target_words(head_weight, args) -> frozenset:
+    """The numbers of the target words: the ``--target-fraction`` of the words whose LM-head row, as saved, has
+    the largest projection on a random direction of the hidden space drawn from ``--model-seed`` (shared
+    structure: moving the last hidden state along it raises all of their logits at once)."""
+    direction = torch.randn(args.hidden, generator=torch.Generator().manual_seed(args.model_seed))
+    words = head_weight.detach()[WORD_IDS:].float() @ direction      # word "w<i>" is token WORD_IDS + i
+    count = max(1, round(args.target_fraction * words.numel()))
+    return frozenset(torch.topk(words, count).indices.tolist())
 
 
 def build_prompts(args, n: int = 256):
@@ -106,15 +131,15 @@ def build_prompts(args, n: int = 256):
     return [" ".join(f"w{i}" for i in row.tolist()) for row in ids]
 
 
-def target_share(every: int):
-    """The rule: the share of a completion's words whose number is a multiple of ``every`` (0 when empty)."""
+def target_share(targets: frozenset):
+    """The rule: the share of a completion's words that are target words (``target_words``; 0 when empty)."""
     def reward(completions, **_):
         out = []
         for text in completions:
             words = [w for w in text.split() if w[:1] == "w" and w[1:].isdigit()]
-            out.append(sum(int(w[1:]) % every == 0 for w in words) / max(len(words), 1))
+            out.append(sum(int(w[1:]) in targets for w in words) / max(len(words), 1))
         return out
-    reward.__name__ = f"target_share_every_{every}"
+    reward.__name__ = "target_share"
     return reward
 
 
@@ -202,7 +227,7 @@ def run_one(args, mode: str, seed: int) -> dict:
     use_cpu = not torch.cuda.is_available()
     bf16 = args.dtype == "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_model(os.path.join(tmp, "model"), args)
+        folder, targets = build_model(os.path.join(tmp, "model"), args)
         config = GRPOConfig(
             output_dir=os.path.join(tmp, "out"), seed=seed, max_steps=args.steps, learning_rate=args.lr,
             lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
@@ -212,7 +237,7 @@ def run_one(args, mode: str, seed: int) -> dict:
             loss_type=args.loss_type, beta=args.beta, epsilon=0.2, epsilon_high=0.28,
             model_init_kwargs={"dtype": args.dtype}, bf16=bf16, use_cpu=use_cpu,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
-        trainer = GRPOTrainer(model=folder, reward_funcs=target_share(args.target_every), args=config,
+        trainer = GRPOTrainer(model=folder, reward_funcs=target_share(targets), args=config,
                               train_dataset=Dataset.from_dict({"prompt": build_prompts(args)}),
                               processing_class=build_tokenizer(args.vocab))
         trainer.remove_callback(PrinterCallback)
