@@ -30,7 +30,7 @@ NEWEST_TORCH ?= torch==2.14.1
 NEWEST_TRITON ?= triton==3.8.0
 NEWEST_TESTS := tests/ops tests/losses tests/test_fused_logprobs.py tests/test_precision.py tests/test_packaging.py
 
-.PHONY: setup test test-newest bench doctor clean gpu-check gpu-learning gpu-wheels
+.PHONY: setup test test-newest bench doctor clean gpu-check gpu-learning gpu-learning-grpo gpu-learning-distill gpu-wheels
 setup: $(VENV)/.ready $(LEGACY)/.ready $(MAMBA_SRC)/.ready $(NEWEST)/.ready
 
 $(VENV)/.ready: pyproject.toml Makefile
@@ -126,8 +126,11 @@ $(GPU_SITE)/.ready:
 gpu-check: $(GPU_SITE)/.ready
 	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
-gpu-learning: $(GPU_SITE)/.ready
+# the two halves apart too (each estimated at 5-6 minutes on one H100: one command each where a call is limited)
+gpu-learning: gpu-learning-grpo gpu-learning-distill
+gpu-learning-grpo: $(GPU_SITE)/.ready
 	$(GPU_ENV) $(GPU_PY) examples/trl_grpo_learning.py --size gpu --out $(GPU_OUT)/grpo --plot
+gpu-learning-distill: $(GPU_SITE)/.ready
 	$(GPU_ENV) $(GPU_PY) examples/trl_distillation_learning.py --size gpu --noise-seeds 1 --out $(GPU_OUT)/distill --plot
 
 clean:
