@@ -11,11 +11,15 @@ Shape: bf16, 16 x 1024 tokens (about 12% not scored / masked), H=4096, V=151936,
      rows their candidates could not hold, redone exactly, are counted) against the 1-GEMM floor (target
      <= 1.10x); and the torch vocabulary pass it replaced (backend "chunked") at k 32;
    - naive top-k: bf16 logits, float32 log_softmax, torch.topk, the tail as log1p(-sum p) (it keeps [N, V]);
-   - topk_divergence forward + backward, "forward_kl_topk" (the student's own top k by the selection kernels) and
-     "forward_kl_topk_tail" (its tail: the torch pass forward, the backward's dlogits kernel
-     ``triton/tail_dlogits.py``), backend "auto", against the 4-GEMM floor (targets <= 0.80x
-     and <= 0.85x); and
-     "forward_kl_topk" with_overlap=False (the backend's own statistics pass forward: Triton on CUDA);
+   - fused_distillation_loss forward + backward (token-mean), "forward_kl_topk" (its one-pass route: the policy
+     pass's three GEMMs with the gradients formed in the forward, the student's own top k by the selection
+     kernels; ``losses/distill_topk_function.py``) and "forward_kl_topk_tail" (topk_divergence's route: the torch
+     pass forward, the backward's dlogits kernel ``triton/tail_dlogits.py``), backend "auto", against the 4-GEMM
+     floor (targets <= 0.80x and <= 0.85x); "forward_kl_topk" with_overlap=False (the one-pass route without
+     the selection); and "forward_kl_topk" by topk_divergence (the route through fused_logprobs_k: statistics
+     pass + selection, then a backward that recomputes the logits), for comparison. Each row's ``_entry`` in the
+     JSON is the op that ran last (``last_path().entry``): "fused_distillation_loss" for the one-pass route,
+     "fused_logprobs_k" for the other;
    - peak memory above the inputs (MiB).
 Writes DIR/gpu_topk.json and DIR/gpu_topk.md, and prints the table last.
 
@@ -39,8 +43,10 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from logitless import fused_topk, last_backend  # noqa: E402
+from logitless.losses import fused_distillation_loss  # noqa: E402
 from logitless.losses.distill_topk import topk_divergence  # noqa: E402
 from logitless.ops.triton import stages  # noqa: E402
+from logitless.record import last_path  # noqa: E402
 from logitless.tools.common import GemmFloor, env_set, markdown_table, peak_extra_bytes, random_head  # noqa: E402
 from logitless.tools.common import time_cuda as _time_cuda  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
@@ -48,9 +54,11 @@ from logitless.tools.machine import machine, versions  # noqa: E402
 FULL = dict(n=16 * 1024, h=4096, v=151936, k=32, k_large=128)
 TINY = dict(n=40, h=32, v=1031, k=5, k_large=20)
 MIB = 1 << 20
-# (row, divergence, with_overlap) of the timed losses
-LOSSES = (("forward_kl_topk", "forward_kl_topk", True), ("forward_kl_topk_tail", "forward_kl_topk_tail", True),
-          ("forward_kl_topk, no overlap", "forward_kl_topk", False))
+# (row, divergence, with_overlap, through fused_distillation_loss) of the timed losses
+LOSSES = (("forward_kl_topk", "forward_kl_topk", True, True),
+          ("forward_kl_topk_tail", "forward_kl_topk_tail", True, True),
+          ("forward_kl_topk, no overlap", "forward_kl_topk", False, True),
+          ("forward_kl_topk, topk_divergence", "forward_kl_topk", True, False))
 
 
 def log(*a):
@@ -240,14 +248,20 @@ def main():
 
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
-    for key, name, overlap in LOSSES:
-        def step(name=name, overlap=overlap):
+    for key, name, overlap, as_loss in LOSSES:
+        def step(name=name, overlap=overlap, as_loss=as_loss):
             h.grad = w.grad = None
+            if as_loss:     # token-mean over the scored tokens
+                fused_distillation_loss(h, w, labels, divergence=name, teacher_topk_ids=t_ids,
+                                        teacher_topk_logprobs=t_lp, log_prob_min_clamp=-10.0, with_overlap=overlap,
+                                        backend=backend).loss.backward()
+                return
             d = topk_divergence(h, w, labels, t_ids, t_lp, divergence=name, log_prob_min_clamp=-10.0,
                                 with_overlap=overlap, backend=backend)
             (d.divergence.sum() / scored.sum()).backward()
         res["ms"][key] = time_ms(step, dev)
         res[f"{key}_backend"] = last_backend()
+        res[f"{key}_entry"] = last_path().entry
         res["mib"][key], _ = peak_extra_bytes(step, dev)
     res["mib"] = {key: (None if b is None else b / MIB) for key, b in res["mib"].items()}
 
@@ -258,7 +272,7 @@ def main():
     for key, floor_ms, target in ((f"fused_topk k{k}", f, "<= 1.10"),
                                   (f"fused_topk k{shape['k_large']}", f, "<= 1.10"),
                                   (f"fused_topk k{k}, torch pass", f, "-"), ("naive_topk", f, "-"),
-                                  *((key, fb, targets.get(key, "-")) for key, _, _ in LOSSES)):
+                                  *((key, fb, targets.get(key, "-")) for key, _, _, _ in LOSSES)):
         ms = res["ms"].get(key)
         mib = res["mib"].get(key)
         rows.append([key, "-" if ms is None else f"{ms:.2f}", "-" if ms is None else f"{ms / floor_ms:.2f}",

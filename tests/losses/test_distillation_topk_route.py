@@ -27,6 +27,10 @@ def batch():
     return hidden, weight, t_ids, t_lp.float(), labels
 
 
+def close(a, b):
+    return torch.allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
@@ -40,8 +44,11 @@ def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
     valid = labels != -100
     # the clamp at the median of this draw's terms, so that it bites on about half the tokens whatever the draw
     # (a fixed 1.0 missed every token of some draws of the tail variant)
+    # (between two terms, not on the median term itself: the two routes' float32 terms differ by rounding, and a
+    # term on the clamp would get its gradient or not by that rounding)
     size = ref.divergence[valid].detach().abs()
-    clamp = size.median().item()
+    ordered = size.sort().values
+    clamp = ((ordered[ordered.numel() // 2 - 1] + ordered[ordered.numel() // 2]) / 2).item()
     assert (size > clamp).any() and (size < clamp).any()   # the clamp bites
 
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -53,13 +60,17 @@ def test_topk_route_aggregates_the_term(divergence, loss_agg, monkeypatch):
     loss = (clamped.double() * w).sum()
     loss.backward()
     assert abs(out.loss.item() - loss.item()) <= 1e-6 * max(1.0, loss.item())
-    assert torch.equal(out.divergence, clamped.detach())
+    # forward_kl_topk takes the one-pass route (its statistics summed by the policy pass: float32 rounding apart
+    # from topk_divergence's; test_distill_topk_one_pass.py), the tail divergence topk_divergence's own
+    same = torch.equal if divergence == "forward_kl_topk_tail" else close
+    assert same(out.divergence, clamped.detach())
     assert out.entropy is None
-    for name in ("student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage"):
-        assert torch.equal(getattr(out, name), ref.token_stats[name])
+    assert torch.equal(out.overlap_count, ref.token_stats["overlap_count"])
+    for name in ("student_mass", "teacher_mass", "overlap_token_advantage"):
+        assert same(getattr(out, name), ref.token_stats[name]), name
     assert set(out.metrics) == set(ref.metrics)
     for name, value in ref.metrics.items():
-        assert torch.equal(out.metrics[name], value), name
+        assert same(out.metrics[name], value), name
     for got, want in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
 

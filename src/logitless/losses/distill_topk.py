@@ -136,14 +136,27 @@ def _masked_stats(x: Tensor, scored: Tensor, name: str) -> dict:
             f"{name}_max": torch.where(scored, x, -inf).amax() if x.numel() else -inf.sum()}
 
 
-def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tensor, teacher_topk_ids: Tensor,
-                    teacher_topk_logprobs: Tensor, *, divergence: str = "forward_kl_topk",
-                    temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
-                    reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
-                    log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True,
-                    clamped_masses: bool = False, check_inputs: bool = True,
-                    logit_scale: float = 1.0) -> TopKDivergence:
-    """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
+class TopKInputs(NamedTuple):
+    """``topk_divergence``'s arguments as its checks leave them (``check_topk``), for either route."""
+    hidden: Tensor          # [..., H]
+    weight: Tensor          # [V, H]
+    labels: Tensor          # [...]
+    scored: Tensor          # [...] bool
+    ids: Tensor             # [..., k] int64, ignore_index on unscored tokens
+    t_lp: Tensor            # [..., k] float32, 0 on unscored tokens
+    inv_temp: Tensor        # [N] float32, the logit scale folded in
+    softcap: Optional[float]
+    clamp: Optional[float]
+    backend: str            # the backend's name (``registry.choose_backend``)
+    precision: tuple        # (statistics, gradients): IEEE for a float32 student, else native
+    ignore_index: int
+
+
+def check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs, *, divergence,
+               temperature, ignore_index, reduce_grad_hidden, backend, softcap, log_prob_min_clamp, with_overlap,
+               clamped_masses, check_inputs, logit_scale) -> TopKInputs:
+    """Every check of ``topk_divergence`` that runs before its op (TypeError / ValueError naming the argument);
+    the op itself checks the ids (range, repeats) and the temperatures."""
     if divergence not in TOPK_DIVERGENCES:
         raise ValueError(f"divergence must be one of {TOPK_DIVERGENCES}, got {divergence!r}")
     hidden, weight, labels = check_head(student_hidden, student_weight, labels)
@@ -160,7 +173,6 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
     # a -inf teacher log-prob (probability 0) is a NaN term without a clamp (verl's too): refused then
     scored, ids, t_lp = _check_teacher(labels, teacher_topk_ids, teacher_topk_logprobs, ignore_index, check_inputs,
                                        allow_neg_inf=clamp is not None)
-    k = ids.shape[-1]
     inv_temp = inv_temperature(temperature, labels, check_values=False)
     scale = checks.finite_float(logit_scale, "logit_scale", minimum=0.0, above=True)
     if scale != 1.0:
@@ -172,29 +184,63 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
         # every row runs (no host read): an unscored one at inverse temperature 1, so that NaN padding of a
         # per-token temperature reaches no gradient
         inv_temp = inv_temp.masked_fill(~scored.reshape(-1), 1.0)
-    flat_ids = ids.reshape(-1, k)
     mod, _ = choose_backend(hidden, weight, backend)
     # float32 students multiply in IEEE float32 (the full-vocabulary pass's products; no precision setting here),
     # named so that the op runs and records it
     precision = ("ieee", "ieee") if hidden.dtype == torch.float32 else ("native", "native")
-    options = function.OpOptions(backend=mod.name, with_entropy=False, ignore_index=ignore_index, softcap=softcap,
-                                 tp_group=tp_group_name(tp_group), reduce_grad_hidden=reduce_grad_hidden,
-                                 check_inputs=check_inputs, precision=precision[0], grad_precision=precision[1])
+    return TopKInputs(hidden, weight, labels, scored, ids, t_lp, inv_temp, softcap, clamp, mod.name, precision,
+                      ignore_index)
+
+
+def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tensor, teacher_topk_ids: Tensor,
+                    teacher_topk_logprobs: Tensor, *, divergence: str = "forward_kl_topk",
+                    temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
+                    reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
+                    log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True,
+                    clamped_masses: bool = False, check_inputs: bool = True,
+                    logit_scale: float = 1.0) -> TopKDivergence:
+    """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
+    x = check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
+                   divergence=divergence, temperature=temperature, ignore_index=ignore_index,
+                   reduce_grad_hidden=reduce_grad_hidden, backend=backend, softcap=softcap,
+                   log_prob_min_clamp=log_prob_min_clamp, with_overlap=with_overlap, clamped_masses=clamped_masses,
+                   check_inputs=check_inputs, logit_scale=logit_scale)
+    return topk_by_logprobs_k(x, divergence, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
+                              check_inputs=check_inputs, with_overlap=with_overlap, clamped_masses=clamped_masses)
+
+
+def topk_by_logprobs_k(x: TopKInputs, divergence: str, *, tp_group, reduce_grad_hidden: bool, check_inputs: bool,
+                       with_overlap: bool, clamped_masses: bool) -> TopKDivergence:
+    """``topk_divergence`` of checked inputs (``check_topk``) through ``fused_logprobs_k``: the student's log-probs at
+    the ids differentiable (its backward recomputes the logits), every divergence, setting and backend."""
+    k = x.ids.shape[-1]
+    options = function.OpOptions(backend=x.backend, with_entropy=False, ignore_index=x.ignore_index,
+                                 softcap=x.softcap, tp_group=tp_group_name(tp_group),
+                                 reduce_grad_hidden=reduce_grad_hidden, check_inputs=check_inputs,
+                                 precision=x.precision[0], grad_precision=x.precision[1])
     with_tail = divergence == "forward_kl_topk_tail"
     s_lp, _, s_tail, s_top = label_set_function.fused_logprobs_k(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids, inv_temp, options, with_tail=with_tail,
-        select=k if with_overlap else 0, labels_name="teacher_topk_ids")
-    s_lp = s_lp.view(ids.shape)
-    terms = topk_terms(s_lp, t_lp, clamp, clamped_masses=clamped_masses)
+        x.hidden.reshape(-1, x.hidden.shape[-1]), x.weight, x.ids.reshape(-1, k), x.inv_temp, options,
+        with_tail=with_tail, select=k if with_overlap else 0, labels_name="teacher_topk_ids")
+    return finish_topk(s_lp.view(x.ids.shape), x, s_tail, s_top, with_tail=with_tail, clamped_masses=clamped_masses)
+
+
+def finish_topk(s_lp: Tensor, x: TopKInputs, s_tail: Optional[Tensor], s_top: Optional[Tensor], *, with_tail: bool,
+                clamped_masses: bool) -> TopKDivergence:
+    """The divergence, metrics and token stats from the student's log-probs at the teacher's ids s_lp [..., k]
+    (differentiable or not), its tail log-mass [N] (the tail divergence) and its own top-k ids [N, k] (None:
+    no overlap): the one definition both routes of ``fused_distillation_loss`` and ``topk_divergence`` share."""
+    ids, scored, t_lp = x.ids, x.scored, x.t_lp
+    terms = topk_terms(s_lp, t_lp, x.clamp, clamped_masses=clamped_masses)
     if with_tail:
-        d = terms.kl + tail_term(s_tail.view(labels.shape), t_lp)
+        d = terms.kl + tail_term(s_tail.view(x.labels.shape), t_lp)
     else:
-        d = terms.kl.clamp_min(0.0)       # verl: top-k masses do not sum to 1, so the sum can be negative
+        d = forward_kl_topk_term(terms)
     d = torch.where(scored, d, torch.zeros_like(d))
     stats = {"student_mass": terms.student_mass, "teacher_mass": terms.teacher_mass}
     metrics = {**_masked_stats(terms.student_mass, scored, "distillation/student_mass"),
                **_masked_stats(terms.teacher_mass, scored, "distillation/teacher_mass")}
-    if with_overlap:
+    if s_top is not None:
         _overlap(ids, s_top.view(ids.shape), terms.token_kl.detach(), scored, stats, metrics)
     loss_stats = _masked_stats(d, scored, "distillation/loss")
     metrics["distillation/loss_min"], metrics["distillation/loss_max"] = (loss_stats["distillation/loss_min"],
@@ -237,6 +283,18 @@ def topk_terms(s_lp: Tensor, t_lp: Tensor, clamp: Optional[float], *, clamped_ma
             student_mass, teacher_mass = s_lp.detach().exp().sum(dim=-1), t_lp.exp().sum(dim=-1)
     token_kl = t_lp.exp() * (t_lp - s_lp)
     return TopKTerms(token_kl.sum(dim=-1), token_kl, student_mass, teacher_mass)
+
+
+def forward_kl_topk_term(terms: TopKTerms) -> Tensor:
+    """verl's forward_kl_topk per token: the k buckets' sum clamped at 0 (top-k masses do not sum to 1, so the
+    sum can be negative)."""
+    return terms.kl.clamp_min(0.0)
+
+
+def clamp_loss(d: Tensor, loss_max_clamp: Optional[float]) -> Tensor:
+    """verl's distillation_loss: the per-token terms clamped to [-c, c] before the aggregation (its loss_min /
+    loss_max metrics are of the terms before)."""
+    return d if loss_max_clamp is None else d.clamp(-loss_max_clamp, loss_max_clamp)
 
 
 def tail_term(s_tail: Tensor, t_lp: Tensor) -> Tensor:

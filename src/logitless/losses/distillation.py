@@ -27,7 +27,8 @@ from ..ops.distill_chunked import Head
 from ..ops.divergence_terms import FULL_VOCAB_DIVERGENCES, TAKES_BETA, Divergence, HeadTransform
 from .aggregate import check_agg_layout, check_cu_seqlens, check_loss_agg, cu_seqlens_error, token_weights
 from .distill_function import checked_count, fused_distillation_loss_op, precisions
-from .distill_topk import TOPK_DIVERGENCES, log_prob_clamp, topk_divergence
+from .distill_topk import TOPK_DIVERGENCES, check_topk, clamp_loss, log_prob_clamp, topk_by_logprobs_k
+from .distill_topk_function import one_pass_applies, topk_one_pass
 
 DIVERGENCES = FULL_VOCAB_DIVERGENCES + TOPK_DIVERGENCES
 DISTILLATION_BACKENDS = ("auto", "reference", "chunked", "triton")
@@ -354,19 +355,25 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
         # more read, only with a token_weight)
         if bool((~checks.weight_ok(token_w) & (labels.reshape(-1) != ignore_index)).any()):
             raise ValueError(checks.TOKEN_WEIGHT_RULE)
-    out = topk_divergence(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
-                          divergence=divergence, temperature=temperature, ignore_index=ignore_index,
-                          tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden, backend=backend,
-                          softcap=student_softcap, logit_scale=checks.finite_float(
-                              student_logit_scale, "student_logit_scale", minimum=0.0, above=True),
-                          log_prob_min_clamp=settings.get("log_prob_min_clamp"),
-                          with_overlap=settings.get("with_overlap", True), check_inputs=check_inputs)
-    d = out.divergence
-    if loss_max_clamp is not None:
-        # verl's distillation_loss: the terms clamped to [-c, c] before the aggregation (its loss_min / loss_max
-        # metrics are of the terms before)
-        d = d.clamp(-loss_max_clamp, loss_max_clamp)
-    loss = (d.reshape(-1) * token_w).sum()
+    with_overlap = settings.get("with_overlap", True)
+    x = check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
+                   divergence=divergence, temperature=temperature, ignore_index=ignore_index,
+                   reduce_grad_hidden=reduce_grad_hidden, backend=backend, softcap=student_softcap,
+                   log_prob_min_clamp=settings.get("log_prob_min_clamp"), with_overlap=with_overlap,
+                   clamped_masses=False, check_inputs=check_inputs, logit_scale=checks.finite_float(
+                       student_logit_scale, "student_logit_scale", minimum=0.0, above=True))
+    if one_pass_applies(divergence, x, tp_group, check_inputs):
+        # the aggregation is known here: the gradients formed in the forward, three GEMMs (+ the overlap's
+        # selection), ``distill_topk_function.py``
+        loss, out = topk_one_pass(x, token_w, loss_max_clamp, with_overlap)
+        d = clamp_loss(out.divergence, loss_max_clamp)
+    else:
+        out = topk_by_logprobs_k(x, divergence, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
+                                 check_inputs=check_inputs, with_overlap=with_overlap, clamped_masses=False)
+        # verl's distillation_loss: the terms clamped before the aggregation (its loss_min / loss_max metrics are
+        # of the terms before)
+        d = clamp_loss(out.divergence, loss_max_clamp)
+        loss = (d.reshape(-1) * token_w).sum()
     stats = out.token_stats
     # with_overlap=False: no overlap diagnostics (None)
     return DistillationOutput(loss, d.detach(), None, stats["student_mass"], stats["teacher_mass"],

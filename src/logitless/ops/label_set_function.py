@@ -276,6 +276,25 @@ def _set_logits(h_s, w_s, local, inv_temp, softcap, rows, n, tp, backend) -> Ten
     return zy
 
 
+def id_logits(hidden: Tensor, weight: Tensor, local: Tensor, inv_temp: Tensor, backend: str) -> Tensor:
+    """The tempered logits [n, k] of ids local [n, k] (rows of this whole weight, no softcap) as the forward of
+    ``fused_logprobs_k`` gathers them (the backend's gathered product), for a pass that has the lse."""
+    return _set_logits(hidden, weight, local, inv_temp, None, None, hidden.shape[0], None, backend)
+
+
+def top_ids(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Optional[Tensor], k: int, backend: str,
+            precision: tuple) -> Tensor:
+    """The ids [n, k] of the k largest logits (no softcap; ties to the lower id) of the kept rows (``rows``, None:
+    every row; inv_temp of those rows) as ``fused_logprobs_k(select=k)`` selects them: the triton backend's
+    selection kernels where they take this k, else the torch vocabulary pass. With the ids checked (a host read
+    of which rows need the kernels' second pass)."""
+    n = inv_temp.shape[0]
+    h_s, w_s, tf32 = _stats_operands(hidden, weight, precision[0], precision[1], n)
+    with tf32_products(tf32):
+        part, _, _ = _selection(h_s, w_s, inv_temp, None, rows, n, k, backend, None, True)
+    return part.ids
+
+
 def _global(part, tp, k, select):
     if tp is None:
         return part

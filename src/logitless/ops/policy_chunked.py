@@ -28,7 +28,7 @@ from .maths import (
     one_thread_on_cpu,
     row_blocks,
 )
-from .policy_parts import Combine, accumulate_product
+from .policy_parts import Combine, SetDlogits, accumulate_product
 from .precision import GradOperands
 
 # Fewest token rows per chunk by default (an explicit LOGITLESS_CHUNK_ELEMENTS is obeyed): the three
@@ -89,11 +89,12 @@ def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.de
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
                 rows_per_chunk: Optional[int] = None, bounds: Optional[list] = None,
-                grad_operands: Optional[GradOperands] = None) -> None:
+                grad_operands: Optional[GradOperands] = None, set_dlogits: Optional[SetDlogits] = None) -> None:
     """See ``policy_parts.py``. plan_vocab: the largest vocabulary shard of the tensor-parallel group (every
     rank must cut the same chunks; None: this weight's). rows_per_chunk: None for the knob's budget.
     bounds: the chunks' boundaries [0, ..., n] (each chunk at most ``max_chunk_rows``), None for even chunks.
-    grad_operands: the gradient products of a precision's statistics operands (``ops/precision.py``)."""
+    grad_operands: the gradient products of a precision's statistics operands (``ops/precision.py``).
+    set_dlogits: ``policy_parts.SetDlogits`` (None: the dlogits as formed)."""
     n = hidden.shape[0]
     step = rows_per_chunk or _chunk_rows(n, plan_vocab or weight.shape[0], hidden.device)
     if bounds is None:
@@ -133,6 +134,8 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
             if dh is None and dw is None:
                 continue
             dz = dlogits_in_blocks(z, lab, it, lse - m, ent, g_lp, g_ent, scratch, blocks)
+            if set_dlogits is not None:
+                set_dlogits(start, stop, dz)
         if dh is not None:
             for i, (a, b) in enumerate(go.products(dz, go.weight_parts)):
                 accumulate_product(dh[start:stop], a, b, first=i == 0)
@@ -150,8 +153,9 @@ def max_chunk_rows_whole(n: int, plan_vocab: int, dtype: torch.dtype, device: to
 
 def policy_pass_whole(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                       dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
-                      bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None) -> None:
+                      bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None,
+                      set_dlogits: Optional[SetDlogits] = None) -> None:
     """The "reference" backend: one chunk of every token (float32 logits [n, V]); ``bounds`` (any cut of
     the tokens) are all inside it."""
     policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, rows_per_chunk=max(1, hidden.shape[0]),
-                grad_operands=grad_operands)
+                grad_operands=grad_operands, set_dlogits=set_dlogits)

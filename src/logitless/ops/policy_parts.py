@@ -30,6 +30,11 @@ chunk at most the backend's ``max_chunk_rows`` rows (``policy.max_chunk_rows_for
 couples groups of tokens (the tokens of a sequence) cuts chunks that keep each group whole, so that
 ``combine`` sees every token of a group at once.
 
+set_dlogits (optional keyword): called as set_dlogits(start, stop, dlogits) with a chunk's dlogits [c, V] (the
+products' dtype; a view) after they are formed and before the gradient products, to overwrite some entries: a loss
+whose gradient at a few columns per token is known in closed form (the top-k distillation's k teacher ids,
+``losses/distill_topk_function.py``) writes it there, computed in float32, instead of correcting a rounded value.
+
 plan_vocab: the vocabulary size the chunk plan is made for (None: this weight's rows). Under tensor
 parallelism every rank passes the largest shard, so every rank cuts the same token chunks and calls
 ``combine`` (a collective) the same number of times with the same rows.
@@ -45,6 +50,7 @@ from .maths import accumulate_product, product_into  # noqa: F401  (the pass's p
 
 Combine = Callable[[int, int, Tensor, Optional[Tensor], Tensor],
                    tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]
+SetDlogits = Callable[[int, int, Tensor], None]
 
 
 def scale_by_upstream(grad: Tensor, g: Tensor) -> None:

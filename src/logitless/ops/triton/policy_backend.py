@@ -25,7 +25,7 @@ import triton
 from torch import Tensor
 
 from ... import knobs
-from ..policy_parts import Combine, accumulate_product, balanced_chunks, product_into
+from ..policy_parts import Combine, SetDlogits, accumulate_product, balanced_chunks, product_into
 from ..precision import GradOperands
 from .backend import unavailable_reason  # noqa: F401  (the same rule as fused_logprobs' triton backend)
 from .combine import combine_tiles
@@ -78,18 +78,20 @@ def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.de
 
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
-                bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None) -> None:
-    """See ``logitless.ops.policy_parts``. plan_vocab: the largest vocabulary shard of the tensor-parallel group
-    (every rank must cut the same chunks); None: this weight's. bounds: the chunks' boundaries [0, ..., n],
-    each chunk at most ``max_chunk_rows`` rows; None: balanced chunks. grad_operands: the gradient products
-    of a precision's statistics operands (``ops/precision.py``); None: of hidden and weight."""
+                bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None,
+                set_dlogits: Optional[SetDlogits] = None) -> None:
+    """See ``logitless.ops.policy_parts`` (``set_dlogits`` too). plan_vocab: the largest vocabulary shard of the
+    tensor-parallel group (every rank must cut the same chunks); None: this weight's. bounds: the chunks'
+    boundaries [0, ..., n], each chunk at most ``max_chunk_rows`` rows; None: balanced chunks. grad_operands:
+    the gradient products of a precision's statistics operands (``ops/precision.py``); None: of hidden and
+    weight."""
     ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
     with ctx:   # triton launches on the current device
         _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0], bounds,
-                     grad_operands or GradOperands.plain(hidden, weight))
+                     grad_operands or GradOperands.plain(hidden, weight), set_dlogits)
 
 
-def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds, go):
+def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds, go, set_dlogits=None):
     n = hidden.shape[0]
     vocab = weight.shape[0]
     dev = hidden.device
@@ -128,6 +130,8 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, 
             continue
         dl = ws_dl[:c * stride].view(c, stride)[:, :vocab]
         dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, it, lab, tiles.block_n)
+        if set_dlogits is not None:
+            set_dlogits(start, stop, dl)
         if dh is not None:
             _hidden_gradient(dh[start:stop], dl, go, vocab)
         if acc is not None:
