@@ -13,13 +13,13 @@ Shape: bf16, 16 x 1024 tokens (about 12% not scored / masked), H=4096, V=151936,
    - naive top-k: bf16 logits, float32 log_softmax, torch.topk, the tail as log1p(-sum p) (it keeps [N, V]);
    - fused_distillation_loss forward + backward (token-mean), "forward_kl_topk" (its one-pass route: the policy
      pass's three GEMMs with the gradients formed in the forward, the student's own top k by the selection
-     kernels; ``losses/distill_topk_function.py``) and "forward_kl_topk_tail" (topk_divergence's route: the torch
-     pass forward, the backward's dlogits kernel ``triton/tail_dlogits.py``), backend "auto", against the 4-GEMM
-     floor (targets <= 0.80x and <= 0.85x); "forward_kl_topk" with_overlap=False (the one-pass route without
-     the selection); and "forward_kl_topk" by topk_divergence (the route through fused_logprobs_k: statistics
-     pass + selection, then a backward that recomputes the logits), for comparison. Each row's ``_entry`` in the
-     JSON is the op that ran last (``last_path().entry``): "fused_distillation_loss" for the one-pass route,
-     "fused_logprobs_k" for the other;
+     kernel in the statistics' GEMM; ``losses/distill_topk_function.py``) and "forward_kl_topk_tail"
+     (topk_divergence's route: the torch pass forward, the backward's dlogits kernel ``triton/tail_dlogits.py``),
+     backend "auto", against the 4-GEMM floor (targets <= 0.80x and <= 0.85x); "forward_kl_topk"
+     with_overlap=False (the one-pass route without the selection); and "forward_kl_topk" by topk_divergence (the
+     route through fused_logprobs_k: statistics pass + selection, then a backward that recomputes the logits), for
+     comparison. Each row's ``_entry`` in the JSON is the op that ran last (``last_path().entry``):
+     "fused_distillation_loss" for the one-pass route, "fused_logprobs_k" for the other;
    - peak memory above the inputs (MiB).
 Writes DIR/gpu_topk.json and DIR/gpu_topk.md, and prints the table last.
 

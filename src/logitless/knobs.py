@@ -125,3 +125,14 @@ def policy_stats_kernel() -> str:
     if raw not in ("auto", "triton"):
         raise ValueError(f"LOGITLESS_POLICY_STATS_KERNEL={raw!r} must be auto or triton")
     return raw
+
+
+def topk_distill_selection() -> str:
+    """LOGITLESS_TOPK_DISTILL_SELECTION: how the triton backend's one-pass "forward_kl_topk" of
+    fused_distillation_loss selects the student's own top k for the overlap: "shared" (the default) in the GEMM
+    of the statistics (the selection kernel also writes the pass's statistics), "separate" by the selection
+    kernels' own GEMM first (benchmarking). Both give the same ids."""
+    raw = os.environ.get("LOGITLESS_TOPK_DISTILL_SELECTION", "").strip().lower() or "shared"
+    if raw not in ("shared", "separate"):
+        raise ValueError(f"LOGITLESS_TOPK_DISTILL_SELECTION={raw!r} must be shared or separate")
+    return raw

@@ -102,7 +102,7 @@ def test_one_pass_against_float64_and_the_logprobs_k_route(backend, k, dtype, lo
     s_ids = s64.gather(-1, t_ids)[valid]
     clamp = min(between(s_ids, 0.33), -1e-3)
     _, d_free, _, _ = reference64(hidden, weight, labels, t_ids, t_lp, temperature, clamp, float("inf"), loss_agg)
-    loss_max = between(d_free[valid], 0.5)
+    loss_max = between(d_free[valid].unique(), 0.5)     # (terms clamped at 0 repeat 0)
     want_loss, want_d, want_dh, want_dw = reference64(hidden, weight, labels, t_ids, t_lp, temperature, clamp,
                                                       loss_max, loss_agg)
     assert (s_ids < clamp).any() and (s_ids > clamp).any()
@@ -128,7 +128,9 @@ def test_one_pass_against_float64_and_the_logprobs_k_route(backend, k, dtype, lo
     for name in ("student_mass", "teacher_mass", "overlap_token_advantage"):
         torch.testing.assert_close(getattr(got, name), getattr(old, name), atol=tol, rtol=1e-5, msg=name)
     assert torch.equal(got.overlap_count, old.overlap_count)
-    assert 0 < got.overlap_count[valid].float().mean() <= k
+    assert got.overlap_count[valid].max() <= k
+    if k > 1:     # (one id of a few tokens may miss the student's top 1 on every token)
+        assert got.overlap_count[valid].sum() > 0
     # the two routes' gradients: both near float64, each within its own rounding
     assert rel_err(dh, o_dh) < GRAD_TOL[dtype] and rel_err(dw, o_dw) < GRAD_TOL[dtype]
 
@@ -179,3 +181,54 @@ def test_settings_outside_the_route_keep_the_logprobs_k_route(setting, seed):
     kw.update(setting)
     fused_distillation_loss(hidden.requires_grad_(), weight, labels, **kw)
     assert last_path().entry == "fused_logprobs_k"
+
+
+def test_triton_selection_shares_the_statistics_gemm(seed, monkeypatch):
+    """On the triton backend the selection kernel also writes the pass's statistics (one GEMM for both,
+    LOGITLESS_TOPK_DISTILL_SELECTION=shared, the default): the same bits as the selection's own GEMM first
+    ("separate"), the rows whose first candidates miss their top k redone by the selection alone (one candidate a
+    tile, the student's top 8 in the first vocabulary tile), and the overlap of float64's own top k."""
+    from logitless.ops.triton import topk_select
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 5, 11
+    base = torch.randn(H, generator=gen)
+    hidden = base + 0.5 * torch.randn(n, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.3
+    weight[:8] = 3.0 * base / base.norm() + 0.3 * torch.randn(8, H, generator=gen)
+    z = hidden.double() @ weight.double().t()
+    t_lp, t_ids = torch.log_softmax(z + torch.randn(z.shape, generator=gen, dtype=torch.float64), -1).topk(k, dim=-1)
+    labels = torch.randint(0, V, (n,), generator=gen)
+    labels[3] = -100
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    shared, redone = [], []
+    select_with_stats, redo = topk_select.select_with_stats, topk_select._redo
+
+    def counted_select(*a, **kw):
+        shared.append(a[0].shape[0])
+        return select_with_stats(*a, **kw)
+
+    def counted_redo(*a, **kw):
+        out = redo(*a, **kw)
+        redone.append(out)
+        return out
+    monkeypatch.setattr(topk_select, "select_with_stats", counted_select)
+    monkeypatch.setattr(topk_select, "_redo", counted_redo)
+    monkeypatch.setenv("LOGITLESS_TOPK_CANDIDATES", "1")
+    runs = {}
+    for mode in ("shared", "separate"):
+        monkeypatch.setenv("LOGITLESS_TOPK_DISTILL_SELECTION", mode)
+        shared.clear()
+        redone.clear()
+        runs[mode] = run("triton", hidden, weight, labels, t_ids, t_lp.float(), torch.ones(n),
+                         log_prob_min_clamp=-10.0)
+        assert runs[mode][3] == "fused_distillation_loss"
+        assert (sum(shared) == n - 1) == (mode == "shared")       # the scored rows, through the shared GEMM
+        assert sum(redone) > 0                                    # some rows' selection redone
+    (a, a_dh, a_dw, _), (b, b_dh, b_dw, _) = runs["shared"], runs["separate"]
+    assert torch.equal(a.loss, b.loss) and torch.equal(a_dh, b_dh) and torch.equal(a_dw, b_dw)
+    assert torch.equal(a.overlap_count, b.overlap_count)
+    for name, value in b.metrics.items():
+        assert torch.equal(a.metrics[name], value), name
+    own = (hidden.double() @ weight.double().t()).topk(k, dim=-1).indices
+    want = (t_ids.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).sum(-1) * (labels != -100)
+    assert torch.equal(a.overlap_count, want)

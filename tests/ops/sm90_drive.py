@@ -174,6 +174,8 @@ def distill_cases():
                                                student_logit_scale=0.5, teacher_logit_scale=2.0)
     yield "forward_kl bf16 student softcap", dict(divergence="forward_kl", student_softcap=30.0)
     yield "reverse_kl fp32", dict(divergence="reverse_kl", dtype=torch.float32)
+    # forward_kl_topk: the one-pass route (the policy pass; its statistics written by the selection kernel with
+    # STATS, STORE_E: ``topk_select.select_with_stats``)
     yield "forward_kl_topk bf16", dict(divergence="forward_kl_topk", topk=True)
     yield "forward_kl_topk_tail bf16", dict(divergence="forward_kl_topk_tail", topk=True)
     yield "forward_kl_topk fp32", dict(divergence="forward_kl_topk", topk=True, dtype=torch.float32)

@@ -18,9 +18,13 @@ label and g_lp = G writes -G p_j / T everywhere; the k ids' entries are then ove
 c_i / T, c_i = g_i - G exp(s_i) (``tail_backward.terms`` with no tail), computed in float32: never a correction
 added to a rounded -G p_i. Then d_hidden and d_weight by the pass's products.
 
-The overlap diagnostics need the student's own top k: ``label_set_function.top_ids`` (the selection of
-``fused_logprobs_k(select=k)``: the triton selection kernels, or the torch vocabulary pass), one more product of
-the logits in the same forward. The metrics are ``distill_topk.finish_topk``'s, from the op's log-probs.
+The overlap diagnostics need the student's own top k (ties to the lower id). On the triton backend, where the
+selection kernels take this k, they come from the statistics' GEMM itself: the selection kernel also writes the
+pass's statistics and e (``label_set_function.selecting_stats``, ``triton/topk_select.select_with_stats``; with
+gradients). Elsewhere (the torch backends, a k the kernels do not take, no gradient wanted, or
+LOGITLESS_TOPK_DISTILL_SELECTION=separate) ``label_set_function.top_ids`` selects them first (the selection of
+``fused_logprobs_k(select=k)``): one more product of the logits in the same forward. The metrics are
+``distill_topk.finish_topk``'s, from the op's log-probs.
 
 Scope (``one_pass_applies``): "forward_kl_topk" without tensor parallelism, without a softcap (the policy pass has
 no softcap stage: its kernels read the products times the inverse temperature), with check_inputs (an unchecked
@@ -82,13 +86,17 @@ def _forward(hidden, weight, ids, t_lp, inv_temp, token_w, backend, ignore_index
     h, it, local, q, w = pick(hidden).contiguous(), pick(inv_temp).contiguous(), pick(ids), pick(t_lp), pick(token_w)
     n = local.shape[0]
     top = None
-    if select and n:
+    with_grad = need_dh or need_dw
+    # the triton pass selects the top k in its statistics' GEMM where the selection kernels take this k (with
+    # gradients: a chunk of the pass is the workspace's, not the larger statistics-only one); else a selection
+    # pass of its own first
+    stage = label_set_function.selecting_stats(backend, select, h, weight) if select and n and with_grad else None
+    if select and n and stage is None:
         top = label_set_function.top_ids(hidden, weight, it, rows, select, backend, precision)
     f32 = dict(dtype=torch.float32, device=dev)
     s_lp = torch.zeros((n, k), **f32)
     at_ids = torch.zeros((n, k), **f32)        # the dlogits at the ids, c_i / T
     losses = []
-    with_grad = need_dh or need_dw
 
     def combine(start: int, stop: int, lse: Tensor, ent, zy) -> tuple[Tensor, Tensor, Tensor, None]:
         loc, it_c = local[start:stop], it[start:stop]
@@ -119,7 +127,10 @@ def _forward(hidden, weight, ids, t_lp, inv_temp, token_w, backend, ignore_index
     if n:
         with tf32_products(False):
             policy_pass_for(backend)(h, weight, torch.full((n,), -1, dtype=torch.int64, device=dev), it, combine,
-                                     dh, dw, set_dlogits=set_at_ids)
+                                     dh, dw, set_dlogits=set_at_ids,
+                                     **({} if stage is None else {"stats_stage": stage}))
+        if stage is not None:
+            top = stage.ids
     loss = torch.stack(losses).sum() if losses else torch.zeros((), **f32)
     record_backend(backend, precision, "fused_distillation_loss")
     if rows is not None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from .. import checks
+from .. import checks, knobs
 from ..record import record_backend
 from . import chunked, label_sets, tail_backward, token_chunks
 from .function import OpOptions, _layout, _operands
@@ -293,6 +293,19 @@ def top_ids(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Optional[Ten
     with tf32_products(tf32):
         part, _, _ = _selection(h_s, w_s, inv_temp, None, rows, n, k, backend, None, True)
     return part.ids
+
+
+def selecting_stats(backend: str, k: int, hidden: Tensor, weight: Tensor):
+    """The triton policy pass's stage 1 that also selects each token's top k in its GEMM
+    (``triton/topk_select.SelectingStats``: the ids ``top_ids`` gives, ties to the lower id), or None where the
+    selection kernels do not take this k (``fast_path_ok``), on the other backends, or with
+    LOGITLESS_TOPK_DISTILL_SELECTION=separate. No softcap, one vocabulary shard."""
+    if backend != "triton" or knobs.topk_distill_selection() != "shared":
+        return None
+    from .triton import topk_select
+    if not topk_select.fast_path_ok(k, weight.shape[0], hidden.dtype, hidden.device):
+        return None
+    return topk_select.SelectingStats(weight, k, hidden.shape[0], hidden.dtype)
 
 
 def _global(part, tp, k, select):

@@ -18,7 +18,7 @@ grown to the longest sequence up to LOGITLESS_POLICY_WORKSPACE_MAX_BYTES, ``max_
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import triton
@@ -79,19 +79,31 @@ def max_chunk_rows(n: int, plan_vocab: int, dtype: torch.dtype, device: torch.de
 def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, combine: Combine,
                 dh: Optional[Tensor], dw: Optional[Tensor], plan_vocab: Optional[int] = None,
                 bounds: Optional[list] = None, grad_operands: Optional[GradOperands] = None,
-                set_dlogits: Optional[SetDlogits] = None) -> None:
-    """See ``logitless.ops.policy_parts`` (``set_dlogits`` too). plan_vocab: the largest vocabulary shard of the
-    tensor-parallel group (every rank must cut the same chunks); None: this weight's. bounds: the chunks'
-    boundaries [0, ..., n], each chunk at most ``max_chunk_rows`` rows; None: balanced chunks. grad_operands:
-    the gradient products of a precision's statistics operands (``ops/precision.py``); None: of hidden and
-    weight."""
+                set_dlogits: Optional[SetDlogits] = None, stats_stage: Optional[StatsStage] = None) -> None:
+    """See ``logitless.ops.policy_parts`` (``set_dlogits`` too; ``stats_stage``: ``StatsStage``). plan_vocab:
+    the largest vocabulary shard of the tensor-parallel group (every rank must cut the same chunks); None: this
+    weight's. bounds: the chunks' boundaries [0, ..., n], each chunk at most ``max_chunk_rows`` rows; None:
+    balanced chunks. grad_operands: the gradient products of a precision's statistics operands
+    (``ops/precision.py``); None: of hidden and weight."""
     ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
     with ctx:   # triton launches on the current device
         _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0], bounds,
-                     grad_operands or GradOperands.plain(hidden, weight), set_dlogits)
+                     grad_operands or GradOperands.plain(hidden, weight), set_dlogits, stats_stage)
 
 
-def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds, go, set_dlogits=None):
+class StatsStage(Protocol):
+    """Stage 1 in place of ``chunk_stats`` for a pass with no labels (the top-k distillation's, whose statistics
+    come from the selection kernel's GEMM: ``topk_select.select_with_stats``): called as
+    stage(start, stop, hidden[start:stop], inv_temp[start:stop], part_m, part_s, part_t, e) to fill what
+    ``chunk_stats`` fills but zy; ``block_n``: the width of its statistics' vocabulary tiles."""
+    block_n: int
+
+    def __call__(self, start: int, stop: int, hidden: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
+                 part_t: Tensor, e: Optional[Tensor]) -> None: ...
+
+
+def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, bounds, go, set_dlogits=None,
+                 stats_stage=None):
     n = hidden.shape[0]
     vocab = weight.shape[0]
     dev = hidden.device
@@ -100,12 +112,13 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, 
     # float32 dlogits, else float16 for e and the products' half dtype for the dlogits
     ws_kind = go.dl_dtype
     with_grad = dh is not None or dw is not None
+    block_n = tiles.block_n if stats_stage is None else stats_stage.block_n
     if bounds is None:
-        step = chunk_rows(n, plan_vocab, ws_kind, tiles.block_m, tiles.block_n, with_grad)
+        step = chunk_rows(n, plan_vocab, ws_kind, tiles.block_m, block_n, with_grad)
         bounds = list(range(0, n, step)) + [n]
     else:
         step = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
-    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    n_tiles = triton.cdiv(vocab, block_n)
     # the three per-tile statistics and the label logits of a chunk, in one allocation
     stats = torch.empty(3 * n_tiles * step + step, dtype=torch.float32, device=dev)
     parts, zy_buf = stats[:3 * n_tiles * step].view(3, -1), stats[3 * n_tiles * step:]
@@ -123,13 +136,17 @@ def _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab, 
         part_m, part_s, part_t = (parts[i, :n_tiles * c].view(n_tiles, c) for i in range(3))
         zy = zy_buf[:c]      # written whole by the statistics kernel
         e = None if ws is None else ws[:c * stride].view(c, stride)[:, :vocab]
-        chunk_stats(h, weight, lab, it, part_m, part_s, part_t, zy, e)
+        if stats_stage is None:
+            chunk_stats(h, weight, lab, it, part_m, part_s, part_t, zy, e)
+        else:
+            stats_stage(start, stop, h, it, part_m, part_s, part_t, e)
+            zy.zero_()      # no labels
         lse, ent = combine_tiles(part_m, part_s, part_t)     # leaves part_m: stage 3 needs the tile maxima
         lse, ent, g_lp, g_ent = combine(start, stop, lse, ent, zy)
         if not with_grad:
             continue
         dl = ws_dl[:c * stride].view(c, stride)[:, :vocab]
-        dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, it, lab, tiles.block_n)
+        dlogits_in_place(e, dl, part_m, lse, ent, g_lp, g_ent, it, lab, block_n)
         if set_dlogits is not None:
             set_dlogits(start, stop, dl)
         if dh is not None:

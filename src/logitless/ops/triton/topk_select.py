@@ -13,6 +13,10 @@ statistics kernel: the float32 logits tile on the tensor cores, tempered (softca
 - the rest of the tile (its columns that are not candidates): the largest key (the "residual bound") and
   sum exp(z - that max), relative to its own max (>= 1 once a column is there, no underflow).
 
+With STATS (``select_with_stats``: the one-pass top-k distillation, ``losses/distill_topk_function.py``) the same
+program also writes the fused policy pass's statistics of its tile (``policy_stats``' m, s, t and e), so the
+selection and the pass's statistics share one GEMM.
+
 Stage 2: ``torch.topk`` of the keys of the row's T x C candidates (a selection: no arithmetic, and keys are
 distinct, so the result is unique whatever the batch) gives the row's top k. Stage 3 (``_finish_kernel``, one
 program per token, tiles read in a fixed order): lse, and the tail = the rest of every tile plus the candidates
@@ -39,8 +43,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands
-from .tile import logits_tile, softcap_tanh, tile_coords
+from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
+from .tile import logits_tile, softcap_tanh, store_row_stats, tempered_tile_stats, tile_coords
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
 # int64 over 128 threads: 16 each). C = CANDIDATES a tile up to k ~ 600 at V 151936; a larger k raises C so that
@@ -87,8 +91,10 @@ def _values(keys):
 # n_rows not specialised: one build for every token count (docs/determinism.md)
 @triton.jit(do_not_specialize=["n_rows"])
 def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_sum_ptr,
-                       n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles,
+                       part_m_ptr, part_s_ptr, part_t_ptr, e_ptr,
+                       n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles, s_en,
                        C: tl.constexpr, NO_KEY_: tl.constexpr, BIG: tl.constexpr,
+                       STATS: tl.constexpr, STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
@@ -98,6 +104,15 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    if STATS:
+        # the fused policy pass's statistics of this tile from the same products (``policy_stats``' epilogue:
+        # per-tile m, s, t in the [vocab tiles, rows] layout ``combine_tiles`` reads, and, with STORE_E,
+        # e = exp(z - m) into the pass's workspace for ``dlogits_in_place``); never with a softcap (the host refuses)
+        m, e, d2 = tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N)
+        store_row_stats(part_m_ptr, part_s_ptr, part_t_ptr, m, e, d2, rows, row_ok, n_rows, pid_n, True)
+        if STORE_E:
+            e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
+            tl.store(e_ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
     if SOFTCAP:
         acc, _ = softcap_tanh(acc, CAP)
         inv_t = inv_t * CAP
@@ -233,7 +248,18 @@ def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device, c: Optional[int] 
     return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
 
-def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softcap: Optional[float], tiles: Tiles):
+class PassStats(NamedTuple):
+    """Where the candidates kernel also writes the fused policy pass's statistics of a chunk (``policy_stats``'
+    outputs): part_m / part_s / part_t float32 [vocab tiles, n] and e ([n, V] view with unit column stride, float16
+    or float32; None: not stored)."""
+    part_m: Tensor
+    part_s: Tensor
+    part_t: Tensor
+    e: Optional[Tensor]
+
+
+def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softcap: Optional[float], tiles: Tiles,
+                stats: Optional[PassStats] = None):
     n, h = hidden.shape
     vocab = weight.shape[0]
     hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
@@ -244,9 +270,17 @@ def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softca
     rest_sum = torch.empty((n, n_tiles), dtype=torch.float32, device=dev)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     grid = (triton.cdiv(n, tiles.block_m) * n_tiles,)
-    _candidates_kernel[grid](h_op, w_op, inv_temp, cand, rest_key, rest_sum, n, vocab, h,
+    if stats is not None and softcap is not None:
+        raise ValueError("the candidates kernel writes the policy pass's statistics without a softcap only")
+    store_e = stats is not None and stats.e is not None
+    # without stats, the float32 outputs stand in for the unused pointers (never written)
+    sm, ss, st = (rest_sum, rest_sum, rest_sum) if stats is None else stats[:3]
+    _candidates_kernel[grid](h_op, w_op, inv_temp, cand, rest_key, rest_sum, sm, ss, st,
+                             stats.e if store_e else rest_sum, n, vocab, h,
                              hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
-                             C=c, NO_KEY_=NO_KEY, BIG=2147483647, USE_TMA=use_tma,
+                             stats.e.stride(0) if store_e else 0,
+                             C=c, NO_KEY_=NO_KEY, BIG=2147483647, STATS=stats is not None, STORE_E=store_e,
+                             E_DTYPE=tl_dtype(stats.e.dtype) if store_e else tl.float32, USE_TMA=use_tma,
                              **launch_options(tiles, hidden, softcap))
     return cand, rest_key, rest_sum
 
@@ -305,6 +339,33 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, softcap: Op
     vals, ids, lse, m, s, ok = parts[0] if len(parts) == 1 else (torch.cat(f) for f in zip(*parts, strict=True))
     fallback = _redo(take, weight, inv_temp, k, softcap, tiles, c, (vals, ids, lse, m, s), ok)
     return Selection(vals, ids, lse, m, s, fallback)
+
+
+def select_with_stats(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, stats: PassStats) -> Tensor:
+    """The top-k ids [c, k] of the rows of one chunk hidden [c, H] (``fast_path_ok`` holds; no softcap), the
+    candidates kernel also writing the fused policy pass's statistics of the chunk into ``stats`` (its tiles:
+    ``tiles_for``, whose BLOCK_N the statistics' layout follows). Rows whose candidates do not hold their top k are
+    redone by the selection alone (``_redo``; the statistics are complete from the first pass)."""
+    tiles = tiles_for(hidden.dtype, hidden.device)
+    c = first_candidates(k, weight.shape[0], tiles)
+    vals, ids, lse, m, s, ok = _finish(*_first_pass(hidden, weight, inv_temp, c, None, tiles, stats), k)
+    _redo(lambda idx: hidden.index_select(0, idx), weight, inv_temp, k, None, tiles, c, (vals, ids, lse, m, s), ok)
+    return ids
+
+
+class SelectingStats:
+    """``policy_backend.StatsStage`` of a pass with no labels that also wants each token's top-k ids: per chunk
+    ``select_with_stats`` (one GEMM for the statistics and the selection), the ids kept in ``ids`` [n, k]."""
+
+    def __init__(self, weight: Tensor, k: int, n: int, dtype: torch.dtype):
+        self.weight, self.k = weight, k
+        self.block_n = tiles_for(dtype, weight.device).block_n
+        self.ids = torch.empty((n, k), dtype=torch.int64, device=weight.device)
+
+    def __call__(self, start: int, stop: int, hidden: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,
+                 part_t: Tensor, e: Optional[Tensor]) -> None:
+        self.ids[start:stop] = select_with_stats(hidden, self.weight, inv_temp, self.k,
+                                                 PassStats(part_m, part_s, part_t, e))
 
 
 def _redo(take, weight, inv_temp, k, softcap, tiles: Tiles, c: int, outs, ok: Tensor) -> int:
