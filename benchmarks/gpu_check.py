@@ -87,8 +87,9 @@ GPU_TESTS = ("tests/test_compile_and_graphs.py", "tests/losses/test_distillation
              "tests/ops/test_triton_backend.py", "tests/test_precision.py", "tests/ops/test_label_sets.py",
              "tests/ops/test_topk_select.py", "tests/test_truncation.py", "tests/ops/test_distill_chunk_kernels.py",
              "tests/ops/test_tail_gradient.py", "tests/ops/test_tail_dlogits.py", "tests/losses/test_distill_topk.py",
-             "tests/losses/test_distill_topk_degenerate.py", "tests/ops/test_triton_policy_kernels.py",
-             "tests/ops/test_stages.py", "tests/ops/test_chunked_columns.py", "tests/ops/test_token_chunks.py",
+             "tests/losses/test_distill_topk_one_pass.py", "tests/losses/test_distill_topk_degenerate.py",
+             "tests/ops/test_triton_policy_kernels.py", "tests/ops/test_stages.py",
+             "tests/ops/test_chunked_columns.py", "tests/ops/test_token_chunks.py",
              "tests/losses/test_policy_loss.py", "tests/losses/test_policy_losses.py")
 # GPU tests this check leaves out, and why (tests/tools/test_gpu_check.py holds every GPU-conditional file to one
 # of the two lists)
@@ -532,7 +533,7 @@ def topk(shape, dev, k_values=(32, 128)):
     tail_mem = figure("forward_kl_topk_tail k=32: GiB over the gradients", s, 1.5, "GiB")
 
     def measure():
-        from logitless.losses.distill_topk import topk_divergence
+        from logitless.losses import fused_distillation_loss
         k_small = min(32, v // 4)
         g = torch.Generator(device=dev).manual_seed(0)
         hidden, weight = random_head(n, h, v, torch.bfloat16, dev, g)
@@ -553,10 +554,12 @@ def topk(shape, dev, k_values=(32, 128)):
         hd, wd = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
 
         def step(name):
+            # fused_distillation_loss (token-mean): forward_kl_topk's one-pass route; the tail variant runs
+            # topk_divergence's route inside it
             def run_step():
                 hd.grad = wd.grad = None
-                d = topk_divergence(hd, wd, labels, t_ids, t_lp, divergence=name, log_prob_min_clamp=-10.0)
-                (d.divergence.sum() / scored.sum()).backward()
+                fused_distillation_loss(hd, wd, labels, divergence=name, teacher_topk_ids=t_ids,
+                                        teacher_topk_logprobs=t_lp, log_prob_min_clamp=-10.0).loss.backward()
             return run_step
         alternate(dev, floor.forward_backward, [(kl, step("forward_kl_topk")), (tail, step("forward_kl_topk_tail"))],
                   part=0.9)
