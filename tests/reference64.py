@@ -62,8 +62,8 @@ def moved(dev, *tensors):
 
 
 def rel_err(a, b):
-    """||a - b|| / ||b|| in float64."""
-    a, b = a.double(), b.double()
+    """||a - b|| / ||b|| in float64, on b's device (a GPU result against a CPU reference)."""
+    a, b = a.double().to(b.device), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 

@@ -45,8 +45,10 @@ def _on(backend, *tensors):
 
 
 def _default(backend):
-    """(statistics, gradients) precision of float32 operands by default where the backend runs."""
-    return resolve(None, None, torch.float32, torch.device(device_for(backend)))
+    """(statistics, gradients) precision that runs by default for float32 operands that are not bfloat16 values
+    where the backend runs: the adaptive split ("split", CUDA's default) runs, and records, its three products."""
+    stats, grads = resolve(None, None, torch.float32, torch.device(device_for(backend)))
+    return ("bf16x3" if stats == "split" else stats), grads
 
 
 def _run(hidden, weight, labels, backend, **kw):

@@ -83,3 +83,28 @@ def test_settings_without_effect_refused():
         fused_distillation_loss(hs.float(), ws.float(), labels, teacher_topk_ids=ids,
                                 teacher_topk_logprobs=torch.zeros(N, 2), divergence="forward_kl_topk",
                                 precision="bf16x3")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_adaptive_split_decides_per_call(backend, check_inputs):
+    """precision="split" (CUDA's default for float32 heads) runs as few products as the operands allow: three for
+    general float32 operands, one where every operand holds bfloat16 values (with check_inputs: without, no host
+    read decides, and the general three run); last_precision() names what ran, and the divergence is float64's
+    to the bound of what ran."""
+    hs, ws, ht, wt = heads()
+    labels = torch.zeros(N, dtype=torch.long)
+    for exact in (False, True):
+        ops = [x.bfloat16().float() if exact else x for x in (hs, ws, ht, wt)]
+        h, w = ops[0].clone().requires_grad_(), ops[1].clone().requires_grad_()
+        out = fused_distillation_loss(h, w, labels, teacher_hidden=ops[2], teacher_weight=ops[3],
+                                      divergence="forward_kl", temperature=0.7, backend=backend, precision="split",
+                                      check_inputs=check_inputs)
+        out.loss.backward()
+        ran = "bf16x1" if exact and check_inputs else "bf16x3"
+        assert last_precision() == (ran, "bf16")
+        ls = (ops[0].double() @ ops[1].double().T / 0.7).log_softmax(-1)
+        lt = (ops[2].double() @ ops[3].double().T / 0.7).log_softmax(-1)
+        want = (lt.exp() * (lt - ls)).sum(-1)
+        assert (out.divergence.double() - want).abs().max() <= (1e-5 if ran == "bf16x1" else 5e-4)
+        assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all() and h.grad.abs().sum() > 0

@@ -24,7 +24,7 @@ from ..ops.distill_chunked import Head, distill_pass_for
 from ..ops.divergence_terms import Divergence, HeadTransform
 from ..ops.function import _layout
 from ..ops.maths import no_autocast
-from ..ops.precision import make_operands, resolve
+from ..ops.precision import choose, make_operands, resolve
 from ..record import record_backend
 from .function import hand_out_gradients  # (its module registers logitless::scale_by_upstream_)
 
@@ -130,6 +130,14 @@ def _distill_op(s_hidden: Tensor, s_weight: Tensor, t_hidden: Tensor, t_weight: 
         def pick(t: Tensor) -> Tensor:
             return t if rows is None else t.index_select(0, rows)
         hs, ht = pick(s_hidden), pick(t_hidden)
+        # the adaptive split ("split", CUDA's default for float32 heads) decides its products from each head's
+        # operands (``choose``: one host read with check_inputs, else the general three products); no caller's
+        # claim reaches this op, so there is no poison to add
+        group = tp.group if tp is not None else None
+        if precision != "native":
+            precision, _ = choose(precision, hs, s_weight, check_inputs, group)
+        if t_precision != "native":
+            t_precision, _ = choose(t_precision, ht, t_weight, check_inputs, group)
         # a float32 head's precision operands (the split's parts), made here and dropped with the pass
         s_ops = make_operands(hs, s_weight, precision, grad_precision, with_grad=need_dh or need_dw) \
             if precision != "native" else None
