@@ -1,0 +1,170 @@
+"""Where the truncated log-prob's time goes, stage by stage: the selection rounds (candidates per round, tokens
+asked), the per-token decisions, the kept pairs' products and their backward, the plain op of the tokens left
+untruncated; beside the plain head's forward and forward+backward on the same inputs.
+
+    PYTHONPATH=src python3 benchmarks/gpu_truncation_profile.py --out DIR [--n 16384] [--logit-std 4]
+    PYTHONPATH=src python3 benchmarks/gpu_truncation_profile.py --dry-run      # CPU, tiny shapes, interpreter
+
+Shape: bf16, N tokens (default 16 x 1024), H 4096, V 151936, labels sampled from the head's distribution (as
+`make gpu-check`'s truncation section). Settings: top_k 50, top_p 0.95, min_p 0.05 (`--settings`). Each stage is
+timed by wrapping the function that runs it, with a device synchronisation either side (so the stages' sum is a
+little above the call's own time); the whole calls are timed without the wrappers. Writes
+DIR/gpu_truncation_profile.json and .md, and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from logitless import Truncation, fused_logprobs  # noqa: E402
+from logitless.ops import function, kept_pairs, label_set_function, truncation  # noqa: E402
+from logitless.tools.common import markdown_table, random_head, sample_labels, sync, time_calls  # noqa: E402
+from logitless.tools.machine import machine, versions  # noqa: E402
+
+FULL = dict(n=16 * 1024, h=4096, v=151936)
+TINY = dict(n=24, h=40, v=1031)
+SETTINGS = {"top_k=50": dict(top_k=50), "top_p=0.95": dict(top_p=0.95), "min_p=0.05": dict(min_p=0.05)}
+
+
+class Stages:
+    """Seconds and calls per stage name, from wrapped functions (synchronised either side)."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.seconds = collections.defaultdict(float)
+        self.calls = collections.defaultdict(int)
+        self.notes = collections.defaultdict(list)
+        self._saved = []
+
+    def wrap(self, module, name: str, stage: str, note=None) -> None:
+        fn = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            sync(self.dev)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(self.dev)
+            self.seconds[stage] += time.perf_counter() - t0
+            self.calls[stage] += 1
+            if note is not None:
+                self.notes[stage].append(note(*args, **kwargs))
+            return out
+        self._saved.append((module, name, fn))
+        setattr(module, name, timed)
+
+    def restore(self) -> None:
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+        self._saved.clear()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+        self.notes.clear()
+
+
+def instrument(stages: Stages) -> None:
+    # each selection round: candidates asked (k) and tokens asked (rows of the block)
+    stages.wrap(label_set_function, "fused_topk", "select: fused_topk rounds",
+                note=lambda h, w, it, mask, k, *a, **kw: f"{h.shape[0]}x{k}")
+    stages.wrap(truncation, "decide", "select: decide")
+    stages.wrap(truncation, "select", "select (whole)")
+    stages.wrap(truncation, "kept_logprobs", "kept log-probs (whole forward after select)")
+    stages.wrap(kept_pairs, "pair_products", "pairs: products (forward)",
+                note=lambda h, w, rows, ids: f"P={rows.numel()}")
+    stages.wrap(kept_pairs, "add_pairs_dh", "pairs: d_hidden (backward)")
+    stages.wrap(kept_pairs, "add_onehot_dw", "pairs: d_weight (backward)")
+    stages.wrap(function, "fused_logprobs", "plain op (untruncated tokens)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu-truncation-profile")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--n", type=int, default=None)
+    ap.add_argument("--logit-std", type=float, default=None, help="the head's logit std (default random_head's)")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    shape = dict(TINY if args.dry_run else FULL)
+    if args.n:
+        shape["n"] = args.n
+    dev = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    backend = "triton" if args.dry_run else "auto"
+    g = torch.Generator(device=dev).manual_seed(0)
+    kw = {} if args.logit_std is None else {"logit_std": args.logit_std}
+    hidden, weight = random_head(shape["n"], shape["h"], shape["v"], torch.bfloat16, dev, g, **kw)
+    labels = sample_labels(hidden, weight, 1.0, g)
+    a = torch.randn(shape["n"], device=dev, generator=g)
+    reps, warmup = (1, 0) if args.dry_run else (args.reps, 1)
+    res = {"machine": machine(), "versions": versions(), "shape": shape, "logit_std": args.logit_std, "rows": {}}
+    os.makedirs(args.out, exist_ok=True)
+
+    def forward(t):
+        def call():
+            with torch.no_grad():
+                return fused_logprobs(hidden, weight, labels, with_entropy=False, truncation=t, backend=backend)
+        return call
+
+    def step(t):
+        hd, wd = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+
+        def call():
+            hd.grad = wd.grad = None
+            out = fused_logprobs(hd, wd, labels, with_entropy=False, truncation=t, backend=backend)
+            (out.logprobs * a).sum().backward()
+            return out
+        return call
+
+    plain_f = min(time_calls(forward(None), dev, reps=reps, warmup=warmup))
+    plain_fb = min(time_calls(step(None), dev, reps=reps, warmup=warmup))
+    res["plain_ms"] = {"forward": plain_f, "forward+backward": plain_fb}
+    table = [["plain head", "forward", f"{plain_f:.1f}", "1.00", ""],
+             ["plain head", "forward+backward", f"{plain_fb:.1f}", "1.00", ""]]
+    stages = Stages(torch.device(dev))
+    for name in args.settings.split(","):
+        t = Truncation(**SETTINGS[name])
+        f = min(time_calls(forward(t), dev, reps=reps, warmup=warmup))
+        fb = min(time_calls(step(t), dev, reps=reps, warmup=warmup))
+        out = step(t)()
+        row = {"forward_ms": f, "forward+backward_ms": fb,
+               "kept_median": int(out.kept_count.float().median()), "kept_max": int(out.kept_count.max()),
+               "stages_forward": {}, "stages_step": {}}
+        table += [[name, "forward", f"{f:.1f}", f"{f / plain_f:.2f}", f"kept median {row['kept_median']}, "
+                   f"max {row['kept_max']}"],
+                  [name, "forward+backward", f"{fb:.1f}", f"{fb / plain_fb:.2f}", ""]]
+        instrument(stages)
+        try:
+            for key, call in (("stages_forward", forward(t)), ("stages_step", step(t))):
+                stages.reset()
+                call()
+                row[key] = {s: {"ms": stages.seconds[s] * 1e3, "calls": stages.calls[s],
+                                "notes": stages.notes.get(s, [])[:8]} for s in stages.seconds}
+                for s, v in row[key].items():
+                    table.append([name, f"  {key[7:]}: {s}", f"{v['ms']:.1f}", "", f"{v['calls']} calls "
+                                  + " ".join(v["notes"])])
+        finally:
+            stages.restore()
+        res["rows"][name] = row
+        with open(os.path.join(args.out, "gpu_truncation_profile.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+    card = torch.cuda.get_device_name() if dev == "cuda" else "CPU (dry run)"
+    head = (f"truncation profile, {card}, torch {torch.__version__}, N {shape['n']} H {shape['h']} V {shape['v']} "
+            f"bf16, logit std {args.logit_std or 'default'}; best of {reps} calls (ms)\n\n")
+    md = head + markdown_table(["setting", "what", "ms", "x plain", "note"], table)
+    with open(os.path.join(args.out, "gpu_truncation_profile.md"), "w") as fh:
+        fh.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""benchmarks/gpu_truncation_profile.py: its dry run (tiny shapes, triton's interpreter) times every stage it
+names, so the script cannot rot between GPU runs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_times_the_stages(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_truncation_profile.py"), "--dry-run",
+                        "--n", "8", "--settings", "top_p=0.95", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_truncation_profile.json").read_text())
+    row = res["rows"]["top_p=0.95"]
+    assert row["forward_ms"] > 0 and row["forward+backward_ms"] > 0 and row["kept_median"] >= 1
+    forward, step = row["stages_forward"], row["stages_step"]
+    # the selection's rounds (tokens x candidates asked each) and the pairs' products, forward and backward
+    assert forward["select: fused_topk rounds"]["calls"] >= 1
+    assert forward["select: fused_topk rounds"]["notes"][0].startswith("8x")
+    assert forward["pairs: products (forward)"]["calls"] == 1
+    assert step["pairs: d_hidden (backward)"]["calls"] == 1 and step["pairs: d_weight (backward)"]["calls"] == 1
+    assert "pairs: d_hidden (backward)" not in forward
+    assert "| top_p=0.95 | forward |" in (tmp_path / "gpu_truncation_profile.md").read_text()
