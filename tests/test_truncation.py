@@ -470,12 +470,15 @@ def test_replay_of_the_settings_kept_set(backend):
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     replay = fused_logprobs(h2, w2, labels, temperature=T, backend=backend, truncation=Truncation(kept_ids=kept_ids))
     assert torch.equal(replay.kept_count, settings.kept_count) and torch.equal(replay.inside, settings.inside)
-    assert (replay.logprobs - settings.logprobs).abs().max() <= 1e-6
-    assert (replay.entropy - settings.entropy).abs().max() <= 1e-6
+    # the settings form takes the kept pairs' logits from its selection pass (z - z_top from the candidates'
+    # float32 log-probs), the replay form multiplies them: the two agree to a few float32 ulps of the logits
+    tol = 2.0 ** -21 * (1.0 + float(z.abs().max()))
+    assert (replay.logprobs - settings.logprobs).abs().max() <= tol
+    assert (replay.entropy - settings.entropy).abs().max() <= tol
     a, b = torch.randn(LEAD), torch.randn(LEAD)
     ((settings.logprobs * a).sum() + (settings.entropy * b).sum()).backward()
     ((replay.logprobs * a).sum() + (replay.entropy * b).sum()).backward()
-    assert rel_err(h2.grad, h1.grad) <= 1e-6 and rel_err(w2.grad, w1.grad) <= 1e-6
+    assert rel_err(h2.grad, h1.grad) <= tol and rel_err(w2.grad, w1.grad) <= tol   # q moves with z
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

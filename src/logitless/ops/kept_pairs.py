@@ -50,10 +50,20 @@ class PairProducts(torch.autograd.Function):
     d_hidden is all-reduced over ``group`` when ``reduce`` is True."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, group, reduce: bool) -> Tensor:
-        raw = pair_products(hidden, weight, rows, ids)
-        if group is not None:
-            dist.all_reduce(raw, group=group)
+    def forward(ctx, hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, group, reduce: bool,
+                known: Optional[Tensor] = None, given: Optional[Tensor] = None) -> Tensor:
+        if given is None:
+            raw = pair_products(hidden, weight, rows, ids)
+            if group is not None:
+                dist.all_reduce(raw, group=group)
+        else:
+            # the products a selection pass already formed (global under tensor parallelism): only the rest are
+            # multiplied (and summed over the group)
+            todo = (~given).nonzero().squeeze(1)
+            part = pair_products(hidden, weight, rows.index_select(0, todo), ids.index_select(0, todo))
+            if group is not None:
+                dist.all_reduce(part, group=group)
+            raw = known.float().index_put((todo,), part)
         ctx.save_for_backward(hidden, weight, rows, ids)
         ctx.group, ctx.reduce = group, reduce
         return raw
@@ -72,14 +82,17 @@ class PairProducts(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = torch.zeros_like(weight)
             add_onehot_dw(dw, hidden, ids.unsqueeze(1), g.unsqueeze(1), rows=rows)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def pair_logits(hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, inv_temp: Tensor,
-                softcap: Optional[float], group=None, reduce: bool = True) -> Tensor:
+                softcap: Optional[float], group=None, reduce: bool = True, known: Optional[Tensor] = None,
+                given: Optional[Tensor] = None) -> Tensor:
     """z [P] float32, differentiable: the pairs' logits as the fused ops form them (``maths.logits_from_products``:
-    raw / temperature, or tanh(raw / c) * (c / temperature) with a softcap); inv_temp [N] per token."""
-    raw = PairProducts.apply(hidden, weight, rows, ids, group, reduce)
+    raw / temperature, or tanh(raw / c) * (c / temperature) with a softcap); inv_temp [N] per token. ``known`` [P]
+    float32: raw products already formed where ``given`` [P] bool (the forward takes them as they are; the backward
+    is the same for every pair)."""
+    raw = PairProducts.apply(hidden, weight, rows, ids, group, reduce, known, given)
     scale = inv_temp.index_select(0, rows)
     if softcap is None:
         return raw * scale

@@ -7,7 +7,9 @@ forward and backward, without the [tokens x vocab] logits.
                    (only those tokens, in row blocks of bounded size)
     replay form:   the kept ids as given
     then:          the kept (token, id) pairs and the (token, label) pairs as one flat list: their logits
-                   (``kept_pairs``, differentiable, P x H), and per token in float64: lse over the kept set, the
+                   (``kept_pairs``, differentiable; in the settings form the kept pairs' products come from the
+                   selection's log-probs and one product per token, so only the labels outside their sets and the
+                   replayed pairs are multiplied, P x H), and per token in float64: lse over the kept set, the
                    label's log-prob z_y - lse, the truncated entropy sum q (lse - z) (terms >= 0)
 
 With the kept set fixed the gradient is that of z_y - lse_K: it touches the kept rows of the weight and the label's
@@ -21,12 +23,13 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import knobs
 from ..record import record_backend
 from . import function, label_set_function
-from .kept_pairs import pair_logits
+from .kept_pairs import pair_logits, pair_products
 from .truncation_select import RowSettings, decide
 
 # selection workspace: candidate rows x candidates per block (ids int64 + log-probs float32)
@@ -36,10 +39,16 @@ GROWTH = 16
 
 class Kept(NamedTuple):
     """The kept sets as flat pairs: rows [P] int64 (token), ids [P] int64 (global id); kept_logprob [N] float32
-    (log kept mass under the full softmax; None in the replay form)."""
+    (log kept mass under the full softmax). From the selection (None in the replay form): logprobs [P] float32,
+    each pair's log-prob under the full softmax as the selection pass formed it, and top_ids / top_logprobs [N]
+    (each token's most probable id, always kept, and its log-prob): one product per token, raw(top), then gives
+    every kept pair's raw product, raw(top) + (logprob - top_logprob) * temperature, without multiplying it."""
     rows: Tensor
     ids: Tensor
     kept_logprob: Optional[Tensor]
+    logprobs: Optional[Tensor] = None
+    top_ids: Optional[Tensor] = None
+    top_logprobs: Optional[Tensor] = None
 
 
 def _first_candidates(s: RowSettings, pending: Tensor, vocab: int) -> int:
@@ -55,7 +64,9 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
     selection pass; no gradient."""
     n = hidden.shape[0]
     kept_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    out_rows, out_ids = [], []
+    top_ids = torch.zeros(n, dtype=torch.int64, device=hidden.device)
+    top_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    out_rows, out_ids, out_lp = [], [], []
     pending = rows
     c = _first_candidates(s, pending, vocab) if rows.numel() else 0
     with torch.no_grad():
@@ -77,13 +88,20 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
                 r, col = keep.nonzero(as_tuple=True)
                 out_rows.append(block[done][r])
                 out_ids.append(ids.index_select(0, done)[r, col])
+                out_lp.append(lp.index_select(0, done)[r, col])
+                top_ids[block[done]] = ids.index_select(0, done)[:, 0]
+                top_lp[block[done]] = lp.index_select(0, done)[:, 0]
                 undecided.append(block[~d.decided])
             pending = torch.cat(undecided)
             if pending.numel() and c >= vocab:
                 raise AssertionError("every token is decided once the whole vocabulary is seen")
             c = min(vocab, c * GROWTH)
     empty = torch.zeros(0, dtype=torch.int64, device=hidden.device)
-    return Kept(torch.cat(out_rows) if out_rows else empty, torch.cat(out_ids) if out_ids else empty, kept_lp)
+    return Kept(_cat(out_rows, empty), _cat(out_ids, empty), kept_lp, _cat(out_lp, empty.float()), top_ids, top_lp)
+
+
+def _cat(parts, empty: Tensor) -> Tensor:
+    return torch.cat(parts) if parts else empty
 
 
 def replayed(kept_ids: Tensor, valid: Tensor) -> Kept:
@@ -107,6 +125,33 @@ def _local(ids: Tensor, tp) -> Tensor:
     return torch.where((local >= 0) & (local < tp.sizes[tp.rank]), local, torch.full_like(local, -1))
 
 
+def _known_products(hidden: Tensor, weight: Tensor, inv_temp: Tensor, kept: Kept, scored: Tensor,
+                    at_label: Tensor, options: function.OpOptions, tp):
+    """(known [P + s], given [P + s]) for ``pair_logits``: the kept pairs' raw products from the selection's
+    log-probs, and the label's where it is kept (so a label alone in its set gets log-prob 0 exactly); the labels
+    outside their sets are multiplied. (None, None) in the replay form and under a softcap (whose inverse, an
+    atanh near saturation, would not give the products back to float32 rounding)."""
+    if kept.logprobs is None or options.softcap is not None:
+        return None, None
+    n = hidden.shape[0]
+    with torch.no_grad():
+        top = pair_products(hidden, weight, scored, _local(kept.top_ids.index_select(0, scored), tp))
+        if tp is not None:
+            dist.all_reduce(top, group=tp.group)
+        anchor = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_put((scored,), top)
+        rows = kept.rows
+        # z - z_top = logprob - top_logprob, and raw = z * temperature
+        raw = anchor.index_select(0, rows) + (kept.logprobs - kept.top_logprobs.index_select(0, rows)) \
+            / inv_temp.index_select(0, rows)
+        label_raw = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        label_raw[rows[at_label]] = raw[at_label]
+        label_kept = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+        label_kept[rows[at_label]] = True
+        known = torch.cat([raw, label_raw.index_select(0, scored)])
+        given = torch.cat([torch.ones_like(at_label), label_kept.index_select(0, scored)])
+    return known, given
+
+
 def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, kept: Kept, scored: Tensor,
                   options: function.OpOptions, tp) -> Truncated:
     """Per token [N]: z_y - lse over its kept ids (``scored`` [s] tokens; 0 elsewhere), the truncated entropy,
@@ -116,9 +161,11 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     p = kept.rows.numel()
     pair_rows = torch.cat([kept.rows, scored])
     pair_ids = torch.cat([kept.ids, labels.index_select(0, scored)])
+    at_label = kept.ids == labels.index_select(0, kept.rows)
     group = tp.group if tp is not None else None
+    known, given = _known_products(hidden, weight, inv_temp, kept, scored, at_label, options, tp)
     z = pair_logits(hidden, weight, pair_rows, _local(pair_ids, tp), inv_temp, options.softcap, group,
-                    options.reduce_grad_hidden).double()
+                    options.reduce_grad_hidden, known, given).double()
     zk, zy = z[:p], z[p:]
     rows = kept.rows
     m = torch.full((n,), float("-inf"), dtype=torch.float64, device=dev)
@@ -136,7 +183,7 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
         terms = torch.exp(zk - lse_k) * (lse_k - zk)
         ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms).float()
     inside = torch.zeros(n, dtype=torch.bool, device=dev)
-    inside[rows[kept.ids == labels.index_select(0, rows)]] = True
+    inside[rows[at_label]] = True
     return Truncated(lp.float(), ent, inside, count)
 
 
