@@ -120,6 +120,36 @@ def test_dw_adds_each_ids_pairs_with_one_rounding(dtype, seed, blocks):
         assert (twice.double() - want).abs().gt(bound).any()
 
 
+def test_a_row_and_an_id_with_thousands_of_pairs(seed):
+    """3000 pairs, 2500 of them on row 2 and 2000 on id 17 (hundreds of BLOCK_P steps in one program): all three
+    products against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) / H ** 0.5
+    p = 3000
+    rows = torch.randint(0, N, (p,), generator=gen)
+    rows[torch.randperm(p, generator=gen)[:2500]] = 2
+    ids = torch.randint(0, V, (p,), generator=gen)
+    ids[torch.randperm(p, generator=gen)[:2000]] = 17
+    coef = torch.randn(p, generator=gen)
+    raw = kernels.pair_products(*to(DEV, hidden, weight, rows, ids)).cpu()
+    want, scale = products64(hidden, weight, rows, ids)
+    assert (raw.double() - want).abs().le(1e-6 * scale).all()
+    contrib_w = coef.double().unsqueeze(1) * weight.double()[ids]
+    contrib_h = coef.double().unsqueeze(1) * hidden.double()[rows]
+    dh = torch.zeros(N, H, device=DEV)
+    kernels.add_pairs_dh(dh, *to(DEV, weight, rows, ids, coef))
+    want_dh = torch.zeros(N, H, dtype=torch.float64).index_add_(0, rows, contrib_w)
+    scale_dh = torch.zeros(N, H, dtype=torch.float64).index_add_(0, rows, contrib_w.abs())
+    assert (dh.cpu().double() - want_dh).abs().le(4e-6 * scale_dh).all()
+    dw = torch.zeros(V, H, device=DEV)
+    kernels.add_pairs_dw(dw, *to(DEV, hidden, rows, ids, coef))
+    want_dw = torch.zeros(V, H, dtype=torch.float64).index_add_(0, ids, contrib_h)
+    scale_dw = torch.zeros(V, H, dtype=torch.float64).index_add_(0, ids, contrib_h.abs())
+    assert (dw.cpu().double() - want_dw).abs().le(4e-6 * scale_dw).all()
+    assert want_dw[17].abs().max() > 1 and want_dh[2].abs().max() > 1
+
+
 def test_empty_pairs():
     hidden, weight, rows, ids, coef, _ = operands(torch.float32, 0)
     empty = torch.zeros(0, dtype=torch.int64)

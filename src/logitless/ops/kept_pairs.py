@@ -67,8 +67,9 @@ def add_pairs_dh(dh: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, coef: Te
 
 
 def add_pairs_dw(dw: Tensor, hidden: Tensor, rows: Tensor, ids: Tensor, coef: Tensor) -> None:
-    """dw [V_local, H] (the weight's dtype) += coef[p] * hidden[rows[p]] at row ids[p], for ids >= 0: each id's
-    pairs summed in float32 and added to dw once."""
+    """dw [V_local, H] (the weight's dtype) += coef[p] * hidden[rows[p]] at row ids[p], for ids >= 0: the pairs
+    summed in float32 and added to dw, once per id by the Triton kernels, once per id and block of pairs on the
+    torch path (``label_sets.add_onehot_dw``)."""
     kernels = _kernels(hidden, dw)
     if kernels is not None:
         kernels.add_pairs_dw(dw, hidden, rows, ids, coef)
