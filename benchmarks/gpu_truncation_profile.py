@@ -8,8 +8,11 @@ untruncated; beside the plain head's forward and forward+backward on the same in
 Shape: bf16, N tokens (default 16 x 1024), H 4096, V 151936, labels sampled from the head's distribution (as
 `make gpu-check`'s truncation section). Settings: top_k 50, top_p 0.95, min_p 0.05 (`--settings`). Each stage is
 timed by wrapping the function that runs it, with a device synchronisation either side (so the stages' sum is a
-little above the call's own time); the whole calls are timed without the wrappers. Writes
-DIR/gpu_truncation_profile.json and .md, and prints the table.
+little above the call's own time); the whole calls are timed without the wrappers. Then the kept pairs alone (each
+token's top `--pair-k` ids, 50 by default: top_k 50's pairs): their products, d_hidden and d_weight on the torch
+path (float32 gathers, index_add) and on the Triton kernels (``ops/triton/pair_products``), side by side in this
+process, against one LM-head GEMM [N, H] x [H, V] (cuBLAS) and the bytes of the pairs' rows read once. Writes
+DIR/gpu_truncation_profile.json and .md, and prints the tables.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-from logitless import Truncation, fused_logprobs  # noqa: E402
+from logitless import Truncation, fused_logprobs, fused_topk  # noqa: E402
 from logitless.ops import function, kept_pairs, label_set_function, truncation  # noqa: E402
 from logitless.tools.common import markdown_table, random_head, sample_labels, sync, time_calls  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
@@ -82,8 +85,52 @@ def instrument(stages: Stages) -> None:
     stages.wrap(kept_pairs, "pair_products", "pairs: products (forward)",
                 note=lambda h, w, rows, ids: f"P={rows.numel()}")
     stages.wrap(kept_pairs, "add_pairs_dh", "pairs: d_hidden (backward)")
-    stages.wrap(kept_pairs, "add_onehot_dw", "pairs: d_weight (backward)")
+    stages.wrap(kept_pairs, "add_pairs_dw", "pairs: d_weight (backward)")
     stages.wrap(function, "fused_logprobs", "plain op (untruncated tokens)")
+
+
+def pair_paths(hidden, weight, k: int, backend: str, dev: str, reps: int, warmup: int):
+    """The kept pairs of each token's top k ids: ms of the products, d_hidden and d_weight on the torch path and on
+    the Triton kernels (``kept_pairs._kernels`` set to each in turn), the two paths' largest differences, one
+    LM-head GEMM's ms, and the bytes of each pair's weight row read once."""
+    n, h = hidden.shape
+    with torch.no_grad():
+        ids = fused_topk(hidden, weight, k, backend=backend).ids
+    rows = torch.arange(n, device=ids.device).repeat_interleave(ids.shape[1])
+    ids = ids.reshape(-1).contiguous()
+    g = torch.Generator(device=dev).manual_seed(1)
+    coef = torch.randn(rows.shape, device=dev, generator=g)
+    from logitless.ops.triton import pair_products as kernels
+    # the gradients add into buffers allocated once (the timed calls exclude the allocation and its zeroing)
+    dh_acc = torch.zeros(n, h, dtype=torch.float32, device=dev)
+    dw_acc = torch.zeros_like(weight)
+    ops = {
+        "products (forward)": lambda: kept_pairs.pair_products(hidden, weight, rows, ids),
+        "d_hidden (backward)": lambda: kept_pairs.add_pairs_dh(dh_acc, weight, rows, ids, coef),
+        "d_weight (backward)": lambda: kept_pairs.add_pairs_dw(dw_acc, hidden, rows, ids, coef),
+    }
+    outs: dict = {}
+    ms: dict = {}
+    real = kept_pairs._kernels
+    try:
+        for path, choice in (("torch", None), ("triton", kernels)):
+            kept_pairs._kernels = lambda a, b, choice=choice: choice
+            for name, fn in ops.items():
+                ms[(path, name)] = min(time_calls(fn, dev, reps=reps, warmup=warmup))
+            raw = ops["products (forward)"]()
+            dh = torch.zeros(n, h, dtype=torch.float32, device=dev)
+            kept_pairs.add_pairs_dh(dh, weight, rows, ids, coef)
+            dw = torch.zeros_like(weight)
+            kept_pairs.add_pairs_dw(dw, hidden, rows, ids, coef)
+            outs[path] = (raw, dh, dw.float())
+    finally:
+        kept_pairs._kernels = real
+    diff = {name: float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+            for name, a, b in zip(ops, outs["triton"], outs["torch"], strict=True)}
+    z = torch.empty(n, weight.shape[0], dtype=hidden.dtype, device=dev)
+    gemm = min(time_calls(lambda: torch.mm(hidden, weight.t(), out=z), dev, reps=reps, warmup=warmup))
+    return dict(pairs=rows.numel(), k=k, gemm_ms=gemm, row_bytes=rows.numel() * h * weight.element_size(),
+                ms={f"{path}: {name}": v for (path, name), v in ms.items()}, rel_diff=diff)
 
 
 def main() -> None:
@@ -94,6 +141,7 @@ def main() -> None:
     ap.add_argument("--logit-std", type=float, default=None, help="the head's logit std (default random_head's)")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pair-k", type=int, default=50, help="ids per token of the pairs' side-by-side section")
     args = ap.parse_args()
     shape = dict(TINY if args.dry_run else FULL)
     if args.n:
@@ -157,10 +205,25 @@ def main() -> None:
         res["rows"][name] = row
         with open(os.path.join(args.out, "gpu_truncation_profile.json"), "w") as fh:
             json.dump(res, fh, indent=1)
+    pairs = pair_paths(hidden, weight, min(args.pair_k, shape["v"]), backend, dev, reps, warmup)
+    res["pairs"] = pairs
+    with open(os.path.join(args.out, "gpu_truncation_profile.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    gbytes = pairs["row_bytes"] / 1e9
+    pair_table = []
+    for name in ("products (forward)", "d_hidden (backward)", "d_weight (backward)"):
+        t_ms, k_ms = pairs["ms"][f"torch: {name}"], pairs["ms"][f"triton: {name}"]
+        pair_table.append([name, f"{t_ms:.2f}", f"{k_ms:.2f}", f"{t_ms / k_ms:.2f}", f"{k_ms / pairs['gemm_ms']:.2f}",
+                           f"{gbytes / (k_ms * 1e-3):.0f}", f"{pairs['rel_diff'][name]:.1e}"])
     card = torch.cuda.get_device_name() if dev == "cuda" else "CPU (dry run)"
     head = (f"truncation profile, {card}, torch {torch.__version__}, N {shape['n']} H {shape['h']} V {shape['v']} "
             f"bf16, logit std {args.logit_std or 'default'}; best of {reps} calls (ms)\n\n")
     md = head + markdown_table(["setting", "what", "ms", "x plain", "note"], table)
+    md += (f"\n\nthe kept pairs alone: P {pairs['pairs']} (top {pairs['k']} ids a token), one LM-head GEMM "
+           f"{pairs['gemm_ms']:.2f} ms; GB/s: the pairs' rows read once ({gbytes:.2f} GB) over the Triton time; "
+           "diff: the largest |triton - torch| over the torch path's largest value\n\n")
+    md += markdown_table(["pairs", "torch ms", "triton ms", "torch / triton", "triton x GEMM", "GB/s", "diff"],
+                         pair_table)
     with open(os.path.join(args.out, "gpu_truncation_profile.md"), "w") as fh:
         fh.write(md + "\n")
     print(md)

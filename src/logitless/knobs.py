@@ -71,6 +71,21 @@ def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
     return values
 
 
+def triton_pairs() -> Optional[tuple[int, int, int]]:
+    """LOGITLESS_TRITON_PAIRS = "BLOCK_P,BLOCK_H,warps": the kept pairs' kernels' pairs per step, H per tile and warps
+    (benchmarking only; powers of two); None when unset."""
+    raw = os.environ.get("LOGITLESS_TRITON_PAIRS", "").strip()
+    if not raw:
+        return None
+    try:
+        values = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1 or any(v & (v - 1) for v in values):
+        raise ValueError(f"LOGITLESS_TRITON_PAIRS={raw!r} must be three powers of two BLOCK_P,BLOCK_H,warps")
+    return values
+
+
 def triton_tma() -> bool:
     """LOGITLESS_TRITON_TMA: "0" turns the bulk-copy (TMA) tile loads off (pointer loads instead)."""
     return os.environ.get("LOGITLESS_TRITON_TMA", "1").strip() != "0"

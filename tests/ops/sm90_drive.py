@@ -9,6 +9,7 @@ import time
 import torch
 
 import logitless
+from logitless import Truncation
 from logitless.losses import PolicyLoss, fused_distillation_loss, fused_policy_loss, policy_loss
 from logitless.tools.common import env_set
 
@@ -194,6 +195,24 @@ def run_distill(divergence, dtype=torch.bfloat16, topk=False, **kw):
     out.loss.backward()
 
 
+def truncation_cases():
+    """fused_logprobs(truncation=): the kept pairs' kernels (products, d_hidden by row, d_weight by id) on each
+    operand dtype (the replay form: no selection pass; the settings form's selection kernels are the top-k's)."""
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        yield f"truncation replay {name}", dict(dtype=dtype)
+
+
+def run_truncation(dtype):
+    hidden, weight = head(dtype)
+    kept = 8 + torch.stack([torch.randperm(DIMS["V"] - 8, generator=G)[:5] for _ in range(N)])
+    kept[1, 3:] = -1
+    kept[:, 0] = 7                     # an id every token keeps
+    y = labels()
+    y[:2] = kept[:2, 1]
+    out = logitless.fused_logprobs(hidden, weight, y, backend="triton", truncation=Truncation(kept_ids=kept))
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+
+
 def drive(case, record_only):
     """Every case above; ``case[0]`` names the one running (for the record)."""
     def run_case(name, run, kw):
@@ -203,7 +222,7 @@ def drive(case, record_only):
         print(f"{case[0]}: {time.perf_counter() - start:.2f} s", file=sys.stderr)
 
     for cases, run in ((logprobs_cases, run_logprobs), (topk_cases, run_topk), (policy_cases, run_policy),
-                       (distill_cases, run_distill)):
+                       (distill_cases, run_distill), (truncation_cases, run_truncation)):
         for name, kw in cases():
             run_case(name, run, kw)
     # the Triton statistics kernels where Gluon would take them on Hopper (LOGITLESS_*_KERNEL=triton)
@@ -236,6 +255,7 @@ def drive(case, record_only):
                                dict(divergence="forward_kl_topk_tail", topk=True)),
                               ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),
                               ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128)),
+                              ("truncation replay bf16", run_truncation, dict(dtype=torch.bfloat16)),
                               # the fast path's largest k (a top-p nucleus of ~2000 ids): C 16, 2048 keys a row
                               ("topk bf16 k 2048", run_topk, dict(dtype=torch.bfloat16, k=2048))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)

@@ -11,8 +11,8 @@ answers ``is_cuda``), on CPU tensors. Each launch's argument types and specialis
 launcher computes for them (its binder, for the sm_90 backend); each distinct one is built once, after the
 drive. The launch itself then runs in triton's interpreter (the same python function), so that the op goes on
 to its next kernels with real values (ids, counts); only what the interpreter cannot run is swapped for the run
-(``RUN_ONLY``: the PTX fast log2), and a Gluon kernel does not run (its outputs stay as allocated: later launches
-depend on their shapes, not their values).
+(``RUN_ONLY``: the PTX fast log2, the pair kernels' for loops bounded by loaded values), and a Gluon kernel does
+not run (its outputs stay as allocated: later launches depend on their shapes, not their values).
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ except ImportError:  # pragma: no cover - a triton without Gluon
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 SM_COUNT = 132       # H100 SXM / H200
-# constexprs whose GPU value the interpreter cannot run (inline PTX): the build takes the GPU's, the run this one
-RUN_ONLY = {"FAST_LOG2_": False}
+# constexprs whose GPU value the interpreter cannot run (inline PTX; a for loop bounded by loaded values): the build
+# takes the GPU's, the run this one
+RUN_ONLY = {"FAST_LOG2_": False, "WHILE_LOOP_": True}
 
 BUILDS: dict = {}    # (kernel, key) -> {"fn", "options", "signature", "constexprs", "attrs", "cases"}
 CASE = ["(import)"]

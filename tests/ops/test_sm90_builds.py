@@ -127,6 +127,9 @@ REQUIRED = {
     "exact._low_bits_kernel": dict(BLOCK_R={"16"}, BLOCK_C={"256"}),
     "scale._scale_kernel": dict(BLOCK={"4096"}, UNROLL={"16"}),
     "set_products._set_products_kernel": dict(BLOCK={"128"}),
+    "pair_products._products_kernel": dict(BLOCK_P={"16"}, BLOCK_H={"128"}, H_TILES={"1"}),
+    "pair_products._dh_kernel": dict(BLOCK_P={"16"}, BLOCK_H={"128"}, WHILE_LOOP_={"False"}),
+    "pair_products._dw_kernel": dict(BLOCK_P={"16"}, BLOCK_H={"128"}, WHILE_LOOP_={"False"}, BF16_BITS={"False"}),
     "tail_dlogits._tail_dlogits_kernel": dict(SOFTCAP={"True", "False"}, TAIL_GRAD={"True", "False"},
                                               USE_TMA={"True", "False"}, OUT_DTYPE={"bf16", "fp16", "fp32"},
                                               SPLIT={"0", "2", "3", "4"}, N_IDS={"3", "32", "128"},
@@ -146,6 +149,8 @@ OPERANDS = {"forward_stats._tile_stats_kernel": ("bf16", "fp16", "fp32"),
             "tail_dlogits._tail_dlogits_kernel": ("bf16", "fp16", "fp32"),
             "policy_stats_gluon._policy_stats_gluon_kernel": ("bf16", "fp16"),
             "set_products._set_products_kernel": ("bf16", "fp32"),
+            "pair_products._products_kernel": ("bf16", "fp16", "fp32"),
+            "pair_products._dw_kernel": ("bf16", "fp16", "fp32"),
             "topk_select._candidates_kernel": ("bf16", "fp32")}
 
 

@@ -25,4 +25,14 @@ def test_dry_run_times_the_stages(tmp_path):
     assert forward["pairs: products (forward)"]["calls"] == 1
     assert step["pairs: d_hidden (backward)"]["calls"] == 1 and step["pairs: d_weight (backward)"]["calls"] == 1
     assert "pairs: d_hidden (backward)" not in forward
-    assert "| top_p=0.95 | forward |" in (tmp_path / "gpu_truncation_profile.md").read_text()
+    md = (tmp_path / "gpu_truncation_profile.md").read_text()
+    assert "| top_p=0.95 | forward |" in md
+    # the kept pairs alone, torch path and Triton kernels side by side: timed, and the same numbers
+    pairs = res["pairs"]
+    assert pairs["pairs"] == 8 * 50 and pairs["gemm_ms"] > 0
+    for path in ("torch", "triton"):
+        for name in ("products (forward)", "d_hidden (backward)", "d_weight (backward)"):
+            assert pairs["ms"][f"{path}: {name}"] > 0
+    assert pairs["rel_diff"]["products (forward)"] < 1e-5 and pairs["rel_diff"]["d_hidden (backward)"] < 1e-5
+    assert pairs["rel_diff"]["d_weight (backward)"] < 1e-2          # bf16 d_weight: one rounding each
+    assert "| d_weight (backward) |" in md

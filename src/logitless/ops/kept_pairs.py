@@ -7,6 +7,10 @@ another rank holds). raw[p] = <hidden[rows[p]], weight[ids[p]]> in float32, in b
 cost is P x H, not tokens x V. Under tensor parallelism each rank fills the pairs of its own shard and the sum over
 the group (one all-reduce of P floats) gives every rank every product; the backward adds each rank's own rows to
 d_weight and its part of d_hidden, all-reduced when the caller asks.
+
+On CUDA tensors where triton imports (the rule of ``registry.choose_backend``'s "auto"), Triton kernels
+(``triton.pair_products``) do the three products, reading each pair's rows once in their own dtype; the torch
+gathers below (float32 copies of the rows) are the CPU path and what the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -25,9 +29,23 @@ def _blocks(pairs: int, h: int):
         yield start, min(start + step, pairs)
 
 
+def _kernels(hidden: Tensor, weight: Tensor):
+    """The Triton kernels of the pairs for CUDA tensors where triton imports, else None (the torch path)."""
+    if not (hidden.is_cuda and weight.is_cuda):
+        return None
+    try:
+        from .triton import pair_products as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
 def pair_products(hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor) -> Tensor:
     """raw [P] float32 = <hidden[rows[p]], weight[ids[p]]> (upcast to float32, summed in float32), 0 where
     ids[p] == -1."""
+    kernels = _kernels(hidden, weight)
+    if kernels is not None:
+        return kernels.pair_products(hidden, weight, rows, ids)
     raw = torch.zeros(rows.shape, dtype=torch.float32, device=hidden.device)
     for start, stop in _blocks(rows.numel(), hidden.shape[1]):
         h = hidden.index_select(0, rows[start:stop]).float()
@@ -38,10 +56,25 @@ def pair_products(hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor) -> 
 
 def add_pairs_dh(dh: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, coef: Tensor) -> None:
     """dh [N, H] float32 += coef[p] * weight[ids[p]] at row rows[p], for ids >= 0."""
+    kernels = _kernels(dh, weight)
+    if kernels is not None:
+        kernels.add_pairs_dh(dh, weight, rows, ids, coef)
+        return
     c = torch.where(ids >= 0, coef, torch.zeros_like(coef))
     for start, stop in _blocks(rows.numel(), weight.shape[1]):
         w = weight.index_select(0, ids[start:stop].clamp(min=0)).float()
         dh.index_add_(0, rows[start:stop], w * c[start:stop].unsqueeze(1))
+
+
+def add_pairs_dw(dw: Tensor, hidden: Tensor, rows: Tensor, ids: Tensor, coef: Tensor) -> None:
+    """dw [V_local, H] (the weight's dtype) += coef[p] * hidden[rows[p]] at row ids[p], for ids >= 0: the pairs
+    summed in float32 and added to dw, once per id by the Triton kernels, once per id and block of pairs on the
+    torch path (``label_sets.add_onehot_dw``)."""
+    kernels = _kernels(hidden, dw)
+    if kernels is not None:
+        kernels.add_pairs_dw(dw, hidden, rows, ids, coef)
+        return
+    add_onehot_dw(dw, hidden, ids.unsqueeze(1), coef.unsqueeze(1), rows=rows)
 
 
 class PairProducts(torch.autograd.Function):
@@ -81,7 +114,7 @@ class PairProducts(torch.autograd.Function):
             dh = dh.to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.zeros_like(weight)
-            add_onehot_dw(dw, hidden, ids.unsqueeze(1), g.unsqueeze(1), rows=rows)
+            add_pairs_dw(dw, hidden, rows, ids, g)
         return dh, dw, None, None, None, None, None, None
 
 
