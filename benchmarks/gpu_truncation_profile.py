@@ -91,7 +91,7 @@ def instrument(stages: Stages) -> None:
 
 def pair_paths(hidden, weight, k: int, backend: str, dev: str, reps: int, warmup: int):
     """The kept pairs of each token's top k ids: ms of the products, d_hidden and d_weight on the torch path and on
-    the Triton kernels (``kept_pairs._kernels`` set to each in turn), the two paths' largest differences, one
+    the Triton kernels (LOGITLESS_PAIRS_PATH set to each in turn), the two paths' largest differences, one
     LM-head GEMM's ms, and the bytes of each pair's weight row read once."""
     n, h = hidden.shape
     with torch.no_grad():
@@ -100,7 +100,6 @@ def pair_paths(hidden, weight, k: int, backend: str, dev: str, reps: int, warmup
     ids = ids.reshape(-1).contiguous()
     g = torch.Generator(device=dev).manual_seed(1)
     coef = torch.randn(rows.shape, device=dev, generator=g)
-    from logitless.ops.triton import pair_products as kernels
     # the gradients add into buffers allocated once (the timed calls exclude the allocation and its zeroing)
     dh_acc = torch.zeros(n, h, dtype=torch.float32, device=dev)
     dw_acc = torch.zeros_like(weight)
@@ -111,10 +110,10 @@ def pair_paths(hidden, weight, k: int, backend: str, dev: str, reps: int, warmup
     }
     outs: dict = {}
     ms: dict = {}
-    real = kept_pairs._kernels
+    before = os.environ.get("LOGITLESS_PAIRS_PATH")
     try:
-        for path, choice in (("torch", None), ("triton", kernels)):
-            kept_pairs._kernels = lambda a, b, choice=choice: choice
+        for path, knob in (("torch", "torch"), ("triton", "triton")):
+            os.environ["LOGITLESS_PAIRS_PATH"] = knob
             for name, fn in ops.items():
                 ms[(path, name)] = min(time_calls(fn, dev, reps=reps, warmup=warmup))
             raw = ops["products (forward)"]()
@@ -124,7 +123,10 @@ def pair_paths(hidden, weight, k: int, backend: str, dev: str, reps: int, warmup
             kept_pairs.add_pairs_dw(dw, hidden, rows, ids, coef)
             outs[path] = (raw, dh, dw.float())
     finally:
-        kept_pairs._kernels = real
+        if before is None:
+            os.environ.pop("LOGITLESS_PAIRS_PATH", None)
+        else:
+            os.environ["LOGITLESS_PAIRS_PATH"] = before
     diff = {name: float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
             for name, a, b in zip(ops, outs["triton"], outs["torch"], strict=True)}
     z = torch.empty(n, weight.shape[0], dtype=hidden.dtype, device=dev)

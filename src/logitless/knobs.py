@@ -71,6 +71,16 @@ def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
     return values
 
 
+def pairs_path() -> str:
+    """LOGITLESS_PAIRS_PATH: the truncated log-prob's kept-pair products: "auto" (the default: the Triton kernels
+    for CUDA tensors where triton imports, else the torch gathers), "torch" (the torch gathers everywhere) or
+    "triton" (the kernels on any tensors: on CPU ones through triton's interpreter); for benchmarking."""
+    raw = os.environ.get("LOGITLESS_PAIRS_PATH", "").strip().lower() or "auto"
+    if raw not in ("auto", "torch", "triton"):
+        raise ValueError(f"LOGITLESS_PAIRS_PATH={raw!r} must be auto, torch or triton")
+    return raw
+
+
 def triton_pairs() -> Optional[tuple[int, int, int]]:
     """LOGITLESS_TRITON_PAIRS = "BLOCK_P,BLOCK_H,warps": the kept pairs' kernels' pairs per step, H per tile and warps
     (benchmarking only; powers of two); None when unset."""

@@ -234,3 +234,29 @@ def test_truncated_logprobs_on_the_kernels_equal_the_torch_path(dtype, seed, tri
     for got, ref in zip(results["triton"], results["torch"], strict=True):
         assert ref.abs().max() > 0
         assert (got.double() - ref.double()).abs().max() <= tol * ref.abs().max().double()
+
+
+def test_settings_form_through_the_path_knob_equals_the_torch_path(monkeypatch):
+    """LOGITLESS_PAIRS_PATH=triton puts the settings form's pairs (the anchors and labels forward, every kept pair
+    backward) on the kernels for CPU tensors too: the torch path's numbers to float32's summation order; "torch"
+    keeps them off the kernels; a bad value is refused by name."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(N, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) / H ** 0.5 * 3
+    labels = torch.randint(0, V, (N,), generator=gen)
+    results = {}
+    for path in ("triton", "torch"):
+        monkeypatch.setenv("LOGITLESS_PAIRS_PATH", path)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fused_logprobs(h, w, labels, temperature=0.8, backend="chunked",
+                             truncation=Truncation(top_k=20, top_p=0.9))
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        results[path] = [out.logprobs.detach(), out.entropy.detach(), h.grad, w.grad]
+    for got, ref in zip(results["triton"], results["torch"], strict=True):
+        assert ref.abs().max() > 0
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    monkeypatch.setenv("LOGITLESS_PAIRS_PATH", "torch")
+    assert kept_pairs._kernels(hidden, weight) is None
+    monkeypatch.setenv("LOGITLESS_PAIRS_PATH", "cuda")
+    with pytest.raises(ValueError, match="LOGITLESS_PAIRS_PATH"):
+        fused_logprobs(hidden, weight, labels, truncation=Truncation(top_k=20))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import knobs
 from .label_sets import GATHER_ELEMENTS, add_onehot_dw
 
 
@@ -31,7 +32,8 @@ def _blocks(pairs: int, h: int):
 
 def _kernels(hidden: Tensor, weight: Tensor):
     """The Triton kernels of the pairs for CUDA tensors where triton imports, else None (the torch path)."""
-    if not (hidden.is_cuda and weight.is_cuda):
+    path = knobs.pairs_path()
+    if path == "torch" or (path == "auto" and not (hidden.is_cuda and weight.is_cuda)):
         return None
     try:
         from .triton import pair_products as kernels
