@@ -30,7 +30,8 @@ NEWEST_TORCH ?= torch==2.14.1
 NEWEST_TRITON ?= triton==3.8.0
 NEWEST_TESTS := tests/ops tests/losses tests/test_fused_logprobs.py tests/test_precision.py tests/test_packaging.py
 
-.PHONY: setup test test-newest bench doctor clean gpu-check gpu-learning gpu-learning-grpo gpu-learning-distill gpu-wheels
+.PHONY: setup test test-newest bench doctor clean gpu-check gpu-learning gpu-learning-grpo gpu-learning-distill \
+	gpu-learning-grpo-more gpu-learning-distill-more gpu-wheels
 setup: $(VENV)/.ready $(LEGACY)/.ready $(MAMBA_SRC)/.ready $(NEWEST)/.ready
 
 $(VENV)/.ready: pyproject.toml Makefile
@@ -126,12 +127,21 @@ $(GPU_SITE)/.ready:
 gpu-check: $(GPU_SITE)/.ready
 	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
-# the two halves apart too (each estimated at 5-6 minutes on one H100: one command each where a call is limited)
-gpu-learning: gpu-learning-grpo gpu-learning-distill
+# in four parts, each within 10 minutes on one H100 (measured 2026-12-07: a GRPO run 2-3 minutes with its start, the
+# distillation's teacher 40 s, a student run 2-3 minutes): TRL's loss against logitless' from one seed, then Liger's
+# loss and the noise seeds into the same folders (each part's plot and table show every run there so far)
+gpu-learning: gpu-learning-grpo gpu-learning-distill gpu-learning-grpo-more gpu-learning-distill-more
 gpu-learning-grpo: $(GPU_SITE)/.ready
-	$(GPU_ENV) $(GPU_PY) examples/trl_grpo_learning.py --size gpu --out $(GPU_OUT)/grpo --plot
+	$(GPU_ENV) $(GPU_PY) examples/trl_grpo_learning.py --size gpu --modes trl,fused --noise-seeds "" \
+		--out $(GPU_OUT)/grpo --plot
+gpu-learning-grpo-more: $(GPU_SITE)/.ready
+	$(GPU_ENV) $(GPU_PY) examples/trl_grpo_learning.py --size gpu --modes liger --noise-seeds 1 \
+		--out $(GPU_OUT)/grpo --plot
 gpu-learning-distill: $(GPU_SITE)/.ready
-	$(GPU_ENV) $(GPU_PY) examples/trl_distillation_learning.py --size gpu --noise-seeds 1 --out $(GPU_OUT)/distill --plot
+	$(GPU_ENV) $(GPU_PY) examples/trl_distillation_learning.py --size gpu --noise-seeds "" --out $(GPU_OUT)/distill --plot
+gpu-learning-distill-more: $(GPU_SITE)/.ready
+	$(GPU_ENV) $(GPU_PY) examples/trl_distillation_learning.py --size gpu --modes "" --noise-seeds 1 \
+		--out $(GPU_OUT)/distill --plot
 
 clean:
 	rm -rf $(VENV) $(LEGACY) $(NEWEST) $(CACHE)

@@ -29,7 +29,7 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from logitless import Truncation, fused_logprobs, fused_topk  # noqa: E402
-from logitless.ops import function, kept_pairs, label_set_function, truncation  # noqa: E402
+from logitless.ops import function, kept_pairs, label_set_function, truncation, truncation_wide  # noqa: E402
 from logitless.tools.common import markdown_table, random_head, sample_labels, sync, time_calls  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -80,6 +80,9 @@ def instrument(stages: Stages) -> None:
     stages.wrap(label_set_function, "fused_topk", "select: fused_topk rounds",
                 note=lambda h, w, it, mask, k, *a, **kw: f"{h.shape[0]}x{k}")
     stages.wrap(truncation, "decide", "select: decide")
+    # the wide round (kept sets past the first candidates: its above-threshold passes, sorts and decisions)
+    stages.wrap(truncation_wide, "wide_round", "select: wide round",
+                note=lambda h, *a, **kw: f"{h.shape[0]} tokens")
     stages.wrap(truncation, "select", "select (whole)")
     stages.wrap(truncation, "kept_logprobs", "kept log-probs (whole forward after select)")
     stages.wrap(kept_pairs, "pair_products", "pairs: products (forward)",

@@ -585,6 +585,62 @@ def test_triton_backend():
     check(hidden, weight, labels, "triton", Truncation(top_p=0.9, top_k=40, min_p=0.005), temperature=0.9)
 
 
+@pytest.fixture
+def wide_rounds(monkeypatch):
+    """8 first candidates (most tokens' kept sets reach past them) and a record of the wide round: tokens it
+    decided, the slots each emitting pass asked for."""
+    from logitless.ops import truncation_wide
+    from logitless.ops.triton import above_select
+    monkeypatch.setenv("LOGITLESS_TRUNCATION_CANDIDATES", "8")
+    seen = {"decided": 0, "left": 0, "slots": []}
+    real_round, real_above = truncation_wide.wide_round, above_select.above
+
+    def wide_round(*args, **kwargs):
+        done, left = real_round(*args, **kwargs)
+        seen["decided"] += sum(int(p.pos.numel()) for p in done)
+        seen["left"] += int(left.numel())
+        return done, left
+
+    def above(*args, **kwargs):
+        seen["slots"].append(args[4])
+        return real_above(*args, **kwargs)
+    monkeypatch.setattr(truncation_wide, "wide_round", wide_round)
+    monkeypatch.setattr(above_select, "above", above)
+    return seen
+
+
+def _wide_inputs():
+    shape = dict(lead=LEAD) if device_for("triton") == "cuda" else dict(lead=(2, 5), v=1031, h=48)
+    return make_inputs(**shape, dtype=torch.bfloat16, logit_std=2.0)
+
+
+@pytest.mark.parametrize("truncation", [Truncation(top_p=0.95), Truncation(min_p=0.02),
+                                        Truncation(top_p=0.9, min_p=0.005), Truncation(top_p=0.6)])
+def test_triton_wide_kept_sets(truncation, wide_rounds):
+    """Kept sets past the first candidates on the triton backend, decided by every logit above a bound
+    (``ops/truncation_wide.py``) in one more pass, against float64: sets, values, gradients."""
+    hidden, weight, labels = _wide_inputs()
+    check(hidden, weight, labels, "triton", truncation, temperature=0.9)
+    assert wide_rounds["decided"] > 0
+
+
+def test_triton_wide_round_leaves_top_k_and_grows_its_slots(wide_rounds, monkeypatch):
+    """A token with more ids above its bound than the first slots is asked again with its exact count; one past
+    MAX_SLOTS is left to more candidates; a top_k token beside them (never sent to the wide round: its candidates
+    hold k + 1): every path against float64."""
+    from logitless.ops import truncation_wide
+    monkeypatch.setattr(truncation_wide, "FIRST_SLOTS", 16)
+    monkeypatch.setattr(truncation_wide, "MAX_SLOTS", 900)
+    hidden, weight, labels = _wide_inputs()
+    top_k = torch.full(labels.shape, -1)
+    top_k[0, 1] = 30
+    top_p = torch.full(labels.shape, 0.9, dtype=torch.float64)
+    top_p[1, :2] = 0.99999                                  # past 900 ids above the bound: more candidates
+    check(hidden, weight, labels, "triton", Truncation(top_k=top_k, top_p=top_p), temperature=0.9)
+    assert wide_rounds["decided"] > 0 and wide_rounds["left"] >= 2        # the two widest nuclei
+    assert wide_rounds["slots"][0] == 16 and max(wide_rounds["slots"]) > 16
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 BAD_SETTINGS = [

@@ -200,10 +200,24 @@ def truncation_cases():
     operand dtype (the replay form: no selection pass; the settings form's selection kernels are the top-k's)."""
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
         yield f"truncation replay {name}", dict(dtype=dtype)
+    # the settings form past its first candidates: the wide round's above-threshold kernel (8 candidates first)
+    yield "truncation top_p wide bf16", dict(dtype=torch.bfloat16, wide=True)
+    yield "truncation top_p wide fp16 softcap", dict(dtype=torch.float16, wide=True, softcap=30.0)
 
 
-def run_truncation(dtype):
+def run_truncation(dtype, wide=False, softcap=None):
     hidden, weight = head(dtype)
+    if wide:
+        with env_set(LOGITLESS_TRUNCATION_CANDIDATES="8"):
+            out = logitless.fused_logprobs(hidden, weight, labels(), backend="triton", softcap=softcap,
+                                           truncation=Truncation(top_p=0.95, min_p=torch.tensor(
+                                               [0.0] * (N - 1) + [0.001])))
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        # and the wide round's kernel itself, whatever the selection decided above
+        from logitless.ops.triton.above_select import above
+        with torch.no_grad():
+            above(hidden, weight, torch.ones(N), torch.zeros(N), 16, softcap)
+        return
     kept = 8 + torch.stack([torch.randperm(DIMS["V"] - 8, generator=G)[:5] for _ in range(N)])
     kept[1, 3:] = -1
     kept[:, 0] = 7                     # an id every token keeps

@@ -137,6 +137,7 @@ REQUIRED = {
     "topk_select._candidates_kernel": dict(C={"1", "4", "8", "16"}, SOFTCAP={"True", "False"},
                                            BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
     "topk_select._finish_kernel": dict(K={"3", "32", "128", "2048"}),
+    "above_select._above_kernel": dict(SOFTCAP={"True", "False"}),
     "distill_chunk._stats_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"},
                                         STEPS={"8"}),
     "distill_chunk._sums_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}),   # jsd's only
@@ -151,7 +152,8 @@ OPERANDS = {"forward_stats._tile_stats_kernel": ("bf16", "fp16", "fp32"),
             "set_products._set_products_kernel": ("bf16", "fp32"),
             "pair_products._products_kernel": ("bf16", "fp16", "fp32"),
             "pair_products._dw_kernel": ("bf16", "fp16", "fp32"),
-            "topk_select._candidates_kernel": ("bf16", "fp32")}
+            "topk_select._candidates_kernel": ("bf16", "fp32"),
+            "above_select._above_kernel": ("bf16", "fp16")}
 
 
 def test_launches_cover_the_gpu_specialisations(launches):

@@ -63,20 +63,21 @@ def fused_logprobs_k(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: T
 def fused_topk(hidden: Tensor, weight: Tensor, inv_temp: Tensor, mask: Tensor, k: int, backend: str,
                softcap: Optional[float], tp_group: Optional[str], reduce_grad_hidden: bool,
                precision: str = "native", grad_precision: str = "native",
-               check_inputs: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+               check_inputs: bool = True, with_lse: bool = False) -> tuple[Tensor, ...]:
     """(ids [N, k] int64, logprobs [N, k], tail [N]) of the rows where mask [N] is True (ids -1, logprobs 0,
     tail 0 elsewhere); logprobs and tail differentiable w.r.t. hidden and weight. precision / grad_precision as
     ``precision.resolve`` returns them. check_inputs=False: no host read (every row computed, the masked ones at
-    inverse temperature 1 and zeroed; the temperatures are not checked)."""
+    inverse temperature 1 and zeroed; the temperatures are not checked). with_lse: also lse [N] (not
+    differentiated; the logprobs are the selection's logits minus it)."""
     if not check_inputs:
         # every row runs: a masked one at inverse temperature 1, here so that the backward (which reads the op's
         # inputs) sees it too: NaN padding reaches nothing
         inv_temp = inv_temp.masked_fill(~mask, 1.0)
-    ids, lp, tail, _ = torch.ops.logitless.fused_topk(hidden, weight, inv_temp, mask, k=k, backend=backend,
-                                                       softcap=softcap, tp_group=tp_group,
-                                                       reduce_grad_hidden=reduce_grad_hidden, precision=precision,
-                                                       grad_precision=grad_precision, check_inputs=check_inputs)
-    return ids, lp, tail
+    ids, lp, tail, lse = torch.ops.logitless.fused_topk(hidden, weight, inv_temp, mask, k=k, backend=backend,
+                                                         softcap=softcap, tp_group=tp_group,
+                                                         reduce_grad_hidden=reduce_grad_hidden, precision=precision,
+                                                         grad_precision=grad_precision, check_inputs=check_inputs)
+    return (ids, lp, tail, lse.detach()) if with_lse else (ids, lp, tail)
 
 
 # ------------------------------------------------------------------------------------------ checks and rows

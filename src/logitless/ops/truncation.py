@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .. import knobs
 from ..record import record_backend
-from . import function, label_set_function
+from . import function, label_set_function, truncation_wide
 from .kept_pairs import pair_logits, pair_products
 from .truncation_select import RowSettings, decide
 
@@ -58,17 +58,41 @@ def _first_candidates(s: RowSettings, pending: Tensor, vocab: int) -> int:
     return min(vocab, max(knobs.truncation_candidates(), widest))
 
 
+class _Collected:
+    """The decided tokens' kept pairs, gathered round by round."""
+
+    def __init__(self, n: int, device):
+        self.kept_lp = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.top_lp = torch.zeros(n, dtype=torch.float32, device=device)
+        self.rows, self.ids, self.lp = [], [], []
+
+    def add(self, tokens: Tensor, ids: Tensor, lp: Tensor, keep: Tensor) -> None:
+        """tokens [m] decided, their candidates ids / lp [m, L] (descending) and kept ones keep [m, L]."""
+        lp_kept = lp.masked_fill(~keep, float("-inf"))
+        self.kept_lp[tokens] = torch.logsumexp(lp_kept.double(), dim=1).float().clamp(max=0.0)
+        r, col = keep.nonzero(as_tuple=True)
+        self.rows.append(tokens[r])
+        self.ids.append(ids[r, col])
+        self.lp.append(lp[r, col])
+        self.top_ids[tokens] = ids[:, 0]
+        self.top_lp[tokens] = lp[:, 0]
+
+    def kept(self) -> Kept:
+        empty = torch.zeros(0, dtype=torch.int64, device=self.kept_lp.device)
+        return Kept(_cat(self.rows, empty), _cat(self.ids, empty), self.kept_lp, _cat(self.lp, empty.float()),
+                    self.top_ids, self.top_lp)
+
+
 def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: RowSettings, vocab: int,
            options: function.OpOptions) -> Kept:
     """The kept pairs of the tokens ``rows`` [r] under the settings s (per token, [N]), from the backend's
-    selection pass; no gradient."""
-    n = hidden.shape[0]
-    kept_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    top_ids = torch.zeros(n, dtype=torch.int64, device=hidden.device)
-    top_lp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    out_rows, out_ids, out_lp = [], [], []
+    selection pass; no gradient. On the triton backend a token left undecided by its first candidates goes to
+    ``truncation_wide`` (every logit above a bound its set cannot reach below) before more candidates."""
+    out = _Collected(hidden.shape[0], hidden.device)
     pending = rows
     c = _first_candidates(s, pending, vocab) if rows.numel() else 0
+    wide = truncation_wide.usable(options, hidden)
     with torch.no_grad():
         while pending.numel():
             undecided = []
@@ -76,28 +100,30 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
             for start in range(0, pending.numel(), step):
                 block = pending[start:start + step]
                 h = hidden.index_select(0, block)
+                t = inv_temp.index_select(0, block)
                 ones = torch.ones(block.numel(), dtype=torch.bool, device=hidden.device)
-                ids, lp, tail = label_set_function.fused_topk(
-                    h, weight, inv_temp.index_select(0, block), ones, c, options.backend, options.softcap,
-                    options.tp_group, True, options.precision, options.grad_precision, True)
+                ids, lp, tail, lse = label_set_function.fused_topk(
+                    h, weight, t, ones, c, options.backend, options.softcap, options.tp_group, True,
+                    options.precision, options.grad_precision, True, with_lse=True)
                 d = decide(lp, tail, vocab, s.rows(block))
                 done = d.decided.nonzero().squeeze(1)
-                keep = d.keep.index_select(0, done)
-                lp_kept = lp.index_select(0, done).masked_fill(~keep, float("-inf"))
-                kept_lp[block[done]] = torch.logsumexp(lp_kept.double(), dim=1).float().clamp(max=0.0)
-                r, col = keep.nonzero(as_tuple=True)
-                out_rows.append(block[done][r])
-                out_ids.append(ids.index_select(0, done)[r, col])
-                out_lp.append(lp.index_select(0, done)[r, col])
-                top_ids[block[done]] = ids.index_select(0, done)[:, 0]
-                top_lp[block[done]] = lp.index_select(0, done)[:, 0]
-                undecided.append(block[~d.decided])
+                out.add(block[done], ids.index_select(0, done), lp.index_select(0, done),
+                        d.keep.index_select(0, done))
+                open_ = (~d.decided).nonzero().squeeze(1)
+                if wide and open_.numel():
+                    decided, left = truncation_wide.wide_round(
+                        h.index_select(0, open_), weight, t.index_select(0, open_), lp.index_select(0, open_),
+                        lse.index_select(0, open_), s.rows(block.index_select(0, open_)), vocab, options.softcap)
+                    for part in decided:
+                        out.add(block[open_[part.pos]], part.ids, part.lp, part.keep)
+                    open_ = open_.index_select(0, left)
+                undecided.append(block.index_select(0, open_))
+            wide = False            # one wide round, after the first candidates; then the candidates grow
             pending = torch.cat(undecided)
             if pending.numel() and c >= vocab:
                 raise AssertionError("every token is decided once the whole vocabulary is seen")
             c = min(vocab, c * GROWTH)
-    empty = torch.zeros(0, dtype=torch.int64, device=hidden.device)
-    return Kept(_cat(out_rows, empty), _cat(out_ids, empty), kept_lp, _cat(out_lp, empty.float()), top_ids, top_lp)
+    return out.kept()
 
 
 def _cat(parts, empty: Tensor) -> Tensor:

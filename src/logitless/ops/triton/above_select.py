@@ -1,0 +1,89 @@
+"""Every logit at or above a per-token threshold, from one GEMM over the vocabulary, without the logits in memory:
+what a wide kept set (a top-p nucleus of thousands of ids, a low min-p) needs once a token's threshold is known.
+
+One program per [BLOCK_M tokens x BLOCK_N vocabulary rows] tile, as the selection's candidates kernel
+(``topk_select``): the float32 logits tile on the tensor cores, tempered (softcapped first) exactly as there, so a
+logit has the same bits in both passes; then per row the columns with z >= tau[row] are appended to the row's slots:
+one atomic add per row and tile reserves a run of slots (the count of the tile's matches), a prefix sum over the
+tile's columns places each match in it. A row's matches beyond its ``cap`` slots are counted, not written (the
+count is exact: the caller asks again with that many slots). The order of a row's slots depends on the tiles'
+schedule; the caller sorts them by (value descending, id ascending), so the result is a function of the row alone.
+
+Outputs: values float32 [n, cap] and ids int32 [n, cap] (slots past a row's count untouched), count int32 [n].
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import int32_safe, launch_options, tile_operands
+from .tile import logits_tile, softcap_tanh, tile_coords
+from .topk_select import tiles_for
+
+
+# token count and slots not specialised: one build per vocabulary size, hidden size and dtype
+@triton.jit(do_not_specialize=["n_rows", "cap"])
+def _above_kernel(h_ptr, w_ptr, inv_temp_ptr, tau_ptr, vals_ptr, ids_ptr, count_ptr,
+                  n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, cap,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                  USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                  SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+    row_ok = rows < n_rows
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("inf"))
+    if SOFTCAP:
+        acc, _ = softcap_tanh(acc, CAP)
+        inv_t = inv_t * CAP
+    z = acc * inv_t[:, None]            # the tempered logit, as the candidates kernel forms it (same bits)
+    hit = row_ok[:, None] & (cols < n_cols)[None, :] & (z >= tau[:, None])
+    hits = hit.to(tl.int32)
+    count = tl.sum(hits, axis=1)
+    # one atomic a row reserves the tile's run of slots; rows without a match add 0 (no atomic needed, but a
+    # masked atomic keeps the launch simple)
+    base = tl.atomic_add(count_ptr + rows, count, mask=row_ok & (count > 0))
+    slot = base[:, None] + tl.cumsum(hits, axis=1) - 1
+    keep = hit & (slot < cap)
+    out = rows.to(tl.int64)[:, None] * cap + slot
+    tl.store(vals_ptr + out, z, mask=keep)
+    tl.store(ids_ptr + out, cols[None, :] + tl.zeros_like(hits), mask=keep)
+
+
+class Above(NamedTuple):
+    """values float32 [n, cap], ids int32 [n, cap] (a row's first count[row] slots, in no order), count int32
+    [n] (every match, also those past cap)."""
+    values: Tensor
+    ids: Tensor
+    count: Tensor
+
+
+def above(hidden: Tensor, weight: Tensor, inv_temp: Tensor, tau: Tensor, cap: int,
+          softcap: Optional[float] = None) -> Above:
+    """The tempered logits z >= tau [n] of hidden [n, H] over weight [V, H] (inv_temp [n] float32), at most
+    ``cap`` a row written; the candidates kernel's tiles and operands (``topk_select.tiles_for``)."""
+    n, h = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    values = torch.empty((n, cap), dtype=torch.float32, device=dev)
+    ids = torch.empty((n, cap), dtype=torch.int32, device=dev)
+    count = torch.zeros(n, dtype=torch.int32, device=dev)
+    if n == 0 or cap == 0:
+        return Above(values, ids, count)
+    tiles = tiles_for(hidden.dtype, dev)
+    hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
+    h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
+    grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
+    with (torch.cuda.device(dev) if hidden.is_cuda else contextlib.nullcontext()):
+        _above_kernel[grid](h_op, w_op, inv_temp.contiguous(), tau.contiguous(), values, ids, count, n, vocab, h,
+                            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap,
+                            USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
+    return Above(values, ids, count)
+

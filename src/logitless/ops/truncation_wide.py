@@ -1,0 +1,123 @@
+"""Kept sets wider than a token's candidates (a top-p nucleus of thousands of ids on a flat distribution, a low
+min-p): every logit above a per-token bound, from one more GEMM over the vocabulary (the triton backend's
+``above_select`` kernel), sorted and decided as the candidates are (``truncation_select.decide``).
+
+The bound is one the kept set cannot reach below, from what the first selection pass gave (the candidates'
+log-probs and lse):
+  - min_p on: log(min_p) + the largest log-prob (every survivor lies at or above it, and the set is closed);
+  - top_p alone: log(1 - top_p) - log(V): each id below it has p < (1 - top_p) / V, so all of them together hold
+    less than 1 - top_p, and the nucleus (mass before an id < top_p) ends above it.
+minus a margin of float32 rounding (an id just below is emitted too; the decision drops it). top_k on: not here
+(its candidates hold k + 1). A token whose ids above its bound exceed MAX_SLOTS, or whose decision still reaches
+past them, is left to the caller (more candidates, up to the whole vocabulary).
+
+Only for the triton backend on half-precision operands ("native" products) without tensor parallelism: the
+emitting kernel forms the logits exactly as the selection kernel does (the same tiles, the same bits).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .function import OpOptions
+from .truncation_select import RowSettings, decide
+
+FIRST_SLOTS = 4096
+MAX_SLOTS = 1 << 15
+BLOCK_ELEMENTS = 1 << 25          # token rows x slots of one emitting pass (12 bytes each with the keys)
+# the key of an empty slot: below every real logit's (``triton.topk_select.NO_KEY``)
+NO_KEY = -2139095041 * (1 << 32)
+
+
+def usable(options: OpOptions, hidden: Tensor) -> bool:
+    return (options.backend == "triton" and options.tp_group is None and options.precision == "native"
+            and hidden.dtype in (torch.bfloat16, torch.float16))
+
+
+def bounds(lp: Tensor, lse: Tensor, s: RowSettings, vocab: int) -> tuple[Tensor, Tensor]:
+    """(tau float32 [r] in tempered-logit units, which [r] bool: the tokens this pass takes) from the first pass's
+    log-probs lp [r, C] (descending) and lse [r]."""
+    lp0 = lp[:, 0].double()
+    minp = s.min_p > 0.0
+    topk = (s.top_k > 0) & (s.top_k < vocab)
+    topp = s.top_p < 1.0
+    tau_lp = torch.where(minp, lp0 + torch.log(s.min_p.clamp(min=1e-300)),
+                         torch.log1p(-s.top_p.clamp(max=1.0 - 1e-16)) - math.log(vocab))
+    lse64 = lse.double()
+    margin = 2.0 ** -12 * (1.0 + lse64.abs())
+    which = ~topk & (minp | topp)
+    tau = torch.where(which, tau_lp + lse64 - margin, torch.full_like(lse64, float("inf")))
+    return tau.float(), which
+
+
+def _keys(values: Tensor, ids: Tensor, filled: Tensor) -> Tensor:
+    """int64 keys (value descending, then id ascending, as ``topk_select``'s), NO_KEY where not ``filled``."""
+    bits = values.view(torch.int32)
+    bits = torch.where(bits == -2147483648, torch.zeros_like(bits), bits)      # -0.0 as +0.0
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    keys = (order.to(torch.int64) << 32) | (2147483647 - ids.to(torch.int64))
+    return torch.where(filled, keys, torch.full_like(keys, NO_KEY))
+
+
+def _decode(keys: Tensor) -> tuple[Tensor, Tensor]:
+    hi = (keys >> 32).to(torch.int32)
+    values = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).view(torch.float32)
+    ids = 2147483647 - (keys & 0xFFFFFFFF)
+    empty = keys == NO_KEY
+    return values.masked_fill(empty, float("-inf")), ids.masked_fill(empty, 0)
+
+
+class Wide(NamedTuple):
+    """Decided tokens: pos [m] (positions in the caller's block), ids [m, L] int64 and lp [m, L] float32 (sorted
+    descending, -inf padding), keep [m, L] bool (the kept set)."""
+    pos: Tensor
+    ids: Tensor
+    lp: Tensor
+    keep: Tensor
+
+
+def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse: Tensor, s: RowSettings,
+               vocab: int, softcap) -> tuple[list[Wide], Tensor]:
+    """For r tokens (hidden [r, H], inv_temp [r], their first pass's lp [r, C] and lse [r], settings s [r]):
+    (the decided ones' kept sets, the positions [u] left undecided)."""
+    from .triton.above_select import above
+    tau, which = bounds(lp, lse, s, vocab)
+    left = [(~which).nonzero().squeeze(1)]
+    done: list[Wide] = []
+    todo = which.nonzero().squeeze(1)
+    slots = min(vocab, FIRST_SLOTS)
+    while todo.numel():
+        over = []
+        step = max(1, BLOCK_ELEMENTS // slots)
+        for start in range(0, todo.numel(), step):
+            pos = todo[start:start + step]
+            a = above(hidden.index_select(0, pos), weight, inv_temp.index_select(0, pos), tau.index_select(0, pos),
+                      slots, softcap)
+            count = a.count.long()
+            fits = count < slots          # one slot left empty: the -inf column after the last emitted id
+            filled = torch.arange(slots, device=count.device).unsqueeze(0) < count.unsqueeze(1)
+            keys = torch.sort(_keys(a.values, a.ids, filled), dim=1, descending=True).values
+            width = min(slots, int(count.masked_fill(~fits, 0).max()) + 1)
+            values, ids = _decode(keys[:, :width])
+            row_lp = values - lse.index_select(0, pos).unsqueeze(1)
+            # the mass below the bound: what the emitted ids leave (only read where no setting closes the set)
+            tail = torch.log1p(-torch.exp(torch.logsumexp(row_lp.double(), dim=1)).clamp(max=1.0 - 1e-16))
+            d = decide(row_lp, tail, vocab, s.rows(pos))
+            keep = d.keep & torch.isfinite(row_lp)
+            ok = d.decided & fits & ~(d.keep & ~torch.isfinite(row_lp)).any(dim=1)
+            idx = ok.nonzero().squeeze(1)
+            done.append(Wide(pos.index_select(0, idx), ids.index_select(0, idx), row_lp.index_select(0, idx),
+                             keep.index_select(0, idx)))
+            left.append(pos[fits & ~ok])
+            over.append((pos[~fits], count[~fits]))
+        todo, count = torch.cat([p for p, _ in over]), torch.cat([c for _, c in over])
+        # asked again with as many slots as the largest count needs; past MAX_SLOTS left to the caller
+        wider = count + 1 > MAX_SLOTS
+        left.append(todo[wider])
+        todo, count = todo[~wider], count[~wider]
+        if todo.numel():
+            slots = int(count.max()) + 1
+    return done, torch.cat(left)
