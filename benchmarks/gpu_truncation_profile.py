@@ -29,7 +29,7 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from logitless import Truncation, fused_logprobs, fused_topk  # noqa: E402
-from logitless.ops import function, kept_pairs, label_set_function, truncation, truncation_wide  # noqa: E402
+from logitless.ops import function, kept_pairs, label_set_function, truncation, truncation_dense, truncation_wide  # noqa: E402
 from logitless.tools.common import markdown_table, random_head, sample_labels, sync, time_calls  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
@@ -88,6 +88,9 @@ def instrument(stages: Stages) -> None:
     stages.wrap(kept_pairs, "pair_products", "pairs: products (forward)",
                 note=lambda h, w, rows, ids: f"P={rows.numel()}")
     stages.wrap(kept_pairs, "add_pairs_dh", "pairs: d_hidden (backward)")
+    # the wide sets' backward (dlogits masked to each kept set, then cuBLAS): tokens a call
+    stages.wrap(truncation_dense.DenseBackward, "backward", "dense backward (wide sets)",
+                note=lambda ctx, *g: f"{ctx.saved_tensors[2].numel()} tokens")
     stages.wrap(kept_pairs, "add_pairs_dw", "pairs: d_weight (backward)")
     stages.wrap(function, "fused_logprobs", "plain op (untruncated tokens)")
 

@@ -71,6 +71,13 @@ def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
     return values
 
 
+def truncation_dense_ids(default: int) -> int:
+    """LOGITLESS_TRUNCATION_DENSE_IDS: kept ids from which a token of a truncated log-prob takes the dense backward
+    (the plain op's, masked to its kept set) instead of the pairs' (default V / 200; where the wide round runs).
+    1: every token whose set boundary is clear; a number past V: none."""
+    return _int("LOGITLESS_TRUNCATION_DENSE_IDS", default)
+
+
 def pairs_path() -> str:
     """LOGITLESS_PAIRS_PATH: the truncated log-prob's kept-pair products: "auto" (the default: the Triton kernels
     for CUDA tensors where triton imports, else the torch gathers), "torch" (the torch gathers everywhere) or

@@ -208,11 +208,12 @@ def truncation_cases():
 def run_truncation(dtype, wide=False, softcap=None):
     hidden, weight = head(dtype)
     if wide:
-        with env_set(LOGITLESS_TRUNCATION_CANDIDATES="8"):
+        # and the dense backward (the dlogits kernel masked to each kept set: MEMBER) for every token
+        with env_set(LOGITLESS_TRUNCATION_CANDIDATES="8", LOGITLESS_TRUNCATION_DENSE_IDS="1"):
             out = logitless.fused_logprobs(hidden, weight, labels(), backend="triton", softcap=softcap,
                                            truncation=Truncation(top_p=0.95, min_p=torch.tensor(
                                                [0.0] * (N - 1) + [0.001])))
-        (out.logprobs.sum() + out.entropy.sum()).backward()
+            (out.logprobs.sum() + out.entropy.sum()).backward()
         # and the wide round's kernel itself, whatever the selection decided above
         from logitless.ops.triton.above_select import above
         with torch.no_grad():

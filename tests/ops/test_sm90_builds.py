@@ -113,6 +113,7 @@ REQUIRED = {
     "policy_stats_gluon._policy_stats_gluon_kernel": dict(STORE_E={"True", "False"}, WITH_T={"True", "False"}),
     "combine._combine_kernel": dict(WITH_T={"True", "False"}, TILE_ROWS={"512"}, TOKENS={"8"}),
     "backward._dlogits_kernel": dict(SOFTCAP={"True", "False"}, WITH_ENTROPY={"True", "False"},
+                                     MEMBER={"True", "False"},
                                      USE_TMA={"True", "False"}, OUT_DTYPE={"bf16", "fp16", "fp32"},
                                      SPLIT={"0", "2", "3", "4"}),
     "policy_dlogits._policy_dlogits_kernel": dict(FAST_LOG2_={"True"}, OUT_DTYPE={"bf16", "fp16", "fp32"},

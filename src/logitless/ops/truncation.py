@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .. import knobs
 from ..record import record_backend
-from . import function, label_set_function, truncation_wide
+from . import function, label_set_function, truncation_dense, truncation_wide
 from .kept_pairs import pair_logits, pair_products
 from .truncation_select import RowSettings, decide
 
@@ -49,6 +49,10 @@ class Kept(NamedTuple):
     logprobs: Optional[Tensor] = None
     top_ids: Optional[Tensor] = None
     top_logprobs: Optional[Tensor] = None
+    # [N]: each token's kept-set boundary in tempered-logit units and whether it is clear
+    # (``truncation_dense.boundary``)
+    member: Optional[Tensor] = None
+    clear: Optional[Tensor] = None
 
 
 def _first_candidates(s: RowSettings, pending: Tensor, vocab: int) -> int:
@@ -65,10 +69,14 @@ class _Collected:
         self.kept_lp = torch.zeros(n, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.top_lp = torch.zeros(n, dtype=torch.float32, device=device)
+        self.member = torch.zeros(n, dtype=torch.float32, device=device)
+        self.clear = torch.zeros(n, dtype=torch.bool, device=device)
         self.rows, self.ids, self.lp = [], [], []
 
-    def add(self, tokens: Tensor, ids: Tensor, lp: Tensor, keep: Tensor) -> None:
-        """tokens [m] decided, their candidates ids / lp [m, L] (descending) and kept ones keep [m, L]."""
+    def add(self, tokens: Tensor, ids: Tensor, lp: Tensor, keep: Tensor, lse: Tensor) -> None:
+        """tokens [m] decided, their candidates ids / lp [m, L] (descending), kept ones keep [m, L] (a prefix),
+        lse [m] (lp = z - lse)."""
+        self.member[tokens], self.clear[tokens] = truncation_dense.boundary(lp, keep, lse)
         lp_kept = lp.masked_fill(~keep, float("-inf"))
         self.kept_lp[tokens] = torch.logsumexp(lp_kept.double(), dim=1).float().clamp(max=0.0)
         r, col = keep.nonzero(as_tuple=True)
@@ -81,7 +89,7 @@ class _Collected:
     def kept(self) -> Kept:
         empty = torch.zeros(0, dtype=torch.int64, device=self.kept_lp.device)
         return Kept(_cat(self.rows, empty), _cat(self.ids, empty), self.kept_lp, _cat(self.lp, empty.float()),
-                    self.top_ids, self.top_lp)
+                    self.top_ids, self.top_lp, self.member, self.clear)
 
 
 def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: RowSettings, vocab: int,
@@ -108,14 +116,15 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
                 d = decide(lp, tail, vocab, s.rows(block))
                 done = d.decided.nonzero().squeeze(1)
                 out.add(block[done], ids.index_select(0, done), lp.index_select(0, done),
-                        d.keep.index_select(0, done))
+                        d.keep.index_select(0, done), lse.index_select(0, done))
                 open_ = (~d.decided).nonzero().squeeze(1)
                 if wide and open_.numel():
                     decided, left = truncation_wide.wide_round(
                         h.index_select(0, open_), weight, t.index_select(0, open_), lp.index_select(0, open_),
                         lse.index_select(0, open_), s.rows(block.index_select(0, open_)), vocab, options.softcap)
                     for part in decided:
-                        out.add(block[open_[part.pos]], part.ids, part.lp, part.keep)
+                        out.add(block[open_[part.pos]], part.ids, part.lp, part.keep,
+                                lse.index_select(0, open_[part.pos]))
                     open_ = open_.index_select(0, left)
                 undecided.append(block.index_select(0, open_))
             wide = False            # one wide round, after the first candidates; then the candidates grow
@@ -190,8 +199,22 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     at_label = kept.ids == labels.index_select(0, kept.rows)
     group = tp.group if tp is not None else None
     known, given = _known_products(hidden, weight, inv_temp, kept, scored, at_label, options, tp)
-    z = pair_logits(hidden, weight, pair_rows, _local(pair_ids, tp), inv_temp, options.softcap, group,
-                    options.reduce_grad_hidden, known, given).double()
+    dense = _dense_tokens(hidden, kept, options, n, weight.shape[0])
+
+    def logits(idx: Optional[Tensor]) -> Tensor:
+        pick = (lambda t: t) if idx is None else (lambda t: None if t is None else t.index_select(0, idx))  # noqa: E731
+        return pair_logits(hidden, weight, pick(pair_rows), _local(pick(pair_ids), tp), inv_temp, options.softcap,
+                           group, options.reduce_grad_hidden, pick(known), pick(given)).double()
+    if dense is None:
+        z = logits(None)
+    else:
+        # the dense tokens' pairs give values only: their gradient is ``truncation_dense``'s
+        on = dense.index_select(0, pair_rows)
+        sparse_at, dense_at = (~on).nonzero().squeeze(1), on.nonzero().squeeze(1)
+        with torch.no_grad():
+            z_dense = logits(dense_at)
+        z = torch.zeros(pair_rows.shape, dtype=torch.float64, device=dev).index_put(
+            (sparse_at,), logits(sparse_at)).index_put((dense_at,), z_dense)
     zk, zy = z[:p], z[p:]
     rows = kept.rows
     m = torch.full((n,), float("-inf"), dtype=torch.float64, device=dev)
@@ -210,7 +233,26 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
         ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms).float()
     inside = torch.zeros(n, dtype=torch.bool, device=dev)
     inside[rows[at_label]] = True
-    return Truncated(lp.float(), ent, inside, count)
+    lp = lp.float()
+    if dense is not None:
+        d = dense.nonzero().squeeze(1)
+        ent_d = ent.index_select(0, d) if ent is not None else torch.zeros(d.shape, device=dev)
+        lp_d, ent_out = truncation_dense.DenseBackward.apply(
+            hidden, weight, lp.index_select(0, d), ent_d, d, labels.index_select(0, d), inv_temp.index_select(0, d),
+            lse.index_select(0, d).float(), ent_d.detach(), kept.member.index_select(0, d), options.softcap)
+        lp = lp.index_put((d,), lp_d)
+        ent = None if ent is None else ent.index_put((d,), ent_out)
+    return Truncated(lp, ent, inside, count)
+
+
+def _dense_tokens(hidden: Tensor, kept: Kept, options: function.OpOptions, n: int, vocab: int) -> Optional[Tensor]:
+    """[N] bool: the tokens whose backward is ``truncation_dense``'s (kept sets of at least ``min_ids`` ids whose
+    boundary is clear, where the wide round runs), None for none."""
+    if kept.member is None or not truncation_wide.usable(options, hidden):
+        return None
+    count = torch.bincount(kept.rows, minlength=n)
+    dense = kept.clear & (count >= truncation_dense.min_ids(vocab))
+    return dense if bool(dense.any()) else None
 
 
 class Outputs(NamedTuple):

@@ -44,8 +44,8 @@ DEFAULT_BWD_TOKENS = 16384
 
 @triton.jit
 def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, dl_ptr,
-                    n_rows, n_cols, n_k, col0, s_hn, s_hk, s_wv, s_wk, s_dn,
-                    WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    member_ptr, n_rows, n_cols, n_k, col0, s_hn, s_hk, s_wv, s_wk, s_dn,
+                    WITH_ENTROPY: tl.constexpr, MEMBER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
                     SPLIT: tl.constexpr, INTERP: tl.constexpr,
@@ -53,8 +53,9 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     """dl[i, j] = inv_t_i * (g_lp_i * ([j + col0 == label_i] - p_ij) - g_ent_i * p_ij * (x_ij + ent_i)),
     x = z - lse = log p, for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk).
     SOFTCAP: z = tanh(raw / CAP) * CAP * inv_t, and dl is further multiplied by 1 - tanh^2 (compile-time
-    branch; without it the kernel is unchanged). A masked pointer store writes the tile (a bulk-copy
-    store measured no gain: benchmarks/DESIGN.md)."""
+    branch; without it the kernel is unchanged). MEMBER: p is taken as 0 where z <= member[i] (a truncated
+    distribution's kept set, lse and ent then its own: ``truncation_dense``), the label's term kept. A masked
+    pointer store writes the tile (a bulk-copy store measured no gain: benchmarks/DESIGN.md)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
@@ -70,6 +71,9 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     # x2 = log2 p = (z - lse) * log2(e): one fused multiply-add per element
     x2 = acc * (z_scale * LOG2E)[:, None] - (lse * LOG2E)[:, None]
     p = tl.exp2(x2)
+    if MEMBER:
+        bound = tl.load(member_ptr + rows, mask=row_ok, other=float("inf"))
+        p = tl.where(acc * z_scale[:, None] > bound[:, None], p, 0.0)
     if WITH_ENTROPY:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
@@ -92,9 +96,10 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
 
 def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, inv_temp: Tensor, lse: Tensor,
                   ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], out: Tensor,
-                  softcap: Optional[float] = None) -> Tensor:
+                  softcap: Optional[float] = None, member: Optional[Tensor] = None) -> Tensor:
     """Fill ``out`` [N, C] (hidden.dtype, unit column stride) with the dlogits of vocabulary rows
-    col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C] (d raw logits when softcap is set)."""
+    col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C] (d raw logits when softcap is set). member [N]
+    float32: only the logits above it count (the kernel's MEMBER)."""
     n, k = hidden.shape
     cols = w_chunk.shape[0]
     tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
@@ -103,9 +108,9 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, in
     h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
     _dlogits_kernel[grid](
         h_op, w_op, labels, inv_temp, lse, ent if with_entropy else lse, g_lp,
-        g_ent if with_entropy else g_lp, out,
+        g_ent if with_entropy else g_lp, out, lse if member is None else member,
         n, cols, k, col0, hidden.stride(0), hidden.stride(1), w_chunk.stride(0), w_chunk.stride(1), out.stride(0),
-        WITH_ENTROPY=with_entropy, USE_TMA=use_tma, OUT_DTYPE=tl_dtype(out.dtype),
+        WITH_ENTROPY=with_entropy, MEMBER=member is not None, USE_TMA=use_tma, OUT_DTYPE=tl_dtype(out.dtype),
         **launch_options(tiles, hidden, softcap))
     return out
 
@@ -127,7 +132,7 @@ def token_rows(hidden: Tensor) -> int:
 def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse: Tensor, ent: Optional[Tensor],
           g_lp: Tensor, g_ent: Optional[Tensor], need_dh: bool, need_dw: bool, softcap: Optional[float] = None,
           dw_acc: Optional[Tensor] = None, grad_operands: Optional[GradOperands] = None,
-          tail: Optional[TailTerms] = None):
+          tail: Optional[TailTerms] = None, member: Optional[Tensor] = None):
     """(d_hidden float32 [N, H] or None, d_weight [V, H] or None), chunk by chunk.
     softcap: None or c > 0, see logitless.ops.contract (the cap's derivative is applied in the kernel).
     dw_acc: None, or a float32 [V, H] accumulator into which d_weight is added (then None is returned).
@@ -135,6 +140,8 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     statistics operands; None: the products of hidden and weight themselves.
     tail: the k ids and tail of an op with a tail output (``tail_backward.TailTerms``; g_lp is then G, labels and
     the entropy unused): its closed form's dlogits (``tail_dlogits``), the same products after.
+    member: None, or float32 [N]: a truncated distribution's gradients (lse and ent its kept set's), only the
+    logits above member[i] in the kept set (``truncation_dense``).
 
     Workspace: one dlogits buffer [N, C] (256 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
@@ -152,7 +159,7 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
         stop = min(start + step, vocab)
         if tail is None:
             dl = dlogits_chunk(h_kernel, w_kernel[start:stop], start, labels, inv_temp, lse, ent, g_lp, g_ent,
-                               buf[:, :stop - start], softcap)
+                               buf[:, :stop - start], softcap, member)
         else:
             dl = tail_dlogits.dlogits_chunk(h_kernel, w_kernel[start:stop], start, tail, inv_temp, lse, g_lp,
                                             buf[:, :stop - start], softcap)
