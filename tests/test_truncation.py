@@ -779,3 +779,16 @@ def test_the_order_is_min_p_then_top_k_then_top_p(backend):
     assert (ref.kept_count.reshape(-1) <= either).all() and (ref.kept_count.reshape(-1) < either).any()
     _, ref = check(hidden, weight, labels, backend, Truncation(top_k=2000, min_p=0.02), temperature=1.0)
     assert (ref.kept_count < 2000).all() and torch.equal(ref.kept_count.reshape(-1), alone(m=0.02))
+
+
+def test_triton_wide_round_whole_vocabulary_beside_a_nucleus(wide_rounds, monkeypatch):
+    """A token with every id above its bound (top_p within 1e-7 of 1) asked again in the same emitting pass as
+    tokens whose nuclei end inside the vocabulary: the pass is as wide as the vocabulary, yet only the first token
+    has seen all of it (the others' nuclei are of the whole mass, not of what was emitted), against float64."""
+    from logitless.ops import truncation_wide
+    monkeypatch.setattr(truncation_wide, "FIRST_SLOTS", 16)
+    hidden, weight, labels = _wide_inputs()
+    top_p = torch.full(labels.shape, 0.9, dtype=torch.float64)
+    top_p[0, 0] = 1.0 - 1e-7
+    check(hidden, weight, labels, "triton", Truncation(top_p=top_p), temperature=0.9)
+    assert wide_rounds["decided"] > 0 and max(wide_rounds["slots"]) > weight.shape[0]

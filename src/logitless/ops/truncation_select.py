@@ -43,14 +43,17 @@ class Decision(NamedTuple):
     decided: Tensor
 
 
-def decide(logprobs: Tensor, tail: Tensor, vocab: int, s: RowSettings) -> Decision:
+def decide(logprobs: Tensor, tail: Tensor, vocab: int, s: RowSettings, complete=None) -> Decision:
     """The kept candidates of r tokens from their C most probable ids' log-probs ``logprobs`` [r, C] (descending,
     normalised over the whole vocabulary) and ``tail`` [r] (the log of the mass outside them, -inf when C == vocab),
     C <= vocab (C == vocab: every id seen, every token decided). Tokens
-    whose settings are all off (``RowSettings.off``) keep the whole vocabulary: the caller's, not passed here."""
+    whose settings are all off (``RowSettings.off``) keep the whole vocabulary: the caller's, not passed here.
+    complete: None (a token has seen every id iff C >= vocab), or [r] bool per token, for candidates padded with
+    -inf past each token's own (C may then exceed vocab while a token has seen fewer ids)."""
     lp = logprobs.double()
     r, c = lp.shape
-    complete = c >= vocab
+    if complete is None:
+        complete = c >= vocab
     last = lp[:, -1]
     # 1. min_p: p_i >= min_p * p_max, in logs (log 0 = -inf keeps all)
     minp_on = s.min_p > 0.0

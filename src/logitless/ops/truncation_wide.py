@@ -110,7 +110,9 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
             row_lp = values - lse.index_select(0, pos).unsqueeze(1)
             # the mass below the bound: what the emitted ids leave (only read where no setting closes the set)
             tail = torch.log1p(-torch.exp(torch.logsumexp(row_lp.double(), dim=1)).clamp(max=1.0 - 1e-16))
-            d = decide(row_lp, tail, vocab, s.rows(pos))
+            # the rows padded with -inf to the widest: only a row that emitted every id has seen the whole
+            # vocabulary (the width alone may reach it while a top_p-alone nucleus must count its tail)
+            d = decide(row_lp, tail, vocab, s.rows(pos), complete=count >= vocab)
             keep = d.keep & torch.isfinite(row_lp)
             ok = d.decided & fits & ~(d.keep & ~torch.isfinite(row_lp)).any(dim=1)
             idx = ok.nonzero().squeeze(1)
