@@ -4,7 +4,8 @@ min-p): every logit above a per-token bound, from one more GEMM over the vocabul
 
 The bound is one the kept set cannot reach below, from what the first selection pass gave (the candidates'
 log-probs and lse):
-  - min_p on: log(min_p) + the largest log-prob (every survivor lies at or above it, and the set is closed);
+  - min_p on: log(min_p) + the largest log-prob (every survivor lies at or above it, and the set is closed),
+    half a nat lower (the first id left out is then seen: ``truncation_dense.boundary``);
   - top_p alone: log(1 - top_p) - log(V): each id below it has p < (1 - top_p) / V, so all of them together hold
     less than 1 - top_p, and the nucleus (mass before an id < top_p) ends above it.
 minus a margin of float32 rounding (an id just below is emitted too; the decision drops it). top_k on: not here
@@ -32,6 +33,7 @@ MAX_SLOTS = 1 << 15
 # token rows x slots of one emitting pass: values and ids (8 bytes), then keys, sorted keys and their order
 # (24 bytes): about 512 MiB at once
 BLOCK_ELEMENTS = 1 << 24
+MIN_P_BELOW = 0.5
 # the key of an empty slot: below every real logit's (``triton.topk_select.NO_KEY``)
 NO_KEY = -2139095041 * (1 << 32)
 
@@ -48,7 +50,8 @@ def bounds(lp: Tensor, lse: Tensor, s: RowSettings, vocab: int) -> tuple[Tensor,
     minp = s.min_p > 0.0
     topk = (s.top_k > 0) & (s.top_k < vocab)
     topp = s.top_p < 1.0
-    tau_lp = torch.where(minp, lp0 + torch.log(s.min_p.clamp(min=1e-300)),
+    # min_p: half a nat further down, so that the first id left out is seen too (the dense backward's boundary)
+    tau_lp = torch.where(minp, lp0 + torch.log(s.min_p.clamp(min=1e-300)) - MIN_P_BELOW,
                          torch.log1p(-s.top_p.clamp(max=1.0 - 1e-16)) - math.log(vocab))
     lse64 = lse.double()
     margin = 2.0 ** -12 * (1.0 + lse64.abs())
