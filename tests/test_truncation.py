@@ -592,8 +592,15 @@ def wide_rounds(monkeypatch):
     from logitless.ops import truncation_wide
     from logitless.ops.triton import above_select
     monkeypatch.setenv("LOGITLESS_TRUNCATION_CANDIDATES", "8")
-    seen = {"decided": 0, "left": 0, "slots": []}
+    seen = {"decided": 0, "left": 0, "slots": [], "pruned": 0}
     real_round, real_above = truncation_wide.wide_round, above_select.above
+    real_prefix = truncation_wide._nucleus_prefix
+
+    def nucleus_prefix(*args, **kwargs):
+        filled, pruned = real_prefix(*args, **kwargs)
+        seen["pruned"] += int(pruned.sum())
+        return filled, pruned
+    monkeypatch.setattr(truncation_wide, "_nucleus_prefix", nucleus_prefix)
 
     def wide_round(*args, **kwargs):
         done, left = real_round(*args, **kwargs)
@@ -622,6 +629,8 @@ def test_triton_wide_kept_sets(truncation, wide_rounds):
     hidden, weight, labels = _wide_inputs()
     check(hidden, weight, labels, "triton", truncation, temperature=0.9)
     assert wide_rounds["decided"] > 0
+    # top_p alone: the emitted ids narrowed to the nucleus's histogram bins before the sort
+    assert (wide_rounds["pruned"] > 0) == (truncation.min_p is None)
 
 
 def test_triton_wide_round_leaves_top_k_and_grows_its_slots(wide_rounds, monkeypatch):

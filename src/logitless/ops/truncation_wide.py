@@ -34,6 +34,8 @@ MAX_SLOTS = 1 << 15
 # (24 bytes): about 512 MiB at once
 BLOCK_ELEMENTS = 1 << 24
 MIN_P_BELOW = 0.5
+# a top_p-alone token's emitted ids are narrowed to the histogram bins that hold its nucleus, plus one
+PRUNE_BINS = 64
 # the key of an empty slot: below every real logit's (``triton.topk_select.NO_KEY``)
 NO_KEY = -2139095041 * (1 << 32)
 
@@ -86,6 +88,29 @@ class Wide(NamedTuple):
     keep: Tensor
 
 
+def _nucleus_prefix(values: Tensor, filled: Tensor, lse: Tensor, s: RowSettings, tau: Tensor,
+                    bins: int = PRUNE_BINS) -> tuple[Tensor, Tensor]:
+    """(filled [r, w], pruned [r]): the emitted ids of top_p-alone tokens narrowed, before they are sorted, to those
+    above a value that already holds more than top_p of the mass (every id the nucleus keeps, and the ids just
+    past its cut, lie above it: whatever follows it comes after a mass >= top_p), from a histogram of the emitted
+    mass over ``bins`` bins between tau and the token's largest logit, plus one bin more. Other tokens (min_p
+    on: their survivors are renormalised) keep every emitted id."""
+    prune = (s.top_p < 1.0) & (s.min_p <= 0.0)          # (no top_k token reaches the wide round)
+    if not bool(prune.any()):
+        return filled, prune
+    v = values.masked_fill(~filled, float("-inf"))
+    top = v.amax(dim=1)
+    span = (top - tau).clamp(min=1e-30)
+    b = ((top.unsqueeze(1) - v) / span.unsqueeze(1) * bins).floor().clamp(0, bins - 1).long()
+    mass = torch.exp(v.double() - lse.double().unsqueeze(1))              # 0 where not filled
+    hist = torch.zeros(v.shape[0], bins, dtype=torch.float64, device=v.device).scatter_add_(1, b, mass)
+    reach = torch.cumsum(hist, dim=1) >= s.top_p.unsqueeze(1) + 1e-6     # the slack above float32 rounding
+    first = torch.where(reach.any(dim=1), reach.int().argmax(dim=1), torch.full_like(top, bins, dtype=torch.long))
+    last_bin = (first + 1).clamp(max=bins - 1)
+    prune = prune & (first < bins)
+    return filled & (~prune.unsqueeze(1) | (b <= last_bin.unsqueeze(1))), prune
+
+
 def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse: Tensor, s: RowSettings,
                vocab: int, softcap) -> tuple[list[Wide], Tensor]:
     """For r tokens (hidden [r, H], inv_temp [r], their first pass's lp [r, C] and lse [r], settings s [r]):
@@ -108,14 +133,19 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
             # a token's matches fill its first count slots: the widest fitting token's, plus the empty column
             width = min(slots, int(count.masked_fill(~fits, 0).max()) + 1)
             filled = torch.arange(width, device=count.device).unsqueeze(0) < count.unsqueeze(1)
-            keys = _keys(a.values[:, :width], a.ids[:, :width], filled)
-            values, ids = _decode(torch.sort(keys, dim=1, descending=True).values)
-            row_lp = values - lse.index_select(0, pos).unsqueeze(1)
+            s_pos = s.rows(pos)
+            lse_pos = lse.index_select(0, pos)
+            filled, pruned = _nucleus_prefix(a.values[:, :width], filled, lse_pos, s_pos, tau.index_select(0, pos))
+            # the emitted ids in order, only as many columns as the fullest row holds, plus an empty one
+            keep_cols = min(width, int(filled.sum(dim=1).max()) + 1)
+            keys = torch.topk(_keys(a.values[:, :width], a.ids[:, :width], filled), keep_cols, dim=1).values
+            values, ids = _decode(keys)
+            row_lp = values - lse_pos.unsqueeze(1)
             # the mass below the bound: what the emitted ids leave (only read where no setting closes the set)
             tail = torch.log1p(-torch.exp(torch.logsumexp(row_lp.double(), dim=1)).clamp(max=1.0 - 1e-16))
             # the rows padded with -inf to the widest: only a row that emitted every id has seen the whole
             # vocabulary (the width alone may reach it while a top_p-alone nucleus must count its tail)
-            d = decide(row_lp, tail, vocab, s.rows(pos), complete=count >= vocab)
+            d = decide(row_lp, tail, vocab, s_pos, complete=(count >= vocab) & ~pruned)
             keep = d.keep & torch.isfinite(row_lp)
             ok = d.decided & fits & ~(d.keep & ~torch.isfinite(row_lp)).any(dim=1)
             idx = ok.nonzero().squeeze(1)
