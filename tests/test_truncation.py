@@ -801,3 +801,32 @@ def test_triton_wide_round_whole_vocabulary_beside_a_nucleus(wide_rounds, monkey
     top_p[0, 0] = 1.0 - 1e-7
     check(hidden, weight, labels, "triton", Truncation(top_p=top_p), temperature=0.9)
     assert wide_rounds["decided"] > 0 and max(wide_rounds["slots"]) > weight.shape[0]
+
+
+def test_wide_nucleus_prefix_keeps_the_first_id_left_out():
+    """A top_p-alone token's emitted ids narrowed to its nucleus's histogram bins keep the first id the nucleus
+    leaves out (``truncation_dense.boundary`` needs it for a clear boundary), also where the bins right after the
+    nucleus are empty (a sparse top: a gap of one nat where a bin is 0.13), and every id before it, in order."""
+    from logitless.ops.truncation_select import RowSettings
+    from logitless.ops.truncation_wide import _nucleus_prefix, bounds
+    torch.manual_seed(3)
+    vocab, r = 4099, 5
+    z = torch.randn(r, vocab)
+    z[:, 0], z[:, 1] = 10.0, 9.0                 # the nucleus at top_p 0.5: id 0 alone; id 1 left out, a nat below
+    z[2:, 1] = 9.0 + torch.rand(r - 2) * 0.5     # and further rows
+    z = z[:, torch.randperm(vocab)]
+    lse = torch.logsumexp(z.double(), dim=1).float()
+    top_p = torch.tensor([0.5, 0.45, 0.3, 0.55, 0.6], dtype=torch.float64)
+    s = RowSettings(torch.full((r,), -1), top_p, torch.zeros(r, dtype=torch.float64))
+    values, order = z.sort(dim=1, descending=True)
+    tau, which = bounds(values[:, :8] - lse.unsqueeze(1), lse, s, vocab)
+    assert which.all()
+    filled = values >= tau.unsqueeze(1)
+    narrowed, pruned = _nucleus_prefix(values, filled, lse, s, tau)
+    assert pruned.all()
+    p = torch.softmax(z.double(), dim=1).sort(dim=1, descending=True).values
+    first_out = ((torch.cumsum(p, dim=1) - p) < top_p.unsqueeze(1)).sum(dim=1)
+    for i in range(r):
+        kept = int(narrowed[i].sum())
+        assert narrowed[i, :kept].all() and kept < int(filled[i].sum())        # a prefix, and something pruned
+        assert kept > int(first_out[i]), (i, kept, int(first_out[i]))

@@ -34,7 +34,8 @@ MAX_SLOTS = 1 << 15
 # (24 bytes): about 512 MiB at once
 BLOCK_ELEMENTS = 1 << 24
 MIN_P_BELOW = 0.5
-# a top_p-alone token's emitted ids are narrowed to the histogram bins that hold its nucleus, plus one
+# a top_p-alone token's emitted ids are narrowed to the histogram bins that hold its nucleus, plus the next
+# one holding an id
 PRUNE_BINS = 64
 # the key of an empty slot: below every real logit's (``triton.topk_select.NO_KEY``)
 NO_KEY = -2139095041 * (1 << 32)
@@ -93,8 +94,8 @@ def _nucleus_prefix(values: Tensor, filled: Tensor, lse: Tensor, s: RowSettings,
     """(filled [r, w], pruned [r]): the emitted ids of top_p-alone tokens narrowed, before they are sorted, to those
     above a value that already holds more than top_p of the mass (every id the nucleus keeps, and the ids just
     past its cut, lie above it: whatever follows it comes after a mass >= top_p), from a histogram of the emitted
-    mass over ``bins`` bins between tau and the token's largest logit, plus one bin more. Other tokens (min_p
-    on: their survivors are renormalised) keep every emitted id."""
+    mass over ``bins`` bins between tau and the token's largest logit, plus the next bin holding an id. Other
+    tokens (min_p on: their survivors are renormalised) keep every emitted id."""
     prune = (s.top_p < 1.0) & (s.min_p <= 0.0)          # (no top_k token reaches the wide round)
     if not bool(prune.any()):
         return filled, prune
@@ -106,7 +107,11 @@ def _nucleus_prefix(values: Tensor, filled: Tensor, lse: Tensor, s: RowSettings,
     hist = torch.zeros(v.shape[0], bins, dtype=torch.float64, device=v.device).scatter_add_(1, b, mass)
     reach = torch.cumsum(hist, dim=1) >= s.top_p.unsqueeze(1) + 1e-6     # the slack above float32 rounding
     first = torch.where(reach.any(dim=1), reach.int().argmax(dim=1), torch.full_like(top, bins, dtype=torch.long))
-    last_bin = (first + 1).clamp(max=bins - 1)
+    # and the next bin that holds an id, however far: its largest id is the first one the nucleus may leave out
+    # (``truncation_dense.boundary`` needs it seen); the next bin alone is often empty where the top is sparse
+    held = torch.zeros_like(hist).scatter_add_(1, b, filled.double()) > 0
+    after = held & (torch.arange(bins, device=v.device).unsqueeze(0) > first.unsqueeze(1))
+    last_bin = torch.where(after.any(dim=1), after.int().argmax(dim=1), torch.full_like(first, bins - 1))
     prune = prune & (first < bins)
     return filled & (~prune.unsqueeze(1) | (b <= last_bin.unsqueeze(1))), prune
 
