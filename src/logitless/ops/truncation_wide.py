@@ -142,7 +142,8 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
             lse_pos = lse.index_select(0, pos)
             filled, pruned = _nucleus_prefix(a.values[:, :width], filled, lse_pos, s_pos, tau.index_select(0, pos))
             # the emitted ids in order, only as many columns as the fullest row holds, plus an empty one
-            keep_cols = min(width, int(filled.sum(dim=1).max()) + 1)
+            # (over the rows that fit: the others are asked again, and all their columns are filled)
+            keep_cols = min(width, int(filled.sum(dim=1).masked_fill(~fits, 0).max()) + 1)
             keys = torch.topk(_keys(a.values[:, :width], a.ids[:, :width], filled), keep_cols, dim=1).values
             values, ids = _decode(keys)
             row_lp = values - lse_pos.unsqueeze(1)
