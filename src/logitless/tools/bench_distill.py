@@ -126,7 +126,7 @@ def prepare_distill_row(row, name: str, backend: str, x, cfg, d: DistillInputs, 
     if name == "fused-topk":
         if not torch.equal(extra.ids, ref_extra.ids):
             raise AssertionError("fused_topk's ids differ from the reference backend's")
-        row.err_logprob = float((extra.logprobs - ref_extra.logprobs).abs().max())
+        row.err_logprob = float((extra.logprobs - ref_extra.logprobs).detach().abs().max())
         row.reason = f"k={K}: ids equal to the reference backend's"
     else:
         rel = abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-30)
