@@ -37,8 +37,6 @@ MIN_P_BELOW = 0.5
 # a top_p-alone token's emitted ids are narrowed to the histogram bins that hold its nucleus, plus the next
 # one holding an id
 PRUNE_BINS = 64
-# the key of an empty slot: below every real logit's (``triton.topk_select.NO_KEY``)
-NO_KEY = -2139095041 * (1 << 32)
 
 
 def usable(options: OpOptions, hidden: Tensor) -> bool:
@@ -64,18 +62,16 @@ def bounds(lp: Tensor, lse: Tensor, s: RowSettings, vocab: int) -> tuple[Tensor,
 
 
 def _keys(values: Tensor, ids: Tensor, filled: Tensor) -> Tensor:
-    """int64 keys (value descending, then id ascending, as ``topk_select``'s), NO_KEY where not ``filled``."""
-    bits = values.view(torch.int32)
-    bits = torch.where(bits == -2147483648, torch.zeros_like(bits), bits)      # -0.0 as +0.0
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    keys = (order.to(torch.int64) << 32) | (2147483647 - ids.to(torch.int64))
-    return torch.where(filled, keys, torch.full_like(keys, NO_KEY))
+    """int64 keys (value descending, then id ascending: ``topk_select``'s), NO_KEY (below every real one) where
+    not ``filled``."""
+    from .triton.topk_select import NO_KEY, encode
+    return torch.where(filled, encode(values, ids), NO_KEY)
 
 
 def _decode(keys: Tensor) -> tuple[Tensor, Tensor]:
-    hi = (keys >> 32).to(torch.int32)
-    values = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).view(torch.float32)
-    ids = 2147483647 - (keys & 0xFFFFFFFF)
+    """(values float32, ids int64) of keys: -inf and 0 for NO_KEY."""
+    from .triton.topk_select import NO_KEY, decode
+    values, ids = decode(keys)
     empty = keys == NO_KEY
     return values.masked_fill(empty, float("-inf")), ids.masked_fill(empty, 0)
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import int32_safe, launch_options, tile_operands
-from .tile import logits_tile, softcap_tanh, tile_coords
+from .tile import logits_tile, tempered_logits, tile_coords
 from .topk_select import tiles_for
 
 
@@ -40,10 +40,7 @@ def _above_kernel(h_ptr, w_ptr, inv_temp_ptr, tau_ptr, vals_ptr, ids_ptr, count_
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("inf"))
-    if SOFTCAP:
-        acc, _ = softcap_tanh(acc, CAP)
-        inv_t = inv_t * CAP
-    z = acc * inv_t[:, None]            # the tempered logit, as the candidates kernel forms it (same bits)
+    z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # as the candidates kernel forms it (the same bits)
     hit = row_ok[:, None] & (cols < n_cols)[None, :] & (z >= tau[:, None])
     hits = hit.to(tl.int32)
     count = tl.sum(hits, axis=1)

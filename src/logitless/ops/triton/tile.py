@@ -151,6 +151,17 @@ def softcap_tanh(acc, CAP: tl.constexpr):
 
 
 @triton.jit
+def tempered_logits(acc, inv_t, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+    """z [M, N] = the tempered logits of the float32 products acc [M, N] (softcapped first) at inverse temperatures
+    inv_t [M]: one rounding after the cap. The selection kernels that must agree bit for bit (``topk_select``'s
+    candidates, ``above_select``) both form z here."""
+    if SOFTCAP:
+        acc, _ = softcap_tanh(acc, CAP)
+        inv_t = inv_t * CAP
+    return acc * inv_t[:, None]
+
+
+@triton.jit
 def tempered_tile_stats(acc, cols, n_cols, inv_t, pid_n, BLOCK_N: tl.constexpr):
     """The per-row statistics of a raw logits tile ``acc`` [BLOCK_M, BLOCK_N] (float32) tempered by
     ``inv_t`` [BLOCK_M] (> 0): (m, e, d2) with m [BLOCK_M] the tile's largest tempered logit,

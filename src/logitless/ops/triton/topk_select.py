@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ... import knobs
 from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
-from .tile import logits_tile, softcap_tanh, store_row_stats, tempered_tile_stats, tile_coords
+from .tile import logits_tile, store_row_stats, tempered_logits, tempered_tile_stats, tile_coords
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
 # int64 over 128 threads: 16 each). C = CANDIDATES a tile up to k ~ 600 at V 151936; a larger k raises C so that
@@ -113,10 +113,7 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
         if STORE_E:
             e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
             tl.store(e_ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
-    if SOFTCAP:
-        acc, _ = softcap_tanh(acc, CAP)
-        inv_t = inv_t * CAP
-    z = acc * inv_t[:, None]            # the tempered logit: one rounding, as the label's logit elsewhere
+    z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
     # float32 rounds, not int64 keys: a [BLOCK_M, BLOCK_N] int64 tile is twice the registers of the logits (it
     # spilled on Hopper) and every 64-bit max / compare is two 32-bit ones. Each round: the row max (float32), the
     # lowest column holding it (an int32 min over the columns equal to it: ties to the lower id, as the keys
@@ -302,6 +299,14 @@ def _finish(cand: Tensor, rest_key: Tensor, rest_sum: Tensor, k: int):
                              TB=tb, T_STEPS=triton.cdiv(n_tiles, tb), num_warps=4)
     vals, ids = decode(sel)
     return vals, ids, lse, m, s, ok
+
+
+def encode(values: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys of float32 values and ids (torch; what the kernel's ``_row_key`` forms, -0.0 as +0.0)."""
+    bits = values.view(torch.int32)
+    bits = torch.where(bits == -2147483648, torch.zeros_like(bits), bits)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (order.to(torch.int64) << 32) | (2147483647 - ids.to(torch.int64))
 
 
 def decode(keys: Tensor) -> tuple[Tensor, Tensor]:
