@@ -58,7 +58,12 @@ def dlogits_elements(default: int) -> int:
 def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
     """LOGITLESS_TRITON_FWD / LOGITLESS_TRITON_BWD / LOGITLESS_TRITON_POLICY = "BM,BN,BK,GROUP_M,warps,stages":
     the tiles of that kernel (benchmarking only); None when unset."""
-    name = f"LOGITLESS_TRITON_{stage}"
+    return _ints(f"LOGITLESS_TRITON_{stage}", 6, "six positive integers BM,BN,BK,GROUP_M,warps,stages")
+
+
+def _ints(name: str, count: int, rule: str, powers_of_two: bool = False) -> Optional[tuple[int, ...]]:
+    """``count`` comma-separated positive integers (powers of two where asked) from ``name``; None when unset;
+    a ValueError citing ``rule`` otherwise."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
@@ -66,8 +71,8 @@ def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
         values = tuple(int(x) for x in raw.split(","))
     except ValueError:
         values = ()
-    if len(values) != 6 or min(values) < 1:
-        raise ValueError(f"{name}={raw!r} must be six positive integers BM,BN,BK,GROUP_M,warps,stages")
+    if len(values) != count or min(values) < 1 or (powers_of_two and any(v & (v - 1) for v in values)):
+        raise ValueError(f"{name}={raw!r} must be {rule}")
     return values
 
 
@@ -88,19 +93,10 @@ def pairs_path() -> str:
     return raw
 
 
-def triton_pairs() -> Optional[tuple[int, int, int]]:
+def triton_pairs() -> Optional[tuple[int, ...]]:
     """LOGITLESS_TRITON_PAIRS = "BLOCK_P,BLOCK_H,warps": the kept pairs' kernels' pairs per step, H per tile and warps
     (benchmarking only; powers of two); None when unset."""
-    raw = os.environ.get("LOGITLESS_TRITON_PAIRS", "").strip()
-    if not raw:
-        return None
-    try:
-        values = tuple(int(x) for x in raw.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 3 or min(values) < 1 or any(v & (v - 1) for v in values):
-        raise ValueError(f"LOGITLESS_TRITON_PAIRS={raw!r} must be three powers of two BLOCK_P,BLOCK_H,warps")
-    return values
+    return _ints("LOGITLESS_TRITON_PAIRS", 3, "three powers of two BLOCK_P,BLOCK_H,warps", powers_of_two=True)
 
 
 def triton_tma() -> bool:
