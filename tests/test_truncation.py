@@ -650,46 +650,45 @@ def test_triton_wide_round_leaves_top_k_and_grows_its_slots(wide_rounds, monkeyp
     assert wide_rounds["slots"][0] == 16 and max(wide_rounds["slots"]) > 16
 
 
+@pytest.fixture
+def dense_calls(monkeypatch):
+    """The tokens of each dense backward call (``ops/truncation_dense.py``), in call order."""
+    from logitless.ops import truncation_dense
+    seen = []
+    real = truncation_dense.DenseBackward.backward
+
+    def backward(ctx, *grads):
+        seen.append(int(ctx.saved_tensors[2].numel()))
+        return real(ctx, *grads)
+    monkeypatch.setattr(truncation_dense.DenseBackward, "backward", staticmethod(backward))
+    return seen
+
+
 @pytest.mark.parametrize("truncation,kw", [
     (Truncation(top_p=0.9), {}), (Truncation(min_p=0.05), dict(with_entropy=False)),
     (Truncation(top_k=20), dict(softcap=4.0)), (Truncation(top_p=0.95, min_p=0.01), dict(grad_hidden=False)),
     (Truncation(top_p=0.8), dict(grad_weight=False))])
-def test_triton_dense_backward(truncation, kw, monkeypatch):
+def test_triton_dense_backward(truncation, kw, dense_calls, monkeypatch):
     """Tokens whose kept sets take the dense backward (``ops/truncation_dense.py``: the plain op's dlogits kernel
     masked to the set, then cuBLAS): every token (LOGITLESS_TRUNCATION_DENSE_IDS=1) against float64, values and
     gradients, with and without entropy, softcap, one input's gradient only."""
-    from logitless.ops import truncation_dense
-    seen = []
-    real = truncation_dense.DenseBackward.backward
-
-    def backward(ctx, *grads):
-        seen.append(int(ctx.saved_tensors[2].numel()))
-        return real(ctx, *grads)
-    monkeypatch.setattr(truncation_dense.DenseBackward, "backward", staticmethod(backward))
     monkeypatch.setenv("LOGITLESS_TRUNCATION_DENSE_IDS", "1")
     hidden, weight, labels = _wide_inputs()
     check(hidden, weight, labels, "triton", truncation, temperature=0.9, **kw)
-    assert seen and seen[0] >= labels.numel() // 2          # most tokens' boundaries are clear
+    assert dense_calls and dense_calls[0] >= labels.numel() // 2      # most tokens' boundaries are clear
 
 
-def test_triton_dense_and_pair_backwards_in_one_batch(monkeypatch):
+def test_triton_dense_and_pair_backwards_in_one_batch(dense_calls, monkeypatch):
     """Kept sets of 30 ids and more take the dense backward, the rest the pairs' (top_p per sequence): one call
     against float64."""
-    from logitless.ops import truncation_dense
-    seen = []
-    real = truncation_dense.DenseBackward.backward
-
-    def backward(ctx, *grads):
-        seen.append(int(ctx.saved_tensors[2].numel()))
-        return real(ctx, *grads)
-    monkeypatch.setattr(truncation_dense.DenseBackward, "backward", staticmethod(backward))
     monkeypatch.setenv("LOGITLESS_TRUNCATION_DENSE_IDS", "30")
     hidden, weight, labels = _wide_inputs()
     top_p = torch.tensor([[0.97], [0.3]], dtype=torch.float64)[: labels.shape[0]]
     if labels.shape[0] > 2:
         top_p = torch.tensor([[0.97], [0.3], [0.9]], dtype=torch.float64)
     out, _ = check(hidden, weight, labels, "triton", Truncation(top_p=top_p), temperature=0.9)
-    assert seen and 0 < seen[0] < labels.numel() and int((out.kept_count >= 30).sum()) >= seen[0]
+    assert dense_calls and 0 < dense_calls[0] < labels.numel()
+    assert int((out.kept_count >= 30).sum()) >= dense_calls[0]
 
 
 # ------------------------------------------------------------------------------------------ refusals
