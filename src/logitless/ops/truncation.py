@@ -161,10 +161,11 @@ def _local(ids: Tensor, tp) -> Tensor:
 
 
 def _known_products(hidden: Tensor, weight: Tensor, inv_temp: Tensor, kept: Kept, scored: Tensor,
-                    at_label: Tensor, options: function.OpOptions, tp):
+                    at_label: Tensor, inside: Tensor, options: function.OpOptions, tp):
     """(known [P + s], given [P + s]) for ``pair_logits``: the kept pairs' raw products from the selection's
     log-probs, and the label's where it is kept (so a label alone in its set gets log-prob 0 exactly); the labels
-    outside their sets are multiplied. (None, None) in the replay form and under a softcap (whose inverse, an
+    outside their sets are multiplied (at_label [P]: the kept pairs at their token's label; inside [N]: the tokens
+    whose label is kept). (None, None) in the replay form and under a softcap (whose inverse, an
     atanh near saturation, would not give the products back to float32 rounding)."""
     if kept.logprobs is None or options.softcap is not None:
         return None, None
@@ -180,10 +181,8 @@ def _known_products(hidden: Tensor, weight: Tensor, inv_temp: Tensor, kept: Kept
             / inv_temp.index_select(0, rows)
         label_raw = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         label_raw[rows[at_label]] = raw[at_label]
-        label_kept = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-        label_kept[rows[at_label]] = True
         known = torch.cat([raw, label_raw.index_select(0, scored)])
-        given = torch.cat([torch.ones_like(at_label), label_kept.index_select(0, scored)])
+        given = torch.cat([torch.ones_like(at_label), inside.index_select(0, scored)])
     return known, given
 
 
@@ -197,9 +196,12 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     pair_rows = torch.cat([kept.rows, scored])
     pair_ids = torch.cat([kept.ids, labels.index_select(0, scored)])
     at_label = kept.ids == labels.index_select(0, kept.rows)
+    inside = torch.zeros(n, dtype=torch.bool, device=dev)
+    inside[kept.rows[at_label]] = True
+    count = torch.bincount(kept.rows, minlength=n)
     group = tp.group if tp is not None else None
-    known, given = _known_products(hidden, weight, inv_temp, kept, scored, at_label, options, tp)
-    dense = _dense_tokens(hidden, kept, options, n, weight.shape[0])
+    known, given = _known_products(hidden, weight, inv_temp, kept, scored, at_label, inside, options, tp)
+    dense = _dense_tokens(hidden, kept, options, count, weight.shape[0])
 
     def logits(idx: Optional[Tensor]) -> Tensor:
         pick = (lambda t: t) if idx is None else (lambda t: None if t is None else t.index_select(0, idx))  # noqa: E731
@@ -222,7 +224,6 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(zk - m.index_select(0, rows))
     total = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, e)
-    count = torch.bincount(rows, minlength=n)
     has = count > 0
     lse = m + torch.log(torch.where(has, total, torch.ones_like(total)))
     lp = torch.zeros(n, dtype=torch.float64, device=dev).index_put((scored,), zy - lse.index_select(0, scored))
@@ -231,8 +232,6 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
         lse_k = lse.index_select(0, rows)
         terms = torch.exp(zk - lse_k) * (lse_k - zk)
         ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms).float()
-    inside = torch.zeros(n, dtype=torch.bool, device=dev)
-    inside[rows[at_label]] = True
     lp = lp.float()
     if dense is not None:
         d = dense.nonzero().squeeze(1)
@@ -245,12 +244,12 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     return Truncated(lp, ent, inside, count)
 
 
-def _dense_tokens(hidden: Tensor, kept: Kept, options: function.OpOptions, n: int, vocab: int) -> Optional[Tensor]:
-    """[N] bool: the tokens whose backward is ``truncation_dense``'s (kept sets of at least ``min_ids`` ids whose
-    boundary is clear, where the wide round runs), None for none."""
+def _dense_tokens(hidden: Tensor, kept: Kept, options: function.OpOptions, count: Tensor,
+                  vocab: int) -> Optional[Tensor]:
+    """[N] bool: the tokens whose backward is ``truncation_dense``'s (kept sets of at least ``min_ids`` ids, count
+    [N], whose boundary is clear, where the wide round runs), None for none."""
     if kept.member is None or not truncation_wide.usable(options, hidden):
         return None
-    count = torch.bincount(kept.rows, minlength=n)
     dense = kept.clear & (count >= truncation_dense.min_ids(vocab))
     return dense if bool(dense.any()) else None
 
