@@ -179,6 +179,10 @@ def distill_cases():
     # STATS, STORE_E: ``topk_select.select_with_stats``)
     yield "forward_kl_topk bf16", dict(divergence="forward_kl_topk", topk=True)
     yield "forward_kl_topk_tail bf16", dict(divergence="forward_kl_topk_tail", topk=True)
+    # the tail's forward: the given-set kernels (``given_set``), softcapped and on float32 operands (IEEE products)
+    yield "forward_kl_topk_tail bf16 student softcap", dict(divergence="forward_kl_topk_tail", topk=True,
+                                                            student_softcap=30.0)
+    yield "forward_kl_topk_tail fp32", dict(divergence="forward_kl_topk_tail", topk=True, dtype=torch.float32)
     yield "forward_kl_topk fp32", dict(divergence="forward_kl_topk", topk=True, dtype=torch.float32)
 
 

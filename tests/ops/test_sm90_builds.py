@@ -139,6 +139,7 @@ REQUIRED = {
                                            BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
     "topk_select._finish_kernel": dict(K={"3", "32", "128", "2048"}),
     "above_select._above_kernel": dict(SOFTCAP={"True", "False"}),
+    "given_set._given_kernel": dict(SOFTCAP={"True", "False"}, IEEE={"True", "False"}, N_IDS={"3"}),
     "distill_chunk._stats_kernel": dict(KIND={"0", "1", "2"}, S_CAP={"True", "False"}, T_CAP={"True", "False"},
                                         STEPS={"8"}),
     "distill_chunk._sums_kernel": dict(S_CAP={"True", "False"}, T_CAP={"True", "False"}),   # jsd's only
@@ -154,7 +155,8 @@ OPERANDS = {"forward_stats._tile_stats_kernel": ("bf16", "fp16", "fp32"),
             "pair_products._products_kernel": ("bf16", "fp16", "fp32"),
             "pair_products._dw_kernel": ("bf16", "fp16", "fp32"),
             "topk_select._candidates_kernel": ("bf16", "fp32"),
-            "above_select._above_kernel": ("bf16", "fp16")}
+            "above_select._above_kernel": ("bf16", "fp16"),
+            "given_set._given_kernel": ("bf16", "fp32")}
 
 
 def test_launches_cover_the_gpu_specialisations(launches):

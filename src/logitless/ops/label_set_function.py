@@ -10,15 +10,18 @@ backward for both:
 
 The log-probs of given ids (``fused_logprobs_k``): the backend's own statistics pass with no label gives lse and
 entropy; the ids' logits are a gathered product (``label_sets.set_logits``). With ``with_tail`` (the mass outside
-the ids, for the tail bucket of a divergence) one torch pass over the vocabulary gives lse, the ids' logits and
-the tail instead (``label_sets.vocab_pass``; no entropy then), on every backend: no kernel sums a masked tile.
+the ids, for the tail bucket of a divergence) one pass over the vocabulary gives lse, the ids' logits and the tail
+instead (no entropy then): the triton backend's kernels (``triton/given_set.py``), a torch pass on the others
+(``label_sets.vocab_pass``). The student's own top k beside it (``select``): the selection kernels where they take
+it (``triton/topk_select.py``), else the same torch pass.
 
-The top-k (``fused_topk``): the same torch pass selects the k largest logits per token (ties to the lower id),
-with lse and the tail from positive sums only. Backward of the k ids' log-probs without a tail: the backend's
-grads with no label and g_lp = G, plus the one-hot part at the ids (``label_sets``), d_hidden's part added before
-the tensor-parallel all-reduce of each token chunk. An op with a tail output (``fused_topk``, ``with_tail``): the
-closed form of ``tail_backward.py`` (no cancellation at the ids), its dlogits formed in the triton backend's
-kernel (``triton/tail_dlogits.py``; the plain backward's products after), in a torch pass on the other backends.
+The top-k (``fused_topk``): the selection kernels, or the torch pass, select the k largest logits per token (ties
+to the lower id), with lse and the tail from positive sums only. Backward of the k ids' log-probs without a tail:
+the backend's grads with no label and g_lp = G, plus the one-hot part at the ids (``label_sets``), d_hidden's part
+added before the tensor-parallel all-reduce of each token chunk. An op with a tail output (``fused_topk``,
+``with_tail``): the closed form of ``tail_backward.py`` (no cancellation at the ids), its dlogits formed in the
+triton backend's kernel (``triton/tail_dlogits.py``; the plain backward's products after), in a torch pass on the
+other backends.
 
 A row of labels whose k ids all equal ignore_index is ignored (0 out, no gradient, no work); a row with only
 some of them is refused, as are ids outside [0, V) and an id repeated within a row (with check_inputs).
@@ -407,7 +410,23 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     # logit is the number the statistics summed for its column (docs/precision.md, "k ids per token")
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
     fast = bool(select) and not with_tail and _kernel_usable(mod.name, check_inputs, select, w_s, h_s, tp)
-    if fast:
+    # whether the torch vocabulary pass ran (the record names it)
+    torch_pass = bool(with_tail or select) and not fast
+    if with_tail and mod.name == "triton":
+        # the given ids' logits and the mass outside them by the kernels (``triton/given_set.py``); the student's
+        # own top k, when asked, by the selection kernels where they take it (``_selection``)
+        from .triton.given_set import given_set
+        with tf32_products(tf32):
+            part = given_set(h_s, w_s, inv_temp, local, ids, softcap, rows)
+            torch_pass = False
+            if select:
+                sel_part, _, kernels = _selection(h_s, w_s, inv_temp, softcap, rows, n, select, mod.name, tp,
+                                                  check_inputs)
+                top, torch_pass = sel_part.ids, not kernels
+        part = _global(part, tp, k, select=False)
+        lse, tail = part.lse_and_tail()
+        lp = part.vals - lse.unsqueeze(1)
+    elif fast:
         # the student's own top k by the selection kernels, lse from the same pass; the ids' logits gathered
         with tf32_products(tf32):
             part, lse, _ = _selection(h_s, w_s, inv_temp, softcap, rows, n, select, mod.name, tp, check_inputs)
@@ -450,7 +469,7 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     if poison is not None:
         lp = lp + poison
         ent = ent + poison if ent is not None else None
-    record_backend(_pass_name(mod.name) if with_tail or (select and not fast) else mod.name,
+    record_backend(_pass_name(mod.name) if torch_pass else mod.name,
                    (public_name(precision), backward_precision(grad_precision, with_tail, mod.name)),
                    "fused_logprobs_k")
     empty = lp.new_empty(0)

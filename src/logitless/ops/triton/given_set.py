@@ -1,0 +1,149 @@
+"""A given set of k ids per token in the statistics pass: the ids' logits and the mass outside them, from one GEMM
+over the vocabulary, without the logits in memory (the triton backend's ``label_sets.vocab_pass`` with ``given``:
+the tail bucket of ``forward_kl_topk_tail`` and ``fused_logprobs_k(with_tail=True)``).
+
+Stage 1 (``_given_kernel``), one program per [BLOCK_M tokens x BLOCK_N vocabulary rows] tile, as the forward
+statistics kernel: the float32 logits tile on the tensor cores, tempered (softcapped first), then per row
+
+- the ids that fall among the tile's columns: membership tested id by id, as the tail's dlogits kernel does
+  (``tail_dlogits.py``: a tile reads each id of its rows and compares only when one of them lies among its
+  columns); each such id's logit is stored (an id lies in one tile: one store, no race);
+- the rest (the columns outside the ids): its max and sum exp(z - that max), relative to its own max (>= 1 once a
+  column is there: no underflow), stored per (token, tile).
+
+Stage 2 (``_finish_kernel``, one program per token, tiles read in a fixed order): the rest of every tile as one
+(max, sum). Nothing is 1 - sum: a tail of e^-40 stays exact, as in the torch pass it replaces.
+
+Batch invariance (docs/determinism.md): tiles of a fixed shape, token counts not specialised, the finish's order
+fixed by the vocabulary size: a token's numbers are the same bits in any batch and chunking. Memory: 8 bytes per
+token and tile of a chunk (``chunk_rows``), outputs O(tokens x k).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import knobs
+from ..label_sets import SetPartial
+from .common import LOG2E, choose_tiles, int32_safe, launch_options, tile_operands
+from .tile import logits_tile, tempered_logits, tile_coords
+
+# bytes of one chunk's per-tile rests (tokens per chunk follow from it)
+DEFAULT_BYTES = 128 << 20
+
+
+# n_rows not specialised: one build for every token count (docs/determinism.md)
+@triton.jit(do_not_specialize=["n_rows"])
+def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr,
+                  n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles,
+                  N_IDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                  IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                  SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+    """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, -1 for none; vals alike, float32, -inf
+    before the launch: each id's logit is written by the tile that holds it. rest_m / rest_s [n_rows, n_tiles]."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+    row_ok = rows < n_rows
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
+    member = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    first = pid_n * BLOCK_N
+    id_rows = rows.to(tl.int64) * N_IDS
+    for i in range(0, N_IDS):
+        col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1)
+        here = row_ok & (col >= first) & (col < first + BLOCK_N)
+        if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
+            hit = (cols[None, :] == col[:, None]) & here[:, None]
+            member = tl.where(hit, 1, member)
+            tl.store(vals_ptr + id_rows + i, tl.max(tl.where(hit, z, float("-inf")), axis=1), mask=here)
+    # the rest: its max and its sum relative to it (the ids' columns and the padding: -inf, adding 0)
+    zf = tl.where((member == 0) & (cols < n_cols)[None, :], z, float("-inf"))
+    m = tl.max(zf, axis=1)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp2((zf - ref[:, None]) * LOG2E), axis=1)
+    out = rows.to(tl.int64) * n_tiles + pid_n
+    tl.store(rest_m_ptr + out, m, mask=row_ok)
+    tl.store(rest_s_ptr + out, s, mask=row_ok)
+
+
+# token count and tiles not specialised; the trip count is compile-time (one build per vocabulary size), so a
+# token's sums run in one order in every batch
+@triton.jit(do_not_specialize=["n_tiles"])
+def _finish_kernel(rest_m_ptr, rest_s_ptr, m_ptr, s_ptr, n_tiles, TB: tl.constexpr, T_STEPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tb = tl.arange(0, TB)
+    m = tl.full((), float("-inf"), tl.float32)
+    for step in range(T_STEPS):
+        idx = step * TB + tb
+        m = tl.maximum(m, tl.max(tl.load(rest_m_ptr + row * n_tiles + idx, mask=idx < n_tiles,
+                                         other=float("-inf")), axis=0))
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.zeros((), tl.float32)
+    for step in range(T_STEPS):
+        idx = step * TB + tb
+        tm = tl.load(rest_m_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=float("-inf"))
+        ts = tl.load(rest_s_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=0.0)
+        # a tile with no rest column (m -inf, sum 0) adds 0, never 0 * exp(nan)
+        s += tl.sum(tl.where(tm == float("-inf"), 0.0, ts * tl.exp2((tm - ref) * LOG2E)), axis=0)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+
+
+def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
+    """Tokens of one chunk so that its per-tile rests fit LOGITLESS_GIVEN_SET_BYTES (a multiple of the token
+    tile)."""
+    tiles = choose_tiles("FWD", dtype, torch.device(device))
+    per_token = 8 * triton.cdiv(vocab, tiles.block_n)
+    rows = knobs._int("LOGITLESS_GIVEN_SET_BYTES", DEFAULT_BYTES) // per_token
+    return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
+
+
+def _pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, softcap: Optional[float]
+          ) -> SetPartial:
+    n, h = hidden.shape
+    vocab = weight.shape[0]
+    tiles = choose_tiles("FWD", hidden.dtype, hidden.device)
+    hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
+    n_tiles = triton.cdiv(vocab, tiles.block_n)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    vals = torch.full(local.shape, float("-inf"), **f32)
+    rest_m, rest_s = torch.empty((n, n_tiles), **f32), torch.empty((n, n_tiles), **f32)
+    m, s = torch.empty(n, **f32), torch.empty(n, **f32)
+    h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
+    _given_kernel[(triton.cdiv(n, tiles.block_m) * n_tiles,)](
+        h_op, w_op, inv_temp, local, vals, rest_m, rest_s, n, vocab, h,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
+        N_IDS=local.shape[1], USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
+    tb = min(1024, triton.next_power_of_2(n_tiles))
+    _finish_kernel[(n,)](rest_m, rest_s, m, s, n_tiles, TB=tb, T_STEPS=triton.cdiv(n_tiles, tb), num_warps=4)
+    return SetPartial(m, s, vals, local)
+
+
+def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, ids: Tensor,
+              softcap: Optional[float] = None, rows: Optional[Tensor] = None) -> SetPartial:
+    """``label_sets.vocab_pass(given=ids, given_local=local)``'s partial by the kernels: (m, rest) of the columns
+    outside the ids, the ids' logits (-inf where local is -1: another rank holds the id) and ids [n, k] (global).
+    hidden [N, H] (or its rows ``rows`` [n], gathered a chunk at a time), weight [V, H], inv_temp [n], local [n, k]
+    int64 (the ids' rows in this weight, -1 elsewhere). In token chunks of ``chunk_rows``; no host read."""
+    n = local.shape[0]
+    local = local.contiguous()
+    step = chunk_rows(weight.shape[0], hidden.dtype, hidden.device)
+    parts = []
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        h = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
+        parts.append(_pass(h, weight, inv_temp[start:stop].contiguous(), local[start:stop], softcap))
+    if len(parts) == 1:
+        m, s, vals, _ = parts[0]
+    elif parts:
+        m, s, vals = (torch.cat([getattr(p, f) for p in parts]) for f in ("m", "rest", "vals"))
+    else:
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        m, s, vals = torch.empty(0, **f32), torch.empty(0, **f32), torch.empty(local.shape, **f32)
+    return SetPartial(m, s, vals, ids)
