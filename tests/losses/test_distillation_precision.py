@@ -1,6 +1,7 @@
 """fused_distillation_loss takes ``precision`` / ``grad_precision`` for float32 operands as fused_logprobs does
 (ops/precision.py): the split products for every float32 head's logits, the student's gradient products, named by
-last_precision(); a setting with no effect is an error. Against float64 (V = 4099, H 96 and 80, N 7)."""
+last_precision(), for the full-vocabulary and the top-k divergences; a setting with no effect is an error. Against
+float64 (V = 4099, H 96 and 80, N 7)."""
 from __future__ import annotations
 
 import math
@@ -78,11 +79,51 @@ def test_settings_without_effect_refused():
     with pytest.raises(TypeError, match="precision"):
         fused_distillation_loss(hs.float(), ws.float(), labels, teacher_hidden=ht, teacher_weight=wt,
                                 divergence="jsd", beta=0.5, precision=3)
-    ids = torch.zeros(N, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match="precision"):
-        fused_distillation_loss(hs.float(), ws.float(), labels, teacher_topk_ids=ids,
-                                teacher_topk_logprobs=torch.zeros(N, 2), divergence="forward_kl_topk",
-                                precision="bf16x3")
+    ids = torch.stack([torch.randperm(V, generator=torch.Generator().manual_seed(i))[:2] for i in range(N)])
+    for name in ("precision", "grad_precision"):      # a half-precision student: no float32 products to choose
+        with pytest.raises(ValueError, match=name):
+            fused_distillation_loss(hs, ws, labels, teacher_topk_ids=ids,
+                                    teacher_topk_logprobs=torch.full((N, 2), -1.0), divergence="forward_kl_topk",
+                                    **{name: "bf16x3"})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("setting", list(CASES))
+@pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
+def test_topk_precisions_against_float64(backend, setting, divergence):
+    """The top-k divergences take the same settings for a float32 student (its logits and gradient products; the
+    route through the k-label op, whose passes take the split), named by last_precision(). The tail's gradient off
+    the triton backend is the torch pass's IEEE float32 products whatever the setting (float32-exact: named so)."""
+    recorded, div_tol, grad_tol = CASES[setting]
+    if divergence == "forward_kl_topk_tail" and backend != "triton":
+        recorded = (recorded[0], "ieee")
+    hs, ws, ht, wt = heads()
+    g = torch.Generator().manual_seed(7)
+    lt = (ht.double() @ wt.double().T / 0.7).log_softmax(-1)
+    t_lp, ids = lt.topk(6, dim=-1)
+    ids = ids[:, torch.randperm(6, generator=g)]            # not in the teacher's order
+    t_lp = lt.gather(1, ids)
+    h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = fused_distillation_loss(h, w, torch.zeros(N, dtype=torch.long), teacher_topk_ids=ids,
+                                  teacher_topk_logprobs=t_lp.float(), divergence=divergence, temperature=0.7,
+                                  backend=backend, precision=setting[0], grad_precision=setting[1])
+    out.loss.backward()
+    assert last_precision() == recorded
+    h64, w64 = hs.double().requires_grad_(), ws.double().requires_grad_()
+    ls = (h64 @ w64.T / 0.7).log_softmax(-1)
+    s = ls.gather(1, ids)
+    q = t_lp.exp()
+    want = (q * (t_lp - s)).sum(-1)
+    if divergence == "forward_kl_topk":
+        want = want.clamp(min=0)
+    else:
+        q_tail = 1 - q.sum(-1)
+        p_tail = torch.logsumexp(ls.scatter(1, ids, float("-inf")), -1)
+        want = want + q_tail * (q_tail.log() - p_tail)
+    want.mean().backward()
+    assert (out.divergence.double() - want).abs().max() <= div_tol
+    for got, ref in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert (got.double() - ref).abs().max() <= grad_tol * ref.abs().max()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -6,7 +6,8 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
     topk_divergence(student_hidden [..., H], student_weight [V, H], labels [...], teacher_topk_ids [..., k],
                     teacher_topk_logprobs [..., k], *, divergence="forward_kl_topk", temperature=1.0,
                     ignore_index=-100, tp_group=None, reduce_grad_hidden=True, backend="auto", softcap=None,
-                    log_prob_min_clamp=None, with_overlap=True, clamped_masses=False, check_inputs=True)
+                    log_prob_min_clamp=None, with_overlap=True, clamped_masses=False, check_inputs=True,
+                    logit_scale=1.0, precision=None, grad_precision=None)
                     -> TopKDivergence(divergence, metrics, token_stats)
 
 - ``labels`` only marks the scored tokens (``labels != ignore_index``); the teacher's ids and log-probs of the
@@ -22,12 +23,16 @@ Contract (what ``logitless.losses.fused_distillation_loss`` calls)::
   ``overlap_count`` int64, ``overlap_token_advantage``), for callers that aggregate across micro-batches.
 - ``logit_scale``: the student's logit scale (Cohere's ``logit_scale``, Granite's ``logits_scaling`` as a
   multiplier, MuP's), applied to the raw products before the softcap, as the full-vocabulary divergences do.
+- ``precision``, ``grad_precision``: how a float32 student's products are multiplied, as in
+  ``logitless.fused_logprobs`` (default: the adaptive bfloat16 split on CUDA, IEEE float32 elsewhere;
+  ``logitless.last_precision()`` says what ran); an error for a half-precision student (no effect).
 - ``check_inputs=False``: no host synchronisation (nothing below is checked; every row runs, the unscored ones
   with zero outputs and no gradient), as in ``fused_logprobs``.
 - ``with_overlap=False``: no overlap (the two overlap metrics and token stats are absent). The overlap needs the
-  student's own top-k, which the torch vocabulary pass selects; without it ``"forward_kl_topk"``'s forward is the
-  backend's statistics pass (Triton's kernels on CUDA) plus a gathered product for the k ids. The tail divergence
-  always takes the torch pass (it sums the mass outside the ids).
+  student's own top-k, which the selection kernels select in the statistics' GEMM (the torch vocabulary pass off
+  the triton backend); without it ``"forward_kl_topk"``'s forward is the backend's statistics pass (Triton's kernels
+  on CUDA) plus a gathered product for the k ids. The tail divergence sums the mass outside the ids in its pass
+  (the given-set kernels on the triton backend, ``ops/triton/given_set.py``; the torch pass elsewhere).
 - Bad input is a ValueError / TypeError naming the argument before any kernel runs: ids outside [0, V) or
   repeated within a token, teacher log-probs above 0 or NaN (on scored tokens), -inf without log_prob_min_clamp
   (its term is 0 * -inf = NaN, verl's too: the clamp makes it finite), k probabilities summing above 1 (beyond
@@ -65,6 +70,7 @@ from torch import Tensor
 from .. import checks
 from ..api import check_head, inv_temperature, tp_group_name
 from ..ops import function, label_set_function
+from ..ops.precision import resolve
 from ..ops.registry import choose_backend
 
 __all__ = ["topk_divergence", "TopKDivergence", "TOPK_DIVERGENCES"]
@@ -148,13 +154,13 @@ class TopKInputs(NamedTuple):
     softcap: Optional[float]
     clamp: Optional[float]
     backend: str            # the backend's name (``registry.choose_backend``)
-    precision: tuple        # (statistics, gradients): IEEE for a float32 student, else native
+    precision: tuple        # (statistics, gradients) as ``ops.precision.resolve`` gives them
     ignore_index: int
 
 
 def check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs, *, divergence,
                temperature, ignore_index, reduce_grad_hidden, backend, softcap, log_prob_min_clamp, with_overlap,
-               clamped_masses, check_inputs, logit_scale) -> TopKInputs:
+               clamped_masses, check_inputs, logit_scale, precision=None, grad_precision=None) -> TopKInputs:
     """Every check of ``topk_divergence`` that runs before its op (TypeError / ValueError naming the argument);
     the op itself checks the ids (range, repeats) and the temperatures."""
     if divergence not in TOPK_DIVERGENCES:
@@ -185,9 +191,7 @@ def check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher
         # per-token temperature reaches no gradient
         inv_temp = inv_temp.masked_fill(~scored.reshape(-1), 1.0)
     mod, _ = choose_backend(hidden, weight, backend)
-    # float32 students multiply in IEEE float32 (the full-vocabulary pass's products; no precision setting here),
-    # named so that the op runs and records it
-    precision = ("ieee", "ieee") if hidden.dtype == torch.float32 else ("native", "native")
+    precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
     return TopKInputs(hidden, weight, labels, scored, ids, t_lp, inv_temp, softcap, clamp, mod.name, precision,
                       ignore_index)
 
@@ -197,14 +201,15 @@ def topk_divergence(student_hidden: Tensor, student_weight: Tensor, labels: Tens
                     temperature: Union[float, Tensor] = 1.0, ignore_index: int = -100, tp_group=None,
                     reduce_grad_hidden: bool = True, backend: str = "auto", softcap: Optional[float] = None,
                     log_prob_min_clamp: Optional[float] = None, with_overlap: bool = True,
-                    clamped_masses: bool = False, check_inputs: bool = True,
-                    logit_scale: float = 1.0) -> TopKDivergence:
+                    clamped_masses: bool = False, check_inputs: bool = True, logit_scale: float = 1.0,
+                    precision: Optional[str] = None, grad_precision: Optional[str] = None) -> TopKDivergence:
     """Per-token top-k divergence of the student against the teacher's top-k; see the module docstring."""
     x = check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher_topk_logprobs,
                    divergence=divergence, temperature=temperature, ignore_index=ignore_index,
                    reduce_grad_hidden=reduce_grad_hidden, backend=backend, softcap=softcap,
                    log_prob_min_clamp=log_prob_min_clamp, with_overlap=with_overlap, clamped_masses=clamped_masses,
-                   check_inputs=check_inputs, logit_scale=logit_scale)
+                   check_inputs=check_inputs, logit_scale=logit_scale, precision=precision,
+                   grad_precision=grad_precision)
     return topk_by_logprobs_k(x, divergence, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
                               check_inputs=check_inputs, with_overlap=with_overlap, clamped_masses=clamped_masses)
 

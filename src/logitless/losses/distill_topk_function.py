@@ -28,8 +28,9 @@ LOGITLESS_TOPK_DISTILL_SELECTION=separate) ``label_set_function.top_ids`` select
 
 Scope (``one_pass_applies``): "forward_kl_topk" without tensor parallelism, without a softcap (the policy pass has
 no softcap stage: its kernels read the products times the inverse temperature), with check_inputs (an unchecked
-call may repeat an id within a token, which the overwrite cannot take, and must not read the ids on the host).
-Everything else takes ``distill_topk.topk_divergence``'s route (the tail divergence sums the mass outside the ids
+call may repeat an id within a token, which the overwrite cannot take, and must not read the ids on the host),
+half-precision or IEEE float32 products (a split precision's products run on the other route, whose passes take
+them). Everything else takes ``distill_topk.topk_divergence``'s route (the tail divergence sums the mass outside the ids
 in its own pass).
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ ONE_PASS_BACKENDS = ("reference", "chunked", "triton")
 def one_pass_applies(divergence: str, x: TopKInputs, tp_group, check_inputs: bool) -> bool:
     """Whether ``fused_distillation_loss`` takes the one-pass route (module docstring: its scope)."""
     return (divergence == "forward_kl_topk" and tp_group is None and x.softcap is None and check_inputs
-            and x.backend in ONE_PASS_BACKENDS)
+            and x.backend in ONE_PASS_BACKENDS and x.precision in (("native", "native"), ("ieee", "ieee")))
 
 
 def _none_if_nan(x: float) -> Optional[float]:

@@ -233,7 +233,7 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
             (default: the three-product bfloat16 split on CUDA, IEEE float32 elsewhere): ``precision`` for the
             logits of every float32 head, ``grad_precision`` for the student's gradient products; an error for a
             setting with no effect (no float32 head, a half-precision student). ``logitless.last_precision()``
-            says what ran. Full-vocabulary divergences only.
+            says what ran. The top-k divergences: the student's products (its only head).
         topk_settings: the top-k divergences' settings (verl's clamps); refused for the full-vocabulary ones.
 
     Returns:
@@ -245,10 +245,6 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
     checks.reduce_grad_hidden(reduce_grad_hidden, tp_group)
     checks.boolean(check_inputs, "check_inputs")
     if div is None:
-        for name, value in (("precision", precision), ("grad_precision", grad_precision)):
-            if value is not None:
-                raise ValueError(f"{name} is taken by the full-vocabulary divergences; divergence={divergence!r} "
-                                 "multiplies a float32 student in IEEE float32: leave it None")
         for name, value in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
             if value is not None:
                 raise ValueError(f"{name} is for the full-vocabulary divergences; divergence={divergence!r} "
@@ -259,7 +255,8 @@ def fused_distillation_loss(student_hidden: Tensor, student_weight: Tensor, labe
                      student_logit_scale=student_logit_scale, student_softcap=student_softcap,
                      teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
                      ignore_index=ignore_index, tp_group=tp_group, reduce_grad_hidden=reduce_grad_hidden,
-                     backend=backend, check_inputs=check_inputs, settings=topk_settings)
+                     backend=backend, check_inputs=check_inputs, settings=topk_settings, precision=precision,
+                     grad_precision=grad_precision)
     if topk_settings:
         _refuse_settings(topk_settings, divergence)
     for name, value in (("teacher_topk_ids", teacher_topk_ids), ("teacher_topk_logprobs", teacher_topk_logprobs)):
@@ -330,7 +327,7 @@ def _refuse_settings(settings: dict, divergence: str) -> None:
 def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, teacher_topk_logprobs, *,
           temperature, loss_agg, cu_seqlens, num_items_in_batch, token_weight, student_logit_scale, student_softcap,
           teacher_logit_scale, teacher_softcap, ignore_index, tp_group, reduce_grad_hidden, backend, check_inputs,
-          settings) -> DistillationOutput:
+          settings, precision, grad_precision) -> DistillationOutput:
     """The top-k divergences: the per-token term of ``distill_topk.topk_divergence`` (verl's forward_kl_topk,
     its clamps and metrics; differentiable through the k-label log-probs), aggregated here."""
     if set(settings) - set(TOPK_SETTINGS):
@@ -361,7 +358,8 @@ def _topk(student_hidden, student_weight, labels, divergence, teacher_topk_ids, 
                    reduce_grad_hidden=reduce_grad_hidden, backend=backend, softcap=student_softcap,
                    log_prob_min_clamp=settings.get("log_prob_min_clamp"), with_overlap=with_overlap,
                    clamped_masses=False, check_inputs=check_inputs, logit_scale=checks.finite_float(
-                       student_logit_scale, "student_logit_scale", minimum=0.0, above=True))
+                       student_logit_scale, "student_logit_scale", minimum=0.0, above=True),
+                   precision=precision, grad_precision=grad_precision)
     if one_pass_applies(divergence, x, tp_group, check_inputs):
         # the aggregation is known here: the gradients formed in the forward, three GEMMs (+ the overlap's
         # selection), ``distill_topk_function.py``
