@@ -1,7 +1,8 @@
 """A float32 LM head on one CUDA GPU: each precision's time and error, against cuBLAS, in one process.
 
     PYTHONPATH=src python3 benchmarks/gpu_fp32_head.py [--shapes 8192,16384]
-        [--paths split:both,split:hidden,split:neither,tf32,ieee] [--out DIR] [--dry-run]
+        [--paths split:both,split:hidden,split:neither,split:hidden+copies,split:neither+copies,tf32,ieee]
+        [--out DIR] [--dry-run]
 
 For each N (H 4096, V 151936; float32 hidden and weight, logit std 4, labels sampled from the softmax):
 1. cuBLAS GEMM [N, H] x [H, V] in bfloat16 (float32 accumulation, the bf16 floor), TF32 and IEEE float32, and the
@@ -12,7 +13,9 @@ For each N (H 4096, V 151936; float32 hidden and weight, logit std 4, labels sam
    inputs (forward+backward). Paths: "split:both" (both operands hold bfloat16 values: the adaptive split runs
    one product, "bf16x1"), "split:hidden" (hidden does, as TRL's cast_lm_head_to_fp32: "bf16x2"),
    "split:neither" (general float32 operands: "bf16x3"), each with the default precision (the adaptive split,
-   checked against ``last_precision()``); or a precision forced by name ("bf16x3", "bf16x6", "tf32", "ieee");
+   checked against ``last_precision()``), split in the kernels' registers or, with the suffix "+copies", from the
+   concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0); or a precision forced by name ("bf16x3",
+   "bf16x6", "tf32", "ieee");
 3. on the first 256 tokens: max |log-prob| and |entropy| error against float64 of the path's float32 operands,
    at logit std 4 and 8 (the weight doubled: exact, and still bfloat16 values where it was), and the gradients'
    relative errors (d_hidden, d_weight of sum(a * logprob) + sum(b * entropy)), with the default gradient
@@ -40,6 +43,7 @@ from logitless import fused_logprobs, last_backend, last_precision  # noqa: E402
 from logitless.losses import fused_policy_loss  # noqa: E402
 from logitless.tools.common import (  # noqa: E402
     GemmFloor,
+    env_set,
     markdown_table,
     peak_extra_bytes,
     random_head,
@@ -49,7 +53,11 @@ from logitless.tools.common import (  # noqa: E402
 )
 from logitless.tools.machine import machine, versions  # noqa: E402
 
-PATHS = ("split:both", "split:hidden", "split:neither", "tf32", "ieee")
+PATHS = ("split:both", "split:hidden", "split:neither", "split:hidden+copies", "split:neither+copies", "tf32",
+         "ieee")
+# a path's suffix: its split made from the concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0), not in the
+# kernels' registers: the two ways in one process
+COPIES = "+copies"
 # the adaptive split's products for each "split:" path's operands
 SPLIT_RAN = {"both": "bf16x1", "hidden": "bf16x2", "neither": "bf16x3"}
 LOSS = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, loss_agg="token-mean")
@@ -173,6 +181,7 @@ class Bench:
 
 def operands(path: str, hidden, weight):
     """(hidden, weight, fused_logprobs keywords, the statistics precision that must run) of a path."""
+    path = path.removesuffix(COPIES)
     if path == "bf16 operands":   # the same values rounded: the bfloat16 path
         return hidden.bfloat16(), weight.bfloat16(), {}, "native"
     if path.startswith("split:"):
@@ -236,8 +245,10 @@ def run_shape(bench: Bench, n: int, h_size: int, vocab: int, precisions: list, s
 
     def one(tag):
         out = shape.setdefault(tag, {})
-        bench.errors(hidden, weight, labels, tag, out)
-        bench.timings(hidden, weight, labels, adv, old, tag, out)
+        # "+copies": the split from the concatenated copies instead of in the kernels' registers
+        with env_set(**({"LOGITLESS_SPLIT_IN_KERNEL": "0"} if tag.endswith(COPIES) else {})):
+            bench.errors(hidden, weight, labels, tag, out)
+            bench.timings(hidden, weight, labels, adv, old, tag, out)
         log(tag, out)
     run_each(["bf16 operands", *precisions], one, shape, save)
     bench.__dict__.pop("ref", None)

@@ -213,3 +213,43 @@ def test_choose_leaves_fixed_precisions_alone():
     assert choose("ieee:both", hidden, weight, True) == ("ieee", None)
     with pytest.raises(ValueError, match="hidden holds"):
         choose("ieee:hidden", _inputs("weight")[0], weight, True)
+
+
+@pytest.mark.parametrize("kind", ["neither", "hidden"])
+def test_the_copies_path_of_the_knob(kind, monkeypatch):
+    """LOGITLESS_SPLIT_IN_KERNEL=0: the triton backend runs the split precisions from the concatenated copies (the
+    bfloat16 kernels at k times the depth; for benchmarks) instead of splitting in registers: the maker of the
+    copies runs, the products and their numbers are the in-register path's to float32 rounding, forward and
+    backward, fused_logprobs and the fused policy loss."""
+    import logitless.ops.precision as precision_module
+    hidden, weight, labels = _inputs(kind, n=9, ignored=2)
+    adv, old = torch.randn(labels.shape), torch.full(labels.shape, -3.0)
+    dev = device_for("triton")
+    made = []
+    real = precision_module.split_concat
+
+    def counted(*args, **kw):
+        made.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(precision_module, "split_concat", counted)
+
+    def run():
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fused_logprobs(h.to(dev), w.to(dev), labels.to(dev), backend="triton", precision="split")
+        assert last_precision().statistics == MODES[kind]
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        loss = fused_policy_loss(h.to(dev), w.to(dev), labels.to(dev), adv.to(dev), old.to(dev), backend="triton",
+                                 precision="split")
+        loss.loss.backward()
+        return on_cpu(out.logprobs), on_cpu(out.entropy), loss.loss.item(), h.grad, w.grad
+
+    in_kernel = run()
+    assert not made
+    monkeypatch.setenv("LOGITLESS_SPLIT_IN_KERNEL", "0")
+    copies = run()
+    assert made
+    for a, b in zip(in_kernel[:2], copies[:2], strict=True):
+        assert (a - b).abs().max().item() <= 2e-6
+    assert abs(in_kernel[2] - copies[2]) <= 2e-6
+    for a, b in zip(in_kernel[3:], copies[3:], strict=True):
+        assert rel_err(a, b) <= 1e-5

@@ -104,6 +104,14 @@ def triton_tma() -> bool:
     return os.environ.get("LOGITLESS_TRITON_TMA", "1").strip() != "0"
 
 
+def split_in_kernel() -> bool:
+    """LOGITLESS_SPLIT_IN_KERNEL: "0" runs the split precisions of float32 operands on the triton backend from the
+    concatenated bfloat16 split copies ([V, kH] and [N, kH]: the bfloat16 kernels at k times the depth) instead of
+    splitting the float32 tiles in the kernels' registers (the default: no copy). For benchmarks: the two paths'
+    numbers agree to the split's rounding, their time and memory differ."""
+    return os.environ.get("LOGITLESS_SPLIT_IN_KERNEL", "1").strip() != "0"
+
+
 def triton_stats_bytes(default: int) -> int:
     """LOGITLESS_TRITON_STATS_BYTES: bytes of the triton forward's per-tile statistics workspace; more
     tokens than fit are processed in token chunks that reuse it."""

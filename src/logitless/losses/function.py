@@ -40,7 +40,7 @@ from ..ops.maths import autograd_inside_custom_op, no_autocast, split_in_kernel,
 from ..ops.policy import policy_pass_for, policy_terms_for
 from ..ops.policy_parts import scale_by_upstream
 from ..ops.policy_terms import TermSpec, TermTotals, chunk_gradients, weighted_terms
-from ..ops.precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name
+from ..ops.precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name, splits_in_kernel
 from ..ops.registry import load_backend
 from ..record import record_backend
 from .policy import PolicyLoss
@@ -235,7 +235,8 @@ def _policy_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor,
         precision, poison = choose(precision, hidden, weight, check_inputs, tp.group if tp is not None else None)
         options = PassOptions(policy_pass=policy_pass_for(mod.name), terms=policy_terms_for(mod.name, spec), tp=tp,
                               need_dh=need_dh, need_dw=need_dw, bounds=bounds,
-                              precision=(precision, grad_precision), in_kernel=mod.name == "triton")
+                              precision=(precision, grad_precision),
+                              in_kernel=splits_in_kernel(mod.name))
         (loss, lp, ent, clipped, kl), (dh, dw) = run_pass(hidden, weight, tokens, spec, options)
         if poison is not None:
             loss, lp, ent = loss + poison, lp + poison, ent + poison

@@ -34,7 +34,7 @@ from .. import checks
 from ..record import record_backend
 from . import token_chunks
 from .maths import no_autocast, split_in_kernel, tf32_products
-from .precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name
+from .precision import IN_KERNEL, choose, kernel_operands, make_operands, public_name, splits_in_kernel
 from .registry import load_backend
 
 if TYPE_CHECKING:
@@ -131,8 +131,9 @@ def _kept_rows(labels: Tensor, inv_temp: Tensor, weight: Tensor, tp: Optional["V
 
 def _operands(mod, hidden: Tensor, weight: Tensor, precision: str, grad_precision: str, with_grad: bool = True):
     """A precision's operands (``precision.make_operands``); for the triton backend's split precisions the float32
-    operands themselves, split in its kernels' registers (``precision.kernel_operands``: no split copy)."""
-    if mod.name == "triton" and precision in IN_KERNEL:
+    operands themselves, split in its kernels' registers (``precision.kernel_operands``: no split copy; unless
+    LOGITLESS_SPLIT_IN_KERNEL=0)."""
+    if precision in IN_KERNEL and splits_in_kernel(mod.name):
         return kernel_operands(hidden, weight, precision, grad_precision, with_grad=with_grad)
     return make_operands(hidden, weight, precision, grad_precision, with_grad=with_grad)
 

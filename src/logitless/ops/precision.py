@@ -44,6 +44,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from .. import knobs
+
 PRECISIONS = ("auto", "split", "bf16x3", "bf16x6", "tf32", "ieee")
 GRAD_PRECISIONS = ("auto", "bf16", "bf16x3", "bf16x6", "ieee")
 # what a caller may claim of its float32 operands (``bf16_exact``): which of them hold bfloat16 values only
@@ -328,6 +330,12 @@ def make_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision
 # the products a backend's kernels can split in registers from the float32 operands (``kernel_operands``); bf16x1
 # keeps its bfloat16 copies, the bfloat16 path's own kernels and tiles (its statistics bit for bit)
 IN_KERNEL = ("bf16x2", "bf16x2w", "bf16x3")
+
+
+def splits_in_kernel(backend: str) -> bool:
+    """Whether ``backend``'s kernels split the float32 operands of ``IN_KERNEL`` in registers: the triton backend's,
+    unless LOGITLESS_SPLIT_IN_KERNEL=0 (the concatenated copies then, ``make_operands``; for benchmarks)."""
+    return backend == "triton" and knobs.split_in_kernel()
 
 
 def kernel_operands(hidden: Tensor, weight: Tensor, precision: str, grad_precision: str,
