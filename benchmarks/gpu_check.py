@@ -69,6 +69,7 @@ from logitless.losses import fused_policy_loss  # noqa: E402
 from logitless.tools import peers  # noqa: E402
 from logitless.tools.common import (  # noqa: E402
     GemmFloor,
+    env_set,
     markdown_table,
     peak_extra_bytes,
     random_head,
@@ -458,6 +459,16 @@ def fp32_head(shape, dev):
     # hidden states of a bf16 backbone made float32 (TRL's cast_lm_head_to_fp32): two products suffice
     two = figure("float32 head, bf16-exact hidden: forward (x bf16 GEMM)", s, 2.3)
     two_fb = figure("float32 head, bf16-exact hidden: fwd+bwd (x bf16 4-GEMM)", s, 1.8)
+    # the same products from the concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0) in the same rounds:
+    # which of the two ways is faster on this machine, and by how much
+    copies = figure("float32 head, split copies: forward (x bf16 GEMM)", s, None)
+    copies_fb = figure("float32 head, split copies: fwd+bwd (x bf16 4-GEMM)", s, None)
+
+    def from_copies(fn):
+        def run():
+            with env_set(LOGITLESS_SPLIT_IN_KERNEL="0"):
+                return fn()
+        return run
 
     def measure():
         hidden, weight, labels, a, b = head_inputs(n, h, v, torch.float32, dev)
@@ -477,10 +488,11 @@ def fp32_head(shape, dev):
                 torch.backends.cuda.matmul.allow_tf32 = False
         if dev != "cuda":
             tf32.note = "CUDA only"
-        alternate(dev, floor.forward, [(fwd, forward, precision_note)] + ([(tf32, tf32_mm)] if dev == "cuda" else []),
-                  part=0.25)
+        alternate(dev, floor.forward, [(fwd, forward, precision_note), (copies, from_copies(forward), precision_note)]
+                  + ([(tf32, tf32_mm)] if dev == "cuda" else []), part=0.25)
         z.resize_(0)
-        alternate(dev, floor.forward_backward, [(fb, fwd_bwd(ours, hidden, weight, labels, a, b))], part=0.4)
+        step = fwd_bwd(ours, hidden, weight, labels, a, b)
+        alternate(dev, floor.forward_backward, [(fb, step), (copies_fb, from_copies(step))], part=0.4)
         lp_err, ent_err = lp_errors(hidden, weight, labels, fused_logprobs(hidden, weight, labels))
         put(errs[0], lp_err)
         put(errs[1], ent_err)
