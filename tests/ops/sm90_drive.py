@@ -179,10 +179,15 @@ def distill_cases():
     # STATS, STORE_E: ``topk_select.select_with_stats``)
     yield "forward_kl_topk bf16", dict(divergence="forward_kl_topk", topk=True)
     yield "forward_kl_topk_tail bf16", dict(divergence="forward_kl_topk_tail", topk=True)
-    # the tail's forward: the given-set kernels (``given_set``), softcapped and on float32 operands (IEEE products)
-    yield "forward_kl_topk_tail bf16 student softcap", dict(divergence="forward_kl_topk_tail", topk=True,
-                                                            student_softcap=30.0)
+    # the tail's forward: with the overlap, the selection kernel running the given set's epilogue (GIVEN); without,
+    # the given-set kernel alone (``given_set``); softcapped, and on float32 operands (IEEE products)
+    no_overlap = dict(divergence="forward_kl_topk_tail", topk=True, with_overlap=False)
+    yield "forward_kl_topk_tail bf16 no overlap", no_overlap
+    yield "forward_kl_topk_tail bf16 student softcap", dict(no_overlap, student_softcap=30.0)
+    yield "forward_kl_topk_tail bf16 student softcap overlap", dict(divergence="forward_kl_topk_tail", topk=True,
+                                                                    student_softcap=30.0)
     yield "forward_kl_topk_tail fp32", dict(divergence="forward_kl_topk_tail", topk=True, dtype=torch.float32)
+    yield "forward_kl_topk_tail fp32 no overlap", dict(no_overlap, dtype=torch.float32)
     yield "forward_kl_topk fp32", dict(divergence="forward_kl_topk", topk=True, dtype=torch.float32)
 
 

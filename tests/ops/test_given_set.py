@@ -155,17 +155,22 @@ def test_gathered_rows_and_batch_invariance(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("select", [0, 4])
-def test_the_tail_op_runs_the_kernels(select, seed):
-    """fused_logprobs_k with the tail (and the student's own top k): the kernels' record, the float64 numbers."""
+def test_the_tail_op_runs_the_kernels(select, seed, monkeypatch):
+    """fused_logprobs_k with the tail (and the student's own top k, from the same GEMM): the kernels' record, the
+    float64 numbers."""
     hidden, weight, g = head(seed)
     ids = random_ids(N, V, 6, g)
     ids[3] = -100                                   # an ignored token: zeros
     opts = OpOptions(backend="triton", with_entropy=False, softcap=None, check_inputs=True, precision="ieee",
                      grad_precision="ieee")
+    from logitless.ops.triton import topk_select
+    fused = []
+    real = topk_select.select_with_given
+    monkeypatch.setattr(topk_select, "select_with_given", lambda *a, **kw: fused.append(1) or real(*a, **kw))
     lp, _, tail, top = label_set_function.fused_logprobs_k(hidden.to(DEV), weight.to(DEV), ids.to(DEV),
                                                            torch.ones(N, device=DEV), opts, with_tail=True,
                                                            select=select)
-    assert last_backend() == "triton"
+    assert last_backend() == "triton" and len(fused) == (1 if select else 0)
     logp = torch.log_softmax(z64(hidden, weight, torch.ones(N)), 1)
     keep = ids[:, 0] >= 0
     lp64 = logp.gather(1, ids.clamp(min=0))
@@ -178,3 +183,26 @@ def test_the_tail_op_runs_the_kernels(select, seed):
         assert torch.equal(top.cpu()[keep], top64[keep])
         assert (top.cpu()[~keep] == -1).all()
     assert math.isfinite(float(tail.cpu()[keep].sum()))
+
+
+def test_one_gemm_with_the_selection_is_both_passes(seed):
+    """``topk_select.select_with_given``: the selection kernel running the given set's epilogue gives the selection
+    and the given partial of the two passes alone, bit for bit (the same tiles), in token chunks too."""
+    from logitless.ops.triton import topk_select
+    hidden, weight, g = head(seed)
+    inv_temp = (1.0 / (torch.rand(N, generator=g) + 0.5)).to(DEV)
+    local = random_ids(N, V, 6, g).to(DEV)
+    local[2, 3] = -1
+    h, w = hidden.to(DEV), weight.to(DEV)
+    alone_sel = topk_select.select(h, w, inv_temp, 5)
+    alone = gs.given_set(h, w, inv_temp, local, local)
+    sel, part = topk_select.select_with_given(h, w, inv_temp, 5, local, local + 100)
+    assert torch.equal(sel.ids, alone_sel.ids) and torch.equal(sel.vals, alone_sel.vals)
+    for a, b in zip(part[:3], alone[:3], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(part.ids, local + 100)
+    rows = torch.tensor([4, 0, 33, 9], device=DEV)
+    sel_r, part_r = topk_select.select_with_given(h, w, inv_temp[rows], 5, local[rows], local[rows], rows=rows)
+    assert torch.equal(sel_r.ids, alone_sel.ids[rows])
+    for a, b in zip(part_r[:3], alone[:3], strict=True):
+        assert torch.equal(a, b[rows])

@@ -136,7 +136,7 @@ REQUIRED = {
                                               SPLIT={"0", "2", "3", "4"}, N_IDS={"3", "32", "128"},
                                               BLOCK_N={"256", "64", "128"}),
     "topk_select._candidates_kernel": dict(C={"1", "4", "8", "16"}, SOFTCAP={"True", "False"},
-                                           BLOCK_N={"256", "64"}, IEEE={"True", "False"}),
+                                           BLOCK_N={"256", "64"}, IEEE={"True", "False"}, GIVEN={"True", "False"}),
     "topk_select._finish_kernel": dict(K={"3", "32", "128", "2048"}),
     "above_select._above_kernel": dict(SOFTCAP={"True", "False"}),
     "given_set._given_kernel": dict(SOFTCAP={"True", "False"}, IEEE={"True", "False"}, N_IDS={"3"}),

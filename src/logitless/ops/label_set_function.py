@@ -13,7 +13,8 @@ entropy; the ids' logits are a gathered product (``label_sets.set_logits``). Wit
 the ids, for the tail bucket of a divergence) one pass over the vocabulary gives lse, the ids' logits and the tail
 instead (no entropy then): the triton backend's kernels (``triton/given_set.py``), a torch pass on the others
 (``label_sets.vocab_pass``). The student's own top k beside it (``select``): the selection kernels where they take
-it (``triton/topk_select.py``), else the same torch pass.
+it (``triton/topk_select.py``; one GEMM for both, the selection kernel running the given set's epilogue, without
+tensor parallelism), else the same torch pass.
 
 The top-k (``fused_topk``): the selection kernels, or the torch pass, select the k largest logits per token (ties
 to the lower id), with lse and the tail from positive sums only. Backward of the k ids' log-probs without a tail:
@@ -415,14 +416,20 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
     if with_tail and mod.name == "triton":
         # the given ids' logits and the mass outside them by the kernels (``triton/given_set.py``); the student's
         # own top k, when asked, by the selection kernels where they take it (``_selection``)
-        from .triton.given_set import given_set
+        from .triton import given_set, topk_select
+        torch_pass = False
         with tf32_products(tf32):
-            part = given_set(h_s, w_s, inv_temp, local, ids, softcap, rows)
-            torch_pass = False
-            if select:
-                sel_part, _, kernels = _selection(h_s, w_s, inv_temp, softcap, rows, n, select, mod.name, tp,
-                                                  check_inputs)
-                top, torch_pass = sel_part.ids, not kernels
+            if select and tp is None and _kernel_usable(mod.name, check_inputs, select, w_s, h_s, tp):
+                # both from one GEMM: the selection kernel runs the given set's epilogue too
+                sel, part = topk_select.select_with_given(h_s, w_s, inv_temp.contiguous(), select, local, ids,
+                                                          softcap, rows)
+                top = sel.ids
+            else:
+                part = given_set.given_set(h_s, w_s, inv_temp, local, ids, softcap, rows)
+                if select:
+                    sel_part, _, kernels = _selection(h_s, w_s, inv_temp, softcap, rows, n, select, mod.name, tp,
+                                                      check_inputs)
+                    top, torch_pass = sel_part.ids, not kernels
         part = _global(part, tp, k, select=False)
         lse, tail = part.lse_and_tail()
         lp = part.vals - lse.unsqueeze(1)

@@ -20,7 +20,7 @@ token and tile of a chunk (``chunk_rows``), outputs O(tokens x k).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -36,6 +36,34 @@ from .tile import logits_tile, tempered_logits, tile_coords
 DEFAULT_BYTES = 128 << 20
 
 
+@triton.jit
+def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr, n_tiles,
+               N_IDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stage 1's epilogue on the tempered logits z [M, N] of a tile (also run by the selection kernel's, with
+    GIVEN: ``topk_select._candidates_kernel``): store the logit of each of the rows' ids that falls among the
+    tile's columns and the max and sum of the tile's other columns. ids / vals [n_rows, N_IDS] (vals -inf before
+    the launch), rest_m / rest_s [n_rows, n_tiles]."""
+    # the rest: the real columns, each id's column taken out (-inf) as it is found; the ids' logits are read from
+    # z itself (an id repeated within a row, allowed unchecked, gets its logit each time)
+    rest = tl.where((cols < n_cols)[None, :], z, float("-inf"))
+    first = pid_n * BLOCK_N
+    id_rows = rows.to(tl.int64) * N_IDS
+    for i in range(0, N_IDS):
+        col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1)
+        here = row_ok & (col >= first) & (col < first + BLOCK_N)
+        if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
+            hit = (cols[None, :] == col[:, None]) & here[:, None]
+            tl.store(vals_ptr + id_rows + i, tl.max(tl.where(hit, z, float("-inf")), axis=1), mask=here)
+            rest = tl.where(hit, float("-inf"), rest)
+    # its max and its sum relative to it (no column left: -inf and 0)
+    m = tl.max(rest, axis=1)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp2((rest - ref[:, None]) * LOG2E), axis=1)
+    out = rows.to(tl.int64) * n_tiles + pid_n
+    tl.store(rest_m_ptr + out, m, mask=row_ok)
+    tl.store(rest_s_ptr + out, s, mask=row_ok)
+
+
 # n_rows not specialised: one build for every token count (docs/determinism.md)
 @triton.jit(do_not_specialize=["n_rows"])
 def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr,
@@ -44,32 +72,15 @@ def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, res
                   K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                   IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                   SOFTCAP: tl.constexpr, CAP: tl.constexpr):
-    """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, -1 for none; vals alike, float32, -inf
-    before the launch: each id's logit is written by the tile that holds it. rest_m / rest_s [n_rows, n_tiles]."""
+    """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, -1 for none (``given_rest``)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
-    member = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    first = pid_n * BLOCK_N
-    id_rows = rows.to(tl.int64) * N_IDS
-    for i in range(0, N_IDS):
-        col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1)
-        here = row_ok & (col >= first) & (col < first + BLOCK_N)
-        if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
-            hit = (cols[None, :] == col[:, None]) & here[:, None]
-            member = tl.where(hit, 1, member)
-            tl.store(vals_ptr + id_rows + i, tl.max(tl.where(hit, z, float("-inf")), axis=1), mask=here)
-    # the rest: its max and its sum relative to it (the ids' columns and the padding: -inf, adding 0)
-    zf = tl.where((member == 0) & (cols < n_cols)[None, :], z, float("-inf"))
-    m = tl.max(zf, axis=1)
-    ref = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp2((zf - ref[:, None]) * LOG2E), axis=1)
-    out = rows.to(tl.int64) * n_tiles + pid_n
-    tl.store(rest_m_ptr + out, m, mask=row_ok)
-    tl.store(rest_s_ptr + out, s, mask=row_ok)
+    given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr, n_tiles,
+               N_IDS, BLOCK_N)
 
 
 # token count and tiles not specialised; the trip count is compile-time (one build per vocabulary size), so a
@@ -104,6 +115,31 @@ def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
     return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
 
+class GivenBuffers(NamedTuple):
+    """One chunk's outputs of stage 1: vals [c, k] float32 (-inf until a tile writes an id's logit), rest_m and
+    rest_s [c, tiles] float32."""
+    vals: Tensor
+    rest_m: Tensor
+    rest_s: Tensor
+
+    @staticmethod
+    def empty(n: int, k: int, n_tiles: int, device) -> "GivenBuffers":
+        f32 = dict(dtype=torch.float32, device=device)
+        return GivenBuffers(torch.full((n, k), float("-inf"), **f32), torch.empty((n, n_tiles), **f32),
+                            torch.empty((n, n_tiles), **f32))
+
+    def finish(self, local: Tensor) -> SetPartial:
+        """Stage 2: the chunk's partial (m, rest of the columns outside the ids; vals; ids ``local``)."""
+        n, n_tiles = self.rest_m.shape
+        f32 = dict(dtype=torch.float32, device=self.vals.device)
+        m, s = torch.empty(n, **f32), torch.empty(n, **f32)
+        if n:
+            tb = min(1024, triton.next_power_of_2(n_tiles))
+            _finish_kernel[(n,)](self.rest_m, self.rest_s, m, s, n_tiles, TB=tb, T_STEPS=triton.cdiv(n_tiles, tb),
+                                 num_warps=4)
+        return SetPartial(m, s, self.vals, local)
+
+
 def _pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, softcap: Optional[float]
           ) -> SetPartial:
     n, h = hidden.shape
@@ -111,18 +147,13 @@ def _pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, softc
     tiles = choose_tiles("FWD", hidden.dtype, hidden.device)
     hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
-    f32 = dict(dtype=torch.float32, device=hidden.device)
-    vals = torch.full(local.shape, float("-inf"), **f32)
-    rest_m, rest_s = torch.empty((n, n_tiles), **f32), torch.empty((n, n_tiles), **f32)
-    m, s = torch.empty(n, **f32), torch.empty(n, **f32)
+    out = GivenBuffers.empty(n, local.shape[1], n_tiles, hidden.device)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     _given_kernel[(triton.cdiv(n, tiles.block_m) * n_tiles,)](
-        h_op, w_op, inv_temp, local, vals, rest_m, rest_s, n, vocab, h,
+        h_op, w_op, inv_temp, local, out.vals, out.rest_m, out.rest_s, n, vocab, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
         N_IDS=local.shape[1], USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
-    tb = min(1024, triton.next_power_of_2(n_tiles))
-    _finish_kernel[(n,)](rest_m, rest_s, m, s, n_tiles, TB=tb, T_STEPS=triton.cdiv(n_tiles, tb), num_warps=4)
-    return SetPartial(m, s, vals, local)
+    return out.finish(local)
 
 
 def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, ids: Tensor,

@@ -43,7 +43,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
+from ..label_sets import SetPartial
 from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
+from .given_set import GivenBuffers, given_rest
 from .tile import logits_tile, store_row_stats, tempered_logits, tempered_tile_stats, tile_coords
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
@@ -91,10 +93,11 @@ def _values(keys):
 # n_rows not specialised: one build for every token count (docs/determinism.md)
 @triton.jit(do_not_specialize=["n_rows"])
 def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_sum_ptr,
-                       part_m_ptr, part_s_ptr, part_t_ptr, e_ptr,
+                       part_m_ptr, part_s_ptr, part_t_ptr, e_ptr, ids_ptr, vals_ptr, given_m_ptr, given_s_ptr,
                        n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles, s_en,
                        C: tl.constexpr, NO_KEY_: tl.constexpr, BIG: tl.constexpr,
                        STATS: tl.constexpr, STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
+                       GIVEN: tl.constexpr, N_IDS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
@@ -114,6 +117,11 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
             e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
             tl.store(e_ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
+    if GIVEN:
+        # a given set's logits and the mass outside it from the same products (``given_set``: the tail bucket
+        # beside the student's own top k)
+        given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, given_m_ptr, given_s_ptr, n_tiles,
+                   N_IDS, BLOCK_N)
     # float32 rounds, not int64 keys: a [BLOCK_M, BLOCK_N] int64 tile is twice the registers of the logits (it
     # spilled on Hopper) and every 64-bit max / compare is two 32-bit ones. Each round: the row max (float32), the
     # lowest column holding it (an int32 min over the columns equal to it: ties to the lower id, as the keys
@@ -256,7 +264,9 @@ class PassStats(NamedTuple):
 
 
 def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softcap: Optional[float], tiles: Tiles,
-                stats: Optional[PassStats] = None):
+                stats: Optional[PassStats] = None, given: Optional[tuple[Tensor, GivenBuffers]] = None):
+    """The candidates kernel over one chunk -> (cand, rest_key, rest_sum); with ``stats`` it also writes the policy
+    pass's statistics, with ``given`` (local ids [c, k], the buffers) a given set's logits and per-tile rests."""
     n, h = hidden.shape
     vocab = weight.shape[0]
     hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
@@ -272,11 +282,13 @@ def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softca
     store_e = stats is not None and stats.e is not None
     # without stats, the float32 outputs stand in for the unused pointers (never written)
     sm, ss, st = (rest_sum, rest_sum, rest_sum) if stats is None else stats[:3]
+    ids, vals, gm, gs = (rest_key, rest_sum, rest_sum, rest_sum) if given is None else (given[0], *given[1])
     _candidates_kernel[grid](h_op, w_op, inv_temp, cand, rest_key, rest_sum, sm, ss, st,
-                             stats.e if store_e else rest_sum, n, vocab, h,
+                             stats.e if store_e else rest_sum, ids, vals, gm, gs, n, vocab, h,
                              hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
                              stats.e.stride(0) if store_e else 0,
                              C=c, NO_KEY_=NO_KEY, BIG=2147483647, STATS=stats is not None, STORE_E=store_e,
+                             GIVEN=given is not None, N_IDS=1 if given is None else given[0].shape[1],
                              E_DTYPE=tl_dtype(stats.e.dtype) if store_e else tl.float32, USE_TMA=use_tma,
                              **launch_options(tiles, hidden, softcap))
     return cand, rest_key, rest_sum
@@ -323,27 +335,50 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, softcap: Op
     over weight [V, H]'s rows (``fast_path_ok`` holds); inv_temp [n]. In token chunks of ``chunk_rows``: every
     chunk's first pass, then the rows their candidates could not hold redone together (``_redo``). One host read
     per redo round (which rows are left)."""
+    return _select(hidden, weight, inv_temp, k, softcap, rows, None)[0]
+
+
+def select_with_given(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, local: Tensor, ids: Tensor,
+                      softcap: Optional[float] = None, rows: Optional[Tensor] = None) -> tuple[Selection, SetPartial]:
+    """``select`` and, from the same GEMM, ``given_set.given_set``'s partial of the given ids local [n, k'] (their
+    rows in this weight, -1 elsewhere; ``ids`` the global ids it carries): the student's own top k beside the mass
+    outside a teacher's ids. The given buffers (8 bytes per tile and token) ride on the selection's chunks."""
+    sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, local.contiguous())
+    return sel, SetPartial(part.m, part.rest, part.vals, ids)
+
+
+def _select(hidden, weight, inv_temp, k, softcap, rows, given) -> tuple[Selection, Optional[SetPartial]]:
     n = inv_temp.shape[0]
     tiles = tiles_for(hidden.dtype, hidden.device)
     c = first_candidates(k, weight.shape[0], tiles)
     if n == 0:
         f32 = dict(dtype=torch.float32, device=hidden.device)
         empty = torch.empty(0, **f32)
+        none = None if given is None else SetPartial(empty, empty, torch.empty(given.shape, **f32), given)
         return Selection(torch.empty((0, k), **f32), torch.empty((0, k), dtype=torch.int64, device=hidden.device),
-                         empty, empty.clone(), empty.clone(), 0)
+                         empty, empty.clone(), empty.clone(), 0), none
 
     def take(idx: Tensor) -> Tensor:
         return hidden.index_select(0, idx if rows is None else rows.index_select(0, idx))
 
     step = chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device, c)
-    parts = []
+    n_tiles = triton.cdiv(weight.shape[0], tiles.block_n)
+    parts, given_parts = [], []
     for start in range(0, n, step):
         stop = min(n, start + step)
         h = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
-        parts.append(_finish(*_first_pass(h, weight, inv_temp[start:stop], c, softcap, tiles), k))
+        buffers = None if given is None else (given[start:stop], GivenBuffers.empty(stop - start, given.shape[1],
+                                                                                   n_tiles, hidden.device))
+        parts.append(_finish(*_first_pass(h, weight, inv_temp[start:stop], c, softcap, tiles, given=buffers), k))
+        if buffers is not None:
+            given_parts.append(buffers[1].finish(buffers[0]))
     vals, ids, lse, m, s, ok = parts[0] if len(parts) == 1 else (torch.cat(f) for f in zip(*parts, strict=True))
     fallback = _redo(take, weight, inv_temp, k, softcap, tiles, c, (vals, ids, lse, m, s), ok)
-    return Selection(vals, ids, lse, m, s, fallback)
+    part = None
+    if given_parts:
+        part = given_parts[0] if len(given_parts) == 1 else SetPartial(
+            *(torch.cat([getattr(p, f) for p in given_parts]) for f in SetPartial._fields))
+    return Selection(vals, ids, lse, m, s, fallback), part
 
 
 def select_with_stats(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, stats: PassStats) -> Tensor:
