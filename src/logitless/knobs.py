@@ -112,6 +112,24 @@ def split_in_kernel() -> bool:
     return os.environ.get("LOGITLESS_SPLIT_IN_KERNEL", "1").strip() != "0"
 
 
+def topk_bytes(default: int) -> int:
+    """LOGITLESS_TOPK_BYTES: bytes of one token chunk's candidates and residuals in the triton selection kernels
+    (``ops/triton/topk_select.py``); more tokens run in chunks."""
+    return _int("LOGITLESS_TOPK_BYTES", default)
+
+
+def topk_candidates(default: int) -> int:
+    """LOGITLESS_TOPK_CANDIDATES: candidates per tile and token in the triton selection kernels' first pass (a
+    power of two; benchmarking)."""
+    return _int("LOGITLESS_TOPK_CANDIDATES", default)
+
+
+def given_set_bytes(default: int) -> int:
+    """LOGITLESS_GIVEN_SET_BYTES: bytes of one token chunk's per-tile rests in the triton given-set kernels
+    (``ops/triton/given_set.py``: the mass outside given ids); more tokens run in chunks."""
+    return _int("LOGITLESS_GIVEN_SET_BYTES", default)
+
+
 def triton_stats_bytes(default: int) -> int:
     """LOGITLESS_TRITON_STATS_BYTES: bytes of the triton forward's per-tile statistics workspace; more
     tokens than fit are processed in token chunks that reuse it."""

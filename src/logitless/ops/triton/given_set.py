@@ -111,7 +111,7 @@ def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
     tile)."""
     tiles = choose_tiles("FWD", dtype, torch.device(device))
     per_token = 8 * triton.cdiv(vocab, tiles.block_n)
-    rows = knobs._int("LOGITLESS_GIVEN_SET_BYTES", DEFAULT_BYTES) // per_token
+    rows = knobs.given_set_bytes(DEFAULT_BYTES) // per_token
     return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
 

@@ -216,7 +216,7 @@ def tiles_for(dtype: torch.dtype, device) -> Tiles:
 
 def candidates(k: int) -> int:
     """C of the first pass for a top k (LOGITLESS_TOPK_CANDIDATES: a power of two, benchmarking)."""
-    c = knobs._int("LOGITLESS_TOPK_CANDIDATES", CANDIDATES)
+    c = knobs.topk_candidates(CANDIDATES)
     if c & (c - 1):
         raise ValueError(f"LOGITLESS_TOPK_CANDIDATES={c} must be a power of two")
     return c
@@ -249,7 +249,7 @@ def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device, c: Optional[int] 
     n_tiles = triton.cdiv(vocab, tiles.block_n)
     c = first_candidates(k, vocab, tiles) if c is None else c
     per_token = 8 * n_tiles * c + 12 * n_tiles
-    rows = knobs._int("LOGITLESS_TOPK_BYTES", DEFAULT_BYTES) // per_token
+    rows = knobs.topk_bytes(DEFAULT_BYTES) // per_token
     return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
 
