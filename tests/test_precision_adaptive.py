@@ -233,21 +233,23 @@ def test_the_copies_path_of_the_knob(kind, monkeypatch):
         return real(*args, **kw)
     monkeypatch.setattr(precision_module, "split_concat", counted)
 
-    def run():
+    def run(copies):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        made.clear()
         out = fused_logprobs(h.to(dev), w.to(dev), labels.to(dev), backend="triton", precision="split")
         assert last_precision().statistics == MODES[kind]
         (out.logprobs.sum() + out.entropy.sum()).backward()
+        assert bool(made) == copies                      # each op on its own
+        made.clear()
         loss = fused_policy_loss(h.to(dev), w.to(dev), labels.to(dev), adv.to(dev), old.to(dev), backend="triton",
                                  precision="split")
         loss.loss.backward()
+        assert bool(made) == copies
         return on_cpu(out.logprobs), on_cpu(out.entropy), loss.loss.item(), h.grad, w.grad
 
-    in_kernel = run()
-    assert not made
+    in_kernel = run(False)
     monkeypatch.setenv("LOGITLESS_SPLIT_IN_KERNEL", "0")
-    copies = run()
-    assert made
+    copies = run(True)
     for a, b in zip(in_kernel[:2], copies[:2], strict=True):
         assert (a - b).abs().max().item() <= 2e-6
     assert abs(in_kernel[2] - copies[2]) <= 2e-6

@@ -12,6 +12,7 @@ import torch
 from logitless import last_precision
 from logitless.losses import fused_distillation_loss
 from logitless.ops.triton.common import INTERPRETING
+from logitless.record import last_path
 
 V, N = 4099, 7
 BACKENDS = ["chunked"] + (["triton"] if INTERPRETING or torch.cuda.is_available() else [])
@@ -90,12 +91,14 @@ def test_settings_without_effect_refused():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("setting", list(CASES))
 @pytest.mark.parametrize("divergence", ["forward_kl_topk", "forward_kl_topk_tail"])
-def test_topk_precisions_against_float64(backend, setting, divergence):
+def test_topk_precisions_against_float64(backend, setting, divergence, monkeypatch):
     """The top-k divergences take the same settings for a float32 student (its logits and gradient products; the
     route through the k-label op, whose passes take the split), named by last_precision(). The tail's gradient off
-    the triton backend is the torch pass's IEEE float32 products whatever the setting (float32-exact: named so)."""
+    the triton backend is the torch pass's IEEE float32 products (float32-exact: named so); a gradient setting there
+    is refused."""
     recorded, div_tol, grad_tol = CASES[setting]
-    if divergence == "forward_kl_topk_tail" and backend != "triton":
+    tail_torch_pass = divergence == "forward_kl_topk_tail" and backend != "triton"
+    if tail_torch_pass:
         recorded = (recorded[0], "ieee")
     hs, ws, ht, wt = heads()
     g = torch.Generator().manual_seed(7)
@@ -103,12 +106,28 @@ def test_topk_precisions_against_float64(backend, setting, divergence):
     t_lp, ids = lt.topk(6, dim=-1)
     ids = ids[:, torch.randperm(6, generator=g)]            # not in the teacher's order
     t_lp = lt.gather(1, ids)
+    import logitless.ops.precision as precision_module
+    made = []     # the operands the setting asks for are made (a setting ignored would make none)
+    for name in ("split_concat", "round_tf32"):
+        real = getattr(precision_module, name)
+        monkeypatch.setattr(precision_module, name, lambda *a, _real=real, _name=name, **kw: made.append(_name)
+                            or _real(*a, **kw))
     h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+    if tail_torch_pass and setting[1] is not None:
+        # a gradient setting the torch pass's IEEE products would not follow: refused, naming it
+        with pytest.raises(ValueError, match="grad_precision"):
+            fused_distillation_loss(h, w, torch.zeros(N, dtype=torch.long), teacher_topk_ids=ids,
+                                    teacher_topk_logprobs=t_lp.float(), divergence=divergence, backend=backend,
+                                    precision=setting[0], grad_precision=setting[1])
+        setting = (setting[0], None)
+        recorded = (recorded[0], "ieee")
     out = fused_distillation_loss(h, w, torch.zeros(N, dtype=torch.long), teacher_topk_ids=ids,
                                   teacher_topk_logprobs=t_lp.float(), divergence=divergence, temperature=0.7,
                                   backend=backend, precision=setting[0], grad_precision=setting[1])
+    assert last_path().entry == "fused_logprobs_k"
     out.loss.backward()
     assert last_precision() == recorded
+    assert ("round_tf32" if setting[0] == "tf32" else "split_concat") in made
     h64, w64 = hs.double().requires_grad_(), ws.double().requires_grad_()
     ls = (h64 @ w64.T / 0.7).log_softmax(-1)
     s = ls.gather(1, ids)

@@ -16,13 +16,15 @@ from logitless import last_backend
 from logitless.ops import label_set_function
 from logitless.ops.function import OpOptions
 from logitless.ops.triton import given_set as gs
-from logitless.ops.triton.common import INTERPRETING
+from logitless.ops.triton.common import INTERPRETING, choose_tiles
 from reference64 import device_for
 
 pytestmark = pytest.mark.skipif(not (INTERPRETING or torch.cuda.is_available()),
                                 reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 DEV = torch.device(device_for("triton"))
 V, H, N = 1031, 40, 37
+# the given-set kernel's tile width here (64 in the interpreter, 128 or 256 on a GPU): ids placed at its edges
+BLOCK_N = choose_tiles("FWD", torch.float32, DEV).block_n
 
 
 def head(seed, n=N, v=V, h=H, std=3.0, dtype=torch.float32):
@@ -83,8 +85,8 @@ def test_matches_float64(k, softcap, seed):
     hidden, weight, g = head(seed)
     inv_temp = 1.0 / (torch.rand(N, generator=g) + 0.5)
     local = random_ids(N, V, k, g)
-    # ids at the interpreter's tile edges (BLOCK_N 64), the first and the last column, and ids of another rank
-    local[0, 0], local[1, 0], local[2, 0], local[3, 0] = 0, 63, 64, V - 1
+    # ids at the tiles' edges, the first and the last column, and ids of another rank
+    local[0, 0], local[1, 0], local[2, 0], local[3, 0] = 0, BLOCK_N - 1, BLOCK_N, V - 1
     if k > 1:
         local[4, 1] = -1
         local[5] = -1          # a token none of whose ids lie here: every column is rest
@@ -185,7 +187,7 @@ def test_the_tail_op_runs_the_kernels(select, seed, monkeypatch):
     assert math.isfinite(float(tail.cpu()[keep].sum()))
 
 
-def test_one_gemm_with_the_selection_is_both_passes(seed):
+def test_one_gemm_with_the_selection_is_both_passes(seed, monkeypatch):
     """``topk_select.select_with_given``: the selection kernel running the given set's epilogue gives the selection
     and the given partial of the two passes alone, bit for bit (the same tiles), in token chunks too."""
     from logitless.ops.triton import topk_select
@@ -206,3 +208,34 @@ def test_one_gemm_with_the_selection_is_both_passes(seed):
     assert torch.equal(sel_r.ids, alone_sel.ids[rows])
     for a, b in zip(part_r[:3], alone[:3], strict=True):
         assert torch.equal(a, b[rows])
+    monkeypatch.setenv("LOGITLESS_TOPK_BYTES", "1")           # one token tile a chunk
+    assert topk_select.chunk_rows(V, 5, hidden.dtype, DEV, given_k=6) < N
+    sel_c, part_c = topk_select.select_with_given(h, w, inv_temp, 5, local, local)
+    assert torch.equal(sel_c.ids, alone_sel.ids)
+    for a, b in zip(part_c[:3], alone[:3], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_nan_reaches_the_outputs(seed):
+    """A NaN logit (a NaN weight row) at a given id, or among the rest, gives NaN, never a finite number: the id's
+    logit NaN, and the rest's max and sum NaN, as the torch pass gives."""
+    hidden, weight, g = head(seed, n=5)
+    local = random_ids(5, V, 4, g)
+    weight[local[0, 1]] = float("nan")                       # token 0's id 1 (and every token's column there)
+    nan_col = int(torch.tensor([c for c in range(V) if c not in local.view(-1).tolist()][-1]))
+    weight[nan_col] = float("nan")                           # a column in every token's rest
+    part = run(hidden, weight, torch.ones(5), local)
+    assert torch.isnan(part[2][0, 1])
+    assert torch.isnan(part[1]).all()        # every token's rest
+
+
+def test_an_id_repeated_within_a_token(seed):
+    """Unchecked calls may repeat an id within a token: each occurrence gets its logit, its column is out of the
+    rest once (as the torch pass)."""
+    hidden, weight, g = head(seed, n=6)
+    local = random_ids(6, V, 5, g)
+    local[1, 3] = local[1, 0]
+    local[4, 4] = local[4, 2]
+    inv_temp = torch.ones(6)
+    vals, m, rest = want(z64(hidden, weight, inv_temp), local)
+    check(run(hidden, weight, inv_temp, local), vals, m, rest)

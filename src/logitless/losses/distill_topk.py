@@ -192,6 +192,13 @@ def check_topk(student_hidden, student_weight, labels, teacher_topk_ids, teacher
         inv_temp = inv_temp.masked_fill(~scored.reshape(-1), 1.0)
     mod, _ = choose_backend(hidden, weight, backend)
     precision = resolve(precision, grad_precision, hidden.dtype, hidden.device)
+    if (divergence == "forward_kl_topk_tail" and mod.name != "triton" and grad_precision not in (None, "auto")
+            and precision[1] != "ieee"):
+        # the tail's gradient off the triton backend is the torch pass's IEEE float32 products
+        # (``ops/tail_backward.py``): another setting would not change it
+        raise ValueError(f"grad_precision={grad_precision!r} has no effect on divergence={divergence!r} on the "
+                         f"{mod.name} backend, whose tail gradient is IEEE float32 products (float32-exact): leave it "
+                         "None or 'ieee'")
     return TopKInputs(hidden, weight, labels, scored, ids, t_lp, inv_temp, softcap, clamp, mod.name, precision,
                       ignore_index)
 

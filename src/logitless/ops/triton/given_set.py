@@ -44,7 +44,8 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
     tile's columns and the max and sum of the tile's other columns. ids / vals [n_rows, N_IDS] (vals -inf before
     the launch), rest_m / rest_s [n_rows, n_tiles]."""
     # the rest: the real columns, each id's column taken out (-inf) as it is found; the ids' logits are read from
-    # z itself (an id repeated within a row, allowed unchecked, gets its logit each time)
+    # z itself (an id repeated within a row, allowed unchecked, gets its logit each time), as a sum over the one
+    # matching column (tl.max would drop a NaN logit)
     rest = tl.where((cols < n_cols)[None, :], z, float("-inf"))
     first = pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
@@ -53,10 +54,12 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
         here = row_ok & (col >= first) & (col < first + BLOCK_N)
         if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
             hit = (cols[None, :] == col[:, None]) & here[:, None]
-            tl.store(vals_ptr + id_rows + i, tl.max(tl.where(hit, z, float("-inf")), axis=1), mask=here)
+            tl.store(vals_ptr + id_rows + i, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=here)
             rest = tl.where(hit, float("-inf"), rest)
-    # its max and its sum relative to it (no column left: -inf and 0)
+    # its max and its sum relative to it (no column left: -inf and 0); a NaN logit makes both NaN (tl.max drops
+    # NaN: taken back here, so that the finish and the tail carry it)
     m = tl.max(rest, axis=1)
+    m = tl.where(tl.max((rest != rest).to(tl.int32), axis=1) > 0, float("nan"), m)
     ref = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(tl.exp2((rest - ref[:, None]) * LOG2E), axis=1)
     out = rows.to(tl.int64) * n_tiles + pid_n
@@ -100,8 +103,9 @@ def _finish_kernel(rest_m_ptr, rest_s_ptr, m_ptr, s_ptr, n_tiles, TB: tl.constex
         idx = step * TB + tb
         tm = tl.load(rest_m_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=float("-inf"))
         ts = tl.load(rest_s_ptr + row * n_tiles + idx, mask=idx < n_tiles, other=0.0)
-        # a tile with no rest column (m -inf, sum 0) adds 0, never 0 * exp(nan)
-        s += tl.sum(tl.where(tm == float("-inf"), 0.0, ts * tl.exp2((tm - ref) * LOG2E)), axis=0)
+        # a tile with no rest column (m -inf, sum 0) adds 0, never 0 * exp(nan); a NaN tile's sum is NaN and
+        # carries through (its NaN max is dropped by tl.max above)
+        s += tl.sum(tl.where(ts == 0.0, 0.0, ts * tl.exp2((tm - ref) * LOG2E)), axis=0)
     tl.store(m_ptr + row, m)
     tl.store(s_ptr + row, s)
 

@@ -242,13 +242,14 @@ def fast_path_ok(k: int, vocab: int, dtype: torch.dtype, device) -> bool:
     return 1 <= k <= MAX_K and k < vocab and (n_tiles - 1) * first_candidates(k, vocab, tiles) >= k
 
 
-def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device, c: Optional[int] = None) -> int:
-    """Tokens of one chunk so that its candidates (``c`` a tile, default the first pass's) and residuals fit
-    LOGITLESS_TOPK_BYTES (a multiple of the token tile)."""
+def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device, c: Optional[int] = None, given_k: int = 0) -> int:
+    """Tokens of one chunk so that its candidates (``c`` a tile, default the first pass's) and residuals, and the
+    buffers of a given set of ``given_k`` ids (``select_with_given``), fit LOGITLESS_TOPK_BYTES (a multiple of the
+    token tile)."""
     tiles = tiles_for(dtype, device)
     n_tiles = triton.cdiv(vocab, tiles.block_n)
     c = first_candidates(k, vocab, tiles) if c is None else c
-    per_token = 8 * n_tiles * c + 12 * n_tiles
+    per_token = 8 * n_tiles * c + 12 * n_tiles + ((8 * n_tiles + 4 * given_k) if given_k else 0)
     rows = knobs.topk_bytes(DEFAULT_BYTES) // per_token
     return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
@@ -342,7 +343,7 @@ def select_with_given(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, 
                       softcap: Optional[float] = None, rows: Optional[Tensor] = None) -> tuple[Selection, SetPartial]:
     """``select`` and, from the same GEMM, ``given_set.given_set``'s partial of the given ids local [n, k'] (their
     rows in this weight, -1 elsewhere; ``ids`` the global ids it carries): the student's own top k beside the mass
-    outside a teacher's ids. The given buffers (8 bytes per tile and token) ride on the selection's chunks."""
+    outside a teacher's ids. The given buffers (8 bytes per tile and token) count in the selection's chunks."""
     sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, local.contiguous())
     return sel, SetPartial(part.m, part.rest, part.vals, ids)
 
@@ -361,7 +362,7 @@ def _select(hidden, weight, inv_temp, k, softcap, rows, given) -> tuple[Selectio
     def take(idx: Tensor) -> Tensor:
         return hidden.index_select(0, idx if rows is None else rows.index_select(0, idx))
 
-    step = chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device, c)
+    step = chunk_rows(weight.shape[0], k, hidden.dtype, hidden.device, c, 0 if given is None else given.shape[1])
     n_tiles = triton.cdiv(weight.shape[0], tiles.block_n)
     parts, given_parts = [], []
     for start in range(0, n, step):
