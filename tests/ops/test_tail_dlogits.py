@@ -167,16 +167,18 @@ def test_topk_gradients_softcap_temperature_masked_rows(softcap, seed):
         ((out.logprobs * a).sum() + (out.tail_logprob * b).sum()).backward()
         grads[backend] = (hd.grad.cpu(), wd.grad.cpu(), out.ids)
     assert last_precision()[1] == "ieee"
-    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    z64 = logits64(h64, w64, (n,), temp, softcap)
-    ids = grads["triton"][2].clamp(min=0)
-    lp64, tail64 = _set64(z64, ids, mask)
-    ((lp64 * a.double()).sum() + (tail64 * b.double()).sum()).backward()
-    dh, dw, _ = grads["triton"]
-    assert rel_err(dh, h64.grad) <= 1e-4 and rel_err(dw, w64.grad) <= 1e-4, (rel_err(dh, h64.grad),
-                                                                            rel_err(dw, w64.grad))
-    assert dh[~mask].abs().max() == 0
-    assert rel_err(dh, grads["chunked"][0]) <= 2e-5 and rel_err(dw, grads["chunked"][1]) <= 2e-5
+    for backend, (dh, dw, ids) in grads.items():
+        # each against float64 at its own ids: near a saturated cap two logits can tie within float32 rounding,
+        # and the two backends' selections may then take different ids
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        lp64, tail64 = _set64(logits64(h64, w64, (n,), temp, softcap), ids.clamp(min=0), mask)
+        ((lp64 * a.double()).sum() + (tail64 * b.double()).sum()).backward()
+        assert rel_err(dh, h64.grad) <= 1e-4 and rel_err(dw, w64.grad) <= 1e-4, (backend, rel_err(dh, h64.grad),
+                                                                                rel_err(dw, w64.grad))
+        assert dh[~mask].abs().max() == 0
+    (dh, dw, ids), (dh_c, dw_c, ids_c) = grads["triton"], grads["chunked"]
+    if torch.equal(ids, ids_c):
+        assert rel_err(dh, dh_c) <= 2e-5 and rel_err(dw, dw_c) <= 2e-5
 
 
 @pytest.mark.parametrize("k", [5, 20])
