@@ -239,3 +239,12 @@ def test_an_id_repeated_within_a_token(seed):
     inv_temp = torch.ones(6)
     vals, m, rest = want(z64(hidden, weight, inv_temp), local)
     check(run(hidden, weight, inv_temp, local), vals, m, rest)
+
+
+def test_distinct_maps_repeats_to_their_first_occurrence():
+    """``given_set.distinct``: the kernels see each id of a row once (repeats -1); every entry's first occurrence,
+    so that the logits gathered back give each repeat its id's logit; -1 entries stay themselves."""
+    local = torch.tensor([[5, 2, 5, -1, 5, -1], [0, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7]])
+    ids, first = gs.distinct(local)
+    assert ids.tolist() == [[5, 2, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5], [7, -1, -1, -1, -1, -1]]
+    assert first.tolist() == [[0, 1, 0, 3, 0, 5], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0]]

@@ -80,7 +80,8 @@ def test_kernel_dlogits_of_a_chunk(k, softcap, tail_grad, seed):
     terms, G = tail_backward.terms(ids, lse64.float(), tail64.float(), lp64.float(), g_lp, g_tail)
     out = torch.full((n, cols), float("nan"))
     on = (lambda t: t.to(DEV)) if DEV != "cpu" else (lambda t: t)
-    t_dev = tail_backward.TailTerms(*(None if t is None else on(t) for t in terms))
+    # the kernel takes each row's ids distinct (``unique_ids``: the repeat's c summed into one entry)
+    t_dev = tail_backward.TailTerms(*(None if t is None else on(t) for t in tail_backward.unique_ids(terms)))
     dl = tail_dlogits.dlogits_chunk(on(hidden), on(weight[col0:col0 + cols]), col0, t_dev, on(inv_t),
                                     on(lse64.float()), on(G), on(out), softcap).cpu()
     # float64 of the float32 coefficients the kernel is given
@@ -104,6 +105,23 @@ def test_kernel_dlogits_of_a_chunk(k, softcap, tail_grad, seed):
     scale = max(1.0, want.abs().max().item(), (G * inv_t).abs().max().item())
     err = (dl.double() - want).abs().max().item()
     assert err <= 2e-6 * scale, (err, scale)
+
+
+def test_unique_ids_sums_repeats():
+    """``tail_backward.unique_ids``: per row, one entry per distinct id with the sum of its occurrences' c, the
+    other occurrences -1 with 0; -1 ids stay -1 with 0 (their c is never read)."""
+    ids = torch.tensor([[5, 2, 5, 5, -1], [-1, -1, 3, 1, 3], [0, 1, 2, 3, 4]])
+    c = torch.tensor([[1.0, 2.0, 4.0, 8.0, 16.0], [1.0, 2.0, 4.0, 8.0, 16.0], [1.0, 2.0, 4.0, 8.0, 16.0]])
+    t = tail_backward.unique_ids(tail_backward.TailTerms(ids, c, None, torch.zeros(3)))
+    for row in range(3):
+        got = {int(i): float(v) for i, v in zip(t.ids[row], t.at_ids[row], strict=True) if i >= 0}
+        want: dict = {}
+        for i, v in zip(ids[row].tolist(), c[row].tolist(), strict=True):
+            if i >= 0:
+                want[i] = want.get(i, 0.0) + v
+        assert got == want, (row, got, want)
+        assert (t.at_ids[row][t.ids[row] < 0] == 0).all()
+        assert int((t.ids[row] >= 0).sum()) == len(want)
 
 
 # ------------------------------------------------------------------------------------------ the ops

@@ -642,7 +642,7 @@ def _tail_grads(mod, hidden, weight, local, inv_temp, lse, tail, lp, g_lp, g_t, 
         with tf32_products(ops is not None and ops.tf32), split_in_kernel(ops.split if ops is not None else None):
             return token_chunks.grads(mod, hidden, weight, torch.full_like(local[:, 0], -1), inv_temp.contiguous(),
                                       lse.contiguous(), None, G, None, rows, need_dh, need_dw, softcap, finish,
-                                      operands=ops, tail=terms)
+                                      operands=ops, tail=tail_backward.unique_ids(terms))
     h_s, w_s, tf32 = _stats_operands(hidden, weight, precision, grad_precision, n)
     step, columns = _pass_columns(mod.name, h_s, w_s, n)
     return tail_backward.grads(hidden, weight, h_s, w_s, tf32, terms, G, inv_temp, lse, rows, softcap, need_dh,

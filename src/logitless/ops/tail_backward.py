@@ -63,6 +63,24 @@ def terms(local: Tensor, lse: Tensor, tail: Tensor, lp: Tensor, g_lp: Tensor, g_
             G.contiguous())
 
 
+def unique_ids(tail: TailTerms) -> TailTerms:
+    """``tail`` with each row's ids distinct: an id repeated within a row (only an unchecked call can repeat one)
+    keeps one entry whose c_k is the sum of its occurrences' (the dz of its column), the others -1 with c 0. The
+    ids in ascending order per row; no host read. What the triton dlogits kernel takes: it writes each id's c_k
+    in place of the column's other terms, one id at a time, with no tile to add repeats in."""
+    ids, order = torch.sort(tail.ids, dim=1, stable=True)
+    c = tail.at_ids.gather(1, order)
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[:, 1:] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+    # each run of one id sums into its first entry
+    run = torch.cumsum((~repeat).to(torch.int64), dim=1) - 1
+    sums = torch.zeros_like(c).scatter_add_(1, run, c)
+    first = ~repeat & (ids >= 0)
+    return TailTerms(torch.where(first, ids, torch.full_like(ids, -1)).contiguous(),
+                     torch.where(first, sums.gather(1, run), torch.zeros_like(c)).contiguous(), tail.g_tail,
+                     tail.lse_tail)
+
+
 def _rows(x: Tensor, rows: Optional[Tensor], start: int, stop: int) -> Tensor:
     return x[start:stop] if rows is None else x.index_select(0, rows[start:stop])
 

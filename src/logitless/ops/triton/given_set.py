@@ -43,23 +43,23 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
     GIVEN: ``topk_select._candidates_kernel``): store the logit of each of the rows' ids that falls among the
     tile's columns and the max and sum of the tile's other columns. ids / vals [n_rows, N_IDS] (vals -inf before
     the launch), rest_m / rest_s [n_rows, n_tiles]."""
-    # the rest: the real columns, each id's column taken out (-inf) as it is found; the ids' logits are read from
-    # z itself (an id repeated within a row, allowed unchecked, gets its logit each time), as a sum over the one
-    # matching column (tl.max would drop a NaN logit)
-    rest = tl.where((cols < n_cols)[None, :], z, float("-inf"))
+    # one pass over the rows' ids, distinct within a row (``distinct``: the host maps repeats back), on one [M, N]
+    # tile: each id's logit read from the rest before its column is taken out (-inf), as a sum over the one
+    # matching column (tl.max would drop a NaN). A second tile (z kept beside the rest) spilled 3x the registers
+    # at 128 x 256 on sm_90
     first = pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
+    rest = tl.where((cols < n_cols)[None, :], z, float("-inf"))
     for i in range(0, N_IDS):
         col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1)
         here = row_ok & (col >= first) & (col < first + BLOCK_N)
         if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
             hit = (cols[None, :] == col[:, None]) & here[:, None]
-            tl.store(vals_ptr + id_rows + i, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=here)
+            tl.store(vals_ptr + id_rows + i, tl.sum(tl.where(hit, rest, 0.0), axis=1), mask=here)
             rest = tl.where(hit, float("-inf"), rest)
-    # its max and its sum relative to it (no column left: -inf and 0); a NaN logit makes both NaN (tl.max drops
-    # NaN: taken back here, so that the finish and the tail carry it)
+    # its max and its sum relative to it (no column left: -inf and 0); a NaN logit makes the sum NaN (tl.max drops
+    # it from the max), which the finish carries to the tail
     m = tl.max(rest, axis=1)
-    m = tl.where(tl.max((rest != rest).to(tl.int32), axis=1) > 0, float("nan"), m)
     ref = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(tl.exp2((rest - ref[:, None]) * LOG2E), axis=1)
     out = rows.to(tl.int64) * n_tiles + pid_n
@@ -108,6 +108,21 @@ def _finish_kernel(rest_m_ptr, rest_s_ptr, m_ptr, s_ptr, n_tiles, TB: tl.constex
         s += tl.sum(tl.where(ts == 0.0, 0.0, ts * tl.exp2((tm - ref) * LOG2E)), axis=0)
     tl.store(m_ptr + row, m)
     tl.store(s_ptr + row, s)
+
+
+def distinct(local: Tensor) -> tuple[Tensor, Tensor]:
+    """(ids for the kernels [n, k]: ``local`` with each repeat of an id within a row -1, first [n, k] int64: the
+    position of each entry's first occurrence in its row, itself where it is one). Only an unchecked call can
+    repeat an id; no host read. ``vals.gather(1, first)`` gives every occurrence its id's logit."""
+    ids, order = torch.sort(local, dim=1, stable=True)
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[:, 1:] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    # each sorted entry's run start (runs start at increasing positions), as a position in the row (stable: the
+    # first occurrence)
+    start = torch.cummax(torch.where(repeat, torch.zeros_like(pos), pos), dim=1).values
+    first = torch.empty_like(order).scatter_(1, order, order.gather(1, start))
+    return torch.where(first == pos, local, torch.full_like(local, -1)).contiguous(), first
 
 
 def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
@@ -167,13 +182,13 @@ def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, i
     hidden [N, H] (or its rows ``rows`` [n], gathered a chunk at a time), weight [V, H], inv_temp [n], local [n, k]
     int64 (the ids' rows in this weight, -1 elsewhere). In token chunks of ``chunk_rows``; no host read."""
     n = local.shape[0]
-    local = local.contiguous()
+    kernel_ids, first = distinct(local)
     step = chunk_rows(weight.shape[0], hidden.dtype, hidden.device)
     parts = []
     for start in range(0, n, step):
         stop = min(n, start + step)
         h = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
-        parts.append(_pass(h, weight, inv_temp[start:stop].contiguous(), local[start:stop], softcap))
+        parts.append(_pass(h, weight, inv_temp[start:stop].contiguous(), kernel_ids[start:stop], softcap))
     if len(parts) == 1:
         m, s, vals, _ = parts[0]
     elif parts:
@@ -181,4 +196,4 @@ def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, i
     else:
         f32 = dict(dtype=torch.float32, device=hidden.device)
         m, s, vals = torch.empty(0, **f32), torch.empty(0, **f32), torch.empty(local.shape, **f32)
-    return SetPartial(m, s, vals, ids)
+    return SetPartial(m, s, vals.gather(1, first), ids)

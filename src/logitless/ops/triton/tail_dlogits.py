@@ -5,11 +5,14 @@ plain dlogits kernel and forms the two gradient products from its output as for 
 Each tile recomputes its logits from the statistics operands (as ``backward._dlogits_kernel``) and writes
     dl_ij = inv_t_i * sum over k with id_ik = j of c_ik                       at the row's ids
     dl_ij = inv_t_i * (g_tail_i exp(z_ij - lse_tail_i) - G_i p_ij)            elsewhere
-(times 1 - tanh^2 with a softcap), c_ik = g_ik - G_i exp(lp_ik) from ``tail_backward.terms``. Membership is
-tested in the kernel, id by id: a tile reads each id of its rows and compares only when one of them falls among
-its columns (most tiles hold few). At the ids the terms of the columns outside are selected away, never
-subtracted: exp(z_j - lse_tail) there can exceed float32 (a tiny tail), and cancelling it is what the closed form
-avoids.
+(times 1 - tanh^2 with a softcap), c_ik = g_ik - G_i exp(lp_ik) from ``tail_backward.terms``, each row's ids
+distinct (``tail_backward.unique_ids``: a repeated id's c summed into one entry). Membership is tested in the
+kernel, id by id: a tile reads each id of its rows and compares only when one of them falls among its columns
+(most tiles hold few). At the ids the terms of the columns outside are replaced, never subtracted:
+exp(z_j - lse_tail) there can exceed float32 (a tiny tail), and cancelling it is what the closed form avoids. One
+[M, N] tile is live through the ids' loop (two with a softcap: its derivative's), so that the 128 x 256 tiles do
+not spill registers on sm_90 (they did, 5.3 KB a thread, with a tile for the ids' terms and one for their
+membership beside it).
 """
 from __future__ import annotations
 
@@ -31,9 +34,9 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
                          USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                          OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """The module's dl for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk). ids
-    [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, -1 for none; at_ids alike, float32: each
-    id's dz c_k; g_all = G; TAIL_GRAD False: g_tail is 0 (no exponential of the tail term). A masked pointer
-    store."""
+    [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, -1 for none, distinct within a row;
+    at_ids alike, float32: each id's dz c_k; g_all = G; TAIL_GRAD False: g_tail is 0 (no exponential of the tail
+    term). A masked pointer store."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
@@ -57,9 +60,7 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
         # clamp only absorbs rounding there); at the ids it would exceed float32 at a tiny tail and is not taken
         # (a select below, never a subtraction)
         dz += tl.exp2(tl.minimum(z - lse_tail[:, None], 0.0) * LOG2E) * g_tail[:, None]
-    # at the ids: their c_k (summed where an id repeats), in place of the terms above
-    at_ids = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    member = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    # at the ids: their c_k in place of the terms above (the ids distinct: one replacement a column)
     first = pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
     for i in range(0, N_IDS):
@@ -67,10 +68,8 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
         here = row_ok & (col >= first) & (col < first + BLOCK_N)
         if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
             c_i = tl.load(at_ids_ptr + id_rows + i, mask=row_ok, other=0.0)
-            hit = (cols[None, :] == col[:, None]) & here[:, None]
-            at_ids += tl.where(hit, c_i[:, None], 0.0)
-            member = tl.where(hit, 1, member)
-    dl = tl.where(member > 0, at_ids, dz) * inv_t[:, None]
+            dz = tl.where((cols[None, :] == col[:, None]) & here[:, None], c_i[:, None], dz)
+    dl = dz * inv_t[:, None]
     if SOFTCAP:
         dl = dl * dcap     # chain rule through the cap: d z / d raw = inv_t * (1 - t^2)
     ptrs = dl_ptr + rows.to(tl.int64)[:, None] * s_dn + cols[None, :]

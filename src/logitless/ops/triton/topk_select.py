@@ -45,7 +45,7 @@ from torch import Tensor
 from ... import knobs
 from ..label_sets import SetPartial
 from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
-from .given_set import GivenBuffers, given_rest
+from .given_set import GivenBuffers, distinct, given_rest
 from .tile import logits_tile, store_row_stats, tempered_logits, tempered_tile_stats, tile_coords
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
@@ -117,11 +117,6 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
             e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * s_en + cols[None, :]
             tl.store(e_ptrs, e.to(E_DTYPE), mask=row_ok[:, None] & (cols < n_cols)[None, :])
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
-    if GIVEN:
-        # a given set's logits and the mass outside it from the same products (``given_set``: the tail bucket
-        # beside the student's own top k)
-        given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, given_m_ptr, given_s_ptr, n_tiles,
-                   N_IDS, BLOCK_N)
     # float32 rounds, not int64 keys: a [BLOCK_M, BLOCK_N] int64 tile is twice the registers of the logits (it
     # spilled on Hopper) and every 64-bit max / compare is two 32-bit ones. Each round: the row max (float32), the
     # lowest column holding it (an int32 min over the columns equal to it: ties to the lower id, as the keys
@@ -144,6 +139,17 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
     tl.store(cand_ptr + out, cand, mask=row_ok[:, None])
     tl.store(rest_key_ptr + r64 * n_tiles + pid_n, rest_key, mask=row_ok)
     tl.store(rest_sum_ptr + r64 * n_tiles + pid_n, rest_sum, mask=row_ok)
+    if GIVEN:
+        # a given set's logits and the mass outside it from the same products (``given_set``: the tail bucket
+        # beside the student's own top k). The tile is z again once the C candidates taken out are put back (their
+        # keys hold each value's float32 bits and its column; an empty slot's column matches none): one [M, N] tile
+        # live throughout, where keeping z beside zf spilled registers at 128 x 256 on sm_90
+        for i in tl.static_range(C):
+            key = tl.sum(tl.where(slot[None, :] == i, cand, 0), axis=1)
+            col = 2147483647 - (key & 0xFFFFFFFF)
+            zf = tl.where(cols[None, :].to(tl.int64) == col[:, None], _values(key)[:, None], zf)
+        given_rest(zf, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, given_m_ptr, given_s_ptr, n_tiles,
+                   N_IDS, BLOCK_N)
 
 
 # token count, tiles and candidates per row not specialised; the trip counts are compile-time (one build per
@@ -344,8 +350,9 @@ def select_with_given(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, 
     """``select`` and, from the same GEMM, ``given_set.given_set``'s partial of the given ids local [n, k'] (their
     rows in this weight, -1 elsewhere; ``ids`` the global ids it carries): the student's own top k beside the mass
     outside a teacher's ids. The given buffers (8 bytes per tile and token) count in the selection's chunks."""
-    sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, local.contiguous())
-    return sel, SetPartial(part.m, part.rest, part.vals, ids)
+    kernel_ids, first = distinct(local)
+    sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, kernel_ids)
+    return sel, SetPartial(part.m, part.rest, part.vals.gather(1, first), ids)
 
 
 def _select(hidden, weight, inv_temp, k, softcap, rows, given) -> tuple[Selection, Optional[SetPartial]]:
