@@ -350,10 +350,11 @@ def test_k_labels_one_id_is_the_single_label_logit(backend, precision):
     one = fused_logprobs(hidden, weight, labels, backend=backend, precision=precision)
     k = fused_logprobs(hidden, weight, labels.unsqueeze(1), backend=backend, precision=precision)
     assert last_precision() == (precision, "bf16")
-    # 1e-5 (an IEEE id logit sits 4.8e-5 to 1e-4 away under bf16x3, ~3e-3 under tf32); tf32 on the GPU 4e-5: the
-    # ids' gathered products and the statistics' tile products add along K in different orders on the tensor
-    # cores (1.1e-5 seen on an H100, bf16x3 within 1e-5 there)
-    bound = 4e-5 if precision == "tf32" and hidden.is_cuda else 1e-5
+    # 2e-5 (an IEEE id logit sits 4.8e-5 to 1e-4 away under bf16x3, ~3e-3 under tf32): the ids' gathered products
+    # and the statistics' tile products add along K in different orders, a few ulps of log-probs of ~40 (3.8e-6
+    # each: 2 ulps seen on the CPU with two threads, 3 would pass 1e-5); tf32 on the GPU 4e-5 (1.1e-5 seen on an
+    # H100, bf16x3 within 1e-5 there)
+    bound = 4e-5 if precision == "tf32" and hidden.is_cuda else 2e-5
     assert (k.logprobs.squeeze(1) - one.logprobs).abs().max().item() <= bound
     assert (k.entropy - one.entropy).abs().max().item() <= bound
 
