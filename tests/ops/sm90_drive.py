@@ -237,31 +237,43 @@ def run_truncation(dtype, wide=False, softcap=None):
     (out.logprobs.sum() + out.entropy.sum()).backward()
 
 
-def drive(case, record_only):
-    """Every case above; ``case[0]`` names the one running (for the record)."""
+def _runner(case):
+    """run_case(name, run, kw): runs one case, ``case[0]`` naming it (for the record)."""
     def run_case(name, run, kw):
         case[0] = f"{run.__name__[4:]}: {name}"
         start = time.perf_counter()
         run(**kw)
         print(f"{case[0]}: {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    return run_case
 
+
+# the Triton statistics kernels where Gluon would take them on Hopper (LOGITLESS_*_KERNEL=triton)
+TRITON_STATS = (("bf16", run_logprobs, dict(dtype=torch.bfloat16)),
+                ("bf16 no entropy", run_logprobs, dict(dtype=torch.bfloat16, with_entropy=False)),
+                ("fp16", run_logprobs, dict(dtype=torch.float16)),
+                ("fp32 bf16x3", run_logprobs, dict(dtype=torch.float32, precision="bf16x3")),
+                ("ppo bf16", run_policy, dict()),
+                ("ppo fp16", run_policy, dict(dtype=torch.float16)),
+                ("ppo no grad", run_policy, dict(no_grad=True)),
+                ("ppo fp32 bf16x6", run_policy, dict(dtype=torch.float32, precision="bf16x6")))
+
+
+def drive(case, record_only):
+    """Every case above; ``case[0]`` names the one running (for the record)."""
+    run_case = _runner(case)
     for cases, run in ((logprobs_cases, run_logprobs), (topk_cases, run_topk), (policy_cases, run_policy),
                        (distill_cases, run_distill), (truncation_cases, run_truncation)):
         for name, kw in cases():
             run_case(name, run, kw)
-    # the Triton statistics kernels where Gluon would take them on Hopper (LOGITLESS_*_KERNEL=triton)
-    triton_stats = (("bf16", run_logprobs, dict(dtype=torch.bfloat16)),
-                    ("bf16 no entropy", run_logprobs, dict(dtype=torch.bfloat16, with_entropy=False)),
-                    ("fp16", run_logprobs, dict(dtype=torch.float16)),
-                    ("fp32 bf16x3", run_logprobs, dict(dtype=torch.float32, precision="bf16x3")),
-                    ("ppo bf16", run_policy, dict()),
-                    ("ppo fp16", run_policy, dict(dtype=torch.float16)),
-                    ("ppo no grad", run_policy, dict(no_grad=True)),
-                    ("ppo fp32 bf16x6", run_policy, dict(dtype=torch.float32, precision="bf16x6")))
     with env_set(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
-        for name, run, kw in triton_stats:
+        for name, run, kw in TRITON_STATS:
             run_case(f"{name} (Triton statistics kernel)", run, kw)
-    # a model's head, recorded only
+    model_sized(case, record_only)
+
+
+def model_sized(case, record_only):
+    """A model's head, recorded only (``sm90_model``: these alone, for ptxas' registers and spills)."""
+    run_case = _runner(case)
     DIMS.update(MODEL)
     record_only[0] = True
     try:
@@ -269,7 +281,7 @@ def drive(case, record_only):
                               ("bf16 softcap", run_logprobs, dict(dtype=torch.bfloat16, softcap=30.0)),
                               ("fp32 bf16x3", run_logprobs, dict(dtype=torch.float32, precision="bf16x3")),
                               ("ppo bf16", run_policy, dict()),
-                    ("ppo fp16", run_policy, dict(dtype=torch.float16)),
+                              ("ppo fp16", run_policy, dict(dtype=torch.float16)),
                               ("ppo fp32 bf16x3", run_policy, dict(dtype=torch.float32, precision="bf16x3")),
                               ("ppo fp32 split exact hidden", run_policy,
                                dict(dtype=torch.float32, precision="split", exact="hidden")),
@@ -277,6 +289,8 @@ def drive(case, record_only):
                               ("forward_kl_topk bf16", run_distill, dict(divergence="forward_kl_topk", topk=True)),
                               ("forward_kl_topk_tail bf16", run_distill,
                                dict(divergence="forward_kl_topk_tail", topk=True)),
+                              ("forward_kl_topk_tail bf16 no overlap", run_distill,
+                               dict(divergence="forward_kl_topk_tail", topk=True, with_overlap=False)),
                               ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),
                               ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128)),
                               ("truncation replay bf16", run_truncation, dict(dtype=torch.bfloat16)),
@@ -284,7 +298,7 @@ def drive(case, record_only):
                               ("topk bf16 k 2048", run_topk, dict(dtype=torch.bfloat16, k=2048))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)
         with env_set(LOGITLESS_TRITON_FWD_KERNEL="triton", LOGITLESS_POLICY_STATS_KERNEL="triton"):
-            for name, run, kw in triton_stats[:1] + triton_stats[4:5]:  # bf16 logprobs, ppo
+            for name, run, kw in TRITON_STATS[:1] + TRITON_STATS[4:5]:  # bf16 logprobs, ppo
                 run_case(f"{name} (model-sized, recorded only, Triton statistics kernel)", run, kw)
     finally:
         DIMS.update(SMALL)
