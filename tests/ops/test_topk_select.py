@@ -167,7 +167,9 @@ def test_rows_the_candidates_cannot_hold_are_redone_exactly(seed):
     assert sel.fallback > 0
     out = topk(hidden, weight, k, backend="triton", precision="ieee")
     ids, lp, tail = want64(hidden, weight, k)
-    assert torch.equal(out.ids, ids)
+    # the crowded rows' logits lie close together: an order float32 cannot resolve may differ from float64's
+    same_selection(out.ids, ids, hidden, weight)
+    lp, tail = at_ids(hidden, weight, out.ids)
     assert (out.logprobs.double() - lp).abs().max() < 2e-5
     assert (out.tail_logprob.double() - tail).abs().max() < 2e-5
 

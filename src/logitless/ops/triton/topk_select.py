@@ -56,6 +56,9 @@ MAX_K = 2048
 CANDIDATES = 4
 # C >= SHARE x (k / full tiles): the share of a tile that overflows C (and sends its row to a redo round) small
 SHARE = 4
+# candidates a tile from which the kernel stores each round's keys as it finds them (no [BLOCK_M, C] tile of them;
+# the given set's epilogue keeps the tile: it puts the candidates back)
+EACH_FROM = 16
 # the key of no column (padding, a column already taken): the key of -inf with the largest id; every real logit's
 # key lies above it. ord(-inf) = 0xFF800000 ^ 0x7FFFFFFF = -2139095041 as int32, in the high word.
 NO_KEY = -2139095041 * (1 << 32)
@@ -97,7 +100,7 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
                        n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles, s_en,
                        C: tl.constexpr, NO_KEY_: tl.constexpr, BIG: tl.constexpr,
                        STATS: tl.constexpr, STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
-                       GIVEN: tl.constexpr, N_IDS: tl.constexpr,
+                       GIVEN: tl.constexpr, N_IDS: tl.constexpr, EACH: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
@@ -123,20 +126,28 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
     # order them), that one column taken out (-inf). Keys are formed for the [BLOCK_M, C] winners only.
     zf = tl.where((cols < n_cols)[None, :], z, float("-inf"))
     slot = tl.arange(0, C)
-    cand = tl.full((BLOCK_M, C), NO_KEY_, tl.int64)
-    for i in tl.static_range(C):
-        top, at = _round(zf, cols, BIG)
-        cand = tl.where(slot[None, :] == i, _row_key(top, at, NO_KEY_)[:, None], cand)
-        zf = tl.where(cols[None, :] == at[:, None], float("-inf"), zf)
+    r64 = rows.to(tl.int64)
+    out = r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :]
+    if EACH:
+        # many candidates (a redo round, a large k): each round's keys stored as they are found, no [BLOCK_M, C]
+        # int64 tile (at C 64 it spilled 11.7 KB of registers a thread at 128 x 256 on sm_90)
+        for i in range(C):
+            top, at = _round(zf, cols, BIG)
+            tl.store(cand_ptr + r64 * (n_tiles * C) + pid_n * C + i, _row_key(top, at, NO_KEY_), mask=row_ok)
+            zf = tl.where(cols[None, :] == at[:, None], float("-inf"), zf)
+    else:
+        cand = tl.full((BLOCK_M, C), NO_KEY_, tl.int64)
+        for i in tl.static_range(C):
+            top, at = _round(zf, cols, BIG)
+            cand = tl.where(slot[None, :] == i, _row_key(top, at, NO_KEY_)[:, None], cand)
+            zf = tl.where(cols[None, :] == at[:, None], float("-inf"), zf)
+        tl.store(cand_ptr + out, cand, mask=row_ok[:, None])
     # the rest: its largest key (the residual bound) and its sum relative to its own max (taken columns: 0)
     rest_max, rest_at = _round(zf, cols, BIG)
     rest_key = _row_key(rest_max, rest_at, NO_KEY_)
     ref = tl.where(rest_max == float("-inf"), 0.0, rest_max)
     ref = tl.where(ref == 0.0, 0.0, ref)     # -0.0 as +0.0, as its key says (the same sums either way)
     rest_sum = tl.sum(tl.exp2((zf - ref[:, None]) * LOG2E), axis=1)
-    r64 = rows.to(tl.int64)
-    out = r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :]
-    tl.store(cand_ptr + out, cand, mask=row_ok[:, None])
     tl.store(rest_key_ptr + r64 * n_tiles + pid_n, rest_key, mask=row_ok)
     tl.store(rest_sum_ptr + r64 * n_tiles + pid_n, rest_sum, mask=row_ok)
     if GIVEN:
@@ -296,6 +307,7 @@ def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softca
                              stats.e.stride(0) if store_e else 0,
                              C=c, NO_KEY_=NO_KEY, BIG=2147483647, STATS=stats is not None, STORE_E=store_e,
                              GIVEN=given is not None, N_IDS=1 if given is None else given[0].shape[1],
+                             EACH=c > EACH_FROM and given is None,
                              E_DTYPE=tl_dtype(stats.e.dtype) if store_e else tl.float32, USE_TMA=use_tma,
                              **launch_options(tiles, hidden, softcap))
     return cand, rest_key, rest_sum
