@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import int32_safe, launch_options, tile_operands
-from .tile import logits_tile, tempered_logits, tile_coords
+from .tile import program_tile, tempered_logits
 from .topk_select import tiles_for
 
 
@@ -34,11 +34,9 @@ def _above_kernel(h_ptr, w_ptr, inv_temp_ptr, tau_ptr, vals_ptr, ids_ptr, count_
                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                   SOFTCAP: tl.constexpr, CAP: tl.constexpr):
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
-    row_ok = rows < n_rows
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
+        h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("inf"))
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # as the candidates kernel forms it (the same bits)
     hit = row_ok[:, None] & (cols < n_cols)[None, :] & (z >= tau[:, None])

@@ -27,7 +27,7 @@ from ..precision import GradOperands
 from ..tail_backward import TailTerms
 from . import tail_dlogits
 from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
-from .tile import logits_tile, softcap_tanh, tile_coords
+from .tile import program_tile, softcap_tanh
 
 # 128 Mi elements: 256 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile). Each vocabulary
 # chunk reads and writes the float32 d_hidden [N, H] once (accumulate_mm), so wider chunks halve that traffic: on
@@ -56,12 +56,9 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
     branch; without it the kernel is unchanged). MEMBER: p is taken as 0 where z <= member[i] (a truncated
     distribution's kept set, lse and ent then its own: ``truncation_dense``), the label's term kept. A masked
     pointer store writes the tile (a bulk-copy store measured no gain: benchmarks/DESIGN.md)."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
-                                  INTERP)
-    row_ok = rows < n_rows
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
+        h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
     z_scale = inv_t            # z = acc * z_scale

@@ -31,7 +31,7 @@ from torch import Tensor
 from ... import knobs
 from .combine import combine_tiles
 from .common import INTERPRETING, choose_tiles, int32_safe, launch_options, tile_operands
-from .tile import logits_tile, softcap_tanh, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
+from .tile import program_tile, softcap_tanh, store_label_logit, store_row_stats, tempered_tile_stats
 
 # On Hopper the policy loss's Gluon statistics kernel (ping-pong consumers: one tile's epilogue runs during the
 # next tile's main loop) computes the same numbers bit for bit, without its e store; the Triton kernel below is
@@ -57,12 +57,9 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
                        UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
                        SPLIT: tl.constexpr, INTERP: tl.constexpr,
                        SOFTCAP: tl.constexpr, CAP: tl.constexpr):
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
-                                  INTERP)
-    row_ok = rows < n_rows
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
+        h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     if SOFTCAP:
         # z = tanh(raw / CAP) * (CAP / T): below, acc holds t and inv_t the per-row factor CAP / T
         # (> 0, so the max argument that follows holds unchanged)

@@ -30,7 +30,7 @@ from torch import Tensor
 from ... import knobs
 from ..label_sets import SetPartial
 from .common import LOG2E, choose_tiles, int32_safe, launch_options, tile_operands
-from .tile import logits_tile, tempered_logits, tile_coords
+from .tile import program_tile, tempered_logits
 
 # bytes of one chunk's per-tile rests (tokens per chunk follow from it)
 DEFAULT_BYTES = 128 << 20
@@ -76,11 +76,9 @@ def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, res
                   IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                   SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, -1 for none (``given_rest``)."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
-    row_ok = rows < n_rows
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
+        h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
     given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr, n_tiles,
                N_IDS, BLOCK_N)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..tail_backward import TailTerms
 from .common import LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
-from .tile import logits_tile, softcap_tanh, tile_coords
+from .tile import program_tile, softcap_tanh
 
 
 @triton.jit
@@ -37,12 +37,9 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
     [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, -1 for none, distinct within a row;
     at_ids alike, float32: each id's dz c_k; g_all = G; TAIL_GRAD False: g_tail is 0 (no exponential of the tail
     term). A masked pointer store."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
-                                  INTERP)
-    row_ok = rows < n_rows
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
+        h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g_all = tl.load(g_all_ptr + rows, mask=row_ok, other=0.0)
     z_scale = inv_t            # z = acc * z_scale

@@ -129,6 +129,22 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
 
 
 @triton.jit
+def program_tile(h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """The prologue of every one-tile-a-program kernel: this program's tile (``tile_coords``), its float32 products
+    (``logits_tile``) and its rows' inverse temperatures. Returns (acc, rows, cols, row_ok, inv_t, pid_n), inv_t 1.0
+    on rows past n_rows."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+    row_ok = rows < n_rows
+    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    return acc, rows, cols, row_ok, inv_t, pid_n
+
+
+@triton.jit
 def softcap_tanh(acc, CAP: tl.constexpr):
     """(t, 1 - t^2) with t = tanh(acc / CAP), elementwise, float32.
 

@@ -46,7 +46,7 @@ from ... import knobs
 from ..label_sets import SetPartial
 from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
 from .given_set import GivenBuffers, distinct, given_rest
-from .tile import logits_tile, store_row_stats, tempered_logits, tempered_tile_stats, tile_coords
+from .tile import program_tile, store_row_stats, tempered_logits, tempered_tile_stats
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
 # int64 over 128 threads: 16 each). C = CANDIDATES a tile up to k ~ 600 at V 151936; a larger k raises C so that
@@ -105,11 +105,9 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                        SOFTCAP: tl.constexpr, CAP: tl.constexpr):
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
-    row_ok = rows < n_rows
-    inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
+        h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     if STATS:
         # the fused policy pass's statistics of this tile from the same products (``policy_stats``' epilogue:
         # per-tile m, s, t in the [vocab tiles, rows] layout ``combine_tiles`` reads, and, with STORE_E,
