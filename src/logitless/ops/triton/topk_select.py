@@ -125,7 +125,6 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
     zf = tl.where((cols < n_cols)[None, :], z, float("-inf"))
     slot = tl.arange(0, C)
     r64 = rows.to(tl.int64)
-    out = r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :]
     if EACH:
         # many candidates (a redo round, a large k): each round's keys stored as they are found, no [BLOCK_M, C]
         # int64 tile (at C 64 it spilled 11.7 KB of registers a thread at 128 x 256 on sm_90)
@@ -139,7 +138,7 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
             top, at = _round(zf, cols, BIG)
             cand = tl.where(slot[None, :] == i, _row_key(top, at, NO_KEY_)[:, None], cand)
             zf = tl.where(cols[None, :] == at[:, None], float("-inf"), zf)
-        tl.store(cand_ptr + out, cand, mask=row_ok[:, None])
+        tl.store(cand_ptr + r64[:, None] * (n_tiles * C) + pid_n * C + slot[None, :], cand, mask=row_ok[:, None])
     # the rest: its largest key (the residual bound) and its sum relative to its own max (taken columns: 0)
     rest_max, rest_at = _round(zf, cols, BIG)
     rest_key = _row_key(rest_max, rest_at, NO_KEY_)
