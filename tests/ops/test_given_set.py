@@ -156,10 +156,13 @@ def test_gathered_rows_and_batch_invariance(seed, monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("select", [0, 4])
-def test_the_tail_op_runs_the_kernels(select, seed, monkeypatch):
-    """fused_logprobs_k with the tail (and the student's own top k, from the same GEMM): the kernels' record, the
-    float64 numbers."""
+@pytest.mark.parametrize("select, candidates", [(0, None), (4, None), (4, 32)])
+def test_the_tail_op_runs_the_kernels(select, candidates, seed, monkeypatch):
+    """fused_logprobs_k with the tail (and the student's own top k, from the same GEMM while the selection's tile
+    holds at most 16 candidates, ``topk_select.shares_given``; with 32 a tile, from its own GEMM): the kernels'
+    record, the float64 numbers."""
+    if candidates is not None:
+        monkeypatch.setenv("LOGITLESS_TOPK_CANDIDATES", str(candidates))
     hidden, weight, g = head(seed)
     ids = random_ids(N, V, 6, g)
     ids[3] = -100                                   # an ignored token: zeros
@@ -172,7 +175,7 @@ def test_the_tail_op_runs_the_kernels(select, seed, monkeypatch):
     lp, _, tail, top = label_set_function.fused_logprobs_k(hidden.to(DEV), weight.to(DEV), ids.to(DEV),
                                                            torch.ones(N, device=DEV), opts, with_tail=True,
                                                            select=select)
-    assert last_backend() == "triton" and len(fused) == (1 if select else 0)
+    assert last_backend() == "triton" and len(fused) == (1 if select and candidates is None else 0)
     logp = torch.log_softmax(z64(hidden, weight, torch.ones(N)), 1)
     keep = ids[:, 0] >= 0
     lp64 = logp.gather(1, ids.clamp(min=0))

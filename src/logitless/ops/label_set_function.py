@@ -419,7 +419,8 @@ def _forward_k(hidden, weight, labels, inv_temp, backend, with_entropy, with_tai
         from .triton import given_set, topk_select
         torch_pass = False
         with tf32_products(tf32):
-            if select and tp is None and _kernel_usable(mod.name, check_inputs, select, w_s, h_s, tp):
+            if (select and tp is None and _kernel_usable(mod.name, check_inputs, select, w_s, h_s, tp)
+                    and topk_select.shares_given(select, w_s.shape[0], h_s.dtype, h_s.device)):
                 # both from one GEMM: the selection kernel runs the given set's epilogue too
                 sel, part = topk_select.select_with_given(h_s, w_s, inv_temp.contiguous(), select, local, ids,
                                                           softcap, rows)

@@ -67,7 +67,9 @@ def unique_ids(tail: TailTerms) -> TailTerms:
     """``tail`` with each row's ids distinct: an id repeated within a row (only an unchecked call can repeat one)
     keeps one entry whose c_k is the sum of its occurrences' (the dz of its column), the others -1 with c 0. The
     ids in ascending order per row; no host read. What the triton dlogits kernel takes: it writes each id's c_k
-    in place of the column's other terms, one id at a time, with no tile to add repeats in."""
+    in place of the column's other terms, one id at a time, with no tile to add repeats in. Distinct ids (every
+    checked call's) are one term each, the same bits always; a repeated id's sum is a scatter_add, atomic on CUDA,
+    whose order (and last bit) may change from run to run."""
     ids, order = torch.sort(tail.ids, dim=1, stable=True)
     c = tail.at_ids.gather(1, order)
     repeat = torch.zeros_like(ids, dtype=torch.bool)

@@ -13,7 +13,6 @@ Outputs: values float32 [n, cap] and ids int32 [n, cap] (slots past a row's coun
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import int32_safe, launch_options, tile_operands
+from .common import int32_safe, launch_options, on_device, tile_operands
 from .tile import program_tile, tempered_logits
 from .topk_select import tiles_for
 
@@ -76,7 +75,7 @@ def above(hidden: Tensor, weight: Tensor, inv_temp: Tensor, tau: Tensor, cap: in
     hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
-    with (torch.cuda.device(dev) if hidden.is_cuda else contextlib.nullcontext()):
+    with on_device(hidden):
         _above_kernel[grid](h_op, w_op, inv_temp.contiguous(), tau.contiguous(), values, ids, count, n, vocab, h,
                             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap,
                             USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))

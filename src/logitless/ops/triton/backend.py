@@ -5,14 +5,12 @@ Runs on CUDA tensors; on CPU tensors only when TRITON_INTERPRET=1 was set before
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from . import backward, forward_stats
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 name = "triton"
 
@@ -31,7 +29,7 @@ def unavailable_reason(hidden: Tensor, weight: Tensor) -> Optional[str]:
 def stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, with_entropy: bool,
           softcap: Optional[float] = None):
     """(lse, entropy or None, zy), float32 [N]; see logitless.ops.contract."""
-    with _on(hidden):
+    with on_device(hidden):
         return forward_stats.stats(hidden, weight, labels, inv_temp, with_entropy, softcap)
 
 
@@ -40,9 +38,8 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
           dw_acc: Optional[Tensor] = None, grad_operands=None, tail=None):
     """(d_hidden float32 [N, H] or None, d_weight [V, H] or None); see logitless.ops.contract (``tail``: this
     backend's closed form of an op with a tail output)."""
-    with _on(hidden):
-        return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap,
-                              dw_acc, grad_operands, tail)
+    return backward.grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap,
+                          dw_acc, grad_operands, tail)     # on hidden's GPU (backward.grads)
 
 
 def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -> int:
@@ -52,8 +49,4 @@ def token_rows(stage: str, hidden: Tensor, weight: Tensor, with_entropy: bool) -
         return forward_stats.token_rows(hidden, weight, with_entropy)
     return backward.token_rows(hidden)
 
-
-def _on(t: Tensor):
-    """Launch on the tensors' GPU, not on whichever one is current (triton launches on the current)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 

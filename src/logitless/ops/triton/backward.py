@@ -26,7 +26,7 @@ from ..maths import accumulate_mm, accumulate_product
 from ..precision import GradOperands
 from ..tail_backward import TailTerms
 from . import tail_dlogits
-from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
+from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, on_device, tile_operands, tl_dtype
 from .tile import program_tile, softcap_tanh
 
 # 128 Mi elements: 256 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile). Each vocabulary
@@ -143,6 +143,13 @@ def grads(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, lse:
     Workspace: one dlogits buffer [N, C] (256 MiB in bf16 by default) besides the outputs.
     dlogits are rounded to the inputs' dtype before the cuBLAS products (bf16: ~2e-3 relative error in
     the gradients, the same as any bf16 backward; float32 inputs stay float32 throughout)."""
+    with on_device(hidden):
+        return _grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap, dw_acc,
+                      grad_operands, tail, member)
+
+
+def _grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, softcap, dw_acc,
+           grad_operands, tail, member):
     go = grad_operands or GradOperands.plain(hidden, weight)
     n, k = hidden.shape[0], go.hidden_size
     vocab = weight.shape[0]

@@ -1,6 +1,7 @@
 """What the Triton kernels share: the interpreter switch, dtypes and block-size choice."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -161,3 +162,9 @@ def int32_safe(t: torch.Tensor, block_k: int) -> torch.Tensor:
     if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) * block_k >= 2 ** 31:
         return t.contiguous()
     return t
+
+
+def on_device(t: torch.Tensor):
+    """A context in which kernels launch on ``t``'s GPU: triton launches on the current device (and its current
+    stream), which need not be the tensors' on a host of several GPUs. A no-op for CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ... import knobs
 from ..label_sets import SetPartial
-from .common import LOG2E, choose_tiles, int32_safe, launch_options, tile_operands
+from .common import LOG2E, choose_tiles, int32_safe, launch_options, on_device, tile_operands
 from .tile import program_tile, tempered_logits
 
 # bytes of one chunk's per-tile rests (tokens per chunk follow from it)
@@ -183,10 +183,11 @@ def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, i
     kernel_ids, first = distinct(local)
     step = chunk_rows(weight.shape[0], hidden.dtype, hidden.device)
     parts = []
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        h = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
-        parts.append(_pass(h, weight, inv_temp[start:stop].contiguous(), kernel_ids[start:stop], softcap))
+    with on_device(hidden):
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            h = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
+            parts.append(_pass(h, weight, inv_temp[start:stop].contiguous(), kernel_ids[start:stop], softcap))
     if len(parts) == 1:
         m, s, vals, _ = parts[0]
     elif parts:

@@ -14,15 +14,13 @@ id kept by every token makes its programs the last to finish: not balanced, a lo
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 # Not tuned on a GPU: pairs per step and H per tile (a [16, 128] float32 accumulator: 16 registers a thread);
 # LOGITLESS_TRITON_PAIRS overrides them for a sweep
@@ -140,7 +138,7 @@ def pair_products(hidden: Tensor, weight: Tensor, rows: Tensor, ids: Tensor) -> 
         return out
     h = hidden.shape[1]
     block_p, block_h, warps = _blocks()
-    with _on(hidden):
+    with on_device(hidden):
         _products_kernel[(triton.cdiv(n_pairs, block_p),)](
             hidden, weight, rows.contiguous(), ids.contiguous(), out, n_pairs, h, hidden.stride(0),
             hidden.stride(1), weight.stride(0), weight.stride(1), BLOCK_P=block_p, BLOCK_H=block_h,
@@ -160,7 +158,7 @@ def add_pairs_dh(dh: Tensor, weight: Tensor, rows: Tensor, ids: Tensor, coef: Te
     ids_s = ids.index_select(0, order)
     coef_s = coef.float().index_select(0, order)
     block_p, block_h, warps = _blocks()
-    with _on(dh):
+    with on_device(dh):
         _dh_kernel[(n, triton.cdiv(h, block_h))](
             dh, weight, ids_s, coef_s, offsets, h, dh.stride(0), dh.stride(1), weight.stride(0), weight.stride(1),
             BLOCK_P=block_p, BLOCK_H=block_h, WHILE_LOOP_=INTERPRETING, num_warps=warps)
@@ -183,13 +181,9 @@ def add_pairs_dw(dw: Tensor, hidden: Tensor, rows: Tensor, ids: Tensor, coef: Te
     rows_s = rows.index_select(0, order)
     coef_s = coef.index_select(0, order)
     block_p, block_h, warps = _blocks()
-    with _on(dw):
+    with on_device(dw):
         _dw_kernel[(uniq.numel(), triton.cdiv(h, block_h))](
             dw, hidden, uniq, rows_s, coef_s, offsets, vocab, h, dw.stride(0), dw.stride(1), hidden.stride(0),
             hidden.stride(1), BLOCK_P=block_p, BLOCK_H=block_h, WHILE_LOOP_=INTERPRETING,
             BF16_BITS=INTERPRETING and dw.dtype == torch.bfloat16, num_warps=warps)
 
-
-def _on(t: Tensor):
-    """Launch on the tensor's GPU, not on whichever one is current."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -17,7 +17,6 @@ grown to the longest sequence up to LOGITLESS_POLICY_WORKSPACE_MAX_BYTES, ``max_
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Protocol
 
 import torch
@@ -29,7 +28,7 @@ from ..policy_parts import Combine, SetDlogits, accumulate_product, balanced_chu
 from ..precision import GradOperands
 from .backend import unavailable_reason  # noqa: F401  (the same rule as fused_logprobs' triton backend)
 from .combine import combine_tiles
-from .common import choose_tiles
+from .common import choose_tiles, on_device
 from .policy_dlogits import dlogits_in_place
 from .policy_stats import chunk_stats
 
@@ -85,8 +84,7 @@ def policy_pass(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor
     weight's. bounds: the chunks' boundaries [0, ..., n], each chunk at most ``max_chunk_rows`` rows; None:
     balanced chunks. grad_operands: the gradient products of a precision's statistics operands
     (``ops/precision.py``); None: of hidden and weight."""
-    ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
-    with ctx:   # triton launches on the current device
+    with on_device(hidden):
         _policy_pass(hidden, weight, labels, inv_temp, combine, dh, dw, plan_vocab or weight.shape[0], bounds,
                      grad_operands or GradOperands.plain(hidden, weight), set_dlogits, stats_stage)
 

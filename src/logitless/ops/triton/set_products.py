@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .common import on_device
+
 BLOCK_H = 128
 
 
@@ -38,14 +40,8 @@ def set_products(hidden: Tensor, weight: Tensor, ids: Tensor) -> Tensor:
         return out
     ids = ids.contiguous()
     h = hidden.shape[1]
-    ctx = torch.cuda.device(hidden.device) if hidden.is_cuda else _null()
-    with ctx:
+    with on_device(hidden):
         _set_products_kernel[(n * k,)](hidden, weight, ids, out, n * k, k, h, hidden.stride(0), hidden.stride(1),
                                        weight.stride(0), weight.stride(1), BLOCK=BLOCK_H,
                                        H_TILES=triton.cdiv(h, BLOCK_H))
     return out
-
-
-def _null():
-    import contextlib
-    return contextlib.nullcontext()

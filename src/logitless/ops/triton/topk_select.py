@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ... import knobs
 from ..label_sets import SetPartial
-from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, tile_operands, tl_dtype
+from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, on_device, tile_operands, tl_dtype
 from .given_set import GivenBuffers, distinct, given_rest
 from .tile import program_tile, store_row_stats, tempered_logits, tempered_tile_stats
 
@@ -256,6 +256,14 @@ def fast_path_ok(k: int, vocab: int, dtype: torch.dtype, device) -> bool:
     return 1 <= k <= MAX_K and k < vocab and (n_tiles - 1) * first_candidates(k, vocab, tiles) >= k
 
 
+def shares_given(k: int, vocab: int, dtype: torch.dtype, device) -> bool:
+    """Whether a selection of k may run the given set's epilogue in its first pass (``select_with_given``): at most
+    EACH_FROM candidates a tile, since the epilogue puts them back from a [BLOCK_M, C] int64 tile (beyond that it
+    spills, as the rounds' own tile did; a small vocabulary with a large k reaches C 128). Otherwise the given set
+    takes its own GEMM (``given_set``)."""
+    return first_candidates(k, vocab, tiles_for(dtype, device)) <= EACH_FROM
+
+
 def chunk_rows(vocab: int, k: int, dtype: torch.dtype, device, c: Optional[int] = None, given_k: int = 0) -> int:
     """Tokens of one chunk so that its candidates (``c`` a tile, default the first pass's) and residuals, and the
     buffers of a given set of ``given_k`` ids (``select_with_given``), fit LOGITLESS_TOPK_BYTES (a multiple of the
@@ -358,13 +366,19 @@ def select_with_given(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, 
                       softcap: Optional[float] = None, rows: Optional[Tensor] = None) -> tuple[Selection, SetPartial]:
     """``select`` and, from the same GEMM, ``given_set.given_set``'s partial of the given ids local [n, k'] (their
     rows in this weight, -1 elsewhere; ``ids`` the global ids it carries): the student's own top k beside the mass
-    outside a teacher's ids. The given buffers (8 bytes per tile and token) count in the selection's chunks."""
+    outside a teacher's ids. The given buffers (8 bytes per tile and token) count in the selection's chunks.
+    ``shares_given`` holds."""
     kernel_ids, first = distinct(local)
     sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, kernel_ids)
     return sel, SetPartial(part.m, part.rest, part.vals.gather(1, first), ids)
 
 
 def _select(hidden, weight, inv_temp, k, softcap, rows, given) -> tuple[Selection, Optional[SetPartial]]:
+    with on_device(hidden):
+        return _select_on_device(hidden, weight, inv_temp, k, softcap, rows, given)
+
+
+def _select_on_device(hidden, weight, inv_temp, k, softcap, rows, given):
     n = inv_temp.shape[0]
     tiles = tiles_for(hidden.dtype, hidden.device)
     c = first_candidates(k, weight.shape[0], tiles)
@@ -405,8 +419,10 @@ def select_with_stats(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, 
     redone by the selection alone (``_redo``; the statistics are complete from the first pass)."""
     tiles = tiles_for(hidden.dtype, hidden.device)
     c = first_candidates(k, weight.shape[0], tiles)
-    vals, ids, lse, m, s, ok = _finish(*_first_pass(hidden, weight, inv_temp, c, None, tiles, stats), k)
-    _redo(lambda idx: hidden.index_select(0, idx), weight, inv_temp, k, None, tiles, c, (vals, ids, lse, m, s), ok)
+    with on_device(hidden):
+        vals, ids, lse, m, s, ok = _finish(*_first_pass(hidden, weight, inv_temp, c, None, tiles, stats), k)
+        _redo(lambda idx: hidden.index_select(0, idx), weight, inv_temp, k, None, tiles, c, (vals, ids, lse, m, s),
+              ok)
     return ids
 
 
