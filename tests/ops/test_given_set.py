@@ -94,6 +94,25 @@ def test_matches_float64(k, softcap, seed):
     check(run(hidden, weight, inv_temp, local, softcap), vals, m, rest)
 
 
+def test_rows_with_many_ids_in_one_tile(seed):
+    """Each tile finds its rows' ids by a binary search over their sorted ids, then takes as many steps as the most
+    any row has there: rows with 0 to 48 ids crowded into the first tiles beside rows with a few spread out, a
+    repeat and ids of another rank among them."""
+    hidden, weight, g = head(seed)
+    k = 50
+    local = random_ids(N, V, k, g)
+    for r in range(N):
+        crowd = (r % 5) * 12                        # 0, 12, 24, 36 or 48 ids among the first 1.5 tiles' columns
+        local[r, :crowd] = torch.randperm(BLOCK_N + BLOCK_N // 2, generator=g)[:crowd]
+        keep = torch.isin(local[r, crowd:], local[r, :crowd], invert=True)
+        local[r, crowd:] = torch.where(keep, local[r, crowd:], -1)   # distinct apart from the repeat below
+    local[7, 9] = local[7, 3]
+    local[8, 40:] = -1
+    inv_temp = 1.0 / (torch.rand(N, generator=g) + 0.5)
+    vals, m, rest = want(z64(hidden, weight, inv_temp), local)
+    check(run(hidden, weight, inv_temp, local), vals, m, rest)
+
+
 def test_every_column_given_leaves_no_rest(seed):
     """k = V: no column outside the ids: m -inf, rest 0 (the tail -inf, never NaN)."""
     v = 70
@@ -244,10 +263,15 @@ def test_an_id_repeated_within_a_token(seed):
     check(run(hidden, weight, inv_temp, local), vals, m, rest)
 
 
-def test_distinct_maps_repeats_to_their_first_occurrence():
-    """``given_set.distinct``: the kernels see each id of a row once (repeats -1); every entry's first occurrence,
-    so that the logits gathered back give each repeat its id's logit; -1 entries stay themselves."""
-    local = torch.tensor([[5, 2, 5, -1, 5, -1], [0, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7]])
-    ids, first = gs.distinct(local)
-    assert ids.tolist() == [[5, 2, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5], [7, -1, -1, -1, -1, -1]]
-    assert first.tolist() == [[0, 1, 0, 3, 0, 5], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0]]
+def test_distinct_sorts_each_row_and_maps_repeats_back():
+    """``given_set.distinct``: the kernels see each id of a row once, ascending, holes (ID_HOLE: -1 entries and
+    repeats) last, as their binary search needs; every entry maps back to its id's position, so that the logits
+    gathered back give each repeat its id's logit; -1 entries map to a hole (whose logit stays -inf)."""
+    from logitless.ops.label_sets import ID_HOLE
+    local = torch.tensor([[5, 2, 5, -1, 5, -1], [0, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7], [9, -1, 3, 8, 3, 0]])
+    ids, back = gs.distinct(local)
+    x = ID_HOLE
+    assert ids.tolist() == [[2, 5, x, x, x, x], [0, 1, 2, 3, 4, 5], [7, x, x, x, x, x], [0, 3, 8, 9, x, x]]
+    assert back.tolist() == [[1, 0, 1, 4, 1, 5], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0], [3, 5, 1, 2, 1, 0]]
+    got = ids.gather(1, back)
+    assert torch.equal(torch.where(local >= 0, got, -1), local) and (got[local < 0] == ID_HOLE).all()

@@ -108,20 +108,23 @@ def test_kernel_dlogits_of_a_chunk(k, softcap, tail_grad, seed):
 
 
 def test_unique_ids_sums_repeats():
-    """``tail_backward.unique_ids``: per row, one entry per distinct id with the sum of its occurrences' c, the
-    other occurrences -1 with 0; -1 ids stay -1 with 0 (their c is never read)."""
+    """``tail_backward.unique_ids``: per row, one entry per distinct id with the sum of its occurrences' c,
+    ascending, then holes (ID_HOLE) with 0 for the other occurrences and for -1 ids (their c is never read)."""
+    from logitless.ops.label_sets import ID_HOLE
     ids = torch.tensor([[5, 2, 5, 5, -1], [-1, -1, 3, 1, 3], [0, 1, 2, 3, 4]])
     c = torch.tensor([[1.0, 2.0, 4.0, 8.0, 16.0], [1.0, 2.0, 4.0, 8.0, 16.0], [1.0, 2.0, 4.0, 8.0, 16.0]])
     t = tail_backward.unique_ids(tail_backward.TailTerms(ids, c, None, torch.zeros(3)))
     for row in range(3):
-        got = {int(i): float(v) for i, v in zip(t.ids[row], t.at_ids[row], strict=True) if i >= 0}
+        real = t.ids[row] < ID_HOLE
+        assert torch.equal(t.ids[row][real], t.ids[row][real].sort().values) and not real[int(real.sum()):].any()
+        got = {int(i): float(v) for i, v in zip(t.ids[row], t.at_ids[row], strict=True) if i < ID_HOLE}
         want: dict = {}
         for i, v in zip(ids[row].tolist(), c[row].tolist(), strict=True):
             if i >= 0:
                 want[i] = want.get(i, 0.0) + v
         assert got == want, (row, got, want)
-        assert (t.at_ids[row][t.ids[row] < 0] == 0).all()
-        assert int((t.ids[row] >= 0).sum()) == len(want)
+        assert (t.at_ids[row][~real] == 0).all()
+        assert int(real.sum()) == len(want)
 
 
 # ------------------------------------------------------------------------------------------ the ops

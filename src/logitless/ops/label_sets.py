@@ -149,6 +149,43 @@ def _add_onehot_dw_static(dw: Tensor, hidden: Tensor, ids: Tensor, c: Tensor, ro
         dw.index_put_((torch.where(used, seg_ids, 0),), acc.to(dw.dtype), accumulate=True)
 
 
+# ------------------------------------------------------------------------------------------ ids for the kernels
+
+# the kernels' "no id": above every column, so that a row's ids sorted ascending keep their holes last
+ID_HOLE = 1 << 62
+
+
+def sorted_distinct(ids: Tensor, values: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """A given set as the kernels take it (``triton/given_set.py``, ``triton/tail_dlogits.py``: each tile finds
+    its rows' ids among its columns by a binary search). ids [n, k] int64 (-1: none here). Returns
+
+    - kernel ids [n, k]: each row's distinct ids ascending, then ID_HOLE for every -1 and every repeat;
+    - back [n, k] int64: where each entry's id sits among the kernel ids (a hole for -1), so that
+      ``out.gather(1, back)`` gives every occurrence, repeats included, its id's result;
+    - with ``values`` [n, k]: each distinct id's sum of its occurrences' values at its position (0 at holes).
+
+    Only an unchecked call can repeat an id; no host read. The sums of repeats are a scatter_add (atomic on CUDA:
+    their last bit may change from run to run); a distinct id's value is its own."""
+    n, k = ids.shape
+    pos = torch.arange(k, device=ids.device).expand(n, k)
+    by_id, order = torch.sort(torch.where(ids < 0, ID_HOLE, ids), dim=1, stable=True)
+    repeat = torch.zeros_like(by_id, dtype=torch.bool)
+    repeat[:, 1:] = (by_id[:, 1:] == by_id[:, :-1]) & (by_id[:, 1:] != ID_HOLE)
+    # repeats become holes and move behind the distinct ids (a second stable sort keeps their order)
+    kernel_ids, order2 = torch.sort(torch.where(repeat, ID_HOLE, by_id), dim=1, stable=True)
+    to_kernel = torch.empty_like(order2).scatter_(1, order2, pos)        # by_id position -> kernel position
+    run_start = torch.cummax(torch.where(repeat, torch.zeros_like(pos), pos), dim=1).values
+    to_by_id = torch.empty_like(order).scatter_(1, order, pos)           # entry -> by_id position
+    back = to_kernel.gather(1, run_start.gather(1, to_by_id))
+    sums = None
+    if values is not None:
+        run = torch.cumsum((~repeat).to(torch.int64), dim=1) - 1
+        total = torch.zeros_like(values).scatter_add_(1, run, values.gather(1, order))
+        at_start = torch.where(repeat | (by_id == ID_HOLE), torch.zeros_like(values), total.gather(1, run))
+        sums = at_start.gather(1, order2)
+    return kernel_ids.contiguous(), back, None if sums is None else sums.contiguous()
+
+
 # ------------------------------------------------------------------------------------------ the vocabulary pass
 
 class SetPartial(NamedTuple):

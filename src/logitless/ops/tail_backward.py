@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .label_sets import sorted_distinct
 from .maths import apply_softcap_derivative, logits_from_products, mm_fp32, tf32_products
 
 
@@ -64,23 +65,12 @@ def terms(local: Tensor, lse: Tensor, tail: Tensor, lp: Tensor, g_lp: Tensor, g_
 
 
 def unique_ids(tail: TailTerms) -> TailTerms:
-    """``tail`` with each row's ids distinct: an id repeated within a row (only an unchecked call can repeat one)
-    keeps one entry whose c_k is the sum of its occurrences' (the dz of its column), the others -1 with c 0. The
-    ids in ascending order per row; no host read. What the triton dlogits kernel takes: it writes each id's c_k
-    in place of the column's other terms, one id at a time, with no tile to add repeats in. Distinct ids (every
-    checked call's) are one term each, the same bits always; a repeated id's sum is a scatter_add, atomic on CUDA,
-    whose order (and last bit) may change from run to run."""
-    ids, order = torch.sort(tail.ids, dim=1, stable=True)
-    c = tail.at_ids.gather(1, order)
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[:, 1:] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
-    # each run of one id sums into its first entry
-    run = torch.cumsum((~repeat).to(torch.int64), dim=1) - 1
-    sums = torch.zeros_like(c).scatter_add_(1, run, c)
-    first = ~repeat & (ids >= 0)
-    return TailTerms(torch.where(first, ids, torch.full_like(ids, -1)).contiguous(),
-                     torch.where(first, sums.gather(1, run), torch.zeros_like(c)).contiguous(), tail.g_tail,
-                     tail.lse_tail)
+    """``tail`` as the triton dlogits kernel takes it (``label_sets.sorted_distinct``): each row's distinct ids
+    ascending, each with the sum of its occurrences' c_k (the dz of its column), then holes (ID_HOLE, c 0) for
+    -1 ids and repeats (only an unchecked call can repeat one). The kernel writes each id's c_k in place of the
+    column's other terms, one id at a time, with no tile to add repeats in."""
+    ids, _, c = sorted_distinct(tail.ids, tail.at_ids)
+    return TailTerms(ids, c, tail.g_tail, tail.lse_tail)
 
 
 def _rows(x: Tensor, rows: Optional[Tensor], start: int, stop: int) -> Tensor:

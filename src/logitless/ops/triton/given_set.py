@@ -5,9 +5,10 @@ the tail bucket of ``forward_kl_topk_tail`` and ``fused_logprobs_k(with_tail=Tru
 Stage 1 (``_given_kernel``), one program per [BLOCK_M tokens x BLOCK_N vocabulary rows] tile, as the forward
 statistics kernel: the float32 logits tile on the tensor cores, tempered (softcapped first), then per row
 
-- the ids that fall among the tile's columns: membership tested id by id, as the tail's dlogits kernel does
-  (``tail_dlogits.py``: a tile reads each id of its rows and compares only when one of them lies among its
-  columns); each such id's logit is stored (an id lies in one tile: one store, no race);
+- the ids that fall among the tile's columns, as the tail's dlogits kernel finds them (``tail_dlogits.py``): each
+  row's ids sorted (``label_sets.sorted_distinct``), a binary search for the first and last among the tile's
+  columns (``tile.ids_below``), then one step per id there; each such id's logit is stored (an id lies in one
+  tile: one store, no race);
 - the rest (the columns outside the ids): its max and sum exp(z - that max), relative to its own max (>= 1 once a
   column is there: no underflow), stored per (token, tile).
 
@@ -28,9 +29,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from ..label_sets import SetPartial
+from ..label_sets import SetPartial, sorted_distinct
 from .common import LOG2E, choose_tiles, int32_safe, launch_options, on_device, tile_operands
-from .tile import program_tile, tempered_logits
+from .tile import ids_below, program_tile, tempered_logits
 
 # bytes of one chunk's per-tile rests (tokens per chunk follow from it)
 DEFAULT_BYTES = 128 << 20
@@ -38,25 +39,32 @@ DEFAULT_BYTES = 128 << 20
 
 @triton.jit
 def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr, n_tiles,
-               N_IDS: tl.constexpr, BLOCK_N: tl.constexpr):
+               N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Stage 1's epilogue on the tempered logits z [M, N] of a tile (also run by the selection kernel's, with
     GIVEN: ``topk_select._candidates_kernel``): store the logit of each of the rows' ids that falls among the
-    tile's columns and the max and sum of the tile's other columns. ids / vals [n_rows, N_IDS] (vals -inf before
-    the launch), rest_m / rest_s [n_rows, n_tiles]."""
-    # one pass over the rows' ids, distinct within a row (``distinct``: the host maps repeats back), on one [M, N]
-    # tile: each id's logit read from the rest before its column is taken out (-inf), as a sum over the one
-    # matching column (tl.max would drop a NaN). A second tile (z kept beside the rest) spilled 3x the registers
-    # at 128 x 256 on sm_90
+    tile's columns and the max and sum of the tile's other columns. ids / vals [n_rows, N_IDS] (each row's ids
+    distinct and ascending, holes last: ``label_sets.sorted_distinct``; vals -inf before the launch), rest_m /
+    rest_s [n_rows, n_tiles]."""
+    # the rows' ids among the tile's columns, found by a binary search (``ids_below``: sorted ids), then one step
+    # for each j-th of them on one [M, N] tile: each id's logit read from the rest before its column is taken out
+    # (-inf), as a sum over the one matching column (tl.max would drop a NaN). The steps are as many as the most
+    # ids any row has in the tile (a handful at k 2048, where testing every id cost a tile-wide reduction each); a
+    # second tile (z kept beside the rest) spilled 3x the registers at 128 x 256 on sm_90
     first = pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
     rest = tl.where((cols < n_cols)[None, :], z, float("-inf"))
-    for i in range(0, N_IDS):
-        col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1)
-        here = row_ok & (col >= first) & (col < first + BLOCK_N)
-        if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
-            hit = (cols[None, :] == col[:, None]) & here[:, None]
-            tl.store(vals_ptr + id_rows + i, tl.sum(tl.where(hit, rest, 0.0), axis=1), mask=here)
-            rest = tl.where(hit, float("-inf"), rest)
+    lo = ids_below(ids_ptr, id_rows, row_ok, first, N_IDS, ID_STEPS)
+    count = ids_below(ids_ptr, id_rows, row_ok, first + BLOCK_N, N_IDS, ID_STEPS) - lo
+    steps = tl.max(count, axis=0)
+    j = 0
+    while j < steps:        # a while loop: the interpreter refuses a for loop to a loaded bound
+        at = lo + j
+        inside = j < count
+        col = tl.load(ids_ptr + id_rows + at, mask=inside, other=-1)
+        hit = (cols[None, :] == col[:, None]) & inside[:, None]
+        tl.store(vals_ptr + id_rows + at, tl.sum(tl.where(hit, rest, 0.0), axis=1), mask=inside)
+        rest = tl.where(hit, float("-inf"), rest)
+        j += 1
     # its max and its sum relative to it (no column left: -inf and 0); a NaN logit makes the sum NaN (tl.max drops
     # it from the max), which the finish carries to the tail
     m = tl.max(rest, axis=1)
@@ -71,17 +79,19 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
 @triton.jit(do_not_specialize=["n_rows"])
 def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr,
                   n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles,
-                  N_IDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr,
                   K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                   IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                   SOFTCAP: tl.constexpr, CAP: tl.constexpr):
-    """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, -1 for none (``given_rest``)."""
+    """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, ascending, holes last
+    (``given_rest``)."""
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
         BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
     given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr, n_tiles,
-               N_IDS, BLOCK_N)
+               N_IDS, ID_STEPS, BLOCK_N)
 
 
 # token count and tiles not specialised; the trip count is compile-time (one build per vocabulary size), so a
@@ -109,18 +119,11 @@ def _finish_kernel(rest_m_ptr, rest_s_ptr, m_ptr, s_ptr, n_tiles, TB: tl.constex
 
 
 def distinct(local: Tensor) -> tuple[Tensor, Tensor]:
-    """(ids for the kernels [n, k]: ``local`` with each repeat of an id within a row -1, first [n, k] int64: the
-    position of each entry's first occurrence in its row, itself where it is one). Only an unchecked call can
-    repeat an id; no host read. ``vals.gather(1, first)`` gives every occurrence its id's logit."""
-    ids, order = torch.sort(local, dim=1, stable=True)
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[:, 1:] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
-    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    # each sorted entry's run start (runs start at increasing positions), as a position in the row (stable: the
-    # first occurrence)
-    start = torch.cummax(torch.where(repeat, torch.zeros_like(pos), pos), dim=1).values
-    first = torch.empty_like(order).scatter_(1, order, order.gather(1, start))
-    return torch.where(first == pos, local, torch.full_like(local, -1)).contiguous(), first
+    """(ids for the kernels [n, k], back [n, k]) of ``label_sets.sorted_distinct``: each row's distinct ids
+    ascending, holes last; ``vals.gather(1, back)`` gives every entry, a repeat's too, its id's logit (-inf where
+    local is -1)."""
+    ids, back, _ = sorted_distinct(local)
+    return ids, back
 
 
 def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
@@ -169,7 +172,8 @@ def _pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, softc
     _given_kernel[(triton.cdiv(n, tiles.block_m) * n_tiles,)](
         h_op, w_op, inv_temp, local, out.vals, out.rest_m, out.rest_s, n, vocab, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), n_tiles,
-        N_IDS=local.shape[1], USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
+        N_IDS=local.shape[1], ID_STEPS=local.shape[1].bit_length(), USE_TMA=use_tma,
+        **launch_options(tiles, hidden, softcap))
     return out.finish(local)
 
 

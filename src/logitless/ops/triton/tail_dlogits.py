@@ -6,9 +6,10 @@ Each tile recomputes its logits from the statistics operands (as ``backward._dlo
     dl_ij = inv_t_i * sum over k with id_ik = j of c_ik                       at the row's ids
     dl_ij = inv_t_i * (g_tail_i exp(z_ij - lse_tail_i) - G_i p_ij)            elsewhere
 (times 1 - tanh^2 with a softcap), c_ik = g_ik - G_i exp(lp_ik) from ``tail_backward.terms``, each row's ids
-distinct (``tail_backward.unique_ids``: a repeated id's c summed into one entry). Membership is tested in the
-kernel, id by id: a tile reads each id of its rows and compares only when one of them falls among its columns
-(most tiles hold few). At the ids the terms of the columns outside are replaced, never subtracted:
+distinct and ascending (``tail_backward.unique_ids``: a repeated id's c summed into one entry). A tile finds its
+rows' ids among its columns by a binary search over them (``tile.ids_below``), then takes one step per id there:
+as many steps as the most any row has in the tile (a handful at k 2048, where testing every id of every row cost
+a tile-wide reduction each). At the ids the terms of the columns outside are replaced, never subtracted:
 exp(z_j - lse_tail) there can exceed float32 (a tiny tail), and cancelling it is what the closed form avoids. One
 [M, N] tile is live through the ids' loop (two with a softcap: its derivative's), so that the 128 x 256 tiles do
 not spill registers on sm_90 (they did, 5.3 KB a thread, with a tile for the ids' terms and one for their
@@ -22,21 +23,21 @@ from torch import Tensor
 
 from ..tail_backward import TailTerms
 from .common import LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
-from .tile import program_tile, softcap_tanh
+from .tile import ids_below, program_tile, softcap_tanh
 
 
 @triton.jit
 def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_ptr, lse_tail_ptr, g_all_ptr,
                          g_tail_ptr, dl_ptr, n_rows, n_cols, n_k, col0, s_hn, s_hk, s_wv, s_wk, s_dn,
-                         N_IDS: tl.constexpr, TAIL_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                         N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, TAIL_GRAD: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                          GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                          USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
                          OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """The module's dl for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk). ids
-    [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, -1 for none, distinct within a row;
-    at_ids alike, float32: each id's dz c_k; g_all = G; TAIL_GRAD False: g_tail is 0 (no exponential of the tail
-    term). A masked pointer store."""
+    [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, distinct and ascending within a row,
+    holes (``label_sets.ID_HOLE``) last; at_ids alike, float32: each id's dz c_k; g_all = G; TAIL_GRAD False:
+    g_tail is 0 (no exponential of the tail term). A masked pointer store."""
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
         BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
@@ -57,15 +58,22 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
         # clamp only absorbs rounding there); at the ids it would exceed float32 at a tiny tail and is not taken
         # (a select below, never a subtraction)
         dz += tl.exp2(tl.minimum(z - lse_tail[:, None], 0.0) * LOG2E) * g_tail[:, None]
-    # at the ids: their c_k in place of the terms above (the ids distinct: one replacement a column)
-    first = pid_n * BLOCK_N
+    # at the ids: their c_k in place of the terms above (the ids distinct: one replacement a column), the rows'
+    # ids among the tile's columns found by a binary search (sorted ids, ``tile.ids_below``), then one step for
+    # each j-th of them (as ``given_set.given_rest``)
+    first = col0 + pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
-    for i in range(0, N_IDS):
-        col = tl.load(ids_ptr + id_rows + i, mask=row_ok, other=-1) - col0
-        here = row_ok & (col >= first) & (col < first + BLOCK_N)
-        if tl.max(here.to(tl.int32), axis=0) > 0:     # most tiles hold few ids; a -1 lies below every column
-            c_i = tl.load(at_ids_ptr + id_rows + i, mask=row_ok, other=0.0)
-            dz = tl.where((cols[None, :] == col[:, None]) & here[:, None], c_i[:, None], dz)
+    lo = ids_below(ids_ptr, id_rows, row_ok, first, N_IDS, ID_STEPS)
+    count = ids_below(ids_ptr, id_rows, row_ok, first + BLOCK_N, N_IDS, ID_STEPS) - lo
+    steps = tl.max(count, axis=0)
+    j = 0
+    while j < steps:        # a while loop: the interpreter refuses a for loop to a loaded bound
+        at = lo + j
+        inside = j < count
+        col = tl.load(ids_ptr + id_rows + at, mask=inside, other=-1) - col0
+        c_j = tl.load(at_ids_ptr + id_rows + at, mask=inside, other=0.0)
+        dz = tl.where((cols[None, :] == col[:, None]) & inside[:, None], c_j[:, None], dz)
+        j += 1
     dl = dz * inv_t[:, None]
     if SOFTCAP:
         dl = dl * dcap     # chain rule through the cap: d z / d raw = inv_t * (1 - t^2)
@@ -87,6 +95,7 @@ def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, tail: TailTerms, i
         h_op, w_op, tail.ids, tail.at_ids, inv_temp, lse, tail.lse_tail, g_all,
         tail.g_tail if tail_grad else g_all, out,
         n, cols, k, col0, hidden.stride(0), hidden.stride(1), w_chunk.stride(0), w_chunk.stride(1), out.stride(0),
-        N_IDS=tail.ids.shape[1], TAIL_GRAD=tail_grad, USE_TMA=use_tma, OUT_DTYPE=tl_dtype(out.dtype),
+        N_IDS=tail.ids.shape[1], ID_STEPS=tail.ids.shape[1].bit_length(), TAIL_GRAD=tail_grad, USE_TMA=use_tma,
+        OUT_DTYPE=tl_dtype(out.dtype),
         **launch_options(tiles, hidden, softcap))
     return out

@@ -145,6 +145,21 @@ def program_tile(h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_
 
 
 @triton.jit
+def ids_below(ids_ptr, id_rows, row_ok, target, N_IDS: tl.constexpr, ID_STEPS: tl.constexpr):
+    """[M] int64: how many of each row's N_IDS ids lie below ``target`` (a column), the row's ids at
+    ids_ptr + id_rows [M] ascending with their holes (``label_sets.ID_HOLE``) last. A binary search: ID_STEPS =
+    N_IDS.bit_length() loads a row (2^ID_STEPS > N_IDS), the largest prefix whose last id is below the target
+    grown by halving widths. Rows past n_rows (``row_ok`` False): 0."""
+    pos = tl.zeros_like(id_rows)
+    for s in tl.static_range(ID_STEPS):
+        cand = pos + (1 << (ID_STEPS - 1 - s))
+        inside = row_ok & (cand <= N_IDS)
+        last = tl.load(ids_ptr + id_rows + tl.minimum(cand, N_IDS) - 1, mask=inside, other=0)
+        pos = tl.where(inside & (last < target), cand, pos)
+    return pos
+
+
+@triton.jit
 def softcap_tanh(acc, CAP: tl.constexpr):
     """(t, 1 - t^2) with t = tanh(acc / CAP), elementwise, float32.
 

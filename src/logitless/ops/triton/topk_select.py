@@ -100,7 +100,7 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
                        n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles, s_en,
                        C: tl.constexpr, NO_KEY_: tl.constexpr, BIG: tl.constexpr,
                        STATS: tl.constexpr, STORE_E: tl.constexpr, E_DTYPE: tl.constexpr,
-                       GIVEN: tl.constexpr, N_IDS: tl.constexpr, EACH: tl.constexpr,
+                       GIVEN: tl.constexpr, N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, EACH: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
@@ -157,7 +157,7 @@ def _candidates_kernel(h_ptr, w_ptr, inv_temp_ptr, cand_ptr, rest_key_ptr, rest_
             col = 2147483647 - (key & 0xFFFFFFFF)
             zf = tl.where(cols[None, :].to(tl.int64) == col[:, None], _values(key)[:, None], zf)
         given_rest(zf, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, given_m_ptr, given_s_ptr, n_tiles,
-                   N_IDS, BLOCK_N)
+                   N_IDS, ID_STEPS, BLOCK_N)
 
 
 # token count, tiles and candidates per row not specialised; the trip counts are compile-time (one build per
@@ -312,6 +312,7 @@ def _first_pass(hidden: Tensor, weight: Tensor, inv_temp: Tensor, c: int, softca
                              stats.e.stride(0) if store_e else 0,
                              C=c, NO_KEY_=NO_KEY, BIG=2147483647, STATS=stats is not None, STORE_E=store_e,
                              GIVEN=given is not None, N_IDS=1 if given is None else given[0].shape[1],
+                             ID_STEPS=1 if given is None else given[0].shape[1].bit_length(),
                              EACH=c > EACH_FROM and given is None,
                              E_DTYPE=tl_dtype(stats.e.dtype) if store_e else tl.float32, USE_TMA=use_tma,
                              **launch_options(tiles, hidden, softcap))
