@@ -166,6 +166,7 @@ def sorted_distinct(ids: Tensor, values: Optional[Tensor] = None) -> tuple[Tenso
 
     Only an unchecked call can repeat an id; no host read. The sums of repeats are a scatter_add (atomic on CUDA:
     their last bit may change from run to run); a distinct id's value is its own."""
+    ids = ids.long()            # ID_HOLE is an int64
     n, k = ids.shape
     pos = torch.arange(k, device=ids.device).expand(n, k)
     by_id, order = torch.sort(torch.where(ids < 0, ID_HOLE, ids), dim=1, stable=True)

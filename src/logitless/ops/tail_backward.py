@@ -36,9 +36,10 @@ class TailTerms(NamedTuple):
     """What the closed form needs per kept row besides lse, the temperature and G (the backends' g_lp).
 
     ids [n, k] int64: the ids' rows in this weight (-1: an ignored row, or an id another rank holds: no column
-    here); at_ids [n, k] float32: each id's dz c_k = g_k - G exp(lp_k); g_tail [n] float32, or None when the tail
-    gets no gradient (its term is then 0); lse_tail [n] float32: the logsumexp outside the ids (global), +inf
-    where no column lies outside them (k = V: exp(z_j - lse_tail) = 0)."""
+    here; ``label_sets.ID_HOLE`` in ``unique_ids``' form, the triton kernel's); at_ids [n, k] float32: each id's
+    dz c_k = g_k - G exp(lp_k); g_tail [n] float32, or None when the tail gets no gradient (its term is then 0);
+    lse_tail [n] float32: the logsumexp outside the ids (global), +inf where no column lies outside them (k = V:
+    exp(z_j - lse_tail) = 0)."""
     ids: Tensor
     at_ids: Tensor
     g_tail: Optional[Tensor]

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..divergence_terms import STAT_ROWS, Divergence, HeadTransform, RowTerms
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 BLOCK = 256 if INTERPRETING else 1024
 SPAN = 2048 if INTERPRETING else 8192            # a multiple of BLOCK
@@ -209,8 +209,9 @@ def statistics(raw_s: Tensor, raw_t: Tensor, inv_temp: Tensor, div: Divergence, 
     c, v = raw_s.shape
     span, n_spans = _spans(v)
     out = torch.empty((STAT_ROWS, c, n_spans), dtype=torch.float64, device=raw_s.device)
-    _stats_kernel[(c, n_spans)](raw_s, raw_t, raw_s.stride(0), inv_temp, out, c, n_spans, v,
-                                KIND=KINDS[div.kind], BLOCK=BLOCK, STEPS=span // BLOCK, **_heads(student, teacher))
+    with on_device(raw_s):
+        _stats_kernel[(c, n_spans)](raw_s, raw_t, raw_s.stride(0), inv_temp, out, c, n_spans, v,
+                                    KIND=KINDS[div.kind], BLOCK=BLOCK, STEPS=span // BLOCK, **_heads(student, teacher))
     return div.combine_parts(out)
 
 
@@ -226,8 +227,9 @@ def sums(raw_s: Tensor, raw_t: Tensor, inv_temp: Tensor, rows: RowTerms, div: Di
     out = torch.empty((2, c, n_spans), dtype=torch.float64, device=raw_s.device)
     args = _divergence_args(div)
     del args["KIND"]
-    _sums_kernel[(c, n_spans)](raw_s, raw_t, raw_s.stride(0), inv_temp, *_rows(rows), out, c, n_spans, v,
-                               BLOCK=BLOCK, STEPS=span // BLOCK, **_heads(student, teacher), **args)
+    with on_device(raw_s):
+        _sums_kernel[(c, n_spans)](raw_s, raw_t, raw_s.stride(0), inv_temp, *_rows(rows), out, c, n_spans, v,
+                                   BLOCK=BLOCK, STEPS=span // BLOCK, **_heads(student, teacher), **args)
     total = out.sum(dim=2)
     return total[0], total[1]
 
@@ -245,7 +247,8 @@ def dlogits(raw_s: Tensor, raw_t: Tensor, inv_temp: Tensor, rows: RowTerms, d: T
         coef = a.float()
     else:
         coef = rows.g_s        # not read
-    _dlogits_kernel[(c, n_spans)](raw_s, raw_t, raw_s.stride(0), inv_temp, *_rows(rows), coef.contiguous(), token_w,
-                                  out, out.stride(0), v, BLOCK=BLOCK, STEPS=span // BLOCK,
-                                  **_heads(student, teacher), **_divergence_args(div))
+    with on_device(raw_s):
+        _dlogits_kernel[(c, n_spans)](raw_s, raw_t, raw_s.stride(0), inv_temp, *_rows(rows), coef.contiguous(), token_w,
+                                      out, out.stride(0), v, BLOCK=BLOCK, STEPS=span // BLOCK,
+                                      **_heads(student, teacher), **_divergence_args(div))
     return out

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 # a [BLOCK_R, BLOCK_C] tile per program; small in the interpreter so that tests reach the masked edges
 BLOCK_R = 4 if INTERPRETING else 16
@@ -36,6 +36,7 @@ def bf16_exact_all(x: Tensor) -> Tensor:
         return torch.ones((), dtype=torch.bool, device=x.device)
     grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
     low = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-    _low_bits_kernel[grid](x, low, rows, cols, x.stride(0), x.stride(1), BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                           num_warps=4)
+    with on_device(x):
+        _low_bits_kernel[grid](x, low, rows, cols, x.stride(0), x.stride(1), BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+                               num_warps=4)
     return low.amax() == 0

@@ -136,8 +136,8 @@ def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
 
 
 class GivenBuffers(NamedTuple):
-    """One chunk's outputs of stage 1: vals [c, k] float32 (-inf until a tile writes an id's logit), rest_m and
-    rest_s [c, tiles] float32."""
+    """One chunk's outputs of stage 1: vals [c, k] float32 (-inf until a tile writes an id's logit; in the order of
+    the kernel ids, ``distinct``'s, which the callers map back), rest_m and rest_s [c, tiles] float32."""
     vals: Tensor
     rest_m: Tensor
     rest_s: Tensor
@@ -149,7 +149,8 @@ class GivenBuffers(NamedTuple):
                             torch.empty((n, n_tiles), **f32))
 
     def finish(self, local: Tensor) -> SetPartial:
-        """Stage 2: the chunk's partial (m, rest of the columns outside the ids; vals; ids ``local``)."""
+        """Stage 2: the chunk's partial (m, rest of the columns outside the ids; vals and ids ``local`` in the kernel
+        ids' order: the callers gather them back, ``distinct``)."""
         n, n_tiles = self.rest_m.shape
         f32 = dict(dtype=torch.float32, device=self.vals.device)
         m, s = torch.empty(n, **f32), torch.empty(n, **f32)
@@ -184,7 +185,7 @@ def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, i
     hidden [N, H] (or its rows ``rows`` [n], gathered a chunk at a time), weight [V, H], inv_temp [n], local [n, k]
     int64 (the ids' rows in this weight, -1 elsewhere). In token chunks of ``chunk_rows``; no host read."""
     n = local.shape[0]
-    kernel_ids, first = distinct(local)
+    kernel_ids, back = distinct(local)
     step = chunk_rows(weight.shape[0], hidden.dtype, hidden.device)
     parts = []
     with on_device(hidden):
@@ -199,4 +200,4 @@ def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, i
     else:
         f32 = dict(dtype=torch.float32, device=hidden.device)
         m, s, vals = torch.empty(0, **f32), torch.empty(0, **f32), torch.empty(local.shape, **f32)
-    return SetPartial(m, s, vals.gather(1, first), ids)
+    return SetPartial(m, s, vals.gather(1, back), ids)

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import policy_terms as terms
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 BLOCK = 64 if INTERPRETING else 1024
 # the clamps of the definition (k3's), as compile-time constants of the kernel; the policy ratio's own clamp
@@ -241,10 +241,11 @@ def chunk_terms(lp: Tensor, ent: Tensor, tokens: terms.TokenInputs, settings: Te
     partial = torch.empty((grid, 3), dtype=torch.float64, device=dev)
     adv = tokens.advantages
     u, v = tokens.ent_weights, tokens.kl_weights
-    _terms_kernel[(grid,)](
-        lp, ent, adv, tokens.old_logprobs if sw["HAS_OLD"] else adv, tokens.ref_logprobs if sw["HAS_REF"] else adv,
-        tokens.weights, tokens.rollout_weights if sw["HAS_RHO"] else adv, adv if u is None else u,
-        adv if v is None else v, settings.params, g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw,
-        HAS_U=u is not None, HAS_V=v is not None, BLOCK=BLOCK, num_warps=4)
+    with on_device(lp):
+        _terms_kernel[(grid,)](
+            lp, ent, adv, tokens.old_logprobs if sw["HAS_OLD"] else adv, tokens.ref_logprobs if sw["HAS_REF"] else adv,
+            tokens.weights, tokens.rollout_weights if sw["HAS_RHO"] else adv, adv if u is None else u,
+            adv if v is None else v, settings.params, g_lp, g_ent if g_ent is not None else g_lp, partial, n, **sw,
+            HAS_U=u is not None, HAS_V=v is not None, BLOCK=BLOCK, num_warps=4)
     sums += partial.sum(dim=0)
     return g_lp, g_ent

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 BLOCK = 256 if INTERPRETING else 4096
 # blocks per program, unrolled (a compile-time trip count: see tile.py): 64 Ki elements per program keeps
@@ -40,5 +40,6 @@ def scale_in_place(x: Tensor, g: Tensor) -> Tensor:
         raise ValueError(f"g must be a one-element tensor on {x.device}, got shape {tuple(g.shape)} on {g.device}")
     n = x.numel()
     if n:
-        _scale_kernel[(triton.cdiv(n, BLOCK * UNROLL),)](x, g, n, BLOCK=BLOCK, UNROLL=UNROLL, num_warps=4)
+        with on_device(x):
+            _scale_kernel[(triton.cdiv(n, BLOCK * UNROLL),)](x, g, n, BLOCK=BLOCK, UNROLL=UNROLL, num_warps=4)
     return x

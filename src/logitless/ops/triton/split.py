@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INTERPRETING
+from .common import INTERPRETING, on_device
 
 # a [BLOCK_R, BLOCK_C] tile per program; small in the interpreter so that tests reach the masked edges
 BLOCK_R = 4 if INTERPRETING else 8
@@ -67,6 +67,7 @@ def split_concat(x: Tensor, blocks: tuple) -> Tensor:
         return out
     code = sum(p << (2 * b) for b, p in enumerate(blocks))
     grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
-    _split_kernel[grid](x, out, rows, cols, x.stride(0), x.stride(1), out.stride(0),
-                        BLOCKS=len(blocks), CODE=code, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+    with on_device(x):
+        _split_kernel[grid](x, out, rows, cols, x.stride(0), x.stride(1), out.stride(0),
+                            BLOCKS=len(blocks), CODE=code, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
     return out

@@ -369,9 +369,9 @@ def select_with_given(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, 
     rows in this weight, -1 elsewhere; ``ids`` the global ids it carries): the student's own top k beside the mass
     outside a teacher's ids. The given buffers (8 bytes per tile and token) count in the selection's chunks.
     ``shares_given`` holds."""
-    kernel_ids, first = distinct(local)
+    kernel_ids, back = distinct(local)
     sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, kernel_ids)
-    return sel, SetPartial(part.m, part.rest, part.vals.gather(1, first), ids)
+    return sel, SetPartial(part.m, part.rest, part.vals.gather(1, back), ids)
 
 
 def _select(hidden, weight, inv_temp, k, softcap, rows, given) -> tuple[Selection, Optional[SetPartial]]:
