@@ -7,7 +7,7 @@ statistics kernel: the float32 logits tile on the tensor cores, tempered (softca
 
 - the ids that fall among the tile's columns, as the tail's dlogits kernel finds them (``tail_dlogits.py``): each
   row's ids sorted (``label_sets.sorted_distinct``), a binary search for the first and last among the tile's
-  columns (``tile.ids_below``), then one step per id there; each such id's logit is stored (an id lies in one
+  columns (``tile.ids_in_tile``), then one step per id there; each such id's logit is stored (an id lies in one
   tile: one store, no race);
 - the rest (the columns outside the ids): its max and sum exp(z - that max), relative to its own max (>= 1 once a
   column is there: no underflow), stored per (token, tile).
@@ -31,7 +31,7 @@ from torch import Tensor
 from ... import knobs
 from ..label_sets import SetPartial, sorted_distinct
 from .common import LOG2E, choose_tiles, int32_safe, launch_options, on_device, tile_operands
-from .tile import ids_below, program_tile, tempered_logits
+from .tile import ids_in_tile, program_tile, tempered_logits
 
 # bytes of one chunk's per-tile rests (tokens per chunk follow from it)
 DEFAULT_BYTES = 128 << 20
@@ -45,7 +45,7 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
     tile's columns and the max and sum of the tile's other columns. ids / vals [n_rows, N_IDS] (each row's ids
     distinct and ascending, holes last: ``label_sets.sorted_distinct``; vals -inf before the launch), rest_m /
     rest_s [n_rows, n_tiles]."""
-    # the rows' ids among the tile's columns, found by a binary search (``ids_below``: sorted ids), then one step
+    # the rows' ids among the tile's columns, found by a binary search (``tile.ids_in_tile``: sorted ids), then one step
     # for each j-th of them on one [M, N] tile: each id's logit read from the rest before its column is taken out
     # (-inf), as a sum over the one matching column (tl.max would drop a NaN). The steps are as many as the most
     # ids any row has in the tile (a handful at k 2048, where testing every id cost a tile-wide reduction each); a
@@ -53,9 +53,7 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
     first = pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
     rest = tl.where((cols < n_cols)[None, :], z, float("-inf"))
-    lo = ids_below(ids_ptr, id_rows, row_ok, first, N_IDS, ID_STEPS)
-    count = ids_below(ids_ptr, id_rows, row_ok, first + BLOCK_N, N_IDS, ID_STEPS) - lo
-    steps = tl.max(count, axis=0)
+    lo, count, steps = ids_in_tile(ids_ptr, id_rows, row_ok, first, BLOCK_N, N_IDS, ID_STEPS)
     j = 0
     while j < steps:        # a while loop: the interpreter refuses a for loop to a loaded bound
         at = lo + j

@@ -7,7 +7,7 @@ Each tile recomputes its logits from the statistics operands (as ``backward._dlo
     dl_ij = inv_t_i * (g_tail_i exp(z_ij - lse_tail_i) - G_i p_ij)            elsewhere
 (times 1 - tanh^2 with a softcap), c_ik = g_ik - G_i exp(lp_ik) from ``tail_backward.terms``, each row's ids
 distinct and ascending (``tail_backward.unique_ids``: a repeated id's c summed into one entry). A tile finds its
-rows' ids among its columns by a binary search over them (``tile.ids_below``), then takes one step per id there:
+rows' ids among its columns by a binary search over them (``tile.ids_in_tile``), then takes one step per id there:
 as many steps as the most any row has in the tile (a handful at k 2048, where testing every id of every row cost
 a tile-wide reduction each). At the ids the terms of the columns outside are replaced, never subtracted:
 exp(z_j - lse_tail) there can exceed float32 (a tiny tail), and cancelling it is what the closed form avoids. One
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..tail_backward import TailTerms
 from .common import LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
-from .tile import ids_below, program_tile, softcap_tanh
+from .tile import ids_in_tile, program_tile, softcap_tanh
 
 
 @triton.jit
@@ -59,13 +59,11 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
         # (a select below, never a subtraction)
         dz += tl.exp2(tl.minimum(z - lse_tail[:, None], 0.0) * LOG2E) * g_tail[:, None]
     # at the ids: their c_k in place of the terms above (the ids distinct: one replacement a column), the rows'
-    # ids among the tile's columns found by a binary search (sorted ids, ``tile.ids_below``), then one step for
+    # ids among the tile's columns found by a binary search (sorted ids, ``tile.ids_in_tile``), then one step for
     # each j-th of them (as ``given_set.given_rest``)
     first = col0 + pid_n * BLOCK_N
     id_rows = rows.to(tl.int64) * N_IDS
-    lo = ids_below(ids_ptr, id_rows, row_ok, first, N_IDS, ID_STEPS)
-    count = ids_below(ids_ptr, id_rows, row_ok, first + BLOCK_N, N_IDS, ID_STEPS) - lo
-    steps = tl.max(count, axis=0)
+    lo, count, steps = ids_in_tile(ids_ptr, id_rows, row_ok, first, BLOCK_N, N_IDS, ID_STEPS)
     j = 0
     while j < steps:        # a while loop: the interpreter refuses a for loop to a loaded bound
         at = lo + j

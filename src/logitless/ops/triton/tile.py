@@ -145,7 +145,7 @@ def program_tile(h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_
 
 
 @triton.jit
-def ids_below(ids_ptr, id_rows, row_ok, target, N_IDS: tl.constexpr, ID_STEPS: tl.constexpr):
+def _ids_below(ids_ptr, id_rows, row_ok, target, N_IDS: tl.constexpr, ID_STEPS: tl.constexpr):
     """[M] int64: how many of each row's N_IDS ids lie below ``target`` (a column), the row's ids at
     ids_ptr + id_rows [M] ascending with their holes (``label_sets.ID_HOLE``) last. A binary search: ID_STEPS =
     N_IDS.bit_length() loads a row (2^ID_STEPS > N_IDS), the largest prefix whose last id is below the target
@@ -157,6 +157,17 @@ def ids_below(ids_ptr, id_rows, row_ok, target, N_IDS: tl.constexpr, ID_STEPS: t
         last = tl.load(ids_ptr + id_rows + tl.minimum(cand, N_IDS) - 1, mask=inside, other=0)
         pos = tl.where(inside & (last < target), cand, pos)
     return pos
+
+
+@triton.jit
+def ids_in_tile(ids_ptr, id_rows, row_ok, first, BLOCK_N: tl.constexpr, N_IDS: tl.constexpr,
+                ID_STEPS: tl.constexpr):
+    """(lo [M], count [M], steps): each row's ids among the columns first .. first + BLOCK_N are its sorted ids
+    lo .. lo + count (``_ids_below``, twice); steps, the largest count, is how many steps a loop over the j-th id
+    of every row takes."""
+    lo = _ids_below(ids_ptr, id_rows, row_ok, first, N_IDS, ID_STEPS)
+    count = _ids_below(ids_ptr, id_rows, row_ok, first + BLOCK_N, N_IDS, ID_STEPS) - lo
+    return lo, count, tl.max(count, axis=0)
 
 
 @triton.jit
