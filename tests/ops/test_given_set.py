@@ -263,13 +263,13 @@ def test_an_id_repeated_within_a_token(seed):
     check(run(hidden, weight, inv_temp, local), vals, m, rest)
 
 
-def test_distinct_sorts_each_row_and_maps_repeats_back():
-    """``given_set.distinct``: the kernels see each id of a row once, ascending, holes (ID_HOLE: -1 entries and
+def test_sorted_distinct_sorts_each_row_and_maps_repeats_back():
+    """``label_sets.sorted_distinct``: the kernels see each id of a row once, ascending, holes (ID_HOLE: -1 entries and
     repeats) last, as their binary search needs; every entry maps back to its id's position, so that the logits
     gathered back give each repeat its id's logit; -1 entries map to a hole (whose logit stays -inf)."""
-    from logitless.ops.label_sets import ID_HOLE
+    from logitless.ops.label_sets import ID_HOLE, sorted_distinct
     local = torch.tensor([[5, 2, 5, -1, 5, -1], [0, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7], [9, -1, 3, 8, 3, 0]])
-    ids, back = gs.distinct(local)
+    ids, back, _ = sorted_distinct(local)
     x = ID_HOLE
     assert ids.tolist() == [[2, 5, x, x, x, x], [0, 1, 2, 3, 4, 5], [7, x, x, x, x, x], [0, 3, 8, 9, x, x]]
     assert back.tolist() == [[1, 0, 1, 4, 1, 5], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0], [3, 5, 1, 2, 1, 0]]

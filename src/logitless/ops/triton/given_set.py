@@ -78,10 +78,9 @@ def given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_p
 def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr,
                   n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, n_tiles,
                   N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr,
-                  K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                  IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-                  SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr,
+                  INTERP: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, ascending, holes last
     (``given_rest``)."""
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
@@ -116,14 +115,6 @@ def _finish_kernel(rest_m_ptr, rest_s_ptr, m_ptr, s_ptr, n_tiles, TB: tl.constex
     tl.store(s_ptr + row, s)
 
 
-def distinct(local: Tensor) -> tuple[Tensor, Tensor]:
-    """(ids for the kernels [n, k], back [n, k]) of ``label_sets.sorted_distinct``: each row's distinct ids
-    ascending, holes last; ``vals.gather(1, back)`` gives every entry, a repeat's too, its id's logit (-inf where
-    local is -1)."""
-    ids, back, _ = sorted_distinct(local)
-    return ids, back
-
-
 def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
     """Tokens of one chunk so that its per-tile rests fit LOGITLESS_GIVEN_SET_BYTES (a multiple of the token
     tile)."""
@@ -135,7 +126,8 @@ def chunk_rows(vocab: int, dtype: torch.dtype, device) -> int:
 
 class GivenBuffers(NamedTuple):
     """One chunk's outputs of stage 1: vals [c, k] float32 (-inf until a tile writes an id's logit; in the order of
-    the kernel ids, ``distinct``'s, which the callers map back), rest_m and rest_s [c, tiles] float32."""
+    the kernel ids, ``label_sets.sorted_distinct``'s, which the callers map back), rest_m and rest_s [c, tiles]
+    float32."""
     vals: Tensor
     rest_m: Tensor
     rest_s: Tensor
@@ -148,7 +140,7 @@ class GivenBuffers(NamedTuple):
 
     def finish(self, local: Tensor) -> SetPartial:
         """Stage 2: the chunk's partial (m, rest of the columns outside the ids; vals and ids ``local`` in the kernel
-        ids' order: the callers gather them back, ``distinct``)."""
+        ids' order: the callers gather them back, ``label_sets.sorted_distinct``)."""
         n, n_tiles = self.rest_m.shape
         f32 = dict(dtype=torch.float32, device=self.vals.device)
         m, s = torch.empty(n, **f32), torch.empty(n, **f32)
@@ -183,7 +175,7 @@ def given_set(hidden: Tensor, weight: Tensor, inv_temp: Tensor, local: Tensor, i
     hidden [N, H] (or its rows ``rows`` [n], gathered a chunk at a time), weight [V, H], inv_temp [n], local [n, k]
     int64 (the ids' rows in this weight, -1 elsewhere). In token chunks of ``chunk_rows``; no host read."""
     n = local.shape[0]
-    kernel_ids, back = distinct(local)
+    kernel_ids, back, _ = sorted_distinct(local)
     step = chunk_rows(weight.shape[0], hidden.dtype, hidden.device)
     parts = []
     with on_device(hidden):

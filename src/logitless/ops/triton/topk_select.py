@@ -43,9 +43,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from ..label_sets import SetPartial
+from ..label_sets import SetPartial, sorted_distinct
 from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, on_device, tile_operands, tl_dtype
-from .given_set import GivenBuffers, distinct, given_rest
+from .given_set import GivenBuffers, given_rest
 from .tile import program_tile, store_row_stats, tempered_logits, tempered_tile_stats
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
@@ -369,7 +369,7 @@ def select_with_given(hidden: Tensor, weight: Tensor, inv_temp: Tensor, k: int, 
     rows in this weight, -1 elsewhere; ``ids`` the global ids it carries): the student's own top k beside the mass
     outside a teacher's ids. The given buffers (8 bytes per tile and token) count in the selection's chunks.
     ``shares_given`` holds."""
-    kernel_ids, back = distinct(local)
+    kernel_ids, back, _ = sorted_distinct(local)
     sel, part = _select(hidden, weight, inv_temp, k, softcap, rows, kernel_ids)
     return sel, SetPartial(part.m, part.rest, part.vals.gather(1, back), ids)
 
