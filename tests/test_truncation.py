@@ -617,8 +617,9 @@ def wide_rounds(monkeypatch):
 
 
 def _wide_inputs():
-    shape = dict(lead=LEAD) if device_for("triton") == "cuda" else dict(lead=(2, 5), v=1031, h=48)
-    return make_inputs(**shape, dtype=torch.bfloat16, logit_std=2.0)
+    # one shape on every device: at V 4099 (the other tests' shape) a top_p of 0.95 keeps thousands of ids, most of
+    # them too close to the bound for float64 to decide, and a nucleus of 0.99999 is past any slots a test can ask
+    return make_inputs(lead=(2, 5), v=1031, h=48, dtype=torch.bfloat16, logit_std=2.0)
 
 
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.95), Truncation(min_p=0.02),

@@ -74,6 +74,9 @@ def run(backend, hidden, weight, labels, t_ids, t_lp, temperature, *, one_pass=T
     w = weight.to(dev).requires_grad_()
     if not one_pass:
         monkeypatch.setattr(distillation, "one_pass_applies", lambda *a: False)
+    if hidden.dtype == torch.float32:
+        # IEEE products: the one-pass route's (CUDA's default for float32, the bf16x3 split, keeps the other route)
+        kw.setdefault("precision", "ieee")
     out = fused_distillation_loss(h, w, labels.to(dev), divergence="forward_kl_topk", teacher_topk_ids=t_ids.to(dev),
                                   teacher_topk_logprobs=t_lp.to(dev), temperature=temperature.to(dev),
                                   backend=backend, **kw)
@@ -142,7 +145,7 @@ def test_without_overlap_and_gradients_only_where_wanted(backend, seed):
     hidden, weight, labels, t_ids, t_lp, temperature = batch(seed, 5, torch.float32)
     dev = device_for(backend)
     kw = dict(divergence="forward_kl_topk", teacher_topk_ids=t_ids.to(dev), teacher_topk_logprobs=t_lp.to(dev),
-              temperature=temperature.to(dev), backend=backend, log_prob_min_clamp=-8.0)
+              temperature=temperature.to(dev), backend=backend, log_prob_min_clamp=-8.0, precision="ieee")
     h = hidden.to(dev).requires_grad_()
     w = weight.to(dev)
     out = fused_distillation_loss(h, w, labels.to(dev), with_overlap=False, **kw)

@@ -22,9 +22,11 @@ from reference64 import device_for
 pytestmark = pytest.mark.skipif(not (INTERPRETING or torch.cuda.is_available()),
                                 reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 DEV = torch.device(device_for("triton"))
-V, H, N = 1031, 40, 37
-# the given-set kernel's tile width here (64 in the interpreter, 128 or 256 on a GPU): ids placed at its edges
-BLOCK_N = choose_tiles("FWD", torch.float32, DEV).block_n
+# the given-set kernel's tiles here (64 columns in the interpreter, 128 or 256 on a GPU): ids placed at their edges;
+# N past two token tiles, so that the byte knobs at 1 (one token tile a chunk) split the batch on a GPU too
+TILES = choose_tiles("FWD", torch.float32, DEV)
+BLOCK_N = TILES.block_n
+V, H, N = 1031, 40, max(37, 2 * TILES.block_m + 5)
 
 
 def head(seed, n=N, v=V, h=H, std=3.0, dtype=torch.float32):

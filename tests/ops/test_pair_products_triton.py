@@ -11,6 +11,7 @@ import torch
 from logitless import Truncation, fused_logprobs
 from logitless.ops import kept_pairs
 from logitless.ops.triton import pair_products as kernels
+from logitless.ops.triton.common import INTERPRETING
 from reference64 import device_for
 
 N, H, V = 7, 96, 4099
@@ -238,17 +239,18 @@ def test_truncated_logprobs_on_the_kernels_equal_the_torch_path(dtype, seed, tri
 
 def test_settings_form_through_the_path_knob_equals_the_torch_path(monkeypatch):
     """LOGITLESS_PAIRS_PATH=triton puts the settings form's pairs (the anchors and labels forward, every kept pair
-    backward) on the kernels for CPU tensors too: the torch path's numbers to float32's summation order; "torch"
-    keeps them off the kernels; a bad value is refused by name."""
+    backward) on the kernels (CPU tensors in the interpreter, CUDA ones compiled): the torch path's numbers to
+    float32's summation order; "torch" keeps them off the kernels; a bad value is refused by name, and so is
+    "triton" for CPU tensors outside the interpreter (compiled kernels cannot read them)."""
     gen = torch.Generator().manual_seed(5)
-    hidden = torch.randn(N, H, generator=gen)
-    weight = torch.randn(V, H, generator=gen) / H ** 0.5 * 3
-    labels = torch.randint(0, V, (N,), generator=gen)
+    hidden = torch.randn(N, H, generator=gen).to(DEV)
+    weight = (torch.randn(V, H, generator=gen) / H ** 0.5 * 3).to(DEV)
+    labels = torch.randint(0, V, (N,), generator=gen).to(DEV)
     results = {}
     for path in ("triton", "torch"):
         monkeypatch.setenv("LOGITLESS_PAIRS_PATH", path)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fused_logprobs(h, w, labels, temperature=0.8, backend="chunked",
+        out = fused_logprobs(h, w, labels, temperature=0.8, backend="chunked", precision="ieee",
                              truncation=Truncation(top_k=20, top_p=0.9))
         (out.logprobs.sum() + out.entropy.sum()).backward()
         results[path] = [out.logprobs.detach(), out.entropy.detach(), h.grad, w.grad]
@@ -257,6 +259,10 @@ def test_settings_form_through_the_path_knob_equals_the_torch_path(monkeypatch):
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     monkeypatch.setenv("LOGITLESS_PAIRS_PATH", "torch")
     assert kept_pairs._kernels(hidden, weight) is None
+    if not INTERPRETING:
+        monkeypatch.setenv("LOGITLESS_PAIRS_PATH", "triton")
+        with pytest.raises(ValueError, match="LOGITLESS_PAIRS_PATH"):
+            kept_pairs._kernels(hidden.cpu(), weight.cpu())
     monkeypatch.setenv("LOGITLESS_PAIRS_PATH", "cuda")
     with pytest.raises(ValueError, match="LOGITLESS_PAIRS_PATH"):
         fused_logprobs(hidden, weight, labels, truncation=Truncation(top_k=20))

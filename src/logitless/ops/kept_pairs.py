@@ -37,8 +37,12 @@ def _kernels(hidden: Tensor, weight: Tensor):
         return None
     try:
         from .triton import pair_products as kernels
+        from .triton.common import INTERPRETING
     except ImportError:
         return None
+    if not (INTERPRETING or (hidden.is_cuda and weight.is_cuda)):
+        raise ValueError("LOGITLESS_PAIRS_PATH=triton needs CUDA tensors (or TRITON_INTERPRET=1): compiled kernels "
+                         f"cannot read tensors on {hidden.device} / {weight.device}")
     return kernels
 
 
