@@ -57,21 +57,107 @@ def _lo(x, hi, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _split_dots(a, b, acc, acc_lo, SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    """(acc, acc_lo) + the products of SPLIT (``maths.SPLIT_CODES``) of float32 tiles a [M, K] and b [N, K] split
-    in registers into bfloat16 parts, x = x_hi + x_lo: 1 a_hi b_hi (both operands bfloat16 values); 2 also
-    a_hi b_lo (a is); 3 also a_lo b_hi (b is); 4 both corrections. The corrections go to their own float32
-    accumulator ``acc_lo``, added once at the end: on the tensor cores each dot's sum is truncated relative to
-    the accumulator it lands on, so the small products must not be added onto the logit-sized one (the
-    concatenated split orders them first along K for the same reason, ``ops/precision.py``)."""
-    a_hi = _hi(a, INTERP)
-    b_hi = _hi(b, INTERP)
+def _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """(acc_t, acc_lo_t) [N, M] + the products of SPLIT (``maths.SPLIT_CODES``) of the weight's float32 tile w
+    [N, K], split in registers into bfloat16 parts w = w_hi + w_lo, and hidden's bfloat16 parts h_hi, h_lo [M, K]
+    (``split_operands``' copy): 1 w_hi h_hi (both operands bfloat16 values); 2 also w_lo h_hi (hidden is); 3 also
+    w_hi h_lo (the weight is); 4 both corrections. The weight's parts are the tensor cores' A operand, which they
+    read from registers; hidden's, the B operand, which they read from shared memory, come from the copy as loaded
+    (a B operand split in registers would go back through shared memory at every K step). The corrections go to
+    their own float32 accumulator ``acc_lo_t``, added once at the end: on the tensor cores each dot's sum is
+    truncated relative to the accumulator it lands on, so the small products must not be added onto the
+    logit-sized one (the concatenated split orders them first along K for the same reason, ``ops/precision.py``)."""
+    w_hi = _hi(w, INTERP)
     if SPLIT == 2 or SPLIT == 4:
-        acc_lo = _dot(a_hi, _lo(b, b_hi, INTERP), acc_lo, False, INTERP)
+        acc_lo_t = _dot(_lo(w, w_hi, INTERP), h_hi, acc_lo_t, False, INTERP)
     if SPLIT == 3 or SPLIT == 4:
-        acc_lo = _dot(_lo(a, a_hi, INTERP), b_hi, acc_lo, False, INTERP)
-    acc = _dot(a_hi, b_hi, acc, False, INTERP)
-    return acc, acc_lo
+        acc_lo_t = _dot(w_hi, h_lo, acc_lo_t, False, INTERP)
+    acc_t = _dot(w_hi, h_hi, acc_t, False, INTERP)
+    return acc_t, acc_lo_t
+
+
+@triton.jit
+def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """``logits_tile``'s acc [M, N] for float32 operands split into bfloat16 parts (``_split_dots``), computed as
+    its transpose [N, M] (the weight's tile as the A operand) and transposed once after the K loop. h_ptr: hidden's
+    parts (``split_operands``), [n_rows, P * n_k] bfloat16, contiguous, part p in columns p * n_k .. (p + 1) * n_k
+    (P = 2 for SPLIT 3 and 4, else 1). A part's ragged last K tile reads the next part's first columns (or the
+    copy's end, zeros): the weight's tile is zero there (the bulk copy's fill, or the mask), so they add 0."""
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_lo_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if USE_TMA:
+        for k in range(0, K_TILES):
+            w = w_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])
+            h_hi = h_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+            h_lo = h_hi                 # (not read below 3)
+            if SPLIT >= 3:
+                h_lo = h_ptr.load([pid_m * BLOCK_M, n_k + k * BLOCK_K])
+            if INTERP:      # the interpreter's bfloat16 dot is wrong: the parts' values in float32
+                h_hi = h_hi.to(tl.float32)
+                h_lo = h_lo.to(tl.float32)
+            acc_t, acc_lo_t = _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT, INTERP)
+    else:
+        rows_in = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % n_rows).to(tl.int64)
+        cols_in = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % n_cols).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rows_in[:, None] * (n_k * (2 if SPLIT >= 3 else 1)) + ks[None, :]
+        w_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
+        for k in range(0, K_TILES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                h_hi = tl.load(h_ptrs)
+                h_lo = h_hi             # (not read below 3)
+                if SPLIT >= 3:
+                    h_lo = tl.load(h_ptrs + n_k)
+            else:
+                k_ok = ks < n_k - k * BLOCK_K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                h_hi = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                h_lo = h_hi
+                if SPLIT >= 3:
+                    h_lo = tl.load(h_ptrs + n_k, mask=k_ok[None, :], other=0.0)
+            if INTERP:
+                h_hi = h_hi.to(tl.float32)
+                h_lo = h_lo.to(tl.float32)
+            acc_t, acc_lo_t = _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT, INTERP)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * s_wk
+    if SPLIT > 1:
+        acc_t = acc_t + acc_lo_t
+    return tl.trans(acc_t)
+
+
+@triton.jit
+def _plain_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr):
+    """``logits_tile``'s acc [M, N] of the operands' own dots."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for k in range(0, K_TILES):
+            a = h_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = _dot(a, b, acc, UPCAST, IEEE)
+    else:
+        rows_in = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % n_rows).to(tl.int64)
+        cols_in = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % n_cols).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows_in[:, None] * s_hn + ks[None, :] * s_hk
+        b_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
+        for k in range(0, K_TILES):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks < n_k - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, UPCAST, IEEE)
+            a_ptrs += BLOCK_K * s_hk
+            b_ptrs += BLOCK_K * s_wk
+    return acc
 
 
 @triton.jit
@@ -88,43 +174,18 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
     Either way the caller masks rows/cols out of range from whatever it reduces or stores.
     K_TILES = cdiv(n_k, BLOCK_K) is a compile-time trip count (one build per hidden size; the
     interpreter cannot loop to a run-time bound under numpy >= 2.4). SPLIT (``maths.SPLIT_CODES``; 0: none):
-    float32 operands split into bfloat16 parts in registers (``_split_dots``); INTERP: under the interpreter.
+    float32 operands as bfloat16 parts (``_split_tile``: h_ptr is then hidden's parts, ``split_operands``, and
+    s_hn / s_hk are not read); INTERP: under the interpreter.
     Returns (acc, rows, cols).
     """
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_TMA:
-        for k in range(0, K_TILES):
-            a = h_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = w_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])
-            if SPLIT == 0:
-                acc = _dot(a, b, acc, UPCAST, IEEE)
-            else:
-                acc, acc_lo = _split_dots(a, b, acc, acc_lo, SPLIT, INTERP)
+    if SPLIT > 0:
+        acc = _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                          K_TILES, EVEN_K, USE_TMA, SPLIT, INTERP)
     else:
-        rows_in = (rows % n_rows).to(tl.int64)
-        cols_in = (cols % n_cols).to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = h_ptr + rows_in[:, None] * s_hn + ks[None, :] * s_hk
-        b_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
-        for k in range(0, K_TILES):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = ks < n_k - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-            if SPLIT == 0:
-                acc = _dot(a, b, acc, UPCAST, IEEE)
-            else:
-                acc, acc_lo = _split_dots(a, b, acc, acc_lo, SPLIT, INTERP)
-            a_ptrs += BLOCK_K * s_hk
-            b_ptrs += BLOCK_K * s_wk
-    if SPLIT > 1:
-        acc = acc + acc_lo
+        acc = _plain_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n, BLOCK_M, BLOCK_N,
+                          BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
     return acc, rows, cols
 
 
