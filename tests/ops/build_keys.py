@@ -69,7 +69,7 @@ def _usable_operands(hidden, weight, block_n):
 
 
 def main():
-    common._hopper_or_newer = lambda device: True          # the H200's tiles and bulk-copy loads
+    common.hopper_or_newer = lambda device: True          # the H200's tiles and bulk-copy loads
     policy_stats_gluon.multiprocessors = lambda device: 132
     case = [0]
     _intercept("forward statistics (Triton)", forward_stats._tile_stats_kernel, case)

@@ -126,7 +126,7 @@ def as_on_hopper():
     _LangPatchScope.set_attr = _set_attr
     torch.Tensor.is_cuda = property(lambda self: True)
     torch.cuda.device = lambda device: contextlib.nullcontext()
-    common._hopper_or_newer = lambda device: True
+    common.hopper_or_newer = lambda device: True
     common._capability_major = lambda index: 9
     common._sm_count = lambda index: SM_COUNT
     common._index = lambda device: 0

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import int32_safe, launch_options, on_device, tile_operands
+from .common import int32_safe, launch_options, on_device
+from .operands import tile_operands
 from .tile import program_tile, tempered_logits
 from .topk_select import tiles_for
 

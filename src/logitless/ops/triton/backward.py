@@ -26,7 +26,8 @@ from ..maths import accumulate_mm, accumulate_product
 from ..precision import GradOperands
 from ..tail_backward import TailTerms
 from . import tail_dlogits
-from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, on_device, tile_operands, tl_dtype
+from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, on_device, tl_dtype
+from .operands import tile_operands
 from .tile import program_tile, softcap_tanh
 
 # 128 Mi elements: 256 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile). Each vocabulary

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import knobs
 from ..maths import split_code, tf32_enabled
@@ -57,7 +56,7 @@ class Tiles:
 INTERPRETER_TILES = Tiles(16, 64, 32, 4, 4, 1)
 
 
-def _hopper_or_newer(device: torch.device) -> bool:
+def hopper_or_newer(device: torch.device) -> bool:
     """NVIDIA compute capability >= 9.0: the bulk copy engine, and 228 KiB of shared memory per SM."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
@@ -117,9 +116,9 @@ def choose_tiles(stage: str, dtype: torch.dtype, device: torch.device) -> Tiles:
     if env is not None:
         return Tiles(*env)
     if dtype == torch.float32:
-        return SPLIT_TILES if split_code() and _hopper_or_newer(device) else \
+        return SPLIT_TILES if split_code() and hopper_or_newer(device) else \
             PRE_HOPPER_TILES if split_code() else FLOAT32_TILES
-    if not _hopper_or_newer(device):
+    if not hopper_or_newer(device):
         return PRE_HOPPER_TILES
     return HOPPER_TILES[stage]
 
@@ -129,30 +128,6 @@ def tma_layout_ok(t: torch.Tensor) -> bool:
     size = t.element_size()
     return (t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 0 and (t.stride(0) * size) % 16 == 0
             and t.data_ptr() % 16 == 0 and (t.shape[1] * size) >= 16)
-
-
-def split_operands(hidden: torch.Tensor, split: int) -> torch.Tensor:
-    """hidden's bfloat16 parts for the kernels that split float32 operands (``tile._split_tile``, SPLIT = ``split``):
-    [N, P * H] contiguous, hi | lo (P = 2 for SPLIT 3 and 4, whose products take hidden's low part), or hi alone.
-    N x P x H bfloat16 (256 MiB at N 16384, H 4096, P 2): the weight, V rows, is split in the kernels' registers."""
-    from .split import split_concat  # (split.py imports this module)
-    return split_concat(hidden, (0, 1) if split >= 3 else (0,))
-
-
-def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
-    """(hidden operand, weight operand, USE_TMA) for logits_tile: tensor descriptors on Hopper or newer
-    (and in the interpreter) where the layout allows and LOGITLESS_TRITON_TMA is not "0", else the
-    tensors themselves (pointer loads). Under ``maths.split_in_kernel`` float32 hidden is first replaced by its
-    parts (``split_operands``), which the kernels read in place of hidden."""
-    split = split_code() if hidden.dtype == torch.float32 else 0
-    if split:
-        hidden = split_operands(hidden, split)
-    engine = INTERPRETING or _hopper_or_newer(hidden.device)
-    if knobs.triton_tma() and engine and tma_layout_ok(hidden) and tma_layout_ok(weight):
-        h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])
-        w = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [tiles.block_n, tiles.block_k])
-        return h, w, True
-    return hidden, weight, False
 
 
 def launch_options(tiles: Tiles, hidden: torch.Tensor, softcap) -> dict:

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from ... import knobs
 from .combine import combine_tiles
-from .common import INTERPRETING, choose_tiles, int32_safe, launch_options, tile_operands
+from .common import INTERPRETING, choose_tiles, int32_safe, launch_options
+from .operands import tile_operands
 from .tile import program_tile, softcap_tanh, store_label_logit, store_row_stats, tempered_tile_stats
 
 # On Hopper the policy loss's Gluon statistics kernel (ping-pong consumers: one tile's epilogue runs during the

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from ... import knobs
 from ..label_sets import SetPartial, sorted_distinct
-from .common import LOG2E, choose_tiles, int32_safe, launch_options, on_device, tile_operands
+from .common import LOG2E, choose_tiles, int32_safe, launch_options, on_device
+from .operands import tile_operands
 from .tile import ids_in_tile, program_tile, tempered_logits
 
 # bytes of one chunk's per-tile rests (tokens per chunk follow from it)

@@ -15,7 +15,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import knobs
-from .common import INTERPRETING, choose_tiles, launch_options, tile_operands, tl_dtype
+from .common import INTERPRETING, choose_tiles, launch_options, tl_dtype
+from .operands import tile_operands
 from .tile import logits_tile, store_label_logit, store_row_stats, tempered_tile_stats, tile_coords
 
 # On Hopper the same outputs come from a hand-scheduled Gluon kernel (policy_stats_gluon: 1.02-1.15x cuBLAS

@@ -22,7 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..tail_backward import TailTerms
-from .common import LOG2E, choose_tiles, launch_options, tile_operands, tl_dtype
+from .common import LOG2E, choose_tiles, launch_options, tl_dtype
+from .operands import tile_operands
 from .tile import ids_in_tile, program_tile, softcap_tanh
 
 

@@ -44,8 +44,9 @@ from torch import Tensor
 
 from ... import knobs
 from ..label_sets import SetPartial, sorted_distinct
-from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, on_device, tile_operands, tl_dtype
+from .common import LOG2E, Tiles, choose_tiles, int32_safe, launch_options, on_device, tl_dtype
 from .given_set import GivenBuffers, given_rest
+from .operands import tile_operands
 from .tile import program_tile, store_row_stats, tempered_logits, tempered_tile_stats
 
 # k of the fast path (larger k takes the torch pass): the finish kernel holds a row's k keys in registers (2048
