@@ -78,18 +78,19 @@ def test_one_low_bit_selects_three_products(operand):
 
 
 def test_detection_kernel_under_the_interpreter():
+    """The detection kernel (compiled on a GPU, else under the interpreter)."""
     from logitless.ops.triton.exact import bf16_exact_all as kernel
-    x = torch.randn(13, 67).bfloat16().float()
+    x = torch.randn(13, 67).bfloat16().float().to(device_for("triton"))
     assert bool(kernel(x)) and bool(kernel(x.t())) and bool(kernel(x[:, 5:]))
     for i in (0, 13 * 67 - 1, 400):
         y = x.clone()
-        y.view(-1)[i] = torch.nextafter(y.view(-1)[i], torch.tensor(float("inf")))
+        y.view(-1)[i] = torch.nextafter(y.view(-1)[i], torch.tensor(float("inf"), device=y.device))
         assert not bool(kernel(y)) and not bool(kernel(y.t()))
-    assert bool(kernel(torch.empty(0, 5)))
+    assert bool(kernel(torch.empty(0, 5, device=x.device)))
 
 
 def test_both_exact_is_the_bf16_path_bit_for_bit():
-    hidden, weight, labels = _inputs("both")
+    hidden, weight, labels = (t.to(device_for("triton")) for t in _inputs("both"))
     a = fused_logprobs(hidden, weight, labels, backend="triton", precision="split")
     b = fused_logprobs(hidden.bfloat16(), weight.bfloat16(), labels, backend="triton")
     assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy)
@@ -149,9 +150,11 @@ def test_policy_loss_modes_and_false_unchecked_claim():
     hidden, weight, labels = _inputs("hidden")
     adv = torch.randn(labels.shape)
     ref = fused_policy_loss(hidden, weight, labels, adv, backend="chunked", precision="ieee")
-    out = fused_policy_loss(hidden, weight, labels, adv, backend="triton", precision="split")
+    dev = device_for("triton")
+    out = fused_policy_loss(hidden.to(dev), weight.to(dev), labels.to(dev), adv.to(dev), backend="triton",
+                            precision="split")
     assert last_precision().statistics == "bf16x2"
-    assert (out.loss - ref.loss).abs() < 1e-4
+    assert (out.loss.cpu() - ref.loss).abs() < 1e-4
     labels[labels < 0] = 0
     w = weight.clone().requires_grad_(True)
     bad = fused_policy_loss(hidden, w, labels, adv, backend="chunked", precision="split", check_inputs=False,
@@ -203,7 +206,8 @@ def test_policy_loss_splits_in_the_kernel(kind, monkeypatch):
     # "bf16" gradient products: a bfloat16 head's gradient error (GRAD_BOUND["bf16"] of reference64: 3e-2)
     assert rel_err(dh, dh64) <= 3e-2 and rel_err(dw, dw64) <= 3e-2
     assert torch.equal(blocked.loss, out.loss) and torch.equal(dw_b, dw)
-    assert rel_err(dh_b, dh) <= 1e-6, rel_err(dh_b, dh)
+    # (on a GPU cuBLAS sums the blocks' products in its own order per shape: 1.0e-6 measured on an H100)
+    assert rel_err(dh_b, dh) <= 4e-6, rel_err(dh_b, dh)
 
 
 def test_choose_leaves_fixed_precisions_alone():
@@ -251,7 +255,9 @@ def test_the_copies_path_of_the_knob(kind, monkeypatch):
     monkeypatch.setenv("LOGITLESS_SPLIT_IN_KERNEL", "0")
     copies = run(True)
     for a, b in zip(in_kernel[:2], copies[:2], strict=True):
-        assert (a - b).abs().max().item() <= 2e-6
+        # float32 rounding at the values' size (the tensor cores sum the two paths' products in their own orders:
+        # 3.8e-6 at log-probs of -3.9 on an H100)
+        assert (a - b).abs().max().item() <= 2e-6 * max(1.0, b.abs().max().item())
     assert abs(in_kernel[2] - copies[2]) <= 2e-6
     for a, b in zip(in_kernel[3:], copies[3:], strict=True):
         assert rel_err(a, b) <= 1e-5

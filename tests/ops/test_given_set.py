@@ -77,8 +77,9 @@ def check(part, vals, m, rest, tol=2e-6):
     assert torch.equal(got_rest[~fm], torch.zeros_like(got_rest[~fm]))
     if fm.any():
         assert (got_m.double()[fm] - m[fm]).abs().max() <= tol * (1 + m[fm].abs().max())
-        # the rest relative to its own max: >= 1 once a column is there, compared in log space
-        assert (got_rest.double()[fm].log() - rest[fm].log()).abs().max() <= 1e-5
+        # the rest relative to its own max: >= 1 once a column is there, compared in log space, to the logits'
+        # rounding at their size (1.2e-5 at logits of -58 on an H100, whose dot sums in another order)
+        assert (got_rest.double()[fm].log() - rest[fm].log()).abs().max() <= max(1e-5, tol * m[fm].abs().max())
 
 
 @pytest.mark.parametrize("k", [1, 5, 33])
