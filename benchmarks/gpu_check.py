@@ -90,6 +90,7 @@ GPU_TESTS = ("tests/ops/test_topk_select.py",                  # > 143 s
              "tests/test_precision.py",                         # 111 s
              "tests/test_compile_and_graphs.py",                # 103 s
              "tests/ops/test_label_sets.py",                    # 95 s
+             "tests/test_precision_adaptive.py",                # the adaptive split's kernels (with label sets: 56 s)
              "tests/losses/test_distill_topk_one_pass.py",      # > 52 s
              "tests/ops/test_tail_dlogits.py",                  # 55 s
              "tests/test_truncation.py",                        # 49 s
