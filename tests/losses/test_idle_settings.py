@@ -94,8 +94,8 @@ READ = [
 ]
 
 
-@pytest.mark.parametrize("name, value, rest", READ, ids=[c[0] for c in READ])
-def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
+def _moves(name, value, rest) -> tuple[float, float]:
+    """(|loss with the setting - loss without|, |loss without|) on one fresh draw."""
     hidden, weight, labels, adv, old = inputs()
     rest = dict(rest)
     if rest.pop("rollout", False):
@@ -107,7 +107,16 @@ def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
         value = old - 1.5                                   # rejection / weights of this pass against them differ
     base = fused_policy_loss(hidden, weight, labels, adv, old, **rest)
     given = fused_policy_loss(hidden, weight, labels, adv, old, **rest, **{name: value})
-    assert abs(float(base.loss) - float(given.loss)) > 1e-6, (name, float(base.loss))
+    return abs(float(base.loss) - float(given.loss)), abs(float(base.loss))
+
+
+@pytest.mark.parametrize("name, value, rest", READ, ids=[c[0] for c in READ])
+def test_the_same_setting_where_it_is_read_changes_the_loss(name, value, rest):
+    # a setting read by the loss moves it, relative to the loss (an unread one gives the same bits). On a draw of 14
+    # tokens a setting may bind on none (clip_high 0.01: about 3 draws in 100 put no ratio where it cuts) or move
+    # the loss only a little (VESPO's k_pos: 7e-7 of a loss of 6e-3): it must move it on one of three draws
+    moves = [_moves(name, value, rest) for _ in range(3)]
+    assert any(diff > 1e-5 * loss for diff, loss in moves), (name, moves)
 
 
 def test_a_name_that_belongs_elsewhere_says_where():
