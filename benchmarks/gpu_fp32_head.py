@@ -14,7 +14,8 @@ For each N (H 4096, V 151936; float32 hidden and weight, logit std 4, labels sam
    one product, "bf16x1"), "split:hidden" (hidden does, as TRL's cast_lm_head_to_fp32: "bf16x2"),
    "split:neither" (general float32 operands: "bf16x3"), each with the default precision (the adaptive split,
    checked against ``last_precision()``), split in the kernels' registers or, with the suffix "+copies", from the
-   concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0); or a precision forced by name ("bf16x3",
+   concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0), with "+flush<K>" the in-kernel split's accumulator
+   flushed every K of the depth (LOGITLESS_SPLIT_FLUSH_K, 0: never); or a precision forced by name ("bf16x3",
    "bf16x6", "tf32", "ieee");
 3. on the first 256 tokens: max |log-prob| and |entropy| error against float64 of the path's float32 operands,
    at logit std 4 and 8 (the weight doubled: exact, and still bfloat16 values where it was), and the gradients'
@@ -55,9 +56,22 @@ from logitless.tools.machine import machine, versions  # noqa: E402
 
 PATHS = ("split:both", "split:hidden", "split:neither", "split:hidden+copies", "split:neither+copies", "tf32",
          "ieee")
-# a path's suffix: its split made from the concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0), not in the
-# kernels' registers: the two ways in one process
-COPIES = "+copies"
+# a path's suffixes: "+copies", its split made from the concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0),
+# not in the kernels' registers; "+flush<K>", the in-kernel split's accumulator flushed every K of the depth
+# (LOGITLESS_SPLIT_FLUSH_K; 0 never): the ways in one process
+
+
+def suffix_env(tag: str) -> dict:
+    """The knobs a path's suffixes set."""
+    env = {}
+    for part in tag.split("+")[1:]:
+        if part == "copies":
+            env["LOGITLESS_SPLIT_IN_KERNEL"] = "0"
+        elif part.startswith("flush") and part[5:].isdigit():
+            env["LOGITLESS_SPLIT_FLUSH_K"] = part[5:]
+        else:
+            raise SystemExit(f"unknown suffix +{part} in {tag!r}: +copies or +flush<K>")
+    return env
 # the adaptive split's products for each "split:" path's operands
 SPLIT_RAN = {"both": "bf16x1", "hidden": "bf16x2", "neither": "bf16x3"}
 LOSS = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, loss_agg="token-mean")
@@ -181,7 +195,7 @@ class Bench:
 
 def operands(path: str, hidden, weight):
     """(hidden, weight, fused_logprobs keywords, the statistics precision that must run) of a path."""
-    path = path.removesuffix(COPIES)
+    path = path.split("+")[0]
     if path == "bf16 operands":   # the same values rounded: the bfloat16 path
         return hidden.bfloat16(), weight.bfloat16(), {}, "native"
     if path.startswith("split:"):
@@ -245,8 +259,7 @@ def run_shape(bench: Bench, n: int, h_size: int, vocab: int, precisions: list, s
 
     def one(tag):
         out = shape.setdefault(tag, {})
-        # "+copies": the split from the concatenated copies instead of in the kernels' registers
-        with env_set(**({"LOGITLESS_SPLIT_IN_KERNEL": "0"} if tag.endswith(COPIES) else {})):
+        with env_set(**suffix_env(tag)):
             bench.errors(hidden, weight, labels, tag, out)
             bench.timings(hidden, weight, labels, adv, old, tag, out)
         log(tag, out)

@@ -112,6 +112,15 @@ def split_in_kernel() -> bool:
     return os.environ.get("LOGITLESS_SPLIT_IN_KERNEL", "1").strip() != "0"
 
 
+def split_flush_k(default: int) -> int:
+    """LOGITLESS_SPLIT_FLUSH_K: K depth between the split kernels' flushes of their tensor-core accumulator onto a
+    float32 sum (``ops/triton/tile.py``'s ``_flush``); "0" never flushes. For benchmarks: accuracy against time."""
+    raw = os.environ.get("LOGITLESS_SPLIT_FLUSH_K", "").strip()
+    if raw == "0":
+        return 0
+    return _int("LOGITLESS_SPLIT_FLUSH_K", default)
+
+
 def topk_bytes(default: int) -> int:
     """LOGITLESS_TOPK_BYTES: bytes of one token chunk's candidates and residuals in the triton selection kernels
     (``ops/triton/topk_select.py``); more tokens run in chunks."""

@@ -32,11 +32,11 @@ def _above_kernel(h_ptr, w_ptr, inv_temp_ptr, tau_ptr, vals_ptr, ids_ptr, count_
                   n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, cap,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                  USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                  USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr,
                   SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP, FLUSH_K)
     tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("inf"))
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # as the candidates kernel forms it (the same bits)
     hit = row_ok[:, None] & (cols < n_cols)[None, :] & (z >= tau[:, None])

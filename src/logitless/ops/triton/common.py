@@ -27,18 +27,28 @@ def tl_dtype(dtype: torch.dtype):
     return _TL_DTYPES[dtype]
 
 
+# The split kernels' K depth between flushes of their tensor-core accumulator onto a float32 sum (``tile._flush``).
+# The tensor cores truncate each 16-deep step's sum relative to the accumulator: an emulation of that (numpy, float64
+# products, the sum truncated to float32 toward zero every 16 of K) gives the log-prob error measured on an H100 at
+# logit std 4 / 8 without flushes (1.1e-4 / 2.4e-4, float32 operands, K 4096); flushing every 128 of K takes it to
+# 1.3e-5 for float32 products, and bf16x3 to its own rounding (~9e-5 at std 8, 32 tokens).
+SPLIT_FLUSH_K = 128
+
+
 def dot_flags(dtype: torch.dtype) -> dict:
     """Compile-time switches of the matrix product for inputs of ``dtype``.
 
     UPCAST: the interpreter's bf16 ``tl.dot`` is wrong (numpy has no bf16), so there, and only there,
     tiles are cast to float32 first. IEEE: float32 inputs must not silently become tf32 (error ~1e-3),
     except inside ``maths.tf32_products`` (precision "tf32": operands already rounded to TF32, exact either way;
-    the interpreter keeps IEEE, the same numbers).
+    the interpreter keeps IEEE, the same numbers). SPLIT (``maths.split_code``) and FLUSH_K (``SPLIT_FLUSH_K``, or
+    LOGITLESS_SPLIT_FLUSH_K): the split of float32 operands in the kernel, and its accumulator's flush depth.
     """
     split = split_code() if dtype == torch.float32 else 0
     return {"UPCAST": INTERPRETING and dtype != torch.float32,
             "IEEE": (dtype == torch.float32 and not tf32_enabled() and not split) or INTERPRETING,
-            "SPLIT": split, "INTERP": INTERPRETING}
+            "SPLIT": split, "INTERP": INTERPRETING,
+            "FLUSH_K": knobs.split_flush_k(SPLIT_FLUSH_K) if split else 0}
 
 
 @dataclass(frozen=True)

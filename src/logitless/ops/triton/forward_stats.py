@@ -56,11 +56,11 @@ def _tile_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_
                        BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr,
                        EVEN_K: tl.constexpr,
                        UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                       SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                       SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr,
                        SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP, FLUSH_K)
     if SOFTCAP:
         # z = tanh(raw / CAP) * (CAP / T): below, acc holds t and inv_t the per-row factor CAP / T
         # (> 0, so the max argument that follows holds unchanged)

@@ -81,12 +81,12 @@ def _given_kernel(h_ptr, w_ptr, inv_temp_ptr, ids_ptr, vals_ptr, rest_m_ptr, res
                   N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr,
-                  INTERP: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+                  INTERP: tl.constexpr, FLUSH_K: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """ids [n_rows, N_IDS] int64 (row-major): the ids' rows in this weight, ascending, holes last
     (``given_rest``)."""
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP, FLUSH_K)
     z = tempered_logits(acc, inv_t, SOFTCAP, CAP)   # one rounding, as the label's logit elsewhere
     given_rest(z, rows, cols, row_ok, n_cols, pid_n, ids_ptr, vals_ptr, rest_m_ptr, rest_s_ptr, n_tiles,
                N_IDS, ID_STEPS, BLOCK_N)

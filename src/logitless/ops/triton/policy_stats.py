@@ -53,11 +53,11 @@ def _stats_tile(tile_id, h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr):
     pid_m, pid_n = tile_coords(tile_id, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT,
-                                  INTERP)
+                                  INTERP, FLUSH_K)
     _stats_epilogue(acc, rows, cols, pid_n, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
                     zy_ptr, e_ptr, n_rows, n_cols, s_en, STORE_E, E_DTYPE, BLOCK_N)
 
@@ -70,13 +70,13 @@ def _policy_stats_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, par
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                         SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                         SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr,
                          SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     # one program per tile. SOFTCAP / CAP come with launch_options; the policy loss refuses a softcap before
     # any launch.
     _stats_tile(tl.program_id(0), h_ptr, w_ptr, labels_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_t_ptr,
                 zy_ptr, e_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, s_en, STORE_E, E_DTYPE,
-                BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+                BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP, FLUSH_K)
 
 
 def chunk_stats(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, part_m: Tensor, part_s: Tensor,

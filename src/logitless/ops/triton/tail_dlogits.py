@@ -33,7 +33,7 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
                          N_IDS: tl.constexpr, ID_STEPS: tl.constexpr, TAIL_GRAD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                          GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                         USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr,
                          OUT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr, CAP: tl.constexpr):
     """The module's dl for the chunk of vocabulary rows starting at col0 (w_ptr points at that chunk). ids
     [n_rows, N_IDS] int64 (row-major): the ids' rows in the whole weight, distinct and ascending within a row,
@@ -41,7 +41,7 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
     g_tail is 0 (no exponential of the tail term). A masked pointer store."""
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+        BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP, FLUSH_K)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g_all = tl.load(g_all_ptr + rows, mask=row_ok, other=0.0)
     z_scale = inv_t            # z = acc * z_scale

@@ -57,34 +57,62 @@ def _lo(x, hi, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+def _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT: tl.constexpr, INTERP: tl.constexpr, ONE_ACC: tl.constexpr):
     """(acc_t, acc_lo_t) [N, M] + the products of SPLIT (``maths.SPLIT_CODES``) of the weight's float32 tile w
     [N, K], split in registers into bfloat16 parts w = w_hi + w_lo, and hidden's bfloat16 parts h_hi, h_lo [M, K]
     (``split_operands``' copy): 1 w_hi h_hi (both operands bfloat16 values); 2 also w_lo h_hi (hidden is); 3 also
     w_hi h_lo (the weight is); 4 both corrections. The weight's parts are the tensor cores' A operand, which they
     read from registers; hidden's, the B operand, which they read from shared memory, come from the copy as loaded
-    (a B operand split in registers would go back through shared memory at every K step). The corrections go to
-    their own float32 accumulator ``acc_lo_t``, added once at the end: on the tensor cores each dot's sum is
-    truncated relative to the accumulator it lands on, so the small products must not be added onto the
-    logit-sized one (the concatenated split orders them first along K for the same reason, ``ops/precision.py``)."""
+    (a B operand split in registers would go back through shared memory at every K step).
+    On the tensor cores each dot's sum is truncated relative to the accumulator it lands on, so the small
+    products must not be added onto a logit-sized one: ONE_ACC, every product onto acc_t, the corrections first
+    (``_split_tile`` flushes acc_t into acc_lo_t every few K tiles, so it never grows logit-sized); otherwise the
+    corrections onto their own accumulator ``acc_lo_t``, added once at the end (the concatenated split orders them
+    first along K for the same reason, ``ops/precision.py``)."""
     w_hi = _hi(w, INTERP)
+    if ONE_ACC:
+        lo = acc_t
+    else:
+        lo = acc_lo_t
     if SPLIT == 2 or SPLIT == 4:
-        acc_lo_t = _dot(_lo(w, w_hi, INTERP), h_hi, acc_lo_t, False, INTERP)
+        lo = _dot(_lo(w, w_hi, INTERP), h_hi, lo, False, INTERP)
     if SPLIT == 3 or SPLIT == 4:
-        acc_lo_t = _dot(w_hi, h_lo, acc_lo_t, False, INTERP)
-    acc_t = _dot(w_hi, h_hi, acc_t, False, INTERP)
+        lo = _dot(w_hi, h_lo, lo, False, INTERP)
+    if ONE_ACC:
+        acc_t = _dot(w_hi, h_hi, lo, False, INTERP)
+    else:
+        acc_lo_t = lo
+        acc_t = _dot(w_hi, h_hi, acc_t, False, INTERP)
     return acc_t, acc_lo_t
+
+
+@triton.jit
+def _flush(acc_t, acc_sum_t, k, FLUSH_TILES: tl.constexpr):
+    """After K tile k: acc_t added onto acc_sum_t and restarted from 0 every FLUSH_TILES tiles (0: never). The
+    tensor cores truncate each dot's sum relative to the accumulator (measured on an H100: biased, ~ulp(logit) per
+    16-deep step, 2.4e-4 of log-prob at logit std 8 over K 4096); a float32 add on the CUDA cores rounds to
+    nearest, and the restarted accumulator stays a few K tiles' size."""
+    if FLUSH_TILES > 0:
+        if ((k + 1) // FLUSH_TILES) * FLUSH_TILES == k + 1:   # (k + 1) % F: the interpreter's constexpr has no rmod
+            acc_sum_t += acc_t
+            acc_t = tl.zeros_like(acc_t)
+    return acc_t, acc_sum_t
 
 
 @triton.jit
 def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+                FLUSH_K: tl.constexpr):
     """``logits_tile``'s acc [M, N] for float32 operands split into bfloat16 parts (``_split_dots``), computed as
     its transpose [N, M] (the weight's tile as the A operand) and transposed once after the K loop. h_ptr: hidden's
     parts (``split_operands``), [n_rows, P * n_k] bfloat16, contiguous, part p in columns p * n_k .. (p + 1) * n_k
     (P = 2 for SPLIT 3 and 4, else 1). A part's ragged last K tile reads the next part's first columns (or the
     copy's end, zeros): the weight's tile is zero there (the bulk copy's fill, or the mask), so they add 0."""
+    # FLUSH_K (``common.SPLIT_FLUSH_K``): the accumulator's flush depth, 0 never. SPLIT 1 (both operands bfloat16
+    # values) keeps the bfloat16 head's accumulation: its statistics are that head's, bit for bit
+    FLUSH_TILES: tl.constexpr = (FLUSH_K + BLOCK_K - 1) // BLOCK_K if SPLIT > 1 else 0
+    ONE_ACC: tl.constexpr = FLUSH_TILES > 0
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_lo_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if USE_TMA:
@@ -97,7 +125,8 @@ def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
             if INTERP:      # the interpreter's bfloat16 dot is wrong: the parts' values in float32
                 h_hi = h_hi.to(tl.float32)
                 h_lo = h_lo.to(tl.float32)
-            acc_t, acc_lo_t = _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT, INTERP)
+            acc_t, acc_lo_t = _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT, INTERP, ONE_ACC)
+            acc_t, acc_lo_t = _flush(acc_t, acc_lo_t, k, FLUSH_TILES)
     else:
         rows_in = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % n_rows).to(tl.int64)
         cols_in = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % n_cols).to(tl.int64)
@@ -121,7 +150,8 @@ def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
             if INTERP:
                 h_hi = h_hi.to(tl.float32)
                 h_lo = h_lo.to(tl.float32)
-            acc_t, acc_lo_t = _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT, INTERP)
+            acc_t, acc_lo_t = _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT, INTERP, ONE_ACC)
+            acc_t, acc_lo_t = _flush(acc_t, acc_lo_t, k, FLUSH_TILES)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * s_wk
     if SPLIT > 1:
@@ -164,7 +194,7 @@ def _plain_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
 def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-                SPLIT: tl.constexpr = 0, INTERP: tl.constexpr = False):
+                SPLIT: tl.constexpr = 0, INTERP: tl.constexpr = False, FLUSH_K: tl.constexpr = 0):
     """acc[i, j] = sum_k h[rows[i], k] * w[cols[j], k] in float32, for the tile (pid_m, pid_n).
 
     USE_TMA: h_ptr / w_ptr are tensor descriptors ([BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks):
@@ -182,7 +212,7 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 0:
         acc = _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                          K_TILES, EVEN_K, USE_TMA, SPLIT, INTERP)
+                          K_TILES, EVEN_K, USE_TMA, SPLIT, INTERP, FLUSH_K)
     else:
         acc = _plain_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n, BLOCK_M, BLOCK_N,
                           BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA)
@@ -193,13 +223,14 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
 def program_tile(h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                 USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr):
     """The prologue of every one-tile-a-program kernel: this program's tile (``tile_coords``), its float32 products
     (``logits_tile``) and its rows' inverse temperatures. Returns (acc, rows, cols, row_ok, inv_t, pid_n), inv_t 1.0
     on rows past n_rows."""
     pid_m, pid_n = tile_coords(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     acc, rows, cols = logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m, pid_n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP)
+                                  BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP,
+                                  FLUSH_K)
     row_ok = rows < n_rows
     inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
     return acc, rows, cols, row_ok, inv_t, pid_n
