@@ -254,6 +254,13 @@ def test_split_kernel_is_the_reference_bit_for_bit(blocks, layout):
     parts = split_parts(x, max(blocks) + 1)
     for b, i in enumerate(blocks):
         assert _same_bits(want[:, b * h:(b + 1) * h], parts[i])
+    # a wider block (the in-kernel split's parts, aligned to its K tiles): the same parts, zeros past H
+    width = h + 11
+    wide = kernel(x, blocks, width).view(rows, len(blocks), width)
+    assert _same_bits(wide[:, :, :h].reshape(rows, -1), want)
+    assert (wide[:, :, h:].float() == 0).all()
+    with pytest.raises(ValueError, match="width"):
+        kernel(x, blocks, h - 1)
     with pytest.raises(ValueError, match="float32"):
         kernel(x.double(), blocks)
     with pytest.raises(ValueError, match="blocks must be"):

@@ -261,3 +261,36 @@ def test_the_copies_path_of_the_knob(kind, monkeypatch):
     assert abs(in_kernel[2] - copies[2]) <= 2e-6
     for a, b in zip(in_kernel[3:], copies[3:], strict=True):
         assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["neither", "hidden", "both"])
+def test_the_accumulator_flush(kind, monkeypatch):
+    """The split kernels flush their accumulator onto a float32 sum every LOGITLESS_SPLIT_FLUSH_K of the depth
+    (``tile._flush``; default 128): at H 300 (ten K tiles of 32, a ragged last one) flushed every tile, every
+    fourth (the default) and never, the same numbers against float64, forward and backward; the flush changes the
+    summation order of bf16x3 / bf16x2 (it reached the kernels) and leaves bf16x1 (both operands bfloat16 values:
+    the bfloat16 head's accumulation) bit for bit."""
+    torch.manual_seed(5)
+    hidden, weight, labels = make_inputs(lead=(9,), h=300, v=1031, logit_std=8.0)
+    if kind in ("hidden", "both"):
+        hidden = hidden.bfloat16().float()
+    if kind == "both":
+        weight = weight.bfloat16().float()
+    dev = device_for("triton")
+    lp64, ent64 = logprobs_entropy64(hidden, weight, labels)
+    runs = {}
+    for flush in ("32", "128", "0"):
+        monkeypatch.setenv("LOGITLESS_SPLIT_FLUSH_K", flush)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fused_logprobs(h.to(dev), w.to(dev), labels.to(dev), backend="triton", precision="split")
+        assert last_precision().statistics == MODES[kind]
+        lp, ent = on_cpu(out)
+        assert (lp.double() - lp64).abs().max() < BOUND
+        assert (ent.double() - ent64).abs().max() < BOUND
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        runs[flush] = (lp, ent, h.grad, w.grad)
+    for flush in ("32", "128"):
+        for a, b in zip(runs[flush][2:], runs["0"][2:], strict=True):
+            assert rel_err(a, b) < 1e-3    # the gradients' bfloat16 products
+        same = all(torch.equal(a, b) for a, b in zip(runs[flush][:2], runs["0"][:2], strict=True))
+        assert same == (kind == "both")

@@ -12,11 +12,14 @@ from .common import INTERPRETING, Tiles, tma_layout_ok
 from .split import split_concat
 
 
-def split_operands(hidden: torch.Tensor, split: int) -> torch.Tensor:
+def split_operands(hidden: torch.Tensor, split: int, block_k: int) -> torch.Tensor:
     """hidden's bfloat16 parts for the kernels that split float32 operands (``tile._split_tile``, SPLIT = ``split``):
-    [N, P * H] contiguous, hi | lo (P = 2 for SPLIT 3 and 4, whose products take hidden's low part), or hi alone.
-    N x P x H bfloat16 (256 MiB at N 16384, H 4096, P 2): the weight, V rows, is split in the kernels' registers."""
-    return split_concat(hidden, (0, 1) if split >= 3 else (0,))
+    [N, P * KP] contiguous, hi | lo (P = 2 for SPLIT 3 and 4, whose products take hidden's low part), or hi alone,
+    each part KP = H rounded up to ``block_k`` columns, zeros past H (a part's K tiles start at 16-byte aligned
+    columns, as the bulk copy engine needs, and a ragged last one reads zeros). N x P x KP bfloat16 (256 MiB at
+    N 16384, H 4096, P 2): the weight, V rows, is split in the kernels' registers."""
+    width = -(-hidden.shape[1] // block_k) * block_k
+    return split_concat(hidden, (0, 1) if split >= 3 else (0,), width)
 
 
 def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
@@ -26,7 +29,7 @@ def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
     parts (``split_operands``), which the kernels read in place of hidden."""
     split = split_code() if hidden.dtype == torch.float32 else 0
     if split:
-        hidden = split_operands(hidden, split)
+        hidden = split_operands(hidden, split, tiles.block_k)
     engine = INTERPRETING or common.hopper_or_newer(hidden.device)      # (looked up here: tests patch it)
     if knobs.triton_tma() and engine and tma_layout_ok(hidden) and tma_layout_ok(weight):
         h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])

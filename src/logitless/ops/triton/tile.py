@@ -106,9 +106,8 @@ def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
                 FLUSH_K: tl.constexpr):
     """``logits_tile``'s acc [M, N] for float32 operands split into bfloat16 parts (``_split_dots``), computed as
     its transpose [N, M] (the weight's tile as the A operand) and transposed once after the K loop. h_ptr: hidden's
-    parts (``split_operands``), [n_rows, P * n_k] bfloat16, contiguous, part p in columns p * n_k .. (p + 1) * n_k
-    (P = 2 for SPLIT 3 and 4, else 1). A part's ragged last K tile reads the next part's first columns (or the
-    copy's end, zeros): the weight's tile is zero there (the bulk copy's fill, or the mask), so they add 0."""
+    parts (``split_operands``), [n_rows, P * KP] bfloat16, contiguous, part p in columns p * KP .. (p + 1) * KP,
+    KP = K_TILES * BLOCK_K, zeros past n_k (P = 2 for SPLIT 3 and 4, else 1)."""
     # FLUSH_K (``common.SPLIT_FLUSH_K``): the accumulator's flush depth, 0 never. SPLIT 1 (both operands bfloat16
     # values) keeps the bfloat16 head's accumulation: its statistics are that head's, bit for bit
     FLUSH_TILES: tl.constexpr = (FLUSH_K + BLOCK_K - 1) // BLOCK_K if SPLIT > 1 else 0
@@ -121,7 +120,7 @@ def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
             h_hi = h_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
             h_lo = h_hi                 # (not read below 3)
             if SPLIT >= 3:
-                h_lo = h_ptr.load([pid_m * BLOCK_M, n_k + k * BLOCK_K])
+                h_lo = h_ptr.load([pid_m * BLOCK_M, (K_TILES + k) * BLOCK_K])
             if INTERP:      # the interpreter's bfloat16 dot is wrong: the parts' values in float32
                 h_hi = h_hi.to(tl.float32)
                 h_lo = h_lo.to(tl.float32)
@@ -131,7 +130,7 @@ def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
         rows_in = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % n_rows).to(tl.int64)
         cols_in = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % n_cols).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
-        h_ptrs = h_ptr + rows_in[:, None] * (n_k * (2 if SPLIT >= 3 else 1)) + ks[None, :]
+        h_ptrs = h_ptr + rows_in[:, None] * (K_TILES * BLOCK_K * (2 if SPLIT >= 3 else 1)) + ks[None, :]
         w_ptrs = w_ptr + cols_in[:, None] * s_wv + ks[None, :] * s_wk
         for k in range(0, K_TILES):
             if EVEN_K:
@@ -139,14 +138,14 @@ def _split_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_wv, s_wk, pid_m, pid_n,
                 h_hi = tl.load(h_ptrs)
                 h_lo = h_hi             # (not read below 3)
                 if SPLIT >= 3:
-                    h_lo = tl.load(h_ptrs + n_k)
+                    h_lo = tl.load(h_ptrs + K_TILES * BLOCK_K)
             else:
                 k_ok = ks < n_k - k * BLOCK_K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                h_hi = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                h_hi = tl.load(h_ptrs)          # (the parts are zeros past n_k)
                 h_lo = h_hi
                 if SPLIT >= 3:
-                    h_lo = tl.load(h_ptrs + n_k, mask=k_ok[None, :], other=0.0)
+                    h_lo = tl.load(h_ptrs + K_TILES * BLOCK_K)
             if INTERP:
                 h_hi = h_hi.to(tl.float32)
                 h_lo = h_lo.to(tl.float32)
