@@ -294,3 +294,24 @@ def test_the_accumulator_flush(kind, monkeypatch):
             assert rel_err(a, b) < 1e-3    # the gradients' bfloat16 products
         same = all(torch.equal(a, b) for a, b in zip(runs[flush][:2], runs["0"][:2], strict=True))
         assert same == (kind == "both")
+
+
+def test_the_backward_splits_hidden_once(monkeypatch):
+    """The backward's vocabulary chunks read one copy of hidden's parts, made once per call (not per chunk)."""
+    import logitless.ops.triton.operands as operands_module
+    hidden, weight, labels = _inputs("neither")
+    dev = device_for("triton")
+    made = []
+    real = operands_module.split_operands
+
+    def counted(*args, **kw):
+        made.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(operands_module, "split_operands", counted)
+    monkeypatch.setenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS", str(9 * 1024))      # five chunks of V 4099
+    h = hidden.to(dev).requires_grad_(True)
+    out = fused_logprobs(h, weight.to(dev), labels.to(dev), backend="triton", precision="split")
+    forward_made = len(made)
+    assert forward_made >= 1
+    out.logprobs.sum().backward()
+    assert len(made) == forward_made + 1

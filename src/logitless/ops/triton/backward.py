@@ -27,7 +27,7 @@ from ..precision import GradOperands
 from ..tail_backward import TailTerms
 from . import tail_dlogits
 from .common import LN2, LOG2E, choose_tiles, int32_safe, launch_options, on_device, tl_dtype
-from .operands import tile_operands
+from .operands import kernel_hidden, tile_operands
 from .tile import program_tile, softcap_tanh
 
 # 128 Mi elements: 256 MiB of bf16 dlogits, whatever N is (C = this / N, rounded to the tile). Each vocabulary
@@ -94,16 +94,18 @@ def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, inv_temp_ptr, lse_ptr, ent_ptr, g_
 
 def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, labels: Tensor, inv_temp: Tensor, lse: Tensor,
                   ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor], out: Tensor,
-                  softcap: Optional[float] = None, member: Optional[Tensor] = None) -> Tensor:
+                  softcap: Optional[float] = None, member: Optional[Tensor] = None,
+                  parts: Optional[Tensor] = None) -> Tensor:
     """Fill ``out`` [N, C] (hidden.dtype, unit column stride) with the dlogits of vocabulary rows
     col0 .. col0 + C, where w_chunk = weight[col0 : col0 + C] (d raw logits when softcap is set). member [N]
-    float32: only the logits above it count (the kernel's MEMBER)."""
+    float32: only the logits above it count (the kernel's MEMBER). parts: ``operands.kernel_hidden(hidden)``,
+    made once for all chunks (None: made here)."""
     n, k = hidden.shape
     cols = w_chunk.shape[0]
     tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
     with_entropy = g_ent is not None
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
-    h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
+    h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles, parts)
     _dlogits_kernel[grid](
         h_op, w_op, labels, inv_temp, lse, ent if with_entropy else lse, g_lp,
         g_ent if with_entropy else g_lp, out, lse if member is None else member,
@@ -160,14 +162,15 @@ def _grads(hidden, weight, labels, inv_temp, lse, ent, g_lp, g_ent, need_dh, nee
     dh = torch.zeros((n, k), dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty((vocab, k), dtype=go.out_dtype, device=weight.device) if need_dw and dw_acc is None else None
     buf = torch.empty((n, step), dtype=go.dl_dtype, device=hidden.device)
+    parts = kernel_hidden(h_kernel, tiles)      # (a split precision's parts of hidden: once, not per chunk)
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         if tail is None:
             dl = dlogits_chunk(h_kernel, w_kernel[start:stop], start, labels, inv_temp, lse, ent, g_lp, g_ent,
-                               buf[:, :stop - start], softcap, member)
+                               buf[:, :stop - start], softcap, member, parts)
         else:
             dl = tail_dlogits.dlogits_chunk(h_kernel, w_kernel[start:stop], start, tail, inv_temp, lse, g_lp,
-                                            buf[:, :stop - start], softcap)
+                                            buf[:, :stop - start], softcap, parts)
         if dh is not None:
             for a, b in go.products(dl, go.weight_rows(start, stop)):
                 accumulate_mm(dh, a, b)

@@ -2,6 +2,8 @@
 under a split precision hidden's bfloat16 parts in place of hidden."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -22,14 +24,20 @@ def split_operands(hidden: torch.Tensor, split: int, block_k: int) -> torch.Tens
     return split_concat(hidden, (0, 1) if split >= 3 else (0,), width)
 
 
-def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
+def kernel_hidden(hidden: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+    """What the tile kernels read for ``hidden``: under ``maths.split_in_kernel`` float32 hidden's parts
+    (``split_operands``), else hidden itself. Made once where several launches read it (the backward's vocabulary
+    chunks) and passed to ``tile_operands`` as ``parts``."""
+    split = split_code() if hidden.dtype == torch.float32 else 0
+    return split_operands(hidden, split, tiles.block_k) if split else hidden
+
+
+def tile_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles, parts: Optional[torch.Tensor] = None):
     """(hidden operand, weight operand, USE_TMA) for logits_tile: tensor descriptors on Hopper or newer
     (and in the interpreter) where the layout allows and LOGITLESS_TRITON_TMA is not "0", else the
-    tensors themselves (pointer loads). Under ``maths.split_in_kernel`` float32 hidden is first replaced by its
-    parts (``split_operands``), which the kernels read in place of hidden."""
-    split = split_code() if hidden.dtype == torch.float32 else 0
-    if split:
-        hidden = split_operands(hidden, split, tiles.block_k)
+    tensors themselves (pointer loads). Hidden is first replaced by what the kernels read of it (``kernel_hidden``;
+    ``parts``: that, made by the caller)."""
+    hidden = kernel_hidden(hidden, tiles) if parts is None else parts
     engine = INTERPRETING or common.hopper_or_newer(hidden.device)      # (looked up here: tests patch it)
     if knobs.triton_tma() and engine and tma_layout_ok(hidden) and tma_layout_ok(weight):
         h = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [tiles.block_m, tiles.block_k])

@@ -17,6 +17,8 @@ membership beside it).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -81,14 +83,15 @@ def _tail_dlogits_kernel(h_ptr, w_ptr, ids_ptr, at_ids_ptr, inv_temp_ptr, lse_pt
 
 
 def dlogits_chunk(hidden: Tensor, w_chunk: Tensor, col0: int, tail: TailTerms, inv_temp: Tensor, lse: Tensor,
-                  g_all: Tensor, out: Tensor, softcap=None) -> Tensor:
+                  g_all: Tensor, out: Tensor, softcap=None, parts: Optional[Tensor] = None) -> Tensor:
     """Fill ``out`` [N, C] (unit column stride) with the dlogits of vocabulary rows col0 .. col0 + C of the tail's
-    closed form, where w_chunk = weight[col0 : col0 + C] and g_all [N] is G (d raw logits with a softcap)."""
+    closed form, where w_chunk = weight[col0 : col0 + C] and g_all [N] is G (d raw logits with a softcap). parts:
+    ``operands.kernel_hidden(hidden)``, made once for all chunks (None: made here)."""
     n, k = hidden.shape
     cols = w_chunk.shape[0]
     tiles = choose_tiles("BWD", hidden.dtype, hidden.device)
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
-    h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles)
+    h_op, w_op, use_tma = tile_operands(hidden, w_chunk, tiles, parts)
     tail_grad = tail.g_tail is not None
     _tail_dlogits_kernel[grid](
         h_op, w_op, tail.ids, tail.at_ids, inv_temp, lse, tail.lse_tail, g_all,
