@@ -15,7 +15,8 @@ For each N (H 4096, V 151936; float32 hidden and weight, logit std 4, labels sam
    "split:neither" (general float32 operands: "bf16x3"), each with the default precision (the adaptive split,
    checked against ``last_precision()``), split in the kernels' registers or, with the suffix "+copies", from the
    concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0), with "+flush<K>" the in-kernel split's accumulator
-   flushed every K of the depth (LOGITLESS_SPLIT_FLUSH_K, 0: never); or a precision forced by name ("bf16x3",
+   flushed every K of the depth (LOGITLESS_SPLIT_FLUSH_K, 0: never), with "+tiles128x128x64x8x8x3" the kernels'
+   tiles (LOGITLESS_TRITON_FWD / _BWD / _POLICY, a sweep); or a precision forced by name ("bf16x3",
    "bf16x6", "tf32", "ieee");
 3. on the first 256 tokens: max |log-prob| and |entropy| error against float64 of the path's float32 operands,
    at logit std 4 and 8 (the weight doubled: exact, and still bfloat16 values where it was), and the gradients'
@@ -58,7 +59,8 @@ PATHS = ("split:both", "split:hidden", "split:neither", "split:hidden+copies", "
          "ieee")
 # a path's suffixes: "+copies", its split made from the concatenated bfloat16 copies (LOGITLESS_SPLIT_IN_KERNEL=0),
 # not in the kernels' registers; "+flush<K>", the in-kernel split's accumulator flushed every K of the depth
-# (LOGITLESS_SPLIT_FLUSH_K; 0 never): the ways in one process
+# (LOGITLESS_SPLIT_FLUSH_K; 0 never); "+tiles<BMxBNxBKxGROUPxWARPSxSTAGES>", every kernel's tiles
+# (LOGITLESS_TRITON_FWD / _BWD / _POLICY): the ways in one process
 
 
 def suffix_env(tag: str) -> dict:
@@ -69,8 +71,11 @@ def suffix_env(tag: str) -> dict:
             env["LOGITLESS_SPLIT_IN_KERNEL"] = "0"
         elif part.startswith("flush") and part[5:].isdigit():
             env["LOGITLESS_SPLIT_FLUSH_K"] = part[5:]
+        elif part.startswith("tiles") and len(part[5:].split("x")) == 6:
+            for stage in ("FWD", "BWD", "POLICY"):
+                env[f"LOGITLESS_TRITON_{stage}"] = part[5:].replace("x", ",")
         else:
-            raise SystemExit(f"unknown suffix +{part} in {tag!r}: +copies or +flush<K>")
+            raise SystemExit(f"unknown suffix +{part} in {tag!r}: +copies, +flush<K> or +tiles<BMxBNxBKxGxWxS>")
     return env
 # the adaptive split's products for each "split:" path's operands
 SPLIT_RAN = {"both": "bf16x1", "hidden": "bf16x2", "neither": "bf16x3"}
