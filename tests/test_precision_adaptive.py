@@ -32,6 +32,18 @@ def _inputs(kind: str, n=7, ignored=2, seed=0):
 MODES = {"neither": "bf16x3", "hidden": "bf16x2", "weight": "bf16x2", "both": "bf16x1"}
 
 
+def _counted(monkeypatch, module, name: str) -> list:
+    """A list that gets one entry per call of ``module.name`` (patched for the test)."""
+    made = []
+    real = getattr(module, name)
+
+    def counted(*args, **kw):
+        made.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(module, name, counted)
+    return made
+
+
 def _one_low_bit(x: torch.Tensor) -> torch.Tensor:
     """x with the lowest mantissa bit of one element set: no longer a bfloat16 value there."""
     bits = x.clone().view(torch.int32)
@@ -229,13 +241,7 @@ def test_the_copies_path_of_the_knob(kind, monkeypatch):
     hidden, weight, labels = _inputs(kind, n=9, ignored=2)
     adv, old = torch.randn(labels.shape), torch.full(labels.shape, -3.0)
     dev = device_for("triton")
-    made = []
-    real = precision_module.split_concat
-
-    def counted(*args, **kw):
-        made.append(1)
-        return real(*args, **kw)
-    monkeypatch.setattr(precision_module, "split_concat", counted)
+    made = _counted(monkeypatch, precision_module, "split_concat")
 
     def run(copies):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -301,13 +307,7 @@ def test_the_backward_splits_hidden_once(monkeypatch):
     import logitless.ops.triton.operands as operands_module
     hidden, weight, labels = _inputs("neither")
     dev = device_for("triton")
-    made = []
-    real = operands_module.split_operands
-
-    def counted(*args, **kw):
-        made.append(1)
-        return real(*args, **kw)
-    monkeypatch.setattr(operands_module, "split_operands", counted)
+    made = _counted(monkeypatch, operands_module, "split_operands")
     monkeypatch.setenv("LOGITLESS_TRITON_DLOGITS_ELEMENTS", str(9 * 1024))      # five chunks of V 4099
     h = hidden.to(dev).requires_grad_(True)
     out = fused_logprobs(h, weight.to(dev), labels.to(dev), backend="triton", precision="split")
