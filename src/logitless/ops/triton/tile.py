@@ -89,9 +89,10 @@ def _split_dots(w, h_hi, h_lo, acc_t, acc_lo_t, SPLIT: tl.constexpr, INTERP: tl.
 @triton.jit
 def _flush(acc_t, acc_sum_t, k, FLUSH_TILES: tl.constexpr):
     """After K tile k: acc_t added onto acc_sum_t and restarted from 0 every FLUSH_TILES tiles (0: never). The
-    tensor cores truncate each dot's sum relative to the accumulator (measured on an H100: biased, ~ulp(logit) per
-    16-deep step, 2.4e-4 of log-prob at logit std 8 over K 4096); a float32 add on the CUDA cores rounds to
-    nearest, and the restarted accumulator stays a few K tiles' size."""
+    tensor cores truncate each dot's sum relative to the accumulator (biased, up to ~ulp(logit) per 16-deep step:
+    the H100's 2.4e-4 of log-prob at logit std 8 over K 4096, which ``benchmarks/cpu_accumulation_model.py``
+    reproduces); a float32 add on the CUDA cores rounds to nearest, and the restarted accumulator stays a few K
+    tiles' size."""
     if FLUSH_TILES > 0:
         if ((k + 1) // FLUSH_TILES) * FLUSH_TILES == k + 1:   # (k + 1) % F: the interpreter's constexpr has no rmod
             acc_sum_t += acc_t
@@ -204,7 +205,8 @@ def logits_tile(h_ptr, w_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk, pid_m
     K_TILES = cdiv(n_k, BLOCK_K) is a compile-time trip count (one build per hidden size; the
     interpreter cannot loop to a run-time bound under numpy >= 2.4). SPLIT (``maths.SPLIT_CODES``; 0: none):
     float32 operands as bfloat16 parts (``_split_tile``: h_ptr is then hidden's parts, ``split_operands``, and
-    s_hn / s_hk are not read); INTERP: under the interpreter.
+    s_hn / s_hk are not read); INTERP: under the interpreter; FLUSH_K: the split's accumulator flush depth
+    (``common.SPLIT_FLUSH_K``, ``_flush``).
     Returns (acc, rows, cols).
     """
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
