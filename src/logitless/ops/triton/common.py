@@ -28,10 +28,10 @@ def tl_dtype(dtype: torch.dtype):
 
 
 # The split kernels' K depth between flushes of their tensor-core accumulator onto a float32 sum (``tile._flush``).
-# The tensor cores truncate each 16-deep step's sum relative to the accumulator: an emulation of that (numpy, float64
-# products, the sum truncated to float32 toward zero every 16 of K) gives the log-prob error measured on an H100 at
-# logit std 4 / 8 without flushes (1.1e-4 / 2.4e-4, float32 operands, K 4096); flushing every 128 of K takes it to
-# 1.3e-5 for float32 products, and bf16x3 to its own rounding (~9e-5 at std 8, 32 tokens).
+# The tensor cores truncate each 16-deep step's sum relative to the accumulator: a model of that
+# (benchmarks/cpu_accumulation_model.py) gives the log-prob error measured on an H100 without flushes (2.4e-4 at
+# logit std 8, K 4096); flushing every 128 of K takes it to 1.0e-5 for float32 products and bf16x3 to its own
+# rounding (9.9e-5 at std 8 over 32 tokens). Not yet measured on a GPU.
 SPLIT_FLUSH_K = 128
 
 
