@@ -592,7 +592,7 @@ def wide_rounds(monkeypatch):
     from logitless.ops import truncation_wide
     from logitless.ops.triton import above_select
     monkeypatch.setenv("LOGITLESS_TRUNCATION_CANDIDATES", "8")
-    seen = {"decided": 0, "left": 0, "slots": [], "pruned": 0}
+    seen = {"decided": 0, "direct": 0, "left": 0, "slots": [], "pruned": 0}
     real_round, real_above = truncation_wide.wide_round, above_select.above
     real_prefix = truncation_wide._nucleus_prefix
 
@@ -603,10 +603,11 @@ def wide_rounds(monkeypatch):
     monkeypatch.setattr(truncation_wide, "_nucleus_prefix", nucleus_prefix)
 
     def wide_round(*args, **kwargs):
-        done, left = real_round(*args, **kwargs)
-        seen["decided"] += sum(int(p.pos.numel()) for p in done)
+        done, direct, left = real_round(*args, **kwargs)
+        seen["decided"] += sum(int(p.pos.numel()) for p in done + direct)
+        seen["direct"] += sum(int(p.pos.numel()) for p in direct)
         seen["left"] += int(left.numel())
-        return done, left
+        return done, direct, left
 
     def above(*args, **kwargs):
         seen["slots"].append(args[4])
@@ -622,16 +623,22 @@ def _wide_inputs():
     return make_inputs(lead=(2, 5), v=1031, h=48, dtype=torch.bfloat16, logit_std=2.0)
 
 
+@pytest.mark.parametrize("nucleus", ["kernel", "sort"])
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.95), Truncation(min_p=0.02),
                                         Truncation(top_p=0.9, min_p=0.005), Truncation(top_p=0.6)])
-def test_triton_wide_kept_sets(truncation, wide_rounds):
+def test_triton_wide_kept_sets(truncation, nucleus, wide_rounds, monkeypatch):
     """Kept sets past the first candidates on the triton backend, decided by every logit above a bound
-    (``ops/truncation_wide.py``) in one more pass, against float64: sets, values, gradients."""
+    (``ops/truncation_wide.py``) in one more pass, against float64: sets, values, gradients; the sets decided
+    from the emitted logits as they lie (``triton/nucleus.py``), or sorted."""
+    monkeypatch.setenv("LOGITLESS_TRUNCATION_NUCLEUS", nucleus)
     hidden, weight, labels = _wide_inputs()
     check(hidden, weight, labels, "triton", truncation, temperature=0.9)
     assert wide_rounds["decided"] > 0
-    # top_p alone: the emitted ids narrowed to the nucleus's histogram bins before the sort
-    assert (wide_rounds["pruned"] > 0) == (truncation.min_p is None)
+    if nucleus == "kernel":
+        assert wide_rounds["direct"] > 0
+    else:
+        # top_p alone: the emitted ids narrowed to the nucleus's histogram bins before the sort
+        assert wide_rounds["direct"] == 0 and (wide_rounds["pruned"] > 0) == (truncation.min_p is None)
 
 
 def test_triton_wide_round_leaves_top_k_and_grows_its_slots(wide_rounds, monkeypatch):

@@ -83,6 +83,16 @@ def truncation_dense_ids(default: int) -> int:
     return _int("LOGITLESS_TRUNCATION_DENSE_IDS", default)
 
 
+def truncation_nucleus() -> str:
+    """LOGITLESS_TRUNCATION_NUCLEUS: how the wide round decides a wide kept set: "kernel" (the default: its boundary,
+    size, mass and entropy from the emitted logits as they lie, ``ops/triton/nucleus.py``) or "sort" (every emitted
+    id sorted, then cut); for benchmarking."""
+    raw = os.environ.get("LOGITLESS_TRUNCATION_NUCLEUS", "").strip().lower() or "kernel"
+    if raw not in ("kernel", "sort"):
+        raise ValueError(f"LOGITLESS_TRUNCATION_NUCLEUS={raw!r} must be kernel or sort")
+    return raw
+
+
 def pairs_path() -> str:
     """LOGITLESS_PAIRS_PATH: the truncated log-prob's kept-pair products: "auto" (the default: the Triton kernels
     for CUDA tensors where triton imports, else the torch gathers), "torch" (the torch gathers everywhere) or

@@ -53,6 +53,18 @@ class Kept(NamedTuple):
     # (``truncation_dense.boundary``)
     member: Optional[Tensor] = None
     clear: Optional[Tensor] = None
+    # tokens decided without their ids (``truncation_wide.Direct``), no pairs of their own
+    direct: Optional["DirectSets"] = None
+
+
+class DirectSets(NamedTuple):
+    """Per token [N]: mask bool (the tokens decided without their ids), count int64 (the kept set's size), inside
+    bool (the label kept), lse float64 (the kept set's logsumexp, tempered-logit units), entropy float64."""
+    mask: Tensor
+    count: Tensor
+    inside: Tensor
+    lse: Tensor
+    entropy: Tensor
 
 
 def _first_candidates(s: RowSettings, pending: Tensor, vocab: int) -> int:
@@ -72,6 +84,7 @@ class _Collected:
         self.member = torch.zeros(n, dtype=torch.float32, device=device)
         self.clear = torch.zeros(n, dtype=torch.bool, device=device)
         self.rows, self.ids, self.lp = [], [], []
+        self.direct = None
 
     def add(self, tokens: Tensor, ids: Tensor, lp: Tensor, keep: Tensor, lse: Tensor) -> None:
         """tokens [m] decided, their candidates ids / lp [m, L] (descending), kept ones keep [m, L] (a prefix),
@@ -86,15 +99,32 @@ class _Collected:
         self.top_ids[tokens] = ids[:, 0]
         self.top_lp[tokens] = lp[:, 0]
 
+    def add_direct(self, tokens: Tensor, d: truncation_wide.Direct, lse: Tensor) -> None:
+        """tokens [m] decided without their ids (``d``'s rows), lse [m] their full softmax's."""
+        if self.direct is None:
+            n, dev = self.kept_lp.shape[0], self.kept_lp.device
+            self.direct = DirectSets(torch.zeros(n, dtype=torch.bool, device=dev),
+                                     torch.zeros(n, dtype=torch.int64, device=dev),
+                                     torch.zeros(n, dtype=torch.bool, device=dev),
+                                     torch.zeros(n, dtype=torch.float64, device=dev),
+                                     torch.zeros(n, dtype=torch.float64, device=dev))
+        self.direct.mask[tokens] = True
+        self.direct.count[tokens] = d.kept
+        self.direct.inside[tokens] = d.inside
+        self.direct.lse[tokens] = lse.double() + d.log_mass
+        self.direct.entropy[tokens] = d.entropy
+        self.member[tokens], self.clear[tokens] = d.member, True
+        self.kept_lp[tokens] = d.log_mass.float().clamp(max=0.0)
+
     def kept(self) -> Kept:
         empty = torch.zeros(0, dtype=torch.int64, device=self.kept_lp.device)
         return Kept(_cat(self.rows, empty), _cat(self.ids, empty), self.kept_lp, _cat(self.lp, empty.float()),
-                    self.top_ids, self.top_lp, self.member, self.clear)
+                    self.top_ids, self.top_lp, self.member, self.clear, self.direct)
 
 
 def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: RowSettings, vocab: int,
-           options: function.OpOptions) -> Kept:
-    """The kept pairs of the tokens ``rows`` [r] under the settings s (per token, [N]), from the backend's
+           options: function.OpOptions, labels: Tensor) -> Kept:
+    """The kept pairs of the tokens ``rows`` [r] under the settings s (per token, [N]; labels [N]), from the backend's
     selection pass; no gradient. On the triton backend a token left undecided by its first candidates goes to
     ``truncation_wide`` (every logit above a bound its set cannot reach below) before more candidates."""
     out = _Collected(hidden.shape[0], hidden.device)
@@ -119,12 +149,15 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
                         d.keep.index_select(0, done), lse.index_select(0, done))
                 open_ = (~d.decided).nonzero().squeeze(1)
                 if wide and open_.numel():
-                    decided, left = truncation_wide.wide_round(
+                    blk = block.index_select(0, open_)
+                    decided, direct, left = truncation_wide.wide_round(
                         h.index_select(0, open_), weight, t.index_select(0, open_), lp.index_select(0, open_),
-                        lse.index_select(0, open_), s.rows(block.index_select(0, open_)), vocab, options.softcap)
+                        lse.index_select(0, open_), s.rows(blk), vocab, options.softcap, labels.index_select(0, blk))
                     for part in decided:
                         out.add(block[open_[part.pos]], part.ids, part.lp, part.keep,
                                 lse.index_select(0, open_[part.pos]))
+                    for part in direct:
+                        out.add_direct(block[open_[part.pos]], part, lse.index_select(0, open_[part.pos]))
                     open_ = open_.index_select(0, left)
                 undecided.append(block.index_select(0, open_))
             wide = False            # one wide round, after the first candidates; then the candidates grow
@@ -198,9 +231,14 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     at_label = kept.ids == labels.index_select(0, kept.rows)
     inside = torch.zeros(n, dtype=torch.bool, device=dev)
     inside[kept.rows[at_label]] = True
-    count = torch.bincount(kept.rows, minlength=n)
+    pair_count = torch.bincount(kept.rows, minlength=n)
     group = tp.group if tp is not None else None
+    # (the labels of tokens decided without their ids are multiplied: no pair of theirs is known)
     known, given = _known_products(hidden, weight, inv_temp, kept, scored, at_label, inside, options, tp)
+    direct = kept.direct
+    count = pair_count if direct is None else torch.where(direct.mask, direct.count, pair_count)
+    if direct is not None:
+        inside = inside | (direct.mask & direct.inside)
     dense = _dense_tokens(hidden, kept, options, count, weight.shape[0])
 
     def logits(idx: Optional[Tensor]) -> Tensor:
@@ -224,14 +262,19 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(zk - m.index_select(0, rows))
     total = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, e)
-    has = count > 0
+    has = pair_count > 0
     lse = m + torch.log(torch.where(has, total, torch.ones_like(total)))
+    if direct is not None:
+        lse = torch.where(direct.mask, direct.lse, lse)
     lp = torch.zeros(n, dtype=torch.float64, device=dev).index_put((scored,), zy - lse.index_select(0, scored))
     ent = None
     if options.with_entropy:
         lse_k = lse.index_select(0, rows)
         terms = torch.exp(zk - lse_k) * (lse_k - zk)
-        ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms).float()
+        ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms)
+        if direct is not None:
+            ent = torch.where(direct.mask, direct.entropy, ent)
+        ent = ent.float()
     lp = lp.float()
     if dense is not None:
         d = dense.nonzero().squeeze(1)
@@ -251,6 +294,8 @@ def _dense_tokens(hidden: Tensor, kept: Kept, options: function.OpOptions, count
     if kept.member is None or not truncation_wide.usable(options, hidden):
         return None
     dense = kept.clear & (count >= truncation_dense.min_ids(vocab))
+    if kept.direct is not None:       # (decided without their ids: only this backward has them)
+        dense = dense | kept.direct.mask
     return dense if bool(dense.any()) else None
 
 
@@ -286,7 +331,7 @@ def truncated_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp:
             lp, ent = function.fused_logprobs(hidden, weight, labels, inv_temp, options)
             count = torch.where(valid, vocab, 0)
             return Outputs(lp, ent, valid.clone(), count, torch.zeros_like(lp))
-        kept = select(hidden, weight, inv_temp, scored, settings, vocab, options)
+        kept = select(hidden, weight, inv_temp, scored, settings, vocab, options, labels)
     t = kept_logprobs(hidden, weight, labels, inv_temp, kept, scored, options, tp)
     lp, ent, inside, count = t
     if bool(off.any()):

@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import knobs
+from . import truncation_dense
 from .function import OpOptions
 from .truncation_select import RowSettings, decide
 
@@ -112,16 +114,77 @@ def _nucleus_prefix(values: Tensor, filled: Tensor, lse: Tensor, s: RowSettings,
     return filled & (~prune.unsqueeze(1) | (b <= last_bin.unsqueeze(1))), prune
 
 
+class Direct(NamedTuple):
+    """Tokens decided without their ids (``triton.nucleus``; each a dense backward's token): pos [m] (positions in
+    the caller's block), kept [m] int64 (the kept set's size), log_mass [m] float64 (log of its mass under the
+    full softmax), entropy [m] float64 (of the truncated distribution), member [m] float32 (the kept set is
+    z >= member: the midpoint between its smallest logit and the first left out), inside [m] bool (the label
+    kept)."""
+    pos: Tensor
+    kept: Tensor
+    log_mass: Tensor
+    entropy: Tensor
+    member: Tensor
+    inside: Tensor
+
+
+def _direct(a, width: int, count: Tensor, fits: Tensor, lse: Tensor, s: RowSettings, vocab: int,
+            labels: Tensor) -> tuple[Tensor, Direct]:
+    """(which [r] bool, their Direct) of a block's emitted rows: the tokens the nucleus kernel decides with a clear
+    boundary (``truncation_dense.boundary``'s rule) and a kept set wide enough for the dense backward."""
+    from .triton.nucleus import nucleus
+    log_min_p = torch.where(s.min_p > 0.0, torch.log(s.min_p.clamp(min=1e-300)),
+                            torch.full_like(s.min_p, float("-inf")))
+    nd = nucleus(a.values[:, :width], a.ids[:, :width], count, lse, s.top_p, log_min_p, count >= vocab, labels)
+    last, out = nd.last.double(), nd.out.double()
+    clear = torch.isfinite(out) & (last - out > truncation_dense.GAP * (1.0 + last.abs()))
+    which = fits & nd.decided & clear & (nd.kept >= truncation_dense.min_ids(vocab))
+    idx = which.nonzero().squeeze(1)
+    member = ((last + out) / 2).float()
+    return which, Direct(idx, *(t.index_select(0, idx) for t in (nd.kept, nd.log_mass, nd.entropy, member,
+                                                                 nd.inside)))
+
+
+def _sorted(values: Tensor, ids: Tensor, count: Tensor, fits: Tensor, slots: int, pos: Tensor, lse: Tensor,
+            s: RowSettings, tau: Tensor, vocab: int) -> tuple[Wide, Tensor]:
+    """(the decided tokens, the undecided positions that fit) of emitted rows (values / ids [r, slots], count [r],
+    fits [r]): every emitted id of a row sorted, then cut as the candidates are."""
+    # a token's matches fill its first count slots: the widest fitting token's, plus the empty column
+    width = min(slots, int(count.masked_fill(~fits, 0).max()) + 1)
+    filled = torch.arange(width, device=count.device).unsqueeze(0) < count.unsqueeze(1)
+    filled, pruned = _nucleus_prefix(values[:, :width], filled, lse, s, tau)
+    # the emitted ids in order, only as many columns as the fullest row holds, plus an empty one
+    # (over the rows that fit: the others are asked again, and all their columns are filled)
+    keep_cols = min(width, int(filled.sum(dim=1).masked_fill(~fits, 0).max()) + 1)
+    keys = torch.topk(_keys(values[:, :width], ids[:, :width], filled), keep_cols, dim=1).values
+    values, ids = _decode(keys)
+    row_lp = values - lse.unsqueeze(1)
+    # the mass below the bound: what the emitted ids leave (only read where no setting closes the set)
+    tail = torch.log1p(-torch.exp(torch.logsumexp(row_lp.double(), dim=1)).clamp(max=1.0 - 1e-16))
+    # the rows padded with -inf to the widest: only a row that emitted every id has seen the whole
+    # vocabulary (the width alone may reach it while a top_p-alone nucleus must count its tail)
+    d = decide(row_lp, tail, vocab, s, complete=(count >= vocab) & ~pruned)
+    keep = d.keep & torch.isfinite(row_lp)
+    ok = d.decided & fits & ~(d.keep & ~torch.isfinite(row_lp)).any(dim=1)
+    idx = ok.nonzero().squeeze(1)
+    wide = Wide(pos.index_select(0, idx), ids.index_select(0, idx), row_lp.index_select(0, idx),
+                keep.index_select(0, idx))
+    return wide, pos[fits & ~ok]
+
+
 def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse: Tensor, s: RowSettings,
-               vocab: int, softcap) -> tuple[list[Wide], Tensor]:
-    """For r tokens (hidden [r, H], inv_temp [r], their first pass's lp [r, C] and lse [r], settings s [r]):
-    (the decided ones' kept sets, the positions [u] left undecided)."""
+               vocab: int, softcap, labels: Tensor) -> tuple[list[Wide], list[Direct], Tensor]:
+    """For r tokens (hidden [r, H], inv_temp [r], their first pass's lp [r, C] and lse [r], settings s [r], labels
+    [r]): (the kept sets decided from their sorted ids, those decided without them, the positions [u] left
+    undecided)."""
     from .triton.above_select import above
     tau, which = bounds(lp, lse, s, vocab)
     left = [(~which).nonzero().squeeze(1)]
     done: list[Wide] = []
+    direct: list[Direct] = []
     todo = which.nonzero().squeeze(1)
     slots = min(vocab, FIRST_SLOTS)
+    by_kernel = knobs.truncation_nucleus() == "kernel"
     while todo.numel():
         over = []
         step = max(1, BLOCK_ELEMENTS // slots)
@@ -131,30 +194,26 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
                       slots, softcap)
             count = a.count.long()
             fits = count < slots          # one slot left empty: the -inf column after the last emitted id
-            # a token's matches fill its first count slots: the widest fitting token's, plus the empty column
-            width = min(slots, int(count.masked_fill(~fits, 0).max()) + 1)
-            filled = torch.arange(width, device=count.device).unsqueeze(0) < count.unsqueeze(1)
             s_pos = s.rows(pos)
             lse_pos = lse.index_select(0, pos)
-            filled, pruned = _nucleus_prefix(a.values[:, :width], filled, lse_pos, s_pos, tau.index_select(0, pos))
-            # the emitted ids in order, only as many columns as the fullest row holds, plus an empty one
-            # (over the rows that fit: the others are asked again, and all their columns are filled)
-            keep_cols = min(width, int(filled.sum(dim=1).masked_fill(~fits, 0).max()) + 1)
-            keys = torch.topk(_keys(a.values[:, :width], a.ids[:, :width], filled), keep_cols, dim=1).values
-            values, ids = _decode(keys)
-            row_lp = values - lse_pos.unsqueeze(1)
-            # the mass below the bound: what the emitted ids leave (only read where no setting closes the set)
-            tail = torch.log1p(-torch.exp(torch.logsumexp(row_lp.double(), dim=1)).clamp(max=1.0 - 1e-16))
-            # the rows padded with -inf to the widest: only a row that emitted every id has seen the whole
-            # vocabulary (the width alone may reach it while a top_p-alone nucleus must count its tail)
-            d = decide(row_lp, tail, vocab, s_pos, complete=(count >= vocab) & ~pruned)
-            keep = d.keep & torch.isfinite(row_lp)
-            ok = d.decided & fits & ~(d.keep & ~torch.isfinite(row_lp)).any(dim=1)
-            idx = ok.nonzero().squeeze(1)
-            done.append(Wide(pos.index_select(0, idx), ids.index_select(0, idx), row_lp.index_select(0, idx),
-                             keep.index_select(0, idx)))
-            left.append(pos[fits & ~ok])
             over.append((pos[~fits], count[~fits]))
+            tau_pos = tau.index_select(0, pos)
+            if not by_kernel:
+                wide, undecided = _sorted(a.values, a.ids, count, fits, slots, pos, lse_pos, s_pos, tau_pos, vocab)
+                done.append(wide)
+                left.append(undecided)
+                continue
+            width = min(slots, int(count.masked_fill(~fits, 0).max()) + 1)
+            taken, d = _direct(a, width, count, fits, lse_pos, s_pos, vocab, labels.index_select(0, pos))
+            direct.append(d._replace(pos=pos.index_select(0, d.pos)))
+            # the rest that fit (a tie split by the nucleus, a boundary too close, a narrow set) sorted
+            sub = (fits & ~taken).nonzero().squeeze(1)
+            if sub.numel():
+                rows = [t.index_select(0, sub) for t in (a.values, a.ids, count, fits, pos, lse_pos)]
+                wide, undecided = _sorted(*rows[:4], slots, *rows[4:], s_pos.rows(sub), tau_pos.index_select(0, sub),
+                                          vocab)
+                done.append(wide)
+                left.append(undecided)
         todo, count = torch.cat([p for p, _ in over]), torch.cat([c for _, c in over])
         # asked again with as many slots as the largest count needs; past MAX_SLOTS left to the caller
         wider = count + 1 > MAX_SLOTS
@@ -162,4 +221,4 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
         todo, count = todo[~wider], count[~wider]
         if todo.numel():
             slots = int(count.max()) + 1
-    return done, torch.cat(left)
+    return done, direct, torch.cat(left)
