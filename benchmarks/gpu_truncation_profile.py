@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -35,7 +36,25 @@ from logitless.tools.machine import machine, versions  # noqa: E402
 
 FULL = dict(n=16 * 1024, h=4096, v=151936)
 TINY = dict(n=24, h=40, v=1031)
-SETTINGS = {"top_k=50": dict(top_k=50), "top_p=0.95": dict(top_p=0.95), "min_p=0.05": dict(min_p=0.05)}
+SETTINGS = {"top_k=50": dict(top_k=50), "top_p=0.95": dict(top_p=0.95), "min_p=0.05": dict(min_p=0.05),
+            # the wide round's kept sets sorted and cut (the route before ``triton/nucleus.py``), in this process
+            "top_p=0.95/sort": dict(top_p=0.95)}
+ENV = {"top_p=0.95/sort": {"LOGITLESS_TRUNCATION_NUCLEUS": "sort"}}
+
+
+@contextlib.contextmanager
+def env(values: dict):
+    """The environment with ``values`` set, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Stages:
@@ -83,6 +102,10 @@ def instrument(stages: Stages) -> None:
     # the wide round (kept sets past the first candidates: its above-threshold passes, sorts and decisions)
     stages.wrap(truncation_wide, "wide_round", "select: wide round",
                 note=lambda h, *a, **kw: f"{h.shape[0]} tokens")
+    # inside the wide round: its emitting GEMM pass, the nucleus kernel's decisions, the sort-and-cut of the rest
+    stages.wrap(truncation_wide, "_emit", "wide: above-bound pass (GEMM)", note=lambda h, w, it, tau, cap, *a: f"{cap}")
+    stages.wrap(truncation_wide, "_direct", "wide: nucleus kernel")
+    stages.wrap(truncation_wide, "_sorted", "wide: sort and cut", note=lambda v, *a, **kw: f"{v.shape[0]} tokens")
     stages.wrap(truncation, "select", "select (whole)")
     stages.wrap(truncation, "kept_logprobs", "kept log-probs (whole forward after select)")
     stages.wrap(kept_pairs, "pair_products", "pairs: products (forward)",
@@ -187,32 +210,42 @@ def main() -> None:
     table = [["plain head", "forward", f"{plain_f:.1f}", "1.00", ""],
              ["plain head", "forward+backward", f"{plain_fb:.1f}", "1.00", ""]]
     stages = Stages(torch.device(dev))
+    outs = {}
     for name in args.settings.split(","):
-        t = Truncation(**SETTINGS[name])
-        f = min(time_calls(forward(t), dev, reps=reps, warmup=warmup))
-        fb = min(time_calls(step(t), dev, reps=reps, warmup=warmup))
-        out = step(t)()
-        row = {"forward_ms": f, "forward+backward_ms": fb,
-               "kept_median": int(out.kept_count.float().median()), "kept_max": int(out.kept_count.max()),
-               "stages_forward": {}, "stages_step": {}}
-        table += [[name, "forward", f"{f:.1f}", f"{f / plain_f:.2f}", f"kept median {row['kept_median']}, "
-                   f"max {row['kept_max']}"],
-                  [name, "forward+backward", f"{fb:.1f}", f"{fb / plain_fb:.2f}", ""]]
-        instrument(stages)
-        try:
-            for key, call in (("stages_forward", forward(t)), ("stages_step", step(t))):
-                stages.reset()
-                call()
-                row[key] = {s: {"ms": stages.seconds[s] * 1e3, "calls": stages.calls[s],
-                                "notes": stages.notes.get(s, [])[:8]} for s in stages.seconds}
-                for s, v in row[key].items():
-                    table.append([name, f"  {key[7:]}: {s}", f"{v['ms']:.1f}", "", f"{v['calls']} calls "
-                                  + " ".join(v["notes"])])
-        finally:
-            stages.restore()
-        res["rows"][name] = row
-        with open(os.path.join(args.out, "gpu_truncation_profile.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
+        with env(ENV.get(name, {})):
+            t = Truncation(**SETTINGS[name])
+            f = min(time_calls(forward(t), dev, reps=reps, warmup=warmup))
+            fb = min(time_calls(step(t), dev, reps=reps, warmup=warmup))
+            out = step(t)()
+            outs[name] = out
+            row = {"forward_ms": f, "forward+backward_ms": fb,
+                   "kept_median": int(out.kept_count.float().median()), "kept_max": int(out.kept_count.max()),
+                   "stages_forward": {}, "stages_step": {}}
+            base = outs.get(name.split("/")[0]) if "/" in name else None
+            if base is not None:     # the two routes' outputs on the same inputs
+                row["vs_" + name.split("/")[0]] = {
+                    "kept_count_differ": int((out.kept_count != base.kept_count).sum()),
+                    "inside_differ": int((out.inside != base.inside).sum()),
+                    "logprobs_max_diff": float((out.logprobs - base.logprobs).detach().abs().max())}
+            versus = "".join(f"; {k}: {v}" for k, v in row.items() if k.startswith("vs_"))
+            table += [[name, "forward", f"{f:.1f}", f"{f / plain_f:.2f}", f"kept median {row['kept_median']}, "
+                       f"max {row['kept_max']}{versus}"],
+                      [name, "forward+backward", f"{fb:.1f}", f"{fb / plain_fb:.2f}", ""]]
+            instrument(stages)
+            try:
+                for key, call in (("stages_forward", forward(t)), ("stages_step", step(t))):
+                    stages.reset()
+                    call()
+                    row[key] = {s: {"ms": stages.seconds[s] * 1e3, "calls": stages.calls[s],
+                                    "notes": stages.notes.get(s, [])[:8]} for s in stages.seconds}
+                    for s, v in row[key].items():
+                        table.append([name, f"  {key[7:]}: {s}", f"{v['ms']:.1f}", "", f"{v['calls']} calls "
+                                      + " ".join(v["notes"])])
+            finally:
+                stages.restore()
+            res["rows"][name] = row
+            with open(os.path.join(args.out, "gpu_truncation_profile.json"), "w") as fh:
+                json.dump(res, fh, indent=1)
     pairs = pair_paths(hidden, weight, min(args.pair_k, shape["v"]), backend, dev, reps, warmup)
     res["pairs"] = pairs
     with open(os.path.join(args.out, "gpu_truncation_profile.json"), "w") as fh:

@@ -114,6 +114,12 @@ def _nucleus_prefix(values: Tensor, filled: Tensor, lse: Tensor, s: RowSettings,
     return filled & (~prune.unsqueeze(1) | (b <= last_bin.unsqueeze(1))), prune
 
 
+def _emit(hidden: Tensor, weight: Tensor, inv_temp: Tensor, tau: Tensor, slots: int, softcap):
+    """The emitting GEMM pass (``triton.above_select.above``): every tempered logit >= tau, ``slots`` a token."""
+    from .triton import above_select
+    return above_select.above(hidden, weight, inv_temp, tau, slots, softcap)
+
+
 class Direct(NamedTuple):
     """Tokens decided without their ids (``triton.nucleus``; each a dense backward's token): pos [m] (positions in
     the caller's block), kept [m] int64 (the kept set's size), log_mass [m] float64 (log of its mass under the
@@ -177,7 +183,6 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
     """For r tokens (hidden [r, H], inv_temp [r], their first pass's lp [r, C] and lse [r], settings s [r], labels
     [r]): (the kept sets decided from their sorted ids, those decided without them, the positions [u] left
     undecided)."""
-    from .triton.above_select import above
     tau, which = bounds(lp, lse, s, vocab)
     left = [(~which).nonzero().squeeze(1)]
     done: list[Wide] = []
@@ -190,7 +195,7 @@ def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse
         step = max(1, BLOCK_ELEMENTS // slots)
         for start in range(0, todo.numel(), step):
             pos = todo[start:start + step]
-            a = above(hidden.index_select(0, pos), weight, inv_temp.index_select(0, pos), tau.index_select(0, pos),
+            a = _emit(hidden.index_select(0, pos), weight, inv_temp.index_select(0, pos), tau.index_select(0, pos),
                       slots, softcap)
             count = a.count.long()
             fits = count < slots          # one slot left empty: the -inf column after the last emitted id
