@@ -251,9 +251,9 @@ def test_knobs_page_lists_every_environment_variable():
     """docs/knobs.md names every LOGITLESS_* variable the library reads (all in knobs.py, the tile knobs by stage
     name) and none that nothing reads."""
     knobs = (ROOT / "src" / "logitless" / "knobs.py").read_text()
-    stages = set(re.findall(r'choose_tiles\("(\w+)"', "\n".join(
+    stages = set(re.findall(r'(?:choose_tiles|triton_tiles)\("(\w+)"', "\n".join(
         p.read_text() for p in (ROOT / "src" / "logitless" / "ops" / "triton").glob("*.py"))))
-    assert stages >= {"FWD", "BWD", "POLICY"}, stages
+    assert stages >= {"FWD", "BWD", "POLICY", "TOPK", "ABOVE"}, stages
     # whole names only (not the f-string prefix of the tile knobs)
     read = set(re.findall(r"LOGITLESS_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_{])", knobs))
     read |= {f"LOGITLESS_TRITON_{s}" for s in stages}

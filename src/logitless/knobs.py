@@ -56,7 +56,7 @@ def dlogits_elements(default: int) -> int:
 
 
 def triton_tiles(stage: str) -> Optional[tuple[int, ...]]:
-    """LOGITLESS_TRITON_FWD / LOGITLESS_TRITON_BWD / LOGITLESS_TRITON_POLICY = "BM,BN,BK,GROUP_M,warps,stages":
+    """LOGITLESS_TRITON_FWD / _BWD / _POLICY / _TOPK / _ABOVE = "BM,BN,BK,GROUP_M,warps,stages":
     the tiles of that kernel (benchmarking only); None when unset."""
     return _ints(f"LOGITLESS_TRITON_{stage}", 6, "six positive integers BM,BN,BK,GROUP_M,warps,stages")
 

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import int32_safe, launch_options, on_device
+from ... import knobs
+from .common import Tiles, int32_safe, launch_options, on_device
 from .operands import tile_operands
 from .tile import program_tile, tempered_logits
 from .topk_select import tiles_for
@@ -63,7 +64,9 @@ class Above(NamedTuple):
 def above(hidden: Tensor, weight: Tensor, inv_temp: Tensor, tau: Tensor, cap: int,
           softcap: Optional[float] = None) -> Above:
     """The tempered logits z >= tau [n] of hidden [n, H] over weight [V, H] (inv_temp [n] float32), at most
-    ``cap`` a row written; the candidates kernel's tiles and operands (``topk_select.tiles_for``)."""
+    ``cap`` a row written; the candidates kernel's tiles and operands (``topk_select.tiles_for``), or
+    LOGITLESS_TRITON_ABOVE's (benchmarking: ptxas spills 4.3 KB a thread in this epilogue at the forward's
+    128 x 256 tiles on sm_90, 0.4 KB at 128 x 128; which runs faster is a GPU measurement)."""
     n, h = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
@@ -72,7 +75,8 @@ def above(hidden: Tensor, weight: Tensor, inv_temp: Tensor, tau: Tensor, cap: in
     count = torch.zeros(n, dtype=torch.int32, device=dev)
     if n == 0 or cap == 0:
         return Above(values, ids, count)
-    tiles = tiles_for(hidden.dtype, dev)
+    env = knobs.triton_tiles("ABOVE")
+    tiles = Tiles(*env) if env is not None else tiles_for(hidden.dtype, dev)
     hidden, weight = int32_safe(hidden, tiles.block_k), int32_safe(weight, tiles.block_k)
     h_op, w_op, use_tma = tile_operands(hidden, weight, tiles)
     grid = (triton.cdiv(n, tiles.block_m) * triton.cdiv(vocab, tiles.block_n),)
