@@ -837,3 +837,27 @@ def test_wide_nucleus_prefix_keeps_the_first_id_left_out():
         kept = int(narrowed[i].sum())
         assert narrowed[i, :kept].all() and kept < int(filled[i].sum())        # a prefix, and something pruned
         assert kept > int(first_out[i]), (i, kept, int(first_out[i]))
+
+
+@pytest.mark.parametrize("truncation", [Truncation(top_p=0.95), Truncation(top_p=0.9, min_p=0.005)])
+def test_triton_wide_round_is_batch_invariant(truncation, wide_rounds):
+    """The wide round's outputs of a token (the nucleus kernel's fixed-point sums over slots in the emitting pass's
+    schedule order, the sorted rest) are the same bits in a batch, in the batch reversed, and alone."""
+    hidden, weight, labels = _wide_inputs()
+    dev = device_for("triton")
+    h, w, y = hidden.reshape(-1, hidden.shape[-1]).to(dev), weight.to(dev), labels.reshape(-1).to(dev)
+
+    def run(rows):
+        out = fused_logprobs(h[rows], w, y[rows], temperature=0.9, backend="triton", truncation=truncation)
+        return [t.cpu() for t in (out.logprobs, out.entropy, out.inside, out.kept_count, out.kept_logprob)]
+
+    n = y.shape[0]
+    whole = run(torch.arange(n))
+    assert wide_rounds["direct"] > 0
+    flipped = run(torch.arange(n).flip(0))
+    for a, b in zip(whole, flipped, strict=True):
+        assert torch.equal(a, b.flip(0))
+    for i in (0, n - 1):
+        alone = run(torch.tensor([i]))
+        for a, b in zip(whole, alone, strict=True):
+            assert torch.equal(a[i:i + 1], b)
