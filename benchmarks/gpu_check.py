@@ -96,6 +96,7 @@ GPU_TESTS = ("tests/ops/test_topk_select.py",                  # > 143 s
              "tests/test_truncation.py",                        # 49 s
              "tests/ops/test_pair_products_triton.py",
              "tests/ops/test_above_select.py",
+             "tests/ops/test_nucleus.py",                       # the wide round's nucleus kernel (new)
              "tests/ops/test_given_set.py",
              "tests/ops/test_batch_invariance.py",              # 42 s
              "tests/ops/test_token_chunks.py",                  # 24 s
