@@ -842,18 +842,23 @@ def test_wide_nucleus_prefix_keeps_the_first_id_left_out():
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.95), Truncation(top_p=0.9, min_p=0.005)])
 def test_triton_wide_round_is_batch_invariant(truncation, wide_rounds):
     """The wide round's outputs of a token (the nucleus kernel's fixed-point sums over slots in the emitting pass's
-    schedule order, the sorted rest) are the same bits in a batch, in the batch reversed, and alone."""
+    schedule order, the sorted rest) are the same bits in a batch, in the batch reversed, alone, and with or
+    without a gradient to follow."""
     hidden, weight, labels = _wide_inputs()
     dev = device_for("triton")
     h, w, y = hidden.reshape(-1, hidden.shape[-1]).to(dev), weight.to(dev), labels.reshape(-1).to(dev)
 
-    def run(rows):
-        out = fused_logprobs(h[rows], w, y[rows], temperature=0.9, backend="triton", truncation=truncation)
-        return [t.cpu() for t in (out.logprobs, out.entropy, out.inside, out.kept_count, out.kept_logprob)]
+    def run(rows, grad=False):
+        out = fused_logprobs(h[rows].requires_grad_(grad), w, y[rows], temperature=0.9, backend="triton",
+                             truncation=truncation)
+        return [t.detach().cpu() for t in (out.logprobs, out.entropy, out.inside, out.kept_count, out.kept_logprob)]
 
     n = y.shape[0]
     whole = run(torch.arange(n))
     assert wide_rounds["direct"] > 0
+    # and with a backward to come (a trainer's current log-probs against its old ones, computed without)
+    for a, b in zip(whole, run(torch.arange(n), grad=True), strict=True):
+        assert torch.equal(a, b)
     flipped = run(torch.arange(n).flip(0))
     for a, b in zip(whole, flipped, strict=True):
         assert torch.equal(a, b.flip(0))
