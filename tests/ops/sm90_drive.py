@@ -237,6 +237,21 @@ def run_truncation(dtype, wide=False, softcap=None):
     (out.logprobs.sum() + out.entropy.sum()).backward()
 
 
+def run_wide_kernels(dtype):
+    """The truncation wide round's two kernels called directly (a model-sized drive records launches without
+    running them, so the op's own path, which reads the emitted counts, cannot reach them there): the emitting
+    pass at its first slots and the nucleus decisions over them."""
+    from logitless.ops.triton.above_select import above
+    from logitless.ops.triton.nucleus import nucleus
+    hidden, weight = head(dtype)
+    n = hidden.shape[0]
+    with torch.no_grad():
+        a = above(hidden, weight, torch.ones(n), torch.zeros(n), 16384, None)
+        nucleus(a.values, a.ids, a.count, torch.zeros(n), torch.full((n,), 0.9, dtype=torch.float64),
+                torch.full((n,), float("-inf"), dtype=torch.float64), torch.zeros(n, dtype=torch.bool),
+                torch.zeros(n, dtype=torch.long))
+
+
 def _runner(case):
     """run_case(name, run, kw): runs one case, ``case[0]`` naming it (for the record)."""
     def run_case(name, run, kw):
@@ -294,6 +309,7 @@ def model_sized(case, record_only):
                               ("topk bf16 k 32", run_topk, dict(dtype=torch.bfloat16, k=32)),
                               ("topk bf16 k 128", run_topk, dict(dtype=torch.bfloat16, k=128)),
                               ("truncation replay bf16", run_truncation, dict(dtype=torch.bfloat16)),
+                              ("truncation wide round bf16", run_wide_kernels, dict(dtype=torch.bfloat16)),
                               # the fast path's largest k (a top-p nucleus of ~2000 ids): C 16, 2048 keys a row
                               ("topk bf16 k 2048", run_topk, dict(dtype=torch.bfloat16, k=2048))):
             run_case(f"{name} (model-sized, recorded only)", run, kw)

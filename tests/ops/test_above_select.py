@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logitless.ops.triton import topk_select
+from logitless.ops.triton import above_select, topk_select
 from logitless.ops.triton.above_select import above
 from reference64 import device_for
 
@@ -30,9 +30,14 @@ def logits64(hidden, weight, inv_temp, softcap):
     return raw * inv_temp.double().unsqueeze(1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,offsets", [(torch.bfloat16, "int32"), (torch.float16, "int32"),
+                                           (torch.bfloat16, "int64")])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_ids_counts_and_values(dtype, softcap):
+def test_ids_counts_and_values(dtype, offsets, softcap, monkeypatch):
+    """Every id above its token's bound, counted, with the selection kernel's values; the slots' offsets in int32
+    (below 2^31) and in int64 (the bound lowered to run them)."""
+    if offsets == "int64":
+        monkeypatch.setattr(above_select, "INT32_OFFSETS_BELOW", 0)
     hidden, weight, inv_temp = operands(dtype, 11)
     z = logits64(hidden, weight, inv_temp, softcap)
     # bounds between two logits far apart (float32 cannot move an id across), 20 to 300 ids above

@@ -26,6 +26,9 @@ from .operands import tile_operands
 from .tile import program_tile, tempered_logits
 from .topk_select import tiles_for
 
+# slot offsets below this are int32 in the kernel (tests lower it to run the int64 ones)
+INT32_OFFSETS_BELOW = 2 ** 31
+
 
 # token count and slots not specialised: one build per vocabulary size, hidden size and dtype
 @triton.jit(do_not_specialize=["n_rows", "cap"])
@@ -34,7 +37,7 @@ def _above_kernel(h_ptr, w_ptr, inv_temp_ptr, tau_ptr, vals_ptr, ids_ptr, count_
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   USE_TMA: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, FLUSH_K: tl.constexpr,
-                  SOFTCAP: tl.constexpr, CAP: tl.constexpr):
+                  SOFTCAP: tl.constexpr, CAP: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
     acc, rows, cols, row_ok, inv_t, pid_n = program_tile(
         h_ptr, w_ptr, inv_temp_ptr, n_rows, n_cols, n_k, s_hn, s_hk, s_wv, s_wk,
         BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, EVEN_K, UPCAST, IEEE, USE_TMA, SPLIT, INTERP, FLUSH_K)
@@ -48,7 +51,13 @@ def _above_kernel(h_ptr, w_ptr, inv_temp_ptr, tau_ptr, vals_ptr, ids_ptr, count_
     base = tl.atomic_add(count_ptr + rows, count, mask=row_ok & (count > 0))
     slot = base[:, None] + tl.cumsum(hits, axis=1) - 1
     keep = hit & (slot < cap)
-    out = rows.to(tl.int64)[:, None] * cap + slot
+    # the slots' offsets in int32 where every one fits, the last tile's padded rows too (the wide round's blocks:
+    # rows x slots <= 2^24): half the registers of an int64 tile of them (ptxas on sm_90 at 128 x 256: spills of
+    # 4.3 KB a thread -> 3.3 KB)
+    if WIDE_OFFSETS:
+        out = rows.to(tl.int64)[:, None] * cap + slot
+    else:
+        out = rows[:, None] * cap + slot
     tl.store(vals_ptr + out, z, mask=keep)
     tl.store(ids_ptr + out, cols[None, :] + tl.zeros_like(hits), mask=keep)
 
@@ -83,6 +92,7 @@ def above(hidden: Tensor, weight: Tensor, inv_temp: Tensor, tau: Tensor, cap: in
     with on_device(hidden):
         _above_kernel[grid](h_op, w_op, inv_temp.contiguous(), tau.contiguous(), values, ids, count, n, vocab, h,
                             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap,
-                            USE_TMA=use_tma, **launch_options(tiles, hidden, softcap))
+                            USE_TMA=use_tma, WIDE_OFFSETS=(n + tiles.block_m) * cap >= INT32_OFFSETS_BELOW,
+                            **launch_options(tiles, hidden, softcap))
     return Above(values, ids, count)
 
