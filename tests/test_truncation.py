@@ -866,3 +866,28 @@ def test_triton_wide_round_is_batch_invariant(truncation, wide_rounds):
         alone = run(torch.tensor([i]))
         for a, b in zip(whole, alone, strict=True):
             assert torch.equal(a[i:i + 1], b)
+
+
+def test_a_wider_top_k_beside_a_token_changes_none_of_its_bits(monkeypatch):
+    """Each token's first selection round asks its own candidates (LOGITLESS_TRUNCATION_CANDIDATES, or one past its
+    top_k): a token's outputs are the same bits alone and beside a token of a wider top_k (which once gave the
+    whole batch 301 first candidates: a top_p token's nucleus then came from them, not from the wide round, and the
+    selection's lse follows the candidates a tile keeps). On the triton backend, whose bits are batch invariant
+    (docs/determinism.md)."""
+    monkeypatch.setenv("LOGITLESS_TRUNCATION_CANDIDATES", "40")
+    backend = "triton"
+    hidden, weight, labels = _wide_inputs()
+    dev = device_for(backend)
+    h, w, y = hidden.reshape(-1, hidden.shape[-1]).to(dev), weight.to(dev), labels.reshape(-1).to(dev)
+    top_k = torch.full(y.shape, -1, device=dev)        # top_p alone: past its first candidates, the wide round
+    top_k[1::2] = 300
+
+    def run(rows):
+        out = fused_logprobs(h[rows], w, y[rows], temperature=0.9, backend=backend,
+                             truncation=Truncation(top_k=top_k[rows], top_p=0.97))
+        return [t.detach().cpu() for t in (out.logprobs, out.entropy, out.inside, out.kept_count, out.kept_logprob)]
+
+    both = run(torch.arange(y.shape[0]))
+    for i in (0, 2):
+        for a, b in zip(both, run(torch.tensor([i])), strict=True):
+            assert torch.equal(a[i:i + 1], b)

@@ -67,11 +67,13 @@ class DirectSets(NamedTuple):
     entropy: Tensor
 
 
-def _first_candidates(s: RowSettings, pending: Tensor, vocab: int) -> int:
-    k = s.top_k.index_select(0, pending)
-    on = (k > 0) & (k < vocab)
-    widest = int(k[on].max()) + 1 if bool(on.any()) else 0     # one past k: a tie at the k-th value shows
-    return min(vocab, max(knobs.truncation_candidates(), widest))
+def _first_candidates(s: RowSettings, rows: Tensor, vocab: int) -> Tensor:
+    """[r] int64: each token's candidates in its first selection round: LOGITLESS_TRUNCATION_CANDIDATES, or one past
+    its own top_k (a tie at the k-th value shows), at most V. Per token, never the batch's widest: the selection's
+    lse, hence the token's log-probs, follow the candidates asked (batch invariance)."""
+    k = s.top_k.index_select(0, rows)
+    own = torch.where((k > 0) & (k < vocab), k + 1, torch.zeros_like(k))
+    return own.clamp(min=knobs.truncation_candidates()).clamp(max=vocab)
 
 
 class _Collected:
@@ -128,11 +130,15 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
     selection pass; no gradient. On the triton backend a token left undecided by its first candidates goes to
     ``truncation_wide`` (every logit above a bound its set cannot reach below) before more candidates."""
     out = _Collected(hidden.shape[0], hidden.device)
-    pending = rows
-    c = _first_candidates(s, pending, vocab) if rows.numel() else 0
-    wide = truncation_wide.usable(options, hidden)
+    wide_ok = truncation_wide.usable(options, hidden)
+    # the tokens of each round by (candidates, first round): each token's rounds follow from its own settings
+    first = _first_candidates(s, rows, vocab) if rows.numel() else rows
+    groups = {(c, True): [rows[first == c]] for c in first.unique().tolist()}
     with torch.no_grad():
-        while pending.numel():
+        while groups:
+            c, is_first = key = min(groups)
+            pending = torch.cat(groups.pop(key))
+            wide = wide_ok and is_first     # one wide round, after a token's first candidates
             undecided = []
             step = max(1, SELECT_ELEMENTS // c)
             for start in range(0, pending.numel(), step):
@@ -160,11 +166,11 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
                         out.add_direct(block[open_[part.pos]], part, lse.index_select(0, open_[part.pos]))
                     open_ = open_.index_select(0, left)
                 undecided.append(block.index_select(0, open_))
-            wide = False            # one wide round, after the first candidates; then the candidates grow
-            pending = torch.cat(undecided)
-            if pending.numel() and c >= vocab:
-                raise AssertionError("every token is decided once the whole vocabulary is seen")
-            c = min(vocab, c * GROWTH)
+            undecided = torch.cat(undecided)
+            if undecided.numel():
+                if c >= vocab:
+                    raise AssertionError("every token is decided once the whole vocabulary is seen")
+                groups.setdefault((min(vocab, c * GROWTH), False), []).append(undecided)
     return out.kept()
 
 
