@@ -154,3 +154,36 @@ def test_rows_without_slots_read(width):
     out = run(values[:, :width], ids[:, :width], count, lse, torch.full((3,), 0.9, dtype=torch.float64),
               torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long))
     assert not bool(out.decided[0])
+
+
+def test_signed_zeros_are_one_tie():
+    """-0.0 and +0.0 are one value (the sorting path's keys): a nucleus cut inside a group of both is a tie split,
+    left undecided; a cut after the whole group keeps all four."""
+    z = torch.full((2, V), -30.0)
+    z[:, :4] = torch.tensor([3.0, 2.0, 1.0, 1.0])
+    z[:, 4:8] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    lse = torch.logsumexp(z.double(), dim=1).float()
+    p = torch.softmax(z.double(), dim=1)
+    top_p = p[:, :4].sum(dim=1) + torch.tensor([1.5, 3.5], dtype=torch.float64) * p[:, 4]
+    values, ids, count = emitted(z, torch.full((2,), -40.0), V + 3, seed=15)
+    out = run(values, ids, count, lse, top_p, torch.zeros(2, dtype=torch.float64), torch.tensor([4, 4]))
+    keep, _, _, order = sorted_decision(z, lse, top_p, torch.zeros(2, dtype=torch.float64))
+    assert int(keep[0].sum()) == 6 and order[0, :6].sort().values.tolist() == [0, 1, 2, 3, 4, 5]
+    assert not bool(out.decided[0])
+    assert bool(out.decided[1]) and int(out.kept[1]) == int(keep[1].sum()) == 8 and bool(out.inside[1])
+
+
+def test_survivors_below_the_fixed_point_are_kept():
+    """min_p far below 2^-60 with top_p 1 keeps every survivor, also those whose mass is below the fixed point's
+    unit (each emitted id weighs at least one unit)."""
+    z = torch.full((1, V), -100.0)
+    z[0, 0] = 0.0
+    z[0, 1:11] = -torch.linspace(5, 20, 10)
+    z[0, 11:401] = -torch.linspace(45, 60, 390)           # p ~ e^-45 .. e^-60: below 2^-60 ~ e^-41.6
+    lse = torch.logsumexp(z.double(), dim=1).float()
+    min_p = torch.tensor([1e-30], dtype=torch.float64)
+    values, ids, count = emitted(z, torch.full((1,), -80.0), 450, seed=16)
+    out = run(values, ids, count, lse, torch.ones(1, dtype=torch.float64), min_p, torch.tensor([100]))
+    keep, _, _, _ = sorted_decision(z, lse, torch.ones(1, dtype=torch.float64), min_p)
+    assert int(keep.sum()) == 401
+    assert bool(out.decided[0]) and int(out.kept[0]) == 401 and bool(out.inside[0])

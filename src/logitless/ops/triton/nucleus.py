@@ -7,7 +7,8 @@ log-prob, formed in float32 as the sorting path forms it) and settings. The sort
 sorts every emitted id of a token by (value descending, id ascending) and cuts the nucleus in that order; this
 kernel finds the same cut without the sort:
   - masses are summed in 2^-60 fixed point (int64): exact and order-free, so a token's result does not depend on the
-    schedule that placed its slots (float64 sums in slot order would, in their last bits);
+    schedule that placed its slots (float64 sums in slot order would, in their last bits); each id weighs at least
+    one unit (a survivor far below 2^-60 still counts where the target is every survivor's mass);
   - the boundary is the largest value v* with mass(z >= v*) >= top_p x W (W: the survivors' mass under min-p, else
     the whole vocabulary's, 1), searched over the float32 values' ordered bits, 16 ways a pass: 8 passes read the
     token's slots;
@@ -38,17 +39,20 @@ LEVELS = 8              # 16^8 = 2^32: every float32 value's ordered bits
 
 @triton.jit
 def _ordered(v):
-    """int64 keys in the order of the float32 values v (finite)."""
+    """int64 keys in the order of the float32 values v (finite), -0.0 taken as +0.0 (equal values, one key: a tie
+    ordered by id, as the sorting path's keys have it)."""
     b = v.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)
     return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
 
 
 @triton.jit
 def _mass(v, lse, ok):
     """q = exp(v - lse) in 2^-60 units, int64, of the slots ``ok`` (the difference rounded to float32 first, as the
-    sorting path's log-probs)."""
+    sorting path's log-probs); at least one unit, so that every emitted id moves the mass (a min-p survivor of
+    q < 2^-60 is kept where every survivor is: top_p 1), at most 2^15 units of bias over a token's slots."""
     q = tl.exp((v - lse).to(tl.float64))
-    return tl.where(ok, (q * 1152921504606846976.0).to(tl.int64), 0)
+    return tl.where(ok, tl.maximum((q * 1152921504606846976.0).to(tl.int64), 1), 0)
 
 
 @triton.jit
@@ -57,7 +61,7 @@ def _masses(v, lse, ok):
     difference rounded to float32 first (as the sorting path's log-probs)."""
     lp = (v - lse).to(tl.float64)
     q = tl.exp(lp)
-    qf = tl.where(ok, (q * 1152921504606846976.0).to(tl.int64), 0)
+    qf = tl.where(ok, tl.maximum((q * 1152921504606846976.0).to(tl.int64), 1), 0)
     ef = tl.where(ok, (q * -lp * 288230376151711744.0).to(tl.int64), 0)
     return qf, ef
 
