@@ -267,7 +267,7 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     m = m.scatter_reduce(0, rows, zk.detach(), reduce="amax")
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(zk - m.index_select(0, rows))
-    total = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, e)
+    total = _token_sums(e, rows, n)
     has = pair_count > 0
     lse = m + torch.log(torch.where(has, total, torch.ones_like(total)))
     if direct is not None:
@@ -277,7 +277,7 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
     if options.with_entropy:
         lse_k = lse.index_select(0, rows)
         terms = torch.exp(zk - lse_k) * (lse_k - zk)
-        ent = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, rows, terms)
+        ent = _token_sums(terms, rows, n)
         if direct is not None:
             ent = torch.where(direct.mask, direct.entropy, ent)
         ent = ent.float()
@@ -291,6 +291,18 @@ def kept_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tens
         lp = lp.index_put((d,), lp_d)
         ent = None if ent is None else ent.index_put((d,), ent_out)
     return Truncated(lp, ent, inside, count)
+
+
+def _token_sums(values: Tensor, rows: Tensor, n: int) -> Tensor:
+    """[n] float64: the sum of values [P] over each token's pairs, rows [P] (a token's pairs contiguous, as the
+    selection and the replay lay them out), in a fixed order: a segmented reduction per token (CUB's on CUDA), not
+    index_add's atomics, whose order changes run to run (a token's bits would follow)."""
+    out = torch.zeros(n, dtype=torch.float64, device=values.device)
+    if rows.numel() == 0:
+        return out
+    tokens, lengths = torch.unique_consecutive(rows, return_counts=True)
+    # (accumulated: one add an address where each token's pairs are contiguous, and still the sum where not)
+    return out.index_put((tokens,), torch.segment_reduce(values, "sum", lengths=lengths), accumulate=True)
 
 
 def _dense_tokens(hidden: Tensor, kept: Kept, options: function.OpOptions, count: Tensor,
