@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 
 from logitless import Truncation, fused_logprobs, fused_topk  # noqa: E402
 from logitless.ops import function, kept_pairs, label_set_function, truncation, truncation_dense, truncation_wide  # noqa: E402
-from logitless.tools.common import markdown_table, random_head, sample_labels, sync, time_calls  # noqa: E402
+from logitless.tools.common import env_set, markdown_table, random_head, sample_labels, sync, time_calls  # noqa: E402
 from logitless.tools.machine import machine, versions  # noqa: E402
 
 FULL = dict(n=16 * 1024, h=4096, v=151936)
@@ -43,21 +42,6 @@ SETTINGS = {"top_k=50": dict(top_k=50), "top_p=0.95": dict(top_p=0.95), "min_p=0
             "top_p=0.95/above128": dict(top_p=0.95)}
 ENV = {"top_p=0.95/sort": {"LOGITLESS_TRUNCATION_NUCLEUS": "sort"},
        "top_p=0.95/above128": {"LOGITLESS_TRITON_ABOVE": "128,128,64,16,8,3"}}
-
-
-@contextlib.contextmanager
-def env(values: dict):
-    """The environment with ``values`` set, restored after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class Stages:
@@ -215,7 +199,7 @@ def main() -> None:
     stages = Stages(torch.device(dev))
     outs = {}
     for name in args.settings.split(","):
-        with env(ENV.get(name, {})):
+        with env_set(**ENV.get(name, {})):
             t = Truncation(**SETTINGS[name])
             f = min(time_calls(forward(t), dev, reps=reps, warmup=warmup))
             fb = min(time_calls(step(t), dev, reps=reps, warmup=warmup))
