@@ -40,3 +40,19 @@ def test_dry_run_times_the_stages(tmp_path):
     assert pairs["rel_diff"]["products (forward)"] < 1e-5 and pairs["rel_diff"]["d_hidden (backward)"] < 1e-5
     assert pairs["rel_diff"]["d_weight (backward)"] < 1e-2          # bf16 d_weight: one rounding each
     assert "| d_weight (backward) |" in md
+
+
+def test_dry_run_times_the_wide_round_both_ways(tmp_path):
+    """Past 8 first candidates the wide round runs: its emitting pass and the nucleus kernel timed as stages, and
+    top_p with the sets sorted (``/sort``) beside it, the two routes' outputs compared (the same sets)."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_truncation_profile.py"), "--dry-run",
+                        "--n", "8", "--settings", "top_p=0.95,top_p=0.95/sort", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "LOGITLESS_TRUNCATION_CANDIDATES": "8"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_truncation_profile.json").read_text())["rows"]
+    kernel, sort = rows["top_p=0.95"]["stages_forward"], rows["top_p=0.95/sort"]["stages_forward"]
+    assert kernel["wide: above-bound pass (GEMM)"]["calls"] >= 1 and kernel["wide: nucleus kernel"]["calls"] >= 1
+    assert "wide: sort and cut" in sort and "wide: nucleus kernel" not in sort
+    versus = rows["top_p=0.95/sort"]["vs_top_p=0.95"]
+    assert versus["kept_count_differ"] == 0 and versus["inside_differ"] == 0 and versus["logprobs_max_diff"] < 1e-5
