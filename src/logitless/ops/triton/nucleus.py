@@ -47,23 +47,26 @@ def _ordered(v):
 
 
 @triton.jit
-def _mass(v, lse, ok):
-    """q = exp(v - lse) in 2^-60 units, int64, of the slots ``ok`` (the difference rounded to float32 first, as the
-    sorting path's log-probs); at least one unit, so that every emitted id moves the mass (a min-p survivor of
-    q < 2^-60 is kept where every survivor is: top_p 1), at most 2^15 units of bias over a token's slots."""
-    q = tl.exp((v - lse).to(tl.float64))
+def _fixed(q, ok):
+    """q (float64) in 2^-60 units, int64, of the slots ``ok``; at least one unit, so that every emitted id moves the
+    mass (a min-p survivor of q < 2^-60 is kept where every survivor is: top_p 1), at most 2^15 units of bias over
+    a token's slots."""
     return tl.where(ok, tl.maximum((q * 1152921504606846976.0).to(tl.int64), 1), 0)
 
 
 @triton.jit
+def _mass(v, lse, ok):
+    """q = exp(v - lse) in 2^-60 units (``_fixed``) of the slots ``ok``, the difference rounded to float32 first
+    (as the sorting path's log-probs)."""
+    return _fixed(tl.exp((v - lse).to(tl.float64)), ok)
+
+
+@triton.jit
 def _masses(v, lse, ok):
-    """(q in 2^-60 units, q (-log q) in 2^-58 units), int64, of the slots ``ok``: q = exp(v - lse), the
-    difference rounded to float32 first (as the sorting path's log-probs)."""
+    """(``_mass``, q (-log q) in 2^-58 units), int64, of the slots ``ok``, from one exponential."""
     lp = (v - lse).to(tl.float64)
     q = tl.exp(lp)
-    qf = tl.where(ok, tl.maximum((q * 1152921504606846976.0).to(tl.int64), 1), 0)
-    ef = tl.where(ok, (q * -lp * 288230376151711744.0).to(tl.int64), 0)
-    return qf, ef
+    return _fixed(q, ok), tl.where(ok, (q * -lp * 288230376151711744.0).to(tl.int64), 0)
 
 
 # row stride and width not specialised; the loops' chunk count is a power of two (one build per power: a handful),
