@@ -187,3 +187,17 @@ def test_survivors_below_the_fixed_point_are_kept():
     keep, _, _, _ = sorted_decision(z, lse, torch.ones(1, dtype=torch.float64), min_p)
     assert int(keep.sum()) == 401
     assert bool(out.decided[0]) and int(out.kept[0]) == 401 and bool(out.inside[0])
+
+
+def test_a_bad_route_is_refused_by_name(monkeypatch):
+    """LOGITLESS_TRUNCATION_NUCLEUS takes kernel or sort; anything else is a ValueError naming it, before any
+    selection pass."""
+    from logitless import Truncation, fused_logprobs
+    monkeypatch.setenv("LOGITLESS_TRUNCATION_NUCLEUS", "sorted")
+    monkeypatch.setenv("LOGITLESS_TRUNCATION_CANDIDATES", "8")
+    g = torch.Generator().manual_seed(17)
+    hidden = torch.randn(5, 48, generator=g).bfloat16().to(DEV)
+    weight = (torch.randn(1031, 48, generator=g) * 0.3).bfloat16().to(DEV)
+    labels = torch.randint(0, 1031, (5,), generator=g).to(DEV)
+    with pytest.raises(ValueError, match="LOGITLESS_TRUNCATION_NUCLEUS"):
+        fused_logprobs(hidden, weight, labels, backend="triton", truncation=Truncation(top_p=0.95))

@@ -131,6 +131,8 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
     ``truncation_wide`` (every logit above a bound its set cannot reach below) before more candidates."""
     out = _Collected(hidden.shape[0], hidden.device)
     wide_ok = truncation_wide.usable(options, hidden)
+    # read (and checked) before any pass
+    by_kernel = wide_ok and knobs.truncation_nucleus() == "kernel"
     # the tokens of each round by (candidates, first round): each token's rounds follow from its own settings
     first = _first_candidates(s, rows, vocab) if rows.numel() else rows
     groups = {(c, True): [rows[first == c]] for c in first.unique().tolist()}
@@ -158,7 +160,8 @@ def select(hidden: Tensor, weight: Tensor, inv_temp: Tensor, rows: Tensor, s: Ro
                     blk = block.index_select(0, open_)
                     decided, direct, left = truncation_wide.wide_round(
                         h.index_select(0, open_), weight, t.index_select(0, open_), lp.index_select(0, open_),
-                        lse.index_select(0, open_), s.rows(blk), vocab, options.softcap, labels.index_select(0, blk))
+                        lse.index_select(0, open_), s.rows(blk), vocab, options.softcap, labels.index_select(0, blk),
+                        by_kernel)
                     for part in decided:
                         out.add(block[open_[part.pos]], part.ids, part.lp, part.keep,
                                 lse.index_select(0, open_[part.pos]))

@@ -23,7 +23,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .. import knobs
 from . import truncation_dense
 from .function import OpOptions
 from .truncation_select import RowSettings, decide
@@ -179,17 +178,16 @@ def _sorted(values: Tensor, ids: Tensor, count: Tensor, fits: Tensor, slots: int
 
 
 def wide_round(hidden: Tensor, weight: Tensor, inv_temp: Tensor, lp: Tensor, lse: Tensor, s: RowSettings,
-               vocab: int, softcap, labels: Tensor) -> tuple[list[Wide], list[Direct], Tensor]:
+               vocab: int, softcap, labels: Tensor, by_kernel: bool) -> tuple[list[Wide], list[Direct], Tensor]:
     """For r tokens (hidden [r, H], inv_temp [r], their first pass's lp [r, C] and lse [r], settings s [r], labels
     [r]): (the kept sets decided from their sorted ids, those decided without them, the positions [u] left
-    undecided)."""
+    undecided). by_kernel: the nucleus kernel decides what it can (LOGITLESS_TRUNCATION_NUCLEUS), else all sorted."""
     tau, which = bounds(lp, lse, s, vocab)
     left = [(~which).nonzero().squeeze(1)]
     done: list[Wide] = []
     direct: list[Direct] = []
     todo = which.nonzero().squeeze(1)
     slots = min(vocab, FIRST_SLOTS)
-    by_kernel = knobs.truncation_nucleus() == "kernel"
     while todo.numel():
         over = []
         step = max(1, BLOCK_ELEMENTS // slots)
